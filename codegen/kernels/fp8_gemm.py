@@ -1,0 +1,144 @@
+"""FP8 block-scaled GEMM with per-token-group quantised activations (the dense `linear` of V4/V4.1).
+
+    C[M, N] (bf16) = (A ⊙ sa) @ (B ⊙ sb)ᵀ
+    A  [M, K] fp8 e4m3, sa [K/ag, M] fp32   one ue8m0 scale per token per `ag` input channels (MN-major)
+    B  [N, K] fp8 e4m3, sb [N/wb, K/wb] fp32 one ue8m0 scale per wb x wb weight block
+
+V4 uses ag = wb = 128, V4.1 ag = wb = 32 (MODEL_SPEC §4.2).
+
+Each K tile lies inside one activation group and one weight block (block_k divides both), so its
+partial product can be scaled exactly after the MMA: the tensor cores produce an unscaled fp32 tile,
+then every thread folds it into the running accumulator with sa[row] * sb[col block] ("promotion",
+as DeepGEMM does on SM90). On sm90 the MMA accumulates in registers (wgmma → QGMMA for FP8 in SASS);
+on sm100 it accumulates in tensor memory (tcgen05 → UTCQMMA) and the tile is read back per step.
+The CPU variant is the same program with fp32 inputs and local buffers (numerics only).
+
+Known cost: with 32-wide K tiles the promotion (3 FP32 ops per accumulator element per 32 K) rivals
+the MMA time on Hopper; SM100's native block-scaled MMA (ue8m0 per 32 in TMEM) removes it and is the
+next step for this file.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from deepinfer.codegen.kernels._common import Mem, ceil_div, expand_scales
+
+FAMILY = "fp8_gemm"
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    stages: int = 3
+    threads: int = 128
+
+def default_config(k_group: int) -> Config:
+    return Config(block_k=min(128, k_group), stages=3 if k_group >= 128 else 6)
+
+def config_space(M: int, N: int, K: int, k_group: int) -> list[Config]:
+    """Configs worth timing. block_k must divide the scale granularity (exact promotion)."""
+    bks = [b for b in (32, 64, 128) if k_group % b == 0]
+    out = []
+    for bm, bn, bk, st in itertools.product((64, 128), (64, 128, 256), bks, (3, 4, 6)):
+        if bm * bk + bn * bk > 0 and (bm * bk + bn * bk) * st + bm * bn * 2 <= 200 * 1024:
+            out.append(Config(bm, bn, bk, st, 128))
+    return out
+
+def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target: str, cfg: Config):
+    """TileLang prim_func for one shape and config on `target` (cpu | sm90 | sm100)."""
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
+    assert act_group % bK == 0 and weight_block % bK == 0, "block_k must divide both scale granularities"
+    mem = Mem(target)
+    in_dt = "float32" if mem.cpu else "float8_e4m3"
+    out_dt = "float32" if mem.cpu else "bfloat16"
+    kb_a = ceil_div(K, act_group)
+    nb_w, kb_w = ceil_div(N, weight_block), ceil_div(K, weight_block)
+    use_tmem = target == "sm100"
+
+    @T.prim_func
+    def fp8_gemm(
+        A: T.Tensor((M, K), in_dt),
+        SA: T.Tensor((kb_a, M), "float32"),
+        B: T.Tensor((N, K), in_dt),
+        SB: T.Tensor((nb_w, kb_w), "float32"),
+        C: T.Tensor((M, N), out_dt),
+    ):
+        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), threads=cfg.threads) as (bx, by):
+            A_s = mem.shared((bM, bK), in_dt)
+            B_s = mem.shared((bN, bK), in_dt)
+            SA_s = mem.shared((bM,), "float32")
+            part = mem.fragment((bM, bN), "float32")
+            acc = mem.fragment((bM, bN), "float32")
+            if use_tmem:
+                part_tm = T.alloc_tmem([bM, bN], "float32")
+                mbar = T.alloc_barrier(1)
+            T.clear(acc)
+            for ko in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.stages):
+                T.copy(A[by * bM, ko * bK], A_s)
+                T.copy(B[bx * bN, ko * bK], B_s)
+                # scales are MN-major so this row slice is contiguous and rides the same pipeline
+                T.copy(SA[ko * bK // act_group, by * bM], SA_s)
+                if use_tmem:
+                    # tcgen05 MMA into TMEM, cleared per tile (scales are applied outside)
+                    TC.gemm(A_s, B_s, part_tm, transpose_B=True, clear_accum=True, mbar=mbar)
+                    T.copy(part_tm, part)
+                else:
+                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
+                for i, j in mem.par(bM, bN):
+                    sb = SB[(bx * bN + j) // weight_block, ko * bK // weight_block]
+                    acc[i, j] += part[i, j] * (SA_s[i] * sb)
+            if mem.cpu:
+                T.copy(acc, C[by * bM, bx * bN])
+            else:
+                C_s = T.alloc_shared((bM, bN), out_dt)
+                T.copy(acc, C_s)  # through smem so the store is a TMA bulk copy
+                T.copy(C_s, C[by * bM, bx * bN])
+
+    return fp8_gemm
+
+# ---------------------------------------------------------------------------------------------- reference
+
+def reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, act_group: int,
+              weight_block: int) -> torch.Tensor:
+    """Torch reference in the kernel's exact order: per K group, fp32 partial product, then scaled.
+
+    a [M, K] fp8, sa [M, K/ag] (token-major, the natural layout), b [N, K] fp8, sb [N/wb, K/wb].
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    step = min(act_group, weight_block)
+    out = torch.zeros(M, N, dtype=torch.float32, device=a.device)
+    for k0 in range(0, K, step):
+        part = a[:, k0:k0 + step].float() @ b[:, k0:k0 + step].float().T
+        s_a = sa[:, k0 // act_group].unsqueeze(1)
+        s_b = sb[:, k0 // weight_block].repeat_interleave(weight_block)[:N].unsqueeze(0)
+        out += part * (s_a * s_b)
+    return out
+
+def reference_dequant_f64(a, sa, b, sb, act_group: int, weight_block: int) -> torch.Tensor:
+    """Independent oracle: dequantise both operands to float64, then one matmul."""
+    a64 = a.double() * expand_scales(sa.double(), 1, act_group, a.shape)
+    b64 = b.double() * expand_scales(sb.double(), weight_block, weight_block, b.shape)
+    return a64 @ b64.T
+
+def make_inputs(M: int, N: int, K: int, act_group: int, weight_block: int, device="cpu", seed=0):
+    """Random bf16-ish activations/weights quantised the way the model does it."""
+    from deepinfer.codegen.kernels._common import quant_fp8_blocks, quant_fp8_groups
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) * 0.05
+    a, sa = quant_fp8_groups(x, act_group)
+    b, sb = quant_fp8_blocks(w, weight_block)
+    return a.to(device), sa.to(device), b.to(device), sb.to(device)
+
+def roofline(M: int, N: int, K: int, act_group: int, weight_block: int) -> tuple[float, float]:
+    """(bytes moved, flops) for one call, counting each operand once (the ideal-reuse floor)."""
+    bytes_ = M * K + N * K + 4 * M * ceil_div(K, act_group) + 4 * ceil_div(N, weight_block) * ceil_div(
+        K, weight_block) + 2 * M * N
+    return float(bytes_), 2.0 * M * N * K
