@@ -26,6 +26,7 @@ from deepinfer.codegen.kernels._common import Mem, ceil_div, expand_scales
 
 FAMILY = "fp8_gemm"
 
+
 @dataclass(frozen=True)
 class Config:
     block_m: int = 128
@@ -34,8 +35,10 @@ class Config:
     stages: int = 3
     threads: int = 128
 
+
 def default_config(k_group: int) -> Config:
     return Config(block_k=min(128, k_group), stages=3 if k_group >= 128 else 6)
+
 
 def config_space(M: int, N: int, K: int, k_group: int) -> list[Config]:
     """Configs worth timing. block_k must divide the scale granularity (exact promotion)."""
@@ -45,6 +48,7 @@ def config_space(M: int, N: int, K: int, k_group: int) -> list[Config]:
         if bm * bk + bn * bk > 0 and (bm * bk + bn * bk) * st + bm * bn * 2 <= 200 * 1024:
             out.append(Config(bm, bn, bk, st, 128))
     return out
+
 
 def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target: str, cfg: Config):
     """TileLang prim_func for one shape and config on `target` (cpu | sm90 | sm100)."""
@@ -101,10 +105,13 @@ def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target
 
     return fp8_gemm
 
+
 # ---------------------------------------------------------------------------------------------- reference
 
-def reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, act_group: int,
-              weight_block: int) -> torch.Tensor:
+
+def reference(
+    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, act_group: int, weight_block: int
+) -> torch.Tensor:
     """Torch reference in the kernel's exact order: per K group, fp32 partial product, then scaled.
 
     a [M, K] fp8, sa [M, K/ag] (token-major, the natural layout), b [N, K] fp8, sb [N/wb, K/wb].
@@ -114,17 +121,19 @@ def reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     step = min(act_group, weight_block)
     out = torch.zeros(M, N, dtype=torch.float32, device=a.device)
     for k0 in range(0, K, step):
-        part = a[:, k0:k0 + step].float() @ b[:, k0:k0 + step].float().T
+        part = a[:, k0 : k0 + step].float() @ b[:, k0 : k0 + step].float().T
         s_a = sa[:, k0 // act_group].unsqueeze(1)
         s_b = sb[:, k0 // weight_block].repeat_interleave(weight_block)[:N].unsqueeze(0)
         out += part * (s_a * s_b)
     return out
+
 
 def reference_dequant_f64(a, sa, b, sb, act_group: int, weight_block: int) -> torch.Tensor:
     """Independent oracle: dequantise both operands to float64, then one matmul."""
     a64 = a.double() * expand_scales(sa.double(), 1, act_group, a.shape)
     b64 = b.double() * expand_scales(sb.double(), weight_block, weight_block, b.shape)
     return a64 @ b64.T
+
 
 def make_inputs(M: int, N: int, K: int, act_group: int, weight_block: int, device="cpu", seed=0):
     """Random bf16-ish activations/weights quantised the way the model does it."""
@@ -137,8 +146,14 @@ def make_inputs(M: int, N: int, K: int, act_group: int, weight_block: int, devic
     b, sb = quant_fp8_blocks(w, weight_block)
     return a.to(device), sa.to(device), b.to(device), sb.to(device)
 
+
 def roofline(M: int, N: int, K: int, act_group: int, weight_block: int) -> tuple[float, float]:
     """(bytes moved, flops) for one call, counting each operand once (the ideal-reuse floor)."""
-    bytes_ = M * K + N * K + 4 * M * ceil_div(K, act_group) + 4 * ceil_div(N, weight_block) * ceil_div(
-        K, weight_block) + 2 * M * N
+    bytes_ = (
+        M * K
+        + N * K
+        + 4 * M * ceil_div(K, act_group)
+        + 4 * ceil_div(N, weight_block) * ceil_div(K, weight_block)
+        + 2 * M * N
+    )
     return float(bytes_), 2.0 * M * N * K
