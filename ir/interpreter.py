@@ -23,7 +23,8 @@ def bind_symbols(g: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]
     for v in g.inputs:
         t = _lookup(inputs, v, "input")
         if t.dim() != len(v.shape):
-            raise ShapeError(f"input %{v.name}: expected rank {len(v.shape)} {shape_str(v.shape)}, got {tuple(t.shape)}")
+            want = f"rank {len(v.shape)} {shape_str(v.shape)}"
+            raise ShapeError(f"input %{v.name}: expected {want}, got {tuple(t.shape)}")
         for d, n in zip(v.shape, t.shape):
             if isinstance(d, Sym) and d.op == "sym":
                 name = d.args[0]
