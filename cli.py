@@ -1,0 +1,123 @@
+"""The ``deepinfer`` command.
+
+    deepinfer compile | run | tune | bench | inspect | make-checkpoint   (each with --help)
+
+User errors (a DeepInferError) print one line and exit 2; ``--debug`` shows the traceback. A subcommand
+that is not built yet says so in one line and exits 2; nothing prints made-up results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from deepinfer.errors import DeepInferError, NotBuiltError
+
+MODELS = ("deepseek-v4.1-flash", "deepseek-v4-flash")
+TARGETS = ("cpu", "sm90", "sm100", "ascend950")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Subcommands
+# ---------------------------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from deepinfer.ir.load import load_any
+    from deepinfer.ir.printer import print_graph, summary
+
+    g = load_any(args.file)
+    if not args.summary_only:
+        sys.stdout.write(print_graph(g))
+    print(summary(g))
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    try:
+        from deepinfer.models.checkpoint import make_checkpoint
+    except ImportError:
+        raise NotBuiltError("make-checkpoint is not built yet (models/checkpoint.py, issue 3)") from None
+    path = make_checkpoint(args.model, args.preset, args.out, seed=args.seed)
+    print(f"wrote {args.model} ({args.preset}) checkpoint to {path}")
+    return 0
+
+
+def _not_built(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise NotBuiltError(f"`deepinfer {what}` is not built yet (issue {issue})")
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="deepinfer",
+        description="Compile DeepSeek-V4.1-Flash / V4-Flash to a plan and run it.",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser("compile", help="compile a model to a plan directory for a target")
+    c.add_argument("--model", default=MODELS[0], help="model name, preset, or checkpoint directory")
+    c.add_argument("--target", default="cpu", choices=TARGETS)
+    c.add_argument("-o", "--output", help="plan directory to write")
+    c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR")
+    c.set_defaults(func=_not_built("compile", 5))
+
+    r = sub.add_parser("run", help="run a compiled plan (no plan: compile and run the tiny model on CPU)")
+    r.add_argument("plan", nargs="?", help="plan directory")
+    r.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    r.add_argument("--input", help="prompts.jsonl")
+    r.add_argument("--output", help="out.jsonl")
+    r.add_argument("--max-tokens", type=int, default=32)
+    r.set_defaults(func=_not_built("run", 7))
+
+    t = sub.add_parser("tune", help="autotune kernels for a target and fill the tuning database")
+    t.add_argument("--target", default="sm90", choices=TARGETS)
+    t.add_argument("--kernels", nargs="*", help="kernel families to tune (default: all)")
+    t.set_defaults(func=_not_built("tune", 6))
+
+    b = sub.add_parser("bench", help="benchmark a V4.1-Flash slice against torch and the hardware limit")
+    b.add_argument("--target", default="sm90", choices=TARGETS)
+    b.set_defaults(func=_not_built("bench", 8))
+
+    i = sub.add_parser("inspect", help="print a graph (.dil text, .json, .onnx) or a plan directory")
+    i.add_argument("file")
+    i.add_argument("--summary-only", action="store_true", help="only the summary lines")
+    i.set_defaults(func=cmd_inspect)
+
+    m = sub.add_parser("make-checkpoint", help="write a random checkpoint in the real tensor format")
+    m.add_argument("--model", default=MODELS[0], choices=MODELS)
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("--out", required=True, help="directory to write")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_checkpoint)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except DeepInferError as e:
+        if args.debug:
+            raise
+        print(f"deepinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
