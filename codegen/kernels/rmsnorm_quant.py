@@ -1,0 +1,120 @@
+"""RMSNorm, optionally fused with per-token-group FP8 quantisation (ue8m0 power-of-two scales).
+
+    y = bf16( w ⊙ x · rsqrt(mean(x²) + eps) )             computed in fp32 (MODEL_SPEC §2)
+    quant: per group of `group` channels of y (bf16-rounded, as the unfused model would see it)
+        s = 2^ceil(log2(amax / 448)),  q = fp8_e4m3(y / s)  (MODEL_SPEC §4.2)
+
+The quantised output feeds fp8_gemm directly: scales are written MN-major, S [D/group, M].
+One CTA normalises `block_m` rows held in registers: the kernel reads x once and writes q (+ s) once,
+so it is purely bandwidth-bound.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from deepinfer.codegen.kernels._common import FP8_MAX, Mem, ceil_div, ue8m0_scale
+
+FAMILY = "rmsnorm_quant"
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int = 1
+    threads: int = 128
+
+
+def config_space(M: int, D: int) -> list[Config]:
+    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * D // t <= 160]
+
+
+def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config()):
+    """prim_func(X [M, D], W [D] fp32, outputs): quant → (Q [M, D] fp8, S [D/group, M] fp32), else Y."""
+    import tilelang.language as T
+
+    bm, G = cfg.block_m, D // group
+    assert D % group == 0
+    mem = Mem(target)
+    act = "float32" if mem.cpu else "bfloat16"  # activation dtype; fp32 on CPU (numerics check)
+    qdt = "float32" if mem.cpu else "float8_e4m3"
+
+    @T.macro  # inlined into both prim_funcs below
+    def normalise(X, W, bx, xf, rstd):
+        """xf <- w ⊙ x · rstd, rounded to the activation dtype (then held in fp32)."""
+        sq = mem.fragment((bm, D), "float32")
+        ss = mem.fragment((bm,), "float32")
+        for i, j in mem.par(bm, D):
+            xf[i, j] = T.cast(X[bx * bm + i, j], "float32")
+            sq[i, j] = xf[i, j] * xf[i, j]
+        T.reduce_sum(sq, ss, dim=1)
+        for i in mem.par(bm):
+            rstd[i] = T.rsqrt(ss[i] / D + eps)
+        for i, j in mem.par(bm, D):
+            xf[i, j] = T.cast(T.cast(xf[i, j] * rstd[i] * W[j], act), "float32")
+
+    if not quant:
+
+        @T.prim_func
+        def rmsnorm(X: T.Tensor((M, D), act), W: T.Tensor((D,), "float32"), Y: T.Tensor((M, D), act)):
+            with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
+                xf = mem.fragment((bm, D), "float32")
+                rstd = mem.fragment((bm,), "float32")
+                normalise(X, W, bx, xf, rstd)
+                for i, j in mem.par(bm, D):
+                    Y[bx * bm + i, j] = T.cast(xf[i, j], act)
+
+        return rmsnorm
+
+    @T.prim_func
+    def rmsnorm_quant(
+        X: T.Tensor((M, D), act),
+        W: T.Tensor((D,), "float32"),
+        Q: T.Tensor((M, D), qdt),
+        S: T.Tensor((G, M), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
+            xf = mem.fragment((bm, D), "float32")
+            rstd = mem.fragment((bm,), "float32")
+            normalise(X, W, bx, xf, rstd)
+            xg = mem.fragment((bm, G, group), "float32")
+            amax = mem.fragment((bm, G), "float32")
+            for i, g, c in mem.par(bm, G, group):
+                xg[i, g, c] = xf[i, g * group + c]
+            T.reduce_absmax(xg, amax, dim=2)
+            for i, g in mem.par(bm, G):
+                # ue8m0: power-of-two scale so dequantisation is an exponent add
+                amax[i, g] = T.exp2(T.ceil(T.log2(T.max(amax[i, g], 1e-30) / FP8_MAX)))
+                S[g, bx * bm + i] = amax[i, g]
+            for i, g, c in mem.par(bm, G, group):
+                v = T.clamp(xg[i, g, c] / amax[i, g], -FP8_MAX, FP8_MAX)
+                Q[bx * bm + i, g * group + c] = T.cast(v, qdt)
+
+    return rmsnorm_quant
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, eps: float, group: int | None = None):
+    """Torch reference: y, or (q fp8 [M, D], s fp32 [M, D/group]) when `group` is given."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    if group is None:
+        return y
+    M, D = x.shape
+    yg = y.float().view(M, D // group, group)
+    s = ue8m0_scale(yg.abs().amax(-1))
+    q = (yg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(M, D), s
+
+
+def reference_f64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Independent oracle for the norm: float64, written from the formula, RMS via the 2-norm."""
+    x64 = x.double()
+    rms = torch.linalg.vector_norm(x64, dim=-1, keepdim=True) / x.shape[-1] ** 0.5
+    return x64 / torch.sqrt(rms**2 + eps) * w.double()
+
+
+def roofline(M: int, D: int, group: int | None, act_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops): read x and w, write y (or q + scales)."""
+    out = M * D * act_bytes if group is None else M * D + 4 * M * ceil_div(D, group)
+    return float(M * D * act_bytes + 4 * D + out), float(4 * M * D)
