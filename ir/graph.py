@@ -13,13 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.ir.dtypes import DType
-from deepinfer.ir.shapes import Dim, Shape, shape_str
+from deepinfer.ir.shapes import Dim, Shape, as_shape, shape_str
 
 
 @dataclass(frozen=True)
 class TensorType:
     dtype: DType
     shape: Shape
+
+    def __post_init__(self):
+        # Accept "T//4"-style strings and lists; store a normalised tuple so types compare by value.
+        object.__setattr__(self, "shape", as_shape(self.shape))
 
     def __str__(self) -> str:
         return f"{self.dtype.name}{shape_str(self.shape)}"
