@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from deepinfer.errors import IRError
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
 from deepinfer.errors import IRError, ShapeError
 from deepinfer.ir.graph import Graph, Node, TensorType, Value
 from deepinfer.ir.registry import get_op

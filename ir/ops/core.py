@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from deepinfer.errors import ShapeError
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import TensorType

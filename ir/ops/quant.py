@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import torch
+
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import TensorType
 from deepinfer.ir.registry import Attr, register_op, shape_fail
