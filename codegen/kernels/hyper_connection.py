@@ -1,0 +1,235 @@
+"""mHC hyper-connections: `pre` (mixes, Sinkhorn, collapse) and `post` (MODEL_SPEC §2.2, §2.3).
+
+pre, per token, X = n_hc (4) residual streams of D channels, x̃ = flatten(X) in fp32:
+    mixes = (x̃ @ fnᵀ) · rsqrt(mean(x̃²) + eps)                     fn [24, 4D]
+    pre   = sigmoid(mixes[0:4]·scale0 + base[0:4]) + hc_eps
+    post  = 2·sigmoid(mixes[4:8]·scale1 + base[4:8])
+    C     = softmax_k(mixes[8:24]·scale2 + base[8:24] as [j, k]) + hc_eps, then columns, then
+            (iters-1) x (rows, columns) normalisation
+    y     = Σ_i p_i · X_i   with p = the PREVIOUS sublayer's pre (V4.1 "pre from previous sublayer")
+
+Because V4.1 collapses with the previous pre, mixes, the RMS and the collapse all come out of ONE read
+of X: the kernel streams D in chunks, and for each chunk and stream it feeds the tensor cores (fp32
+inputs → tf32 MMA on GPU) and accumulates y. The 4x4 Sinkhorn runs per token at the end. (V4, which
+collapses with its own pre, needs a second pass over X: call `post`-style collapse separately.)
+
+post:  X'_k = post_k · y + Σ_j C[j, k] · X_j          (the residual mix sums over the FIRST index of C)
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.codegen.kernels._common import Mem
+
+FAMILY = "hyper_connection"
+N_HC = 4
+N_MIX = (2 + N_HC) * N_HC  # 24
+MIX_PAD = 32  # MMA N dimension: fn is zero-padded to 32 rows at weight-load time
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int = 64
+    block_k: int = 64
+    threads: int = 128
+
+
+def config_space(T_: int, D: int) -> list[Config]:
+    return [Config(bm, bk, t) for bm in (16, 32, 64) for bk in (64, 128, 256) for t in (128, 256) if D % bk == 0]
+
+
+def pad_fn(fn: torch.Tensor) -> torch.Tensor:
+    """fn [24, 4D] -> [32, 4D] with zero rows (done once when weights are loaded)."""
+    out = fn.new_zeros(MIX_PAD, fn.shape[1])
+    out[:N_MIX] = fn
+    return out
+
+
+def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, cfg: Config = Config()):
+    """prim_func(X [T, 4D] act, Fn [32, 4D] f32, Base [24], Scale [3], Pprev [T, 4] f32,
+    Y [T, D] act, Pre [T, 4], Post [T, 4], Comb [T, 16] f32; Comb[t, 4j+k] = C[j, k])."""
+    import tilelang.language as T
+
+    bm, bK = cfg.block_m, cfg.block_k
+    assert D % bK == 0
+    mem = Mem(target)
+    act = "float32" if mem.cpu else "bfloat16"
+    K4 = N_HC * D
+
+    @T.macro
+    def normalise_cols(c_s, i):
+        for k in T.serial(N_HC):
+            tot = c_s[i, 0, k] + c_s[i, 1, k] + c_s[i, 2, k] + c_s[i, 3, k] + hc_eps
+            for j in T.serial(N_HC):
+                c_s[i, j, k] = c_s[i, j, k] / tot
+
+    @T.macro
+    def coefficients(m_s, c_s, Base, Scale, i, row0, Pre, Post, Comb):
+        """Per-token scalar tail of hc_pre: gates and the Sinkhorn-normalised 4x4 mix (serial, one thread)."""
+        for j in T.serial(N_HC):
+            Pre[row0 + i, j] = T.sigmoid(m_s[i, j] * Scale[0] + Base[j]) + hc_eps
+            Post[row0 + i, j] = 2.0 * T.sigmoid(m_s[i, N_HC + j] * Scale[1] + Base[N_HC + j])
+        for j in T.serial(N_HC):  # row softmax over k
+            c_s[i, j, 0] = m_s[i, 8 + j * N_HC] * Scale[2] + Base[8 + j * N_HC]
+            for k in T.serial(1, N_HC):
+                c_s[i, j, k] = m_s[i, 8 + j * N_HC + k] * Scale[2] + Base[8 + j * N_HC + k]
+            mx = T.max(T.max(c_s[i, j, 0], c_s[i, j, 1]), T.max(c_s[i, j, 2], c_s[i, j, 3]))
+            for k in T.serial(N_HC):
+                c_s[i, j, k] = T.exp(c_s[i, j, k] - mx)
+            tot = c_s[i, j, 0] + c_s[i, j, 1] + c_s[i, j, 2] + c_s[i, j, 3]
+            for k in T.serial(N_HC):
+                c_s[i, j, k] = c_s[i, j, k] / tot + hc_eps
+        normalise_cols(c_s, i)
+        for _ in T.serial(iters - 1):
+            for j in T.serial(N_HC):
+                tot = c_s[i, j, 0] + c_s[i, j, 1] + c_s[i, j, 2] + c_s[i, j, 3] + hc_eps
+                for k in T.serial(N_HC):
+                    c_s[i, j, k] = c_s[i, j, k] / tot
+            normalise_cols(c_s, i)
+        for j, k in T.grid(N_HC, N_HC):
+            Comb[row0 + i, j * N_HC + k] = c_s[i, j, k]
+
+    @T.prim_func
+    def hc_pre(
+        X: T.Tensor((T_, K4), act),
+        Fn: T.Tensor((MIX_PAD, K4), "float32"),
+        Base: T.Tensor((N_MIX,), "float32"),
+        Scale: T.Tensor((3,), "float32"),
+        Pprev: T.Tensor((T_, N_HC), "float32"),
+        Y: T.Tensor((T_, D), act),
+        Pre: T.Tensor((T_, N_HC), "float32"),
+        Post: T.Tensor((T_, N_HC), "float32"),
+        Comb: T.Tensor((T_, N_HC * N_HC), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(T_, bm), threads=cfg.threads) as bx:
+            x_s = mem.shared((bm, bK), act)
+            xf_s = mem.shared((bm, bK), "float32")
+            fn_s = mem.shared((MIX_PAD, bK), "float32")
+            p_s = mem.shared((bm, N_HC), "float32")
+            mix = mem.fragment((bm, MIX_PAD), "float32")
+            sq = mem.fragment((bm, bK), "float32")
+            y = mem.fragment((bm, bK), "float32")
+            T.clear(mix)
+            T.clear(sq)
+            T.copy(Pprev[bx * bm, 0], p_s)
+            for dk in T.serial(D // bK):
+                T.clear(y)
+                for s in T.serial(N_HC):
+                    T.copy(X[bx * bm, s * D + dk * bK], x_s)
+                    T.copy(Fn[0, s * D + dk * bK], fn_s)
+                    for i, c in mem.par(bm, bK):
+                        xf_s[i, c] = T.cast(x_s[i, c], "float32")
+                    T.gemm(xf_s, fn_s, mix, transpose_B=True)  # tf32 on GPU
+                    for i, c in mem.par(bm, bK):
+                        sq[i, c] += xf_s[i, c] * xf_s[i, c]
+                        y[i, c] += p_s[i, s] * xf_s[i, c]
+                for i, c in mem.par(bm, bK):
+                    Y[bx * bm + i, dk * bK + c] = T.cast(y[i, c], act)
+            rs = mem.fragment((bm,), "float32")
+            T.reduce_sum(sq, rs, dim=1)
+            # via shared memory: rs and mix come from different thread layouts (reduce vs MMA)
+            r_s = mem.shared((bm,), "float32")
+            for i in mem.par(bm):
+                r_s[i] = T.rsqrt(rs[i] / K4 + eps)
+            m_s = mem.shared((bm, MIX_PAD), "float32")
+            for i, j in mem.par(bm, MIX_PAD):
+                m_s[i, j] = mix[i, j] * r_s[i]
+            c_s = mem.shared((bm, N_HC, N_HC), "float32")
+            # the 4x4 Sinkhorn is a few hundred serial flops per token: one thread per token
+            if mem.cpu:
+                for i in T.serial(bm):
+                    coefficients(m_s, c_s, Base, Scale, i, bx * bm, Pre, Post, Comb)
+            else:
+                tx = T.get_thread_binding()
+                if tx < bm:
+                    coefficients(m_s, c_s, Base, Scale, tx, bx * bm, Pre, Post, Comb)
+
+    return hc_pre
+
+
+def post_program(T_: int, D: int, *, target: str, block_m: int = 1, block_d: int = 512, threads: int = 128):
+    """prim_func(X [T, 4, D] act, Y [T, D] act, Post [T, 4], Comb [T, 16], Out [T, 4, D] act)."""
+    import tilelang.language as T
+
+    mem = Mem(target)
+    act = "float32" if mem.cpu else "bfloat16"
+    bm, bD = block_m, block_d
+    assert D % bD == 0
+
+    @T.prim_func
+    def hc_post(
+        X: T.Tensor((T_, N_HC, D), act),
+        Y: T.Tensor((T_, D), act),
+        Post: T.Tensor((T_, N_HC), "float32"),
+        Comb: T.Tensor((T_, N_HC * N_HC), "float32"),
+        Out: T.Tensor((T_, N_HC, D), act),
+    ):
+        with T.Kernel(D // bD, T.ceildiv(T_, bm), threads=threads) as (bx, by):
+            for i, k, d in mem.par(bm, N_HC, bD):
+                t = by * bm + i
+                e = bx * bD + d
+                mixed = (
+                    Comb[t, k] * T.cast(X[t, 0, e], "float32")
+                    + Comb[t, N_HC + k] * T.cast(X[t, 1, e], "float32")
+                    + Comb[t, 2 * N_HC + k] * T.cast(X[t, 2, e], "float32")
+                    + Comb[t, 3 * N_HC + k] * T.cast(X[t, 3, e], "float32")
+                )
+                Out[t, k, e] = T.cast(Post[t, k] * T.cast(Y[t, e], "float32") + mixed, act)
+
+    return hc_post
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def coefficients_reference(mixes: torch.Tensor, base, scale, hc_eps: float, iters: int):
+    """(pre [T, 4], post [T, 4], C [T, 4, 4]) from normalised mixes [T, 24], exactly as MODEL_SPEC §2.2."""
+    n = N_HC
+    pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    c = (mixes[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
+    c = torch.softmax(c, dim=-1) + hc_eps
+    c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, c
+
+
+def pre_reference(x, fn, base, scale, p_prev, eps: float, hc_eps: float, iters: int):
+    """x [T, 4, D] -> (y [T, D] in x.dtype, pre, post, C [T, 4, 4]); collapse with p_prev (V4.1)."""
+    xf = x.float().flatten(1)
+    mixes = (xf @ fn.float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    pre, post, c = coefficients_reference(mixes, base.float(), scale.float(), hc_eps, iters)
+    y = (p_prev.float().unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+    return y, pre, post, c
+
+
+def post_reference(x, y, post, c):
+    """X'_k = post_k·y + Σ_j C[j,k]·X_j, i.e. post⊗y + Cᵀ·X."""
+    mixed = torch.einsum("tjk,tjd->tkd", c.float(), x.float())
+    return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(x.dtype)
+
+
+def post_reference_loops(x, y, post, c):
+    """Independent oracle for post: explicit loops in float64, C indexed [j, k] as written in the spec."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(N_HC):
+            out[t, k] = post[t, k].double() * y[t].double()
+            for j in range(N_HC):
+                out[t, k] += c[t, j, k].double() * x[t, j].double()
+    return out
+
+
+def pre_roofline(T_: int, D: int, act_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops): read X once + fn, write y; 2·24·4D flops of mixes + collapse."""
+    return float(T_ * N_HC * D * act_bytes + 4 * N_MIX * N_HC * D + T_ * D * act_bytes), float(
+        T_ * (2 * N_MIX * N_HC * D + 2 * N_HC * D + 3 * N_HC * D)
+    )
+
+
+def post_roofline(T_: int, D: int, act_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops): read X and y, write X'."""
+    return float(act_bytes * T_ * D * (2 * N_HC + 1) + 80 * T_), float(T_ * N_HC * D * 10)
