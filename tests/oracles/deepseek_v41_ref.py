@@ -788,19 +788,20 @@ def forward_chunk(cfg: dict, W: dict, state: dict, new_ids, quant: bool = False,
     rows = torch.arange(n)  # chunk rows currently carried
     for i in range(Lnum):
         lp = f"layers.{i}."
+        if i in cfg["engram_layer_ids"]:  # Engram acts on the streams at the start of the layer (§2.14)
+            li = cfg["engram_layer_ids"].index(i)
+            X = _engram_apply(cfg, W, i, li, X, history, (pos_all[rows]).tolist(), None)
         if i == late_start and tail < n:
             # bounded replay: the source layer first writes its compressed KV for every row
-            xs = torch.stack([rmsnorm(hc_collapse(X[t], pre_prev[t]), W[lp + "attn_norm.weight"],
-                                      cfg["rms_norm_eps"]) for t in range(len(rows))])
+            hs = X[:, 0] if pre_prev is None else torch.stack([hc_collapse(X[t], pre_prev[t]) for t in range(n)])
+            xs = rmsnorm(hs, W[lp + "attn_norm.weight"], cfg["rms_norm_eps"])
             _compress_new(cfg, W, i, xs, pos_all[rows], state, quant)
             keep = torch.arange(n - tail, n)
-            X, pre_prev, rows = X[keep], pre_prev[keep], rows[keep]
+            X, rows = X[keep], rows[keep]
+            pre_prev = None if pre_prev is None else pre_prev[keep]
             compressed_done = True
         else:
             compressed_done = False
-        if i in cfg["engram_layer_ids"]:
-            li = cfg["engram_layer_ids"].index(i)
-            X = _engram_apply(cfg, W, i, li, X, history, (pos_all[rows]).tolist(), None)
         if capture is not None and i in cfg["dspark_target_layer_ids"]:
             capture.setdefault("entry", {})[i] = X.clone()
             capture["rows"] = pos_all[rows].clone()
