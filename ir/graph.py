@@ -154,7 +154,7 @@ def _asig(a: Any) -> Any:
     if isinstance(a, DType):
         return ("dtype", a.name)
     if isinstance(a, float):
-        return ("float", a)
+        return ("float", "nan" if a != a else a)  # nan != nan, but two nan attributes are the same graph
     if isinstance(a, bool):
         return ("bool", a)
     if isinstance(a, int):
