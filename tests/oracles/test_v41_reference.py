@@ -208,7 +208,7 @@ def test_mhc_stats_layout_and_orientation():
     torch.testing.assert_close(post, torch.ones(n))
     torch.testing.assert_close(C.sum(0), torch.ones(n), atol=1e-4, rtol=0)
     torch.testing.assert_close(C.sum(1), torch.ones(n), atol=2e-2, rtol=0)
-    assert C[0, 1] > 0.7 and C[1, 0] < 0.2
+    assert C[0, 1] > 0.7 and C[0, 1] > 2 * C[1, 0]  # the transpose would swap these
     out = R.hc_post(X, torch.zeros(D), torch.zeros(n), C)
     assert int(((out[1][None] - X) ** 2).sum(-1).argmin()) == 0
 
