@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+
 from deepinfer.codegen.kernels._common import Mem, ceil_div, expand_scales
 
 FAMILY = "fp8_gemm"
@@ -157,3 +158,57 @@ def roofline(M: int, N: int, K: int, act_group: int, weight_block: int) -> tuple
         + 2 * M * N
     )
     return float(bytes_), 2.0 * M * N * K
+
+
+# ---------------------------------------------------------------------------------------------- ascend
+
+
+def ascend_program(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, num_cores: int = 32):
+    """Ascend 950 variant (AscendC via tilelang.ascend): the same promotion scheme split over the cores.
+
+    The Cube core (AIC) runs the per-tile MMA into L0C; `dual_copy` hands each half of the tile to one of
+    the two Vector cores (AIV), which fold it into their accumulator with the scales. Operands are bf16
+    here (every e4m3 value is exact in bf16); weight scales come K-major, SBt [K/wb, N/wb], so a tile's
+    scales are one contiguous row. Tiles are distributed persistently over `num_cores` blocks.
+    """
+    import tilelang.ascend.language as T
+
+    bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
+    ag, wb = act_group, weight_block
+    assert ag % bK == 0 and wb % bK == 0 and bN % wb == 0 and M % bM == 0 and N % bN == 0
+    n_tiles = N // bN
+
+    @T.prim_func
+    def fp8_gemm_ascend(
+        A: T.Tensor((M, K), "bfloat16"),
+        SA: T.Tensor((K // ag, M), "float32"),
+        B: T.Tensor((N, K), "bfloat16"),
+        SBt: T.Tensor((K // wb, N // wb), "float32"),
+        C: T.Tensor((M, N), "float32"),
+    ):
+        with T.Kernel(num_cores) as bx:
+            A_l1 = T.alloc_l1((bM, bK), "bfloat16")
+            B_l1 = T.alloc_l1((bN, bK), "bfloat16")
+            part_l0c = T.alloc_l0c((bM, bN), "float32")
+            part = T.alloc_shared((bM // 2, bN), "float32")  # UB: half a tile per vector core
+            acc = T.alloc_shared((bM // 2, bN), "float32")
+            sa = T.alloc_shared((1, bM // 2), "float32")
+            sb = T.alloc_shared((bN // wb,), "float32")
+            for tile in T.Persistent([M // bM * n_tiles], num_cores, bx):
+                m, n = tile // n_tiles * bM, tile % n_tiles * bN
+                with T.SimtVF(threads=128):
+                    for i, j in T.Parallel(bM // 2, bN):
+                        acc[i, j] = 0.0
+                for k in T.Pipelined(K // bK, num_stages=2):
+                    T.copy(A[m, k * bK], A_l1)
+                    T.copy(B[n, k * bK], B_l1)
+                    T.gemm(A_l1, B_l1, part_l0c, transpose_B=True, clear_accum=True)
+                    T.dual_copy(part_l0c, part)
+                    T.dual_copy(SA[k * bK // ag : k * bK // ag + 1, m : m + bM], sa)
+                    T.copy(SBt[k * bK // wb, n // wb : n // wb + bN // wb], sb)
+                    with T.SimtVF(threads=128):
+                        for i, j in T.Parallel(bM // 2, bN):
+                            acc[i, j] += part[i, j] * sa[0, i] * sb[j // wb]
+                T.dual_copy(acc, C[m : m + bM, n : n + bN])
+
+    return fp8_gemm_ascend

@@ -12,6 +12,7 @@ so it is purely bandwidth-bound.
 from dataclasses import dataclass
 
 import torch
+
 from deepinfer.codegen.kernels._common import FP8_MAX, Mem, ceil_div, ue8m0_scale
 
 FAMILY = "rmsnorm_quant"
@@ -118,3 +119,40 @@ def roofline(M: int, D: int, group: int | None, act_bytes: int = 2) -> tuple[flo
     """(bytes, flops): read x and w, write y (or q + scales)."""
     out = M * D * act_bytes if group is None else M * D + 4 * M * ceil_div(D, group)
     return float(M * D * act_bytes + 4 * D + out), float(4 * M * D)
+
+
+# ---------------------------------------------------------------------------------------------- ascend
+
+
+def ascend_program(M: int, D: int, *, eps: float, block_m: int = 4, num_cores: int = 32):
+    """Ascend 950 RMSNorm (vector cores only): SIMT squares, SIMD row reduction, SIMT scale.
+
+    Rows are distributed persistently over `num_cores`; a block of rows lives in the Unified Buffer.
+    """
+    import tilelang.ascend.language as T
+
+    bm = block_m
+    assert M % bm == 0
+
+    @T.prim_func
+    def rmsnorm_ascend(X: T.Tensor((M, D), "bfloat16"), W: T.Tensor((D,), "float32"), Y: T.Tensor((M, D), "bfloat16")):
+        with T.Kernel(num_cores) as bx:
+            x_ub = T.alloc_shared((bm, D), "bfloat16")
+            w_ub = T.alloc_shared((D,), "float32")
+            sq = T.alloc_shared((bm, D), "float32")
+            ss = T.alloc_shared((bm,), "float32")
+            T.copy(W, w_ub)
+            for tile in T.Persistent([M // bm], num_cores, bx):
+                T.copy(X[tile * bm, 0], x_ub)
+                with T.SimtVF(threads=128):
+                    for i, j in T.Parallel(bm, D):
+                        sq[i, j] = T.cast(x_ub[i, j], "float32") * T.cast(x_ub[i, j], "float32")
+                with T.SimdVF():
+                    T.reduce_sum(sq, ss, dim=1)  # lowered to vector reduce intrinsics (vcadd)
+                with T.SimtVF(threads=128):
+                    for i, j in T.Parallel(bm, D):
+                        xf = T.cast(x_ub[i, j], "float32")
+                        x_ub[i, j] = T.cast(xf * T.rsqrt(ss[i] / D + eps) * w_ub[j], "bfloat16")
+                T.copy(x_ub, Y[tile * bm, 0])
+
+    return rmsnorm_ascend
