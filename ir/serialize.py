@@ -159,7 +159,7 @@ def _decode_dim(v: Any, path: str):
     if isinstance(v, int) and not isinstance(v, bool):
         return v
     if not isinstance(v, str):
-        raise SerializationError(f"{path}: expected a dimension string like \"T//4\", got {v!r}")
+        raise SerializationError(f'{path}: expected a dimension string like "T//4", got {v!r}')
     try:
         return parse_dim(v)
     except DeepInferError as e:
