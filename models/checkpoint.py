@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
 from deepinfer.errors import CheckpointError, ConfigError, NotBuiltError
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Value
@@ -62,8 +63,24 @@ _ST_TO_TORCH = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
-_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F8_E5M2": 1, "U64": 8, "U32": 4, "U16": 2}
+_ST_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "F8_E5M2": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+}
 
 # IR dtype -> safetensors dtype strings accepted for it (first = the one written)
 _ACCEPTED = {
@@ -211,8 +228,10 @@ def read_header(file: Path) -> dict[str, dict]:
         if dtype in _ST_ITEMSIZE:
             want = math.prod(shape) * _ST_ITEMSIZE[dtype]
             if stop - e["data_offsets"][0] != want:
-                raise CheckpointError(f"shard {file}: tensor {name} has {stop - e['data_offsets'][0]} bytes, "
-                                      f"its {dtype}{list(shape)} needs {want}")
+                raise CheckpointError(
+                    f"shard {file}: tensor {name} has {stop - e['data_offsets'][0]} bytes, "
+                    f"its {dtype}{list(shape)} needs {want}"
+                )
     if end > size - 8 - n:
         raise CheckpointError(f"shard {file} is truncated: header needs {end} data bytes, file has {size - 8 - n}")
     return header
@@ -261,8 +280,10 @@ def _check_expected(d: Path, v: Value, entry: dict | None, shard: str | None) ->
     got_dtype, got_shape = entry["dtype"], tuple(entry["shape"])
     if want_dtypes is None or got_dtype not in want_dtypes:
         ok = "/".join(want_dtypes or ("?",))
-        return (f"tensor {v.name} in {shard} has dtype {got_dtype}, expected {ok} "
-                f"(for {v.type.dtype.name}); shape {list(got_shape)}")
+        return (
+            f"tensor {v.name} in {shard} has dtype {got_dtype}, expected {ok} "
+            f"(for {v.type.dtype.name}); shape {list(got_shape)}"
+        )
     exp_shape = _expected_file_shape(v, got_dtype)
     if exp_shape is not None and got_shape != exp_shape:
         return f"tensor {v.name} in {shard} has shape {list(got_shape)}, expected {list(exp_shape)} ({want})"
@@ -439,7 +460,9 @@ def _tid2eid(v: Value, shapes: dict[str, tuple], n_experts: int | None, seed: in
 
 
 def random_weights(
-    params: Iterable[Value], seed: int = 0, block: int | tuple[int, int] | None = None,
+    params: Iterable[Value],
+    seed: int = 0,
+    block: int | tuple[int, int] | None = None,
     n_experts: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random tensors for ``params`` (e.g. ``graph.params``) in their storage formats, deterministic per
@@ -488,8 +511,9 @@ def random_weights(
             group = FP4_GROUP
             if sv is not None:
                 if k % shapes[sname][-1]:
-                    raise CheckpointError(f"scale {sname} {list(shapes[sname])} does not divide FP4 {wname}'s {k} "
-                                          "columns")
+                    raise CheckpointError(
+                        f"scale {sname} {list(shapes[sname])} does not divide FP4 {wname}'s {k} columns"
+                    )
                 group = k // shapes[sname][-1]
             x = torch.randn(n, k, generator=g) / math.sqrt(k)
             pairs[wname] = _quant_fp4_rows(x, group)
@@ -509,8 +533,11 @@ def random_weights(
                 t = quantised(wname)[1]
             else:  # a scale without its weight: powers of two around 2^-4
                 g = _generator(seed, name)
-                t = (torch.randint(119, 127, shape, generator=g, dtype=torch.int64)).to(torch.uint8).view(
-                    torch.float8_e8m0fnu)
+                t = (
+                    (torch.randint(119, 127, shape, generator=g, dtype=torch.int64))
+                    .to(torch.uint8)
+                    .view(torch.float8_e8m0fnu)
+                )
         elif d.is_float:
             t = _float_values(name, shape, _generator(seed, name)).to(d.torch_dtype)
         elif _leaf(name) == "tid2eid":
@@ -543,8 +570,13 @@ def _build_graph(model: str, config: dict):
 
 
 def make_checkpoint(
-    model: str, preset: str, out: str | os.PathLike, seed: int = 0, *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+    model: str,
+    preset: str,
+    out: str | os.PathLike,
+    seed: int = 0,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write a random checkpoint of ``model`` at ``preset`` in the real format: config.json of the preset, the
     graph's params under their checkpoint names, random_weights(seed)."""
