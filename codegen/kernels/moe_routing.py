@@ -29,6 +29,7 @@ def config_space(T_: int, E: int) -> list[Config]:
 def program(T_: int, E: int, *, topk: int, route_scale: float, target: str, cfg: Config = Config()):
     """prim_func(L [T, E] fp32, B [E] fp32, Idx [T, k] int32, Wt [T, k] fp32)."""
     import tilelang.language as T
+
     from deepinfer.codegen.kernels._common import Mem
 
     bm = cfg.block_m

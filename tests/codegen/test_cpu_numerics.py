@@ -1,0 +1,83 @@
+"""fp32 numerics of the TileLang programs on TileLang's `c` target (g++), against the torch references.
+
+The CPU programs are the same factories with `target="cpu"`: local buffers, serial loops, fp32 data
+(TOOLCHAIN.md §2). They check indexing, scaling and reduction logic, not GPU code generation.
+"""
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_routing, rmsnorm_quant
+
+
+@pytest.fixture(scope="module")
+def cpu(tilelang_required):
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    return compile_cpu
+
+
+@pytest.mark.parametrize("ag,wb", [(32, 32), (128, 128), (32, 128)])
+def test_fp8_gemm_c_target(cpu, ag, wb):
+    M, N, K = 64, 256, 256
+    a, sa, b, sb = fp8_gemm.make_inputs(M, N, K, ag, wb, seed=3)
+    cfg = fp8_gemm.Config(32, 64, min(ag, wb), 2, 128)
+    kernel = cpu(fp8_gemm.program(M, N, K, act_group=ag, weight_block=wb, target="cpu", cfg=cfg))
+    out = torch.empty(M, N)
+    kernel(a.float(), sa.T.contiguous(), b.float(), sb, out)
+    ref = fp8_gemm.reference(a, sa, b, sb, ag, wb)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_rmsnorm_c_target(cpu, quant):
+    M, D, g = 6, 256, 32
+    torch.manual_seed(0)
+    x, w = torch.randn(M, D) * 2, torch.rand(D) + 0.5
+    kernel = cpu(
+        rmsnorm_quant.program(M, D, group=g, quant=quant, eps=1e-6, target="cpu", cfg=rmsnorm_quant.Config(2, 128))
+    )
+    if not quant:
+        y = torch.empty(M, D)
+        kernel(x, w, y)
+        assert (y - rmsnorm_quant.reference(x, w, 1e-6)).abs().max() < 1e-5
+        return
+    q, s = torch.empty(M, D), torch.empty(D // g, M)
+    kernel(x, w, q, s)
+    rq, rs = rmsnorm_quant.reference(x, w, 1e-6, group=g)
+    assert torch.equal(s.T, rs)  # power-of-two scales agree exactly
+    assert torch.equal(q.to(torch.float8_e4m3fn).float(), rq.float())  # the CPU run stops before the fp8 cast
+
+
+def test_moe_routing_c_target(cpu):
+    T_, E, k = 24, 64, 6
+    torch.manual_seed(1)
+    logits, bias = torch.randn(T_, E) * 2, torch.randn(E) * 0.2
+    kernel = cpu(moe_routing.program(T_, E, topk=k, route_scale=1.5, target="cpu", cfg=moe_routing.Config(4, 128)))
+    idx, w = torch.empty(T_, k, dtype=torch.int32), torch.empty(T_, k)
+    kernel(logits, bias, idx, w)
+    ridx, rw = moe_routing.reference(logits, bias, k, 1.5)
+    assert torch.equal(idx, ridx)
+    assert (w - rw).abs().max() < 1e-6
+
+
+def test_hc_pre_and_post_c_target(cpu):
+    T_, D = 8, 64
+    torch.manual_seed(2)
+    x = torch.randn(T_, 4, D)
+    fn, base, scale = torch.randn(24, 4 * D) * 0.05, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    p_prev = torch.rand(T_, 4)
+    pre_k = cpu(
+        hyper_connection.pre_program(
+            T_, D, eps=1e-20, hc_eps=1e-6, iters=20, target="cpu", cfg=hyper_connection.Config(4, 32, 128)
+        )
+    )
+    y, pre, post, comb = torch.empty(T_, D), torch.empty(T_, 4), torch.empty(T_, 4), torch.empty(T_, 16)
+    pre_k(x.reshape(T_, -1), hyper_connection.pad_fn(fn), base, scale, p_prev, y, pre, post, comb)
+    ry, rpre, rpost, rc = hyper_connection.pre_reference(x, fn, base, scale, p_prev, 1e-20, 1e-6, 20)
+    for got, want in ((y, ry), (pre, rpre), (post, rpost), (comb, rc.reshape(T_, 16))):
+        assert (got - want).abs().max() < 1e-5
+    post_k = cpu(hyper_connection.post_program(T_, D, target="cpu", block_m=2, block_d=32))
+    out = torch.empty(T_, 4, D)
+    post_k(x, y, post, comb, out)
+    assert (out - hyper_connection.post_reference(x, y, post, rc)).abs().max() < 1e-5

@@ -1,0 +1,86 @@
+"""Every family lowers for sm90 and sm100 at real V4.1-Flash shapes, compiles with nvcc, and its SASS
+uses the tensor-core instructions we expect.
+
+SASS names: FP8 wgmma shows up as QGMMA (HGMMA is its fp16/bf16/tf32 sibling); tcgen05 FP8 MMA as
+UTCQMMA (UTCHMMA for fp16/bf16). Bulk tensor copies are UTMALDG/UTMASTG.
+"""
+
+import pytest
+
+from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_routing, rmsnorm_quant
+
+T_PREFILL = 4096
+D = 5120  # V4.1 hidden
+
+
+def _programs(target):
+    """(name, prim_func) for every family on `target`, at V4.1 shapes."""
+    g32, g128 = fp8_gemm.default_config(32), fp8_gemm.default_config(128)
+    return [
+        ("fp8_gemm_v41", fp8_gemm.program(T_PREFILL, 1280, D, act_group=32, weight_block=32, target=target, cfg=g32)),
+        (
+            "fp8_gemm_v4",
+            fp8_gemm.program(T_PREFILL, 1024, 4096, act_group=128, weight_block=128, target=target, cfg=g128),
+        ),
+        ("rmsnorm", rmsnorm_quant.program(T_PREFILL, D, group=32, quant=False, eps=1e-20, target=target)),
+        ("rmsnorm_quant", rmsnorm_quant.program(T_PREFILL, D, group=32, quant=True, eps=1e-20, target=target)),
+        ("moe_routing", moe_routing.program(T_PREFILL, 384, topk=6, route_scale=1.5, target=target)),
+        ("hc_pre", hyper_connection.pre_program(T_PREFILL, D, eps=1e-20, hc_eps=1e-6, iters=20, target=target)),
+        ("hc_post", hyper_connection.post_program(T_PREFILL, D, target=target)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def artifacts(codegen_cache, nvcc_required):
+    """Build everything once per module: {(target, name): Artifact}."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    out = {}
+    for target in ("sm90", "sm100"):
+        for name, func in _programs(target):
+            out[(target, name)] = tb.build(f"{name}_{target}", func, target)
+    return out
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+@pytest.mark.parametrize(
+    "name", ["fp8_gemm_v41", "fp8_gemm_v4", "rmsnorm", "rmsnorm_quant", "moe_routing", "hc_pre", "hc_post"]
+)
+def test_lowers_and_compiles_to_cubin(artifacts, target, name):
+    art = artifacts[(target, name)]
+    assert art.cubin_path is not None and art.cubin_path.stat().st_size > 1000
+    assert art.cubin_path.parent == art.source_path.parent
+    cc = "90" if target == "sm90" else "100"
+    assert f"code for sm_{cc}" in art.sass and f"EF_CUDA_SM{cc}" in art.sass
+    assert sum(art.opcodes.values()) > 20 and art.opcodes["EXIT"] >= 1
+
+
+@pytest.mark.parametrize("name", ["fp8_gemm_v41", "fp8_gemm_v4"])
+def test_sm90_fp8_gemm_uses_wgmma_and_tma(artifacts, name):
+    ops = artifacts[("sm90", name)].opcodes
+    assert ops["QGMMA"] > 0, "FP8 wgmma (QGMMA) missing from SASS"
+    assert ops["UTMALDG"] > 0, "no TMA loads"
+    assert ops["HMMA"] == 0
+
+
+@pytest.mark.parametrize("name", ["fp8_gemm_v41", "fp8_gemm_v4"])
+def test_sm100_fp8_gemm_uses_tcgen05(artifacts, name):
+    art = artifacts[("sm100", name)]
+    assert art.opcodes["UTCQMMA"] > 0, "tcgen05 FP8 MMA (UTCQMMA) missing from SASS"
+    assert art.opcodes["QGMMA"] == 0 and art.opcodes["HMMA"] == 0
+    assert "tcgen05" in art.source and "tmem" in art.source.lower()
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_hc_pre_mixes_run_on_tensor_cores(artifacts, target):
+    # tf32 MMA for the 24 mixes (fp32 fn): mma.sync, as the tile is 64x32
+    assert artifacts[(target, "hc_pre")].opcodes["HMMA"] > 0
+
+
+def test_second_build_hits_the_cache(artifacts):
+    from deepinfer.codegen import tilelang_backend as tb
+
+    art = artifacts[("sm90", "rmsnorm")]
+    mtime = art.cubin_path.stat().st_mtime_ns
+    again = tb.build("rmsnorm_sm90", _programs("sm90")[2][1], "sm90", sass=False)
+    assert again.cubin_path == art.cubin_path and again.cubin_path.stat().st_mtime_ns == mtime
