@@ -770,7 +770,7 @@ def forward_chunk(cfg: dict, W: dict, state: dict, new_ids, quant: bool = False,
     history = state["tokens"]
     pos_all = torch.arange(p0, p0 + n)
     Lnum, nhc = cfg["num_hidden_layers"], cfg["hc_mult"]
-    late_start = max(cfg["kv_source_layer_ids"])
+    late_start = max(cfg["kv_source_layer_ids"], default=Lnum)
     if mode == "compact":
         min_keep = cfg["sliding_window"] + cfg["dspark_block_size"]
         if keep_tokens < min_keep:
@@ -840,6 +840,18 @@ def forward(cfg: dict, weights: dict, token_ids, mode: str = "exact", keep_token
             quant: bool = False) -> torch.Tensor:
     """Full forward of one sequence (1-D LongTensor) from an empty state: logits [T, vocab] fp32."""
     return forward_chunk(cfg, weights, new_state(cfg), token_ids, quant=quant, mode=mode, keep_tokens=keep_tokens)
+
+
+def prefill(cfg: dict, weights: dict, token_ids, quant: bool = False, mode: str = "exact",
+            keep_tokens: int = 140):
+    """(logits [T, vocab], state) for a prompt; continue with ``decode_step``."""
+    state = new_state(cfg)
+    return forward_chunk(cfg, weights, state, token_ids, quant=quant, mode=mode, keep_tokens=keep_tokens), state
+
+
+def decode_step(cfg: dict, weights: dict, state: dict, token_id: int, quant: bool = False) -> torch.Tensor:
+    """Logits [vocab] for one more token, appended to ``state``."""
+    return forward_chunk(cfg, weights, state, [int(token_id)], quant=quant)[0]
 
 
 def forward_with_hidden(cfg: dict, weights: dict, token_ids, mode: str = "exact", keep_tokens: int = 140,

@@ -55,6 +55,17 @@ def test_fp4_fake_quant_matches_sglang():
     assert torch.equal(R.fake_quant_fp4_e4m3(f["x"], 16), f["fake_quant_compressed_kv"])
 
 
+def test_fake_quant_keeps_grid_values_at_power_of_two_scales():
+    # amax exactly 6 * 2**k: the ue8m0 scale must be 2**k (not 2**(k+1)), so grid values survive unchanged
+    for k in (-3, 0, 5):
+        x = torch.tensor([6.0, 0.5, -1.5, 3.0] + [0.0] * 28) * 2.0**k
+        assert torch.equal(R.fake_quant_fp4_ue8m0(x, 32), x)
+    x = torch.tensor([448.0, 0.015625, -2.0, 1.125] + [0.0] * 28)
+    assert torch.equal(R.fake_quant_fp8_ue8m0(x, 32), x)
+    assert torch.equal(R.fake_quant_fp4_e4m3(torch.tensor([6.0, 0.5, -4.0, 1.5] + [0.0] * 12), 16),
+                       torch.tensor([6.0, 0.5, -4.0, 1.5] + [0.0] * 12))
+
+
 def test_pool_pairs_matches_sglang():
     f = load_file(DATA / "pool_pairs.safetensors")
     torch.testing.assert_close(R.pool_pairs(f["kv2"], f["score2"]), f["pooled"], rtol=1e-6, atol=1e-6)
@@ -334,3 +345,44 @@ def test_dspark_draft_shapes(tiny):
     assert bool(((out["confidence"] > 0) & (out["confidence"] < 1)).all())
     assert bool(out["step_logits"].isfinite().all())
     assert out["draft_tokens"].tolist() == out["step_logits"].argmax(-1).tolist()
+
+
+def test_sliding_window_receptive_field():
+    # two SWA-only layers of window W: logits at t see tokens >= t - 2 (W - 1) and nothing earlier
+    cfg = R.tiny_config()
+    cfg.update(num_hidden_layers=2, compress_ratios=[0, 0, 0, 0, 0], kv_source_layer_ids=[],
+               index_source_layer_ids=[], candidate_source_layer_id=-1, engram_layer_ids=[],
+               engram_num_embeddings=[], dspark_target_layer_ids=[0, 1, 1])
+    W = R.random_weights(cfg, seed=5)
+    ids = _prompt(30, seed=5)
+    ids2 = ids.clone()
+    ids2[5] = (ids2[5] + 7) % 250
+    a, b = R.forward(cfg, W, ids), R.forward(cfg, W, ids2)
+    reach = 5 + 2 * (cfg["sliding_window"] - 1)
+    assert not torch.allclose(a[reach], b[reach])
+    torch.testing.assert_close(a[reach + 1:], b[reach + 1:], atol=1e-6, rtol=1e-6)
+
+
+def test_indexer_and_candidate_level_are_active(tiny):
+    cfg, W = tiny
+    ids = _prompt(40, seed=6)
+    base = R.forward(cfg, W, ids)
+    no_topk = R.forward(dict(cfg, index_topk=10**6), W, ids)  # every visible entry kept
+    assert not torch.allclose(base, no_topk)
+    no_cand = R.forward(dict(cfg, candidate_topk_blocks=10**6), W, ids)  # level one keeps every block
+    assert not torch.allclose(base[-8:], no_cand[-8:])
+    # layers before the first candidate consumer do not see the candidate level
+    early = dict(cfg, candidate_topk_blocks=10**6)
+    torch.testing.assert_close(R.forward(early, W, ids[:12]), R.forward(cfg, W, ids[:12]))
+
+
+def test_prefill_decode_step_and_bad_input(tiny):
+    cfg, W = tiny
+    ids = _prompt(12, seed=7)
+    full = R.forward(cfg, W, ids)
+    lg, st = R.prefill(cfg, W, ids[:11])
+    torch.testing.assert_close(R.decode_step(cfg, W, st, int(ids[11])), full[11], atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError):
+        R.forward(cfg, W, torch.tensor([0, cfg["vocab_size"]]))
+    with pytest.raises(ValueError):
+        R.forward(cfg, W, ids, mode="fast")
