@@ -142,7 +142,7 @@ def export_onnx(
             n.op,
             ["" if x is None else x.name for x in n.inputs],
             [o.name for o in n.outputs],
-            name=f"{i}:{n.outputs[0].name}" if n.outputs else str(i),
+            name=n.outputs[0].name if n.outputs else f"node{i}",
             domain=DOMAIN,
         )
         node.attribute.extend(attrs)
@@ -317,7 +317,7 @@ def _resolve_op(node: onnx.NodeProto, where: str) -> OpDef:
     domain = node.domain or ""
     if domain == DOMAIN:
         if not has_op(node.op_type):
-            raise SerializationError(f"{where}: unknown op {DOMAIN}.{node.op_type!r}")
+            raise SerializationError(f"{where}: unknown op '{DOMAIN}.{node.op_type}'")
         return get_op(node.op_type)
     if domain in ("", "ai.onnx") and node.op_type in STANDARD_OPS:
         if node.attribute:
@@ -369,7 +369,8 @@ def import_onnx(model_or_path: Any) -> Graph:
         values[name] = v
 
     for i, node in enumerate(og.node):
-        where = f"{src}: node {i} ({node.name or node.op_type!r})"
+        first = f"%{node.output[0]}" if node.output else "(no outputs)"
+        where = f"{src}: node {i} ({first} = {node.op_type})"
         opdef = _resolve_op(node, where)
         ins: list[Value | None] = []
         for name in node.input:

@@ -150,6 +150,7 @@ def _dim(cur: _Line, stops: str) -> Dim:
 
 
 def _type(cur: _Line) -> TensorType:
+    cur.ws()
     start = cur.pos
     name = cur.ident("a dtype")
     if name not in ALL_DTYPES:
@@ -332,7 +333,8 @@ def _node(cur: _Line, st: _State) -> Node:
         opdef.bind_inputs(inputs)
     except IRError as e:
         raise cur.error(str(e), op_col) from None
-    attrs_col = cur.pos
+    cur.ws()
+    attrs_col = cur.pos if cur.peek() == "{" else op_col
     attrs = _attrs(cur, opdef)
     cur.expect_end()
     missing = [k for k, a in opdef.attrs.items() if a.default is REQUIRED and k not in attrs]
