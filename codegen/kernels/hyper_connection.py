@@ -233,3 +233,48 @@ def pre_roofline(T_: int, D: int, act_bytes: int = 2) -> tuple[float, float]:
 def post_roofline(T_: int, D: int, act_bytes: int = 2) -> tuple[float, float]:
     """(bytes, flops): read X and y, write X'."""
     return float(act_bytes * T_ * D * (2 * N_HC + 1) + 80 * T_), float(T_ * N_HC * D * 10)
+
+
+# ---------------------------------------------------------------------------------------------- ascend
+
+
+def ascend_post_program(T_: int, D: int, *, block_d: int = 1024, num_cores: int = 32):
+    """Ascend 950 hc post (vector cores): one (token, D-chunk) tile per step, SIMT over (k, d)."""
+    import tilelang.ascend.language as T
+
+    bD = block_d
+    assert D % bD == 0
+    n_chunks = D // bD
+
+    @T.prim_func
+    def hc_post_ascend(
+        X: T.Tensor((T_, N_HC, D), "bfloat16"),
+        Y: T.Tensor((T_, D), "bfloat16"),
+        Post: T.Tensor((T_, N_HC), "float32"),
+        Comb: T.Tensor((T_, N_HC * N_HC), "float32"),
+        Out: T.Tensor((T_, N_HC, D), "bfloat16"),
+    ):
+        with T.Kernel(num_cores) as bx:
+            x_ub = T.alloc_shared((N_HC, bD), "bfloat16")
+            y_ub = T.alloc_shared((bD,), "bfloat16")
+            o_ub = T.alloc_shared((N_HC, bD), "bfloat16")
+            p_ub = T.alloc_shared((N_HC,), "float32")
+            c_ub = T.alloc_shared((N_HC * N_HC,), "float32")
+            for tile in T.Persistent([T_ * n_chunks], num_cores, bx):
+                t, d0 = tile // n_chunks, tile % n_chunks * bD
+                T.copy(X[t, 0:N_HC, d0 : d0 + bD], x_ub)
+                T.copy(Y[t, d0 : d0 + bD], y_ub)
+                T.copy(Post[t, 0:N_HC], p_ub)
+                T.copy(Comb[t, 0 : N_HC * N_HC], c_ub)
+                with T.SimtVF(threads=128):
+                    for k, d in T.Parallel(N_HC, bD):
+                        mixed = (
+                            c_ub[k] * T.cast(x_ub[0, d], "float32")
+                            + c_ub[N_HC + k] * T.cast(x_ub[1, d], "float32")
+                            + c_ub[2 * N_HC + k] * T.cast(x_ub[2, d], "float32")
+                            + c_ub[3 * N_HC + k] * T.cast(x_ub[3, d], "float32")
+                        )
+                        o_ub[k, d] = T.cast(p_ub[k] * T.cast(y_ub[d], "float32") + mixed, "bfloat16")
+                T.copy(o_ub, Out[t, 0:N_HC, d0 : d0 + bD])
+
+    return hc_post_ascend

@@ -103,3 +103,58 @@ def reference_f64(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_sca
 def roofline(T_: int, E: int, topk: int) -> tuple[float, float]:
     """(bytes, flops): read logits and bias, write ids and weights; ~8 flops per score per round."""
     return float(4 * T_ * E + 4 * E + 8 * T_ * topk), float(T_ * E * (6 + 4 * topk))
+
+
+# ---------------------------------------------------------------------------------------------- ascend
+
+
+def ascend_program(T_: int, E: int, *, topk: int, route_scale: float, block_m: int = 32, num_cores: int = 32):
+    """Ascend 950 routing (vector cores): SIMT scores over all (token, expert) lanes, then one SIMT
+    thread per token runs the k selection rounds over its row in the Unified Buffer (strict `>` keeps
+    the lowest expert id on ties, like the CUDA kernel)."""
+    import tilelang.ascend.language as T
+
+    bm, NEG = block_m, -3.0e38
+    assert T_ % bm == 0 and bm % 32 == 0
+
+    @T.prim_func
+    def moe_routing_ascend(
+        L: T.Tensor((T_, E), "float32"),
+        Bias: T.Tensor((E,), "float32"),
+        Idx: T.Tensor((T_, topk), "int32"),
+        Wt: T.Tensor((T_, topk), "float32"),
+    ):
+        with T.Kernel(num_cores) as bx:
+            score = T.alloc_shared((bm, E), "float32")
+            sel = T.alloc_shared((bm, E), "float32")
+            b_ub = T.alloc_shared((E,), "float32")
+            w_ub = T.alloc_shared((bm, topk), "float32")
+            i_ub = T.alloc_shared((bm, topk), "int32")
+            T.copy(Bias, b_ub)
+            for tile in T.Persistent([T_ // bm], num_cores, bx):
+                T.copy(L[tile * bm, 0], score)
+                with T.SimtVF(threads=128):
+                    for i, e in T.Parallel(bm, E):
+                        v = score[i, e]
+                        score[i, e] = T.sqrt(T.max(v, 0.0) + T.log(1.0 + T.exp(T.min(v, -v))))
+                        sel[i, e] = score[i, e] + b_ub[e]
+                with T.SimtVF(threads=bm):  # exactly one thread per token row
+                    for i in T.Parallel(bm):
+                        tot = T.alloc_var("float32", init=0.0)
+                        for j in T.serial(topk):
+                            best = T.alloc_var("float32", init=NEG)
+                            arg = T.alloc_var("int32", init=0)
+                            for e in T.serial(E):
+                                if sel[i, e] > best:
+                                    best = sel[i, e]
+                                    arg = e
+                            sel[i, arg] = NEG
+                            i_ub[i, j] = arg
+                            w_ub[i, j] = score[i, arg]
+                            tot = tot + score[i, arg]
+                        for j in T.serial(topk):
+                            w_ub[i, j] = w_ub[i, j] / tot * route_scale
+                T.copy(w_ub, Wt[tile * bm, 0])
+                T.copy(i_ub, Idx[tile * bm, 0])
+
+    return moe_routing_ascend
