@@ -386,3 +386,25 @@ def test_prefill_decode_step_and_bad_input(tiny):
         R.forward(cfg, W, torch.tensor([0, cfg["vocab_size"]]))
     with pytest.raises(ValueError):
         R.forward(cfg, W, ids, mode="fast")
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_compressed_entry_visibility(ratio):
+    # one kv-source layer with window 1: token p reaches a later query only through compressed entry
+    # j = p // ratio, which is visible from t = ratio * j + ratio - 1 on (j < floor((t+1)/ratio))
+    cfg = R.tiny_config()
+    cfg.update(num_hidden_layers=1, compress_ratios=[ratio, 0, 0, 0], kv_source_layer_ids=[0],
+               index_source_layer_ids=[0], candidate_source_layer_id=-1, engram_layer_ids=[],
+               engram_num_embeddings=[], dspark_target_layer_ids=[0, 0, 0], sliding_window=1, index_topk=64)
+    W = R.random_weights(cfg, seed=8)
+    ids = _prompt(16, seed=8)
+    p = 6
+    ids2 = ids.clone()
+    ids2[p] = (ids2[p] + 11) % 250
+    a, b = R.forward(cfg, W, ids), R.forward(cfg, W, ids2)
+    first = ratio * (p // ratio) + ratio - 1
+    torch.testing.assert_close(a[:p], b[:p])
+    if first > p:
+        torch.testing.assert_close(a[p + 1: first], b[p + 1: first])
+    for t in range(max(first, p + 1), 16):
+        assert not torch.allclose(a[t], b[t]), t
