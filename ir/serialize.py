@@ -330,7 +330,7 @@ def loads(text: str, source: str = "<string>") -> Graph:
     except json.JSONDecodeError as e:
         raise SerializationError(f"{source}:{e.lineno}:{e.colno}: bad JSON: {e.msg}") from None
     try:
-        if isinstance(d, dict) and "nodes" not in d and "format" not in d:
+        if isinstance(d, dict) and "graph" in d and d.get("format") != FORMAT:
             return graph_from_dict(_field(d, "graph", "", dict, "an object"), "graph")
         return graph_from_dict(d)
     except SerializationError as e:

@@ -189,7 +189,9 @@ def test_json_round_trip(graph, tmp_path):
 
 
 def test_plan_directory(graph, tmp_path):
-    (tmp_path / "plan.json").write_text(json.dumps({"target": "cpu", "graph": graph_to_dict(graph)}))
+    (tmp_path / "plan.json").write_text(
+        json.dumps({"format": "deepinfer.plan", "target": "cpu", "graph": graph_to_dict(graph)})
+    )
     assert load_any(tmp_path) == graph
     assert load_json(tmp_path / "plan.json") == graph
 
@@ -250,6 +252,83 @@ def test_reference_evaluator_matches_interpreter(graph):
     want4 = interpreter.run(graph, inputs4, params)
     for a, w in zip(got4, want4):
         assert torch.allclose(torch.from_numpy(np.asarray(a)), w, rtol=0, atol=0, equal_nan=True)
+
+
+KINDS_OP = "test_custom_all_attr_kinds"
+
+if not has_op(KINDS_OP):
+
+    @register_op(
+        KINDS_OP,
+        "x",
+        {
+            "i": Attr("int"),
+            "f": Attr("float"),
+            "b": Attr("bool"),
+            "s": Attr("str"),
+            "ii": Attr("ints"),
+            "ff": Attr("floats"),
+            "ss": Attr("strs"),
+            "d": Attr("dtype"),
+            "n": Attr("dim"),
+            "shape": Attr("shape"),
+            "opt": Attr("float", None),
+        },
+    )
+    class _TestAllKinds:
+        """Test-only op carrying one attribute of every kind; returns x."""
+
+        def infer(x, **attrs):
+            return x
+
+        def reference(x, **attrs):
+            return x
+
+
+EDGE_ATTRS = [
+    dict(
+        i=-(2**62),
+        f=5e-324,
+        b=False,
+        s='a "quoted", {braced} } é\n',
+        ii=[],
+        ff=[],
+        ss=[],
+        d=dt.f4e2m1x2,
+        n=-1,
+        shape=[],
+    ),
+    dict(
+        i=0,
+        f=-0.0,
+        b=True,
+        s="",
+        ii=[-1, 2**40],
+        ff=[math.nan, -math.inf, 1e-300, 0.1, 1 / 3],
+        ss=["", "x,y"],
+        d=dt.e8m0,
+        n="min(T, 512)",
+        shape=["2*(T//4)+1", "max(S, T)", "S%8", -1, 0],
+        opt=1.5,
+    ),
+]
+
+
+@pytest.mark.parametrize("attrs", EDGE_ATTRS)
+def test_every_attr_kind_round_trips_exactly(attrs):
+    b = GraphBuilder("kinds")
+    x = b.input("x", "f32", ["T", "S"])
+    b.output(b.op(KINDS_OP, x, **attrs))
+    g = b.build()
+    text = print_graph(g)
+    assert parse_graph(text) == g and print_graph(parse_graph(text)) == text
+    assert loads(dumps(g)) == g
+    model = export_onnx(g)
+    onnx.checker.check_model(model, full_check=False)
+    g2 = import_onnx(model.SerializeToString())
+    assert g2 == g and print_graph(g2) == text
+    f2 = g2.nodes[0].attrs["f"]
+    assert math.copysign(1.0, f2) == math.copysign(1.0, attrs["f"]) and f2 == attrs["f"]
 
 
 # ---------------------------------------------------------------------------------------------------
