@@ -12,7 +12,8 @@ Public API (what the graph tests should compare against):
 - ``random_weights(cfg, seed=0) -> dict[str, Tensor]``: checkpoint tensor names (§4.1), fp32 values.
 - ``forward(cfg, weights, token_ids, mode="exact", keep_tokens=140, quant=False) -> logits [T, vocab]``.
 - ``new_state(cfg)`` / ``forward_chunk(cfg, weights, state, new_ids, quant=False) -> logits [n, vocab]``:
-  the incremental API (prefill = one chunk, decode = chunks of one token).
+  the incremental API (prefill = one chunk, decode = chunks of one token); ``prefill(cfg, weights, ids)
+  -> (logits, state)`` and ``decode_step(cfg, weights, state, token_id) -> logits [vocab]`` wrap it.
 - ``forward_with_hidden(...)``: logits plus the per-layer captures needed by DSpark.
 - ``dspark_draft(cfg, weights, target_hidden, anchor_token, quant=False) -> dict``: the draft block (§2.15).
 - ``engram_token_map(cfg)``, ``engram_multipliers(cfg)``, ``engram_primes(cfg)``, ``engram_hash_ids(...)``,
@@ -26,7 +27,22 @@ Top-k tie rule (all top-k in this file: indexer, candidate blocks, MoE routing):
 score descending and, among equal scores, by index ascending ("the lower index wins"). The kept set is the
 first k of that order. Implemented by a stable descending sort.
 
-Choices where the spec is silent or uncertain are marked "CHOICE:" in comments; the report lists them.
+Choices where the spec is silent or uncertain (also marked "CHOICE:" in comments):
+
+- Everything stays fp32: no bf16 rounding of activations, of the compressor output before its norm, or of
+  weights. ``quant=True`` adds only the QAT fake-quant points: the window KV (fp8 e4m3, ue8m0 scale per 32,
+  all dims, after RoPE), the compressed KV (fp4 e2m1, e4m3 scale per 16, after RoPE), the index keys and
+  the indexer queries (fp4 e2m1, ue8m0 scale per 32, after RoPE, no Hadamard). GEMM activation quantisation
+  (§4.2) is not simulated. The fp8 amax floor is 1e-4.
+- Layer 0's attention collapse (no previous pre) uses stream 0, as SGL does; the DSpark stage 0 does the same.
+- Engram gate at dot == 0 exactly: sign +, as in sglang's copysign.
+- Tiny vocabularies use the synthetic Engram token map ``t % engram_compressed_vocab_size``; the real
+  vocabulary uses the tokenizer map.
+- mode="compact" (bounded replay): layers >= max(kv_source_layer_ids) run on the last
+  min(keep_tokens, n) rows of the chunk; that first late layer still compresses every row; the windows of
+  the late layers are floored at seq_len - keep_tokens; non-computed rows give NaN logits. The check
+  ``keep_tokens >= sliding_window + dspark_block_size`` raises ValueError.
+- DSpark: see ``dspark_draft``'s docstring.
 """
 
 from __future__ import annotations
