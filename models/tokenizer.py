@@ -15,6 +15,8 @@ Chat encoding (the V3.1/V3.2/V4 line; DeepSeek ships an ``encoding`` module rath
   open (no end-of-sentence) when it is the final message;
 - system messages are plain text right after BOS (or wherever they appear).
 Tool calls (DSML) are not rendered.
+
+``engram_token_map()`` is V4.1 Engram's compressed vocabulary (MODEL_SPEC §2.14): 99,092 classes for this tokenizer.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Tokenizer:
         self.assistant_id = self._id(ASSISTANT)
         self.think_id = self._id(THINK)
         self.end_think_id = self._id(END_THINK)
+        self._engram_map: list[int] | None = None
 
     def _id(self, token: str) -> int:
         i = self._tok.token_to_id(token)
@@ -116,6 +119,37 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def engram_token_map(self) -> list[int]:
+        """Token id -> Engram compressed class (MODEL_SPEC §2.14). Each id is decoded alone; text holding U+FFFD
+        is keyed by its raw token string, other text by NFKC -> NFD -> strip accents -> lowercase -> runs of
+        [ \\t\\r\\n] to one space -> strip spaces (a lone space stays; text that normalises to nothing keeps its
+        decoded form). Classes are numbered by first appearance in id order."""
+        if self._engram_map is None:
+            from tokenizers import Regex, normalizers
+
+            norm = normalizers.Sequence(
+                [
+                    normalizers.NFKC(),
+                    normalizers.NFD(),
+                    normalizers.StripAccents(),
+                    normalizers.Lowercase(),
+                    normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+                ]
+            )
+            classes: dict[str, int] = {}
+            out = []
+            for i in range(self.vocab_size):
+                text = self._tok.decode([i], skip_special_tokens=False)
+                if "\ufffd" in text:
+                    key = self._tok.id_to_token(i)
+                else:
+                    key = norm.normalize_str(text)
+                    if key != " ":
+                        key = key.strip(" ") or text
+                out.append(classes.setdefault(key, len(classes)))
+            self._engram_map = out
+        return self._engram_map
+
     # -- chat --------------------------------------------------------------------------------------------
     def render_chat(self, messages: Sequence[dict], thinking: bool = False) -> str:
         return render_chat(messages, thinking)
@@ -136,6 +170,11 @@ class Tokenizer:
 def get_tokenizer() -> Tokenizer:
     """The shared DeepSeek-V4 tokenizer (loaded once)."""
     return Tokenizer()
+
+
+def engram_token_map() -> list[int]:
+    """Engram's compressed class of every token id, for the shared tokenizer (computed once, about 2 s)."""
+    return get_tokenizer().engram_token_map()
 
 
 def _validate(messages: Sequence[dict]) -> None:

@@ -116,3 +116,23 @@ def test_bad_messages(messages, words):
     assert isinstance(e.value, DeepInferError)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_engram_token_map_matches_recorded_sglang_map(tok):
+    """99,092 classes (engram_compressed_vocab_size) and the exact map sglang 0.5.23 built (tests/data/sglang_v41)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    data = Path(__file__).resolve().parents[1] / "data" / "sglang_v41"
+    meta = json.loads((data / "meta.json").read_text())["engram"]
+    rec = load_file(str(data / "engram_hash.safetensors"))
+    m = np.array(tok.engram_token_map(), dtype="<i4")
+    assert m.shape == (129280,) and int(m.max()) + 1 == meta["compressed_classes"] == 99092
+    assert m[2] == meta["pad_compressed"]
+    assert (m[:4096] == rec["token_map_first_4096"].numpy()).all()
+    assert (m[::37] == rec["token_map_every_37th"].numpy()).all()
+    assert hashlib.sha256(m.tobytes()).hexdigest() == meta["token_map_int32_le_sha256"]
