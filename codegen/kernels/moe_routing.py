@@ -9,9 +9,16 @@ in registers: for k=6 and E=384 that beats a sort and gives a defined tie rule (
 which the reference reproduces so the comparison is exact.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+try:  # optional: the Triton variant; tl must be a module global so the interpreter can patch it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
 
 FAMILY = "moe_routing"
 
@@ -77,6 +84,74 @@ def program(T_: int, E: int, *, topk: int, route_scale: float, target: str, cfg:
                 Idx[bx * bm + i, j] = isel[i, j]
 
     return moe_routing
+
+
+# ---------------------------------------------------------------------------------------------- triton
+
+
+@functools.lru_cache(maxsize=2)
+def _triton_kernel(interpret: bool):
+    """Built lazily (and per interpreter mode, which triton fixes at decoration time)."""
+    if triton is None:
+        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+
+    @triton.jit
+    def moe_routing_kernel(
+        l_ptr,
+        b_ptr,
+        idx_ptr,
+        w_ptr,
+        E,
+        route_scale,
+        TOPK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # one program per token; same k rounds of (max, lowest id, mask) as the TileLang kernel
+        row = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        v = tl.load(l_ptr + row * E + e, mask=valid, other=0.0)
+        score = tl.sqrt(tl.maximum(v, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(v))))
+        sel = tl.where(valid, score + tl.load(b_ptr + e, mask=valid, other=0.0), -float("inf"))
+        kk = tl.arange(0, BLOCK_K)
+        ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for j in tl.static_range(TOPK):
+            best = tl.max(sel, axis=0)
+            pick = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
+            wj = tl.sum(tl.where(e == pick, score, 0.0), axis=0)
+            ws = tl.where(kk == j, wj, ws)
+            ids = tl.where(kk == j, pick, ids)
+            sel = tl.where(e == pick, -float("inf"), sel)
+        ws = ws / tl.sum(ws, axis=0) * route_scale
+        out = kk < TOPK
+        tl.store(w_ptr + row * TOPK + kk, ws, mask=out)
+        tl.store(idx_ptr + row * TOPK + kk, ids, mask=out)
+
+    return moe_routing_kernel
+
+
+def triton_moe_routing(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float):
+    """Triton routing: (idx int32 [T, k], weights fp32 [T, k]); logits fp32 [T, E]."""
+    import os
+
+    T_, E = logits.shape
+    idx = torch.empty(T_, topk, dtype=torch.int32, device=logits.device)
+    w = torch.empty(T_, topk, dtype=torch.float32, device=logits.device)
+    kernel = _triton_kernel(os.environ.get("TRITON_INTERPRET") == "1")
+    kernel[(T_,)](
+        logits,
+        bias,
+        idx,
+        w,
+        E,
+        route_scale,
+        TOPK=topk,
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(topk),
+    )
+    return idx, w
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -9,9 +9,16 @@ One CTA normalises `block_m` rows held in registers: the kernel reads x once and
 so it is purely bandwidth-bound.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+try:  # optional: the Triton variant; tl must be a module global so the interpreter can patch it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
 
 from deepinfer.codegen.kernels._common import FP8_MAX, Mem, ceil_div, ue8m0_scale
 
@@ -90,6 +97,80 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
                 Q[bx * bm + i, g * group + c] = T.cast(v, qdt)
 
     return rmsnorm_quant
+
+
+# ---------------------------------------------------------------------------------------------- triton
+
+
+@functools.lru_cache(maxsize=2)
+def _triton_kernel(interpret: bool):
+    """Built lazily (and per interpreter mode, which triton fixes at decoration time)."""
+    if triton is None:
+        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+
+    @triton.jit
+    def rmsnorm_quant_kernel(
+        x_ptr,
+        w_ptr,
+        q_ptr,
+        s_ptr,
+        M,
+        D,
+        eps,
+        ROUND_BF16: tl.constexpr,
+        G: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+    ):
+        # one program per token; the row is held as [groups, GROUP] so group amax is one axis reduce
+        row = tl.program_id(0)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        c = tl.arange(0, GROUP)[None, :]
+        mask = g < G
+        offs = g * GROUP + c
+        x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)  # upcast: bf16 is unsafe
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        rstd = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
+        y = x * rstd * w
+        if ROUND_BF16:
+            y = y.to(tl.bfloat16).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)
+        scale = tl.exp2(tl.ceil(tl.log2(amax / 448.0)))
+        q = tl.clamp(y / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + row * D + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + tl.arange(0, BLOCK_G) * M + row, scale, mask=tl.arange(0, BLOCK_G) < G)
+
+    return rmsnorm_quant_kernel
+
+
+def triton_rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, group: int, out_dtype=None):
+    """Triton RMSNorm + FP8 group quant: returns (q [M, D], s [D/group, M] MN-major).
+
+    `out_dtype` defaults to float8_e4m3fn on CUDA and float32 under the CPU interpreter.
+    """
+    import os
+
+    M, D = x.shape
+    G = D // group
+    if out_dtype is None:
+        out_dtype = torch.float8_e4m3fn if x.is_cuda else torch.float32
+    q = torch.empty(M, D, dtype=out_dtype, device=x.device)
+    s = torch.empty(G, M, dtype=torch.float32, device=x.device)
+    kernel = _triton_kernel(os.environ.get("TRITON_INTERPRET") == "1")
+    kernel[(M,)](
+        x,
+        w,
+        q,
+        s,
+        M,
+        D,
+        eps,
+        ROUND_BF16=x.dtype == torch.bfloat16,
+        G=G,
+        GROUP=group,
+        BLOCK_G=triton.next_power_of_2(G),
+    )
+    return q, s
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -15,6 +15,18 @@ os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(_TMP, "deepinfer-tilela
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_TMP, "deepinfer-triton-cache"))
 
 
+def _enable_triton_interpreter():
+    """Without a GPU, Triton kernels can only run in its interpreter, and the interpreter must be on
+    before `triton` is first imported (triton.language's own jit helpers are decorated at import)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_enable_triton_interpreter()
+
+
 @pytest.fixture(scope="session")
 def tilelang_required():
     """Skip (with the reason printed) when tilelang is not installed."""
