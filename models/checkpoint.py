@@ -19,6 +19,7 @@ Public API:
     load_checkpoint(dir, expected=None) -> dict[str, Tensor]               validates before loading anything
     random_weights(params, seed, block=None) -> dict[str, Tensor]          realistic values, per-name seeded
     make_checkpoint(model, preset, out, seed=0) -> Path                    `deepinfer make-checkpoint`
+    checkpoint_params(model, config) -> list[Value]                        what a checkpoint of a config holds
     resolve_model(spec=None) -> (model name, config dict, checkpoint dir | None)
     read_config(dir) -> dict
 """
@@ -119,6 +120,12 @@ def _storage_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -177,6 +184,10 @@ def save_checkpoint(
         index = {"metadata": {"total_size": sum(map(_tensor_bytes, stored.values()))}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        umask = _umask()
+        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only files; use the usual modes
+            f.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
         if out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, trash / "old")
@@ -557,7 +568,12 @@ def random_weights(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _build_graph(model: str, config: dict):
+def checkpoint_params(model: str, config: dict) -> list[Value]:
+    """Every tensor a checkpoint of ``model`` with ``config`` holds, as IR Values (name, dtype, shape).
+
+    A model module may define ``checkpoint_params(cfg)``; otherwise this is the union of the params of
+    ``build_graph(cfg)`` and, where the module has ``build_mtp_graph``, of ``build_mtp_graph(cfg, k=k)`` for each of
+    the config's ``num_mtp_layers`` (shared tensors such as ``embed.weight`` once; they must agree)."""
     from deepinfer.models import get_model
 
     try:
@@ -566,7 +582,23 @@ def _build_graph(model: str, config: dict):
         raise NotBuiltError(f"the {model} graph is not built yet ({e.name} is missing)") from None
     if not hasattr(mod, "build_graph") or not hasattr(mod, "parse_config"):
         raise NotBuiltError(f"the {model} graph is not built yet ({mod.__name__} has no parse_config/build_graph)")
-    return mod.build_graph(mod.parse_config(config))
+    cfg = mod.parse_config(config)
+    if hasattr(mod, "checkpoint_params"):
+        return list(mod.checkpoint_params(cfg))
+    graphs = [mod.build_graph(cfg)]
+    if hasattr(mod, "build_mtp_graph"):
+        graphs += [mod.build_mtp_graph(cfg, k=k) for k in range(int(getattr(cfg, "num_mtp_layers", 0) or 0))]
+    out: dict[str, Value] = {}
+    for g in graphs:
+        for v in g.params:
+            if v.name in out and out[v.name].type != v.type:
+                raise CheckpointError(f"param {v.name} is {out[v.name].type} in one graph and {v.type} in another")
+            out.setdefault(v.name, v)
+    return list(out.values())
+
+
+def params_bytes(params: Iterable[Value]) -> int:
+    return sum(math.prod(int(d) for d in v.type.shape) * v.type.dtype.itemsize for v in params)
 
 
 def make_checkpoint(
@@ -577,17 +609,25 @@ def make_checkpoint(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    max_total_bytes: int = 16 * 2**30,
 ) -> Path:
-    """Write a random checkpoint of ``model`` at ``preset`` in the real format: config.json of the preset, the
-    graph's params under their checkpoint names, random_weights(seed)."""
+    """Write a random checkpoint of ``model`` at ``preset`` in the real format: config.json of the preset, every
+    checkpoint tensor (``checkpoint_params``) under its name, random_weights(seed). Refuses to generate more than
+    ``max_total_bytes`` (the real preset is ~160 GB)."""
     from deepinfer.models.presets import preset_config, weight_block_size
 
     out = Path(out)
     if out.exists() and not overwrite:
         raise CheckpointError(f"output directory {out} already exists")
     config = preset_config(model, preset)
-    graph = _build_graph(model, config)
-    weights = random_weights(graph.params, seed, block=weight_block_size(config))
+    params = checkpoint_params(model, config)
+    total = params_bytes(params)
+    if total > max_total_bytes:
+        raise CheckpointError(
+            f"{model} preset {preset} would need {total / 1e9:.1f} GB of random weights "
+            f"(limit {max_total_bytes / 1e9:.1f} GB); use the tiny or small preset"
+        )
+    weights = random_weights(params, seed, block=weight_block_size(config))
     return save_checkpoint(out, weights, config, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 

@@ -430,12 +430,35 @@ def test_make_checkpoint_with_hand_built_graph(tmp_path, monkeypatch):
 def test_make_checkpoint_v4_tiny(tmp_path):
     from deepinfer.models import get_model
 
-    out = ck.make_checkpoint("deepseek-v4-flash", "tiny", tmp_path / "v4", seed=0)
+    out = ck.make_checkpoint("deepseek-v4-flash", "tiny", tmp_path / "v4", seed=0, max_shard_bytes=10 * 2**20)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg == preset_config("deepseek-v4-flash", "tiny")
     mod = get_model("deepseek-v4-flash")
-    graph = mod.build_graph(mod.parse_config(json.loads((out / "config.json").read_text())))
-    w = load_checkpoint(out, graph.params)
+    graph = mod.build_graph(mod.parse_config(cfg))
+    w = load_checkpoint(out, graph.params)  # the backbone graph finds everything it needs
     assert set(w) == {p.name for p in graph.params}
-    assert "embed.weight" in w and "layers.0.ffn.gate.tid2eid" in w
+    assert w["layers.0.ffn.gate.tid2eid"].max() < cfg["n_routed_experts"]
+    everything = ck.checkpoint_params("deepseek-v4-flash", cfg)
+    assert any(p.name.startswith("mtp.0.") for p in everything)  # the MTP block is in the checkpoint too
+    assert_bit_equal(load_checkpoint(out, everything), random_weights(everything, seed=0, block=128))
+    for p in graph.params:
+        if p.type.dtype is dt.f8e4m3:  # V4's 128x128 blocks over tiny dims: one block per matrix row/col range
+            s = w[p.name[: -len("weight")] + "scale"]
+            assert s.shape == (math.ceil(p.type.shape[0] / 128), math.ceil(p.type.shape[1] / 128))
+
+
+@pytest.mark.skipif(not _v4_graph_available(), reason="models/deepseek_v4.py has no build_graph yet")
+def test_real_v4_checkpoint_inventory():
+    """§1.1/§4.1: the released V4-Flash checkpoint has 69,187 tensors and 159,609,485,896 payload bytes (its
+    tid2eid tables are I64; ours are declared i32, which the loader accepts and converts)."""
+    ps = ck.checkpoint_params("deepseek-v4-flash", preset_config("deepseek-v4-flash", "real"))
+    assert len(ps) == 69187
+    tid = [p for p in ps if p.name.endswith("tid2eid")]
+    widen = sum(math.prod(p.type.shape) * (8 - p.type.dtype.itemsize) for p in tid)
+    assert ck.params_bytes(ps) + widen == 159_609_485_896
+    with pytest.raises(CheckpointError, match="GB"):
+        ck.make_checkpoint("deepseek-v4-flash", "real", "/nonexistent/never-written")
 
 
 def test_cli_make_checkpoint_reports_errors(tmp_path, capsys):
