@@ -44,6 +44,66 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_model(spec: str | None, seed: int):
+    """(model name, graph, params, where the weights came from) for a model name, name:preset, or directory."""
+    from deepinfer.models import get_model
+    from deepinfer.models.checkpoint import load_checkpoint, random_weights, resolve_model
+    from deepinfer.models.presets import weight_block_size
+
+    name, config, ckpt = resolve_model(spec)
+    try:
+        mod = get_model(name)
+    except ImportError:
+        if spec is not None or ckpt is not None:
+            raise NotBuiltError(f"the {name} graph is not built yet") from None
+        print(f"note: the {name} graph is not built yet; running deepseek-v4-flash instead")
+        name, config, ckpt = resolve_model("deepseek-v4-flash")
+        mod = get_model(name)
+    graph = mod.build_graph(mod.parse_config(config))
+    if ckpt is not None:
+        return name, graph, load_checkpoint(ckpt, graph.params), str(ckpt)
+    weights = random_weights(graph.params, seed, block=weight_block_size(config))
+    return name, graph, weights, f"random weights (seed {seed}) in the checkpoint formats"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import time
+
+    from deepinfer.ir.printer import summary
+    from deepinfer.models.tokenizer import get_tokenizer
+    from deepinfer.runtime.session import greedy_generate
+
+    if args.plan:
+        raise NotBuiltError("running a compiled plan is not built yet (issue 7); `deepinfer run` without a plan "
+                            "runs the built-in tiny model through the interpreter")
+    if args.max_tokens <= 0:
+        raise DeepInferError(f"--max-tokens must be positive, got {args.max_tokens}")
+    t0 = time.perf_counter()
+    name, graph, params, source = _load_model(args.model, args.seed)
+    build_s = time.perf_counter() - t0
+    tok = get_tokenizer()
+    prompts = args.prompt or ["What is the capital of France?"]
+    print(f"model: {name} ({source}); graph built and weights ready in {build_s:.2f} s")
+    print(summary(graph))
+    for prompt in prompts:
+        if not prompt:
+            raise DeepInferError("empty prompt")
+        from deepinfer.models.tokenizer import encode_chat
+
+        ids = encode_chat([{"role": "user", "content": prompt}])
+        res = greedy_generate(graph, params, ids, args.max_tokens, stop_ids=(tok.eos_id,))
+        print(f"\nprompt ({len(ids)} tokens): {prompt!r}")
+        print(f"output ({len(res.output_ids)} tokens): {tok.decode(res.output_ids)!r}")
+        print(f"token ids: {res.output_ids}")
+        print(
+            f"prefill {res.prefill_s * 1000:.0f} ms; decode {res.decode_tok_s:.1f} tok/s "
+            "(CPU interpreter: the reference path, not the compiled plan)"
+        )
+    if source.startswith("random"):
+        print("\nnote: random weights generate noise; pass --model DIR (or DEEPINFER_HF_MODEL_DIR) for a checkpoint")
+    return 0
+
+
 def _not_built(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise NotBuiltError(f"`deepinfer {what}` is not built yet (issue {issue})")
@@ -76,8 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     r.add_argument("--input", help="prompts.jsonl")
     r.add_argument("--output", help="out.jsonl")
-    r.add_argument("--max-tokens", type=int, default=32)
-    r.set_defaults(func=_not_built("run", 7))
+    r.add_argument("--model", default=None, help="model name, name:preset, or checkpoint directory "
+                   "(default: $DEEPINFER_HF_MODEL_DIR, else the built-in tiny preset)")
+    r.add_argument("--max-tokens", type=int, default=16)
+    r.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
+    r.set_defaults(func=cmd_run)
 
     t = sub.add_parser("tune", help="autotune kernels for a target and fill the tuning database")
     t.add_argument("--target", default="sm90", choices=TARGETS)

@@ -51,3 +51,25 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_console_script_runs_as_a_module():
     r = subprocess.run([sys.executable, "-m", "deepinfer.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "make-checkpoint" in r.stdout
+
+
+def test_run_without_plan_generates_with_the_tiny_model(capsys):
+    assert main(["run", "--model", "deepseek-v4-flash", "--max-tokens", "3", "--prompt", "Hello"]) == 0
+    out = capsys.readouterr().out
+    assert "output (3 tokens)" in out and "token ids: [" in out
+    assert "graph 'deepseek_v4'" in out
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["run", "--max-tokens", "0"], "--max-tokens must be positive"),
+        (["run", "--model", "deepseek-v4-flash", "--prompt", ""], "empty prompt"),
+        (["run", "some-plan-dir"], "not built yet"),
+        (["run", "--model", "no-such-model"], "no-such-model"),
+        (["compile"], "not built yet"),
+    ],
+)
+def test_run_bad_input_is_one_line_exit_2(argv, msg, capsys):
+    assert main(argv) == 2
+    assert msg in _one_line_error(capsys)
