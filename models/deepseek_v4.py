@@ -622,7 +622,7 @@ _TINY_BASE = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000,
     "compress_rope_theta": 160000,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 1024,  # = YaRN factor * original length
     "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
     "expert_dtype": "fp4",
@@ -663,6 +663,7 @@ TINY_CONFIGS: dict[str, dict] = {
         "num_hidden_layers": 3,
         "compress_ratios": [0, 128, 4, 0],
         "num_hash_layers": 0,
+        "max_position_embeddings": 4096,
         "rope_scaling": {**_YARN, "original_max_position_embeddings": 256},
     },
 }
