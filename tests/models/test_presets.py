@@ -114,3 +114,34 @@ def test_unknown_model_or_preset():
         model_name_for({"model_type": "llama"})
     with pytest.raises(ConfigError, match="weight_block_size"):
         weight_block_size({"quantization_config": {}})
+
+
+ORACLE = Path(__file__).resolve().parents[1] / "oracles" / "deepseek_v41_ref.py"
+
+
+@pytest.mark.skipif(not ORACLE.is_file(), reason="V4.1 oracle not present")
+@pytest.mark.parametrize("preset", ["tiny", "small", "real"])
+def test_v41_presets_satisfy_the_oracle_role_rules(preset):
+    """The independent V4.1 reference (tests/oracles) accepts the presets' layer roles and Engram sizes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_v41_oracle_for_presets", ORACLE)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    t = dict(text_config(preset_config(V41, preset)))
+    ref.validate_config(t)
+    assert [sum(p for per_n in layer for p in per_n) for layer in ref.engram_primes(t)] == t["engram_num_embeddings"]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_v4_presets_build(preset):
+    try:
+        from deepinfer.models import deepseek_v4
+    except ImportError:
+        pytest.skip("models/deepseek_v4.py not present")
+    from deepinfer.models.checkpoint import checkpoint_params, params_bytes
+
+    cfg = preset_config(V4, preset)
+    deepseek_v4.build_graph(deepseek_v4.parse_config(cfg))
+    size = params_bytes(checkpoint_params(V4, cfg))
+    assert size < (50e6 if preset == "tiny" else 300e6)
