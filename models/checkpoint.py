@@ -92,7 +92,7 @@ _ACCEPTED = {
     "f8e4m3": ("F8_E4M3",),
     "e8m0": ("F8_E8M0",),
     "f4e2m1x2": ("I8", "U8", "F4"),
-    "u8": ("U8",),
+    "u8": ("U8", "I8"),  # uint8 tensors are written as I8 (see _storage_tensor)
     "i8": ("I8",),
     "i32": ("I32", "I64"),
     "i64": ("I64", "I32"),
@@ -153,13 +153,17 @@ def save_checkpoint(
         raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
 
     stored: dict[str, torch.Tensor] = {}
-    seen_ptrs: set[int] = set()
+    seen_storage: set[int] = set()
     for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"tensor names must be non-empty strings, got {name!r}")
         s = _storage_tensor(name, t)
-        if s.numel() and s.data_ptr() in seen_ptrs:  # safetensors refuses shared storage within a file
+        ptr = s.untyped_storage().data_ptr()
+        if s.numel() and ptr in seen_storage:  # safetensors refuses tensors that share storage (tied weights)
             s = s.clone()
+            ptr = s.untyped_storage().data_ptr()
         if s.numel():
-            seen_ptrs.add(s.data_ptr())
+            seen_storage.add(ptr)
         stored[name] = s
 
     shards: list[list[str]] = [[]]
@@ -305,7 +309,7 @@ def _convert(name: str, t: torch.Tensor, v: Value | None) -> torch.Tensor:
     if v is None:
         return t
     want = v.type.dtype
-    if want is dt.f4e2m1x2:
+    if want in (dt.f4e2m1x2, dt.u8):
         return t.view(torch.uint8)
     if t.dtype != want.torch_dtype and want in (dt.i32, dt.i64):
         if want is dt.i32 and t.numel() and (t.max() > 2**31 - 1 or t.min() < -(2**31)):

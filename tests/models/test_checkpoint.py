@@ -504,3 +504,11 @@ def test_header_parser_rejects_garbage(tmp_path):
     f = tmp_path / "x.safetensors"
     f.write_bytes(struct.pack("<Q", 4) + b"nope")
     one_line_error(lambda: read_header(f), "x.safetensors")
+
+
+def test_tied_and_sliced_tensors_are_saved(tmp_path):
+    big = torch.randn(4, 8)
+    tensors = {"embed.weight": big, "head.weight": big, "a.weight": big[:2], "b.weight": big[2:]}
+    d = save_checkpoint(tmp_path / "c", tensors, {})
+    got = load_checkpoint(d)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
