@@ -512,3 +512,16 @@ def test_tied_and_sliced_tensors_are_saved(tmp_path):
     d = save_checkpoint(tmp_path / "c", tensors, {})
     got = load_checkpoint(d)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.skipif(not _v4_graph_available(), reason="models/deepseek_v4.py has no build_graph yet")
+def test_cli_make_checkpoint_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from deepinfer.cli import main
+
+    out = tmp_path / "v4"
+    assert main(["make-checkpoint", "--model", "deepseek-v4-flash", "--preset", "tiny", "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    name, cfg, d = resolve_model(str(out))
+    assert (name, d) == ("deepseek-v4-flash", out)
+    w = load_checkpoint(out, ck.checkpoint_params(name, cfg))
+    assert w["embed.weight"].shape == (129280, 64)
