@@ -294,6 +294,8 @@ class _Weights:
         if mode not in ("checkpoint", "float"):
             raise ConfigError(f"build_graph: weights must be 'checkpoint' or 'float', got {mode!r}")
         self.b, self.cfg, self.float = b, cfg, mode == "float"
+        self.embed: Value | None = None  # shared by the backbone and MTP graphs (declared by _declare_shared)
+        self.head: Value | None = None
 
     def plain(self, name: str, shape, ckpt_dtype: str = "bf16") -> Value:
         """A weight stored unquantised (bf16 or f32 in the checkpoint)."""

@@ -13,12 +13,12 @@ import re
 
 import pytest
 import torch
+
 from deepinfer.errors import ConfigError
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.builder import GraphBuilder
 from deepinfer.ir.interpreter import run
 from deepinfer.ir.ops.attention import apply_rope, rope_inv_freq
-from deepinfer.ir.ops.hyper import hc_coefficients
 from deepinfer.models import deepseek_v4 as v4
 from deepinfer.models.deepseek_v4 import TINY_CONFIGS, build_graph, build_mtp_graph, parse_config
 
@@ -357,17 +357,26 @@ def test_real_config_counts_and_shapes():
     assert {p.name for p in mtp_only} >= {"mtp.0.e_proj.weight", "mtp.0.h_proj.scale", "mtp.0.hc_head_fn"}
 
 
-def test_mtp_graph_runs():
+def test_mtp_graph_runs_on_backbone_streams():
     d = TINY_CONFIGS["tiny"]
     cfg = parse_config(d)
+    backbone = build_graph(d, weights="float", hidden=True)
     g = build_mtp_graph(d, weights="float")
-    params, _ = random_params(g, cfg, 3)
-    t = 6
-    hidden = torch.randn(t, cfg.hc_mult, cfg.hidden_size)
-    inputs = {"hidden": hidden, "tokens": torch.arange(t), "positions": torch.arange(t)}
+    params, _ = random_params(backbone, cfg, 3)
+    mtp_params, _ = random_params(g, cfg, 4)
+    mtp_params.update({k: params[k] for k in ("embed.weight", "head.weight")})  # shared with the backbone
+    ids = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(3))
+    sess = Session(backbone, params, 7)
+    inputs = {"tokens": ids[:6], "positions": torch.arange(6), **sess.caches}
+    outs = run(backbone, inputs, params, check=True)
+    hidden = outs[-1]
+    assert hidden.shape == (6, cfg.hc_mult, cfg.hidden_size)
+    inputs = {"hidden": hidden, "tokens": ids[1:], "positions": torch.arange(6)}
     inputs["cache.mtp.0.swa"] = torch.zeros(cfg.window, cfg.head_dim)
-    logits, swa = run(g, inputs, params, check=True)
-    assert logits.shape == (t, cfg.vocab_size) and torch.isfinite(logits).all() and swa.abs().sum() > 0
+    logits, swa = run(g, inputs, mtp_params, check=True)
+    assert logits.shape == (6, cfg.vocab_size) and torch.isfinite(logits).all() and swa.abs().sum() > 0
+    with pytest.raises(ConfigError, match="weights"):
+        build_graph(d, weights="fp16")
 
 
 # ---------------------------------------------------------------------------------------------------
