@@ -59,7 +59,7 @@ def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target
     bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
     assert act_group % bK == 0 and weight_block % bK == 0, "block_k must divide both scale granularities"
     mem = Mem(target)
-    in_dt = "float32" if mem.cpu else "float8_e4m3"
+    in_dt = "float32" if mem.cpu else "float8_e4m3fn"  # torch.float8_e4m3fn, same DLPack code
     out_dt = "float32" if mem.cpu else "bfloat16"
     kb_a = ceil_div(K, act_group)
     nb_w, kb_w = ceil_div(N, weight_block), ceil_div(K, weight_block)

@@ -43,7 +43,7 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
     assert D % group == 0
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"  # activation dtype; fp32 on CPU (numerics check)
-    qdt = "float32" if mem.cpu else "float8_e4m3"
+    qdt = "float32" if mem.cpu else "float8_e4m3fn"  # = torch.float8_e4m3fn (same DLPack code)
 
     @T.macro  # inlined into both prim_funcs below
     def normalise(X, W, bx, xf, rstd):

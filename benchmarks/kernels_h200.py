@@ -1,0 +1,385 @@
+"""Kernel benchmark for an H200 (sm_90a): every codegen family at real DeepSeek-V4.1-Flash shapes.
+
+For each kernel: build it with `tilelang.compile`, check it against the torch reference on fresh random
+inputs, time it (triton.testing.do_bench, median), and compare with the limits MEASURED IN THE SAME RUN:
+HBM copy bandwidth (a large device-to-device copy) and the matrix peaks (torch._scaled_mm FP8 and bf16
+matmul at 8192³). "% limit" is the roofline time max(bytes / copy BW, flops / peak) over the measured
+time, so 100% means at the roofline. A failing kernel prints its error in its row; the run goes on.
+
+    python3 benchmarks/kernels_h200.py --quick          # a few shapes, ~2-3 minutes incl. compiles
+    python3 benchmarks/kernels_h200.py                  # all shapes, plus a small FP8 GEMM config sweep
+    python3 benchmarks/kernels_h200.py --dry-run        # no GPU: only build (lower + nvcc) every kernel
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-tilelang-cache"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-triton-cache"))
+
+# Run from a checkout without installing: the repo root is the package `deepinfer`.
+_ROOT = Path(__file__).resolve().parents[1]
+try:
+    import deepinfer  # noqa: F401
+except ImportError:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "deepinfer", _ROOT / "__init__.py", submodule_search_locations=[str(_ROOT)]
+    )
+    sys.modules["deepinfer"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["deepinfer"])
+
+import torch  # noqa: E402
+
+from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_routing, rmsnorm_quant  # noqa: E402
+from deepinfer.codegen.kernels._common import quant_fp8_blocks, quant_fp8_groups  # noqa: E402
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+HIDDEN, Q_LORA, HEADS, HEAD_DIM, EXPERTS, TOPK, MOE_INTER = 5120, 1280, 64, 512, 384, 6, 2304
+EPS, HC_EPS, SINKHORN = 1e-20, 1e-6, 20
+
+
+@dataclass
+class Limits:
+    hbm: float  # bytes/s, device-to-device copy
+    fp8: float  # flop/s, torch._scaled_mm
+    bf16: float  # flop/s, torch.matmul
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    ms: float = float("nan")
+    bytes_: float = 0.0
+    flops: float = 0.0
+    peak: str = "fp8"  # which matrix peak bounds the compute term
+    eager_ms: float = float("nan")
+    error: str = ""
+    check: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def bench(fn, quick: bool) -> float:
+    """Median milliseconds; triton's do_bench flushes L2 between runs."""
+    try:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
+    except ImportError:
+        return _bench_events(fn, 10 if quick else 50)
+
+
+def _bench_events(fn, n: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_bandwidth(quick: bool) -> float:
+    """Bytes/s of a large device-to-device copy (read + write); buffers are freed on return."""
+    n = (1 << 30) if quick else (4 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * n / (bench(lambda: dst.copy_(src), quick) * 1e-3)
+
+
+def _matmul_peaks(quick: bool) -> tuple[float, float]:
+    """flop/s of torch._scaled_mm (FP8 e4m3 -> bf16) and bf16 matmul at 8192^3."""
+    s = 8192
+    a = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * s**3 / (bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), quick) * 1e-3)
+    x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    bf16 = 2 * s**3 / (bench(lambda: x @ x, quick) * 1e-3)
+    return fp8, bf16
+
+
+def measure_limits(quick: bool) -> Limits:
+    hbm = _copy_bandwidth(quick)
+    torch.cuda.empty_cache()
+    return Limits(hbm, *_matmul_peaks(quick))
+
+
+def build(prim_func):
+    import tilelang
+
+    return tilelang.compile(prim_func, target=TARGET, execution_backend="tvm_ffi")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def expect(err: float, tol: float) -> str:
+    if err > tol:
+        raise AssertionError(f"mismatch: rel err {err:.2e} > {tol:.0e}")
+    return f"{err:.1e}"
+
+
+# ---------------------------------------------------------------------------------------------- cases
+# Each case builds, checks and times one kernel at one shape and fills a Row.
+
+
+def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dry: bool):
+    func = fp8_gemm.program(M, N, K, act_group=g, weight_block=g, target="sm90", cfg=cfg)
+    kernel = build(func)
+    row.bytes_, row.flops = fp8_gemm.roofline(M, N, K, g, g)
+    if dry:
+        return
+    x, w = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda") * 0.05
+    a, sa = quant_fp8_groups(x, g)
+    b, sb = quant_fp8_blocks(w, g)
+    sa_t = sa.T.contiguous()  # the kernel wants MN-major activation scales
+    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    kernel(a, sa_t, b, sb, c)
+    row.check = expect(rel_err(c, fp8_gemm.reference_dequant_f64(a, sa, b, sb, g, g).float()), 2e-2)
+    row.ms = bench(lambda: kernel(a, sa_t, b, sb, c), quick)
+
+    # eager baseline: what a plain torch implementation does -- dequantise to bf16, then one matmul
+    def eager():
+        a16 = (a.float() * sa.repeat_interleave(g, 1)).bfloat16()
+        w16 = (b.float() * sb.repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
+        return a16 @ w16.T
+
+    row.eager_ms = bench(eager, quick)
+
+
+def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):
+    kernel = build(rmsnorm_quant.program(M, D, group=32, quant=quant, eps=EPS, target="sm90"))
+    row.bytes_, row.flops = rmsnorm_quant.roofline(M, D, 32 if quant else None)
+    if dry:
+        return
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(D, device="cuda") + 0.5
+    if quant:
+        q = torch.empty(M, D, device="cuda", dtype=torch.float8_e4m3fn)
+        s = torch.empty(D // 32, M, device="cuda")
+        args = (x, w, q, s)
+        kernel(*args)
+        rq, rs = rmsnorm_quant.reference(x, w, EPS, group=32)
+        mismatch = (s.T != rs).float().mean().item()  # rare power-of-two boundary flips are fine
+        deq = q.float() * s.T.repeat_interleave(32, 1)
+        row.check = expect(max(rel_err(deq, rq.float() * rs.repeat_interleave(32, 1)), mismatch), 7e-2)
+    else:
+        y = torch.empty_like(x)
+        args = (x, w, y)
+        kernel(*args)
+        row.check = expect(rel_err(y, rmsnorm_quant.reference(x, w, EPS)), 1e-2)
+    row.ms = bench(lambda: kernel(*args), quick)
+    row.eager_ms = bench(lambda: rmsnorm_quant.reference(x, w, EPS, group=32 if quant else None), quick)
+
+
+def case_rmsnorm_triton(row: Row, M: int, D: int, quick: bool, dry: bool):
+    row.bytes_, row.flops = rmsnorm_quant.roofline(M, D, 32)
+    if dry:
+        return
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(D, device="cuda") + 0.5
+    q, s = rmsnorm_quant.triton_rmsnorm_quant(x, w, EPS, 32)
+    rq, rs = rmsnorm_quant.reference(x, w, EPS, group=32)
+    deq = q.float() * s.T.repeat_interleave(32, 1)
+    row.check = expect(rel_err(deq, rq.float() * rs.repeat_interleave(32, 1)), 7e-2)
+    row.ms = bench(lambda: rmsnorm_quant.triton_rmsnorm_quant(x, w, EPS, 32), quick)
+    row.eager_ms = bench(lambda: rmsnorm_quant.reference(x, w, EPS, group=32), quick)
+
+
+def _routing_inputs(T_: int):
+    return torch.randn(T_, EXPERTS, device="cuda") * 2, torch.randn(EXPERTS, device="cuda") * 0.1
+
+
+def _check_routing(idx, w, logits, bias) -> str:
+    ridx, rw = moe_routing.reference(logits, bias, TOPK, 1.5)
+    if not torch.equal(idx.long(), ridx.long()):
+        raise AssertionError(f"expert ids differ in {(idx != ridx).any(-1).sum().item()} tokens")
+    return expect(rel_err(w, rw), 1e-4)
+
+
+def case_routing(row: Row, T_: int, quick: bool, dry: bool, triton_variant: bool = False):
+    row.bytes_, row.flops = moe_routing.roofline(T_, EXPERTS, TOPK)
+    if triton_variant:
+        if dry:
+            return
+        logits, bias = _routing_inputs(T_)
+        idx, w = moe_routing.triton_moe_routing(logits, bias, TOPK, 1.5)
+        row.check = _check_routing(idx, w, logits, bias)
+        row.ms = bench(lambda: moe_routing.triton_moe_routing(logits, bias, TOPK, 1.5), quick)
+    else:
+        kernel = build(moe_routing.program(T_, EXPERTS, topk=TOPK, route_scale=1.5, target="sm90"))
+        if dry:
+            return
+        logits, bias = _routing_inputs(T_)
+        idx = torch.empty(T_, TOPK, device="cuda", dtype=torch.int32)
+        w = torch.empty(T_, TOPK, device="cuda")
+        kernel(logits, bias, idx, w)
+        row.check = _check_routing(idx, w, logits, bias)
+        row.ms = bench(lambda: kernel(logits, bias, idx, w), quick)
+    row.eager_ms = bench(lambda: moe_routing.reference(logits, bias, TOPK, 1.5), quick)
+
+
+def case_hc_pre(row: Row, T_: int, quick: bool, dry: bool):
+    D = HIDDEN
+    kernel = build(hyper_connection.pre_program(T_, D, eps=EPS, hc_eps=HC_EPS, iters=SINKHORN, target="sm90"))
+    row.bytes_, row.flops = hyper_connection.pre_roofline(T_, D)
+    row.peak = "bf16"  # tf32 MMA: bounded by the 16-bit-class peak at best
+    if dry:
+        return
+    x = torch.randn(T_, 4, D, device="cuda", dtype=torch.bfloat16)
+    fn, base = torch.randn(24, 4 * D, device="cuda") * 0.01, torch.randn(24, device="cuda") * 0.3
+    scale, p_prev = torch.rand(3, device="cuda") + 0.5, torch.rand(T_, 4, device="cuda")
+    fn_p = hyper_connection.pad_fn(fn)
+    outs = (
+        torch.empty(T_, D, device="cuda", dtype=torch.bfloat16),
+        *(torch.empty(T_, n, device="cuda") for n in (4, 4, 16)),
+    )
+    args = (x.view(T_, -1), fn_p, base, scale, p_prev, *outs)
+    kernel(*args)
+    ry, rpre, rpost, rc = hyper_connection.pre_reference(x, fn, base, scale, p_prev, EPS, HC_EPS, SINKHORN)
+    errs = [rel_err(outs[0], ry), rel_err(outs[1], rpre), rel_err(outs[2], rpost), rel_err(outs[3], rc.view(T_, 16))]
+    row.check = expect(max(errs), 2e-2)  # tf32 mixes
+    row.ms = bench(lambda: kernel(*args), quick)
+    row.eager_ms = bench(
+        lambda: hyper_connection.pre_reference(x, fn, base, scale, p_prev, EPS, HC_EPS, SINKHORN), quick
+    )
+
+
+def case_hc_post(row: Row, T_: int, quick: bool, dry: bool):
+    D = HIDDEN
+    kernel = build(hyper_connection.post_program(T_, D, target="sm90"))
+    row.bytes_, row.flops = hyper_connection.post_roofline(T_, D)
+    if dry:
+        return
+    x = torch.randn(T_, 4, D, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(T_, D, device="cuda", dtype=torch.bfloat16)
+    post, comb = torch.rand(T_, 4, device="cuda") * 2, torch.rand(T_, 16, device="cuda")
+    out = torch.empty_like(x)
+    kernel(x, y, post, comb, out)
+    c = comb.view(T_, 4, 4)
+    row.check = expect(rel_err(out, hyper_connection.post_reference(x, y, post, c)), 1e-2)
+    row.ms = bench(lambda: kernel(x, y, post, comb, out), quick)
+    row.eager_ms = bench(lambda: hyper_connection.post_reference(x, y, post, c), quick)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def cases(quick: bool):
+    """(kernel, shape text, callable(row, quick, dry)) in table order."""
+    g32, g128 = fp8_gemm.default_config(32), fp8_gemm.default_config(128)
+    gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
+    if not quick:
+        gemms += [(4096, HIDDEN, 8192), (4096, MOE_INTER, HIDDEN), (8192, 8192, 8192)]
+    out = []
+    for M, N, K in gemms:
+        out.append(
+            (
+                f"fp8_gemm g32 {g32.block_m}x{g32.block_n}x{g32.block_k}",
+                f"{M}x{N}x{K}",
+                lambda r, q, d, M=M, N=N, K=K: case_fp8_gemm(r, M, N, K, 32, g32, q, d),
+            )
+        )
+    out.append(
+        (
+            f"fp8_gemm g128 {g128.block_m}x{g128.block_n}x{g128.block_k}",
+            "4096x32768x1280",
+            lambda r, q, d: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 128, g128, q, d),
+        )
+    )
+    if not quick:  # a small sweep: what the autotuner would search
+        for cfg in fp8_gemm.config_space(4096, 32768, 1280, 32)[::6][:8]:
+            out.append(
+                (
+                    f"fp8_gemm g32 {cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.stages}",
+                    "4096x32768x1280",
+                    lambda r, q, d, cfg=cfg: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 32, cfg, q, d),
+                )
+            )
+    for T_ in (4096, 64) if not quick else (4096,):
+        out += [
+            ("rmsnorm", f"{T_}x{HIDDEN}", lambda r, q, d, T_=T_: case_rmsnorm(r, T_, HIDDEN, False, q, d)),
+            ("rmsnorm+fp8 quant g32", f"{T_}x{HIDDEN}", lambda r, q, d, T_=T_: case_rmsnorm(r, T_, HIDDEN, True, q, d)),
+            (
+                "rmsnorm+quant (triton)",
+                f"{T_}x{HIDDEN}",
+                lambda r, q, d, T_=T_: case_rmsnorm_triton(r, T_, HIDDEN, q, d),
+            ),
+            ("moe_routing", f"{T_}x{EXPERTS} k{TOPK}", lambda r, q, d, T_=T_: case_routing(r, T_, q, d)),
+            ("moe_routing (triton)", f"{T_}x{EXPERTS} k{TOPK}", lambda r, q, d, T_=T_: case_routing(r, T_, q, d, True)),
+            ("hc_pre", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_pre(r, T_, q, d)),
+            ("hc_post", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_post(r, T_, q, d)),
+        ]
+    return out
+
+
+def fmt_row(row: Row, lim: Limits | None) -> str:
+    head = f"{row.kernel:<34} {row.shape:<18}"
+    if row.error:
+        return f"{head} ERROR {row.error}"
+    if lim is None or row.ms != row.ms:  # dry run or not timed
+        return f"{head} built"
+    sec = row.ms * 1e-3
+    peak = lim.fp8 if row.peak == "fp8" else lim.bf16
+    bound = max(row.bytes_ / lim.hbm, row.flops / peak)
+    compute_bound = row.flops / peak > row.bytes_ / lim.hbm
+    rate = f"{row.flops / sec / 1e12:8.1f} TFLOPS" if compute_bound else f"{row.bytes_ / sec / 1e12:8.2f} TB/s  "
+    speed = f"{row.eager_ms / row.ms:6.2f}x" if row.eager_ms == row.eager_ms else "     -"
+    return f"{head} {row.ms * 1e3:9.1f} us {rate} {100 * bound / sec:6.1f}% {speed}  err {row.check}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    ap.add_argument("--dry-run", action="store_true", help="only build every kernel (works without a GPU)")
+    ap.add_argument("--only", default="", help="substring filter on kernel names")
+    args = ap.parse_args(argv)
+    dry = args.dry_run or not torch.cuda.is_available()
+    if dry and not args.dry_run:
+        print("no CUDA device: building only (--dry-run)")
+    lim = None
+    if not dry:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+        lim = measure_limits(args.quick)
+        print(
+            f"measured limits: HBM copy {lim.hbm / 1e12:.2f} TB/s, FP8 _scaled_mm {lim.fp8 / 1e12:.0f} TFLOPS, "
+            f"BF16 matmul {lim.bf16 / 1e12:.0f} TFLOPS"
+        )
+    print(f"{'kernel':<34} {'shape':<18} {'time':>12} {'achieved':>14} {'%limit':>7} {'vs eager':>7}")
+    failures = 0
+    for name, shape, run in cases(args.quick):
+        if args.only and args.only not in name:
+            continue
+        row = Row(name, shape)
+        t0 = time.time()
+        try:
+            run(row, args.quick, dry)
+        except Exception as e:  # a failing kernel must not stop the table
+            row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+            failures += 1
+            if os.environ.get("DEEPINFER_BENCH_TRACEBACK"):
+                traceback.print_exc()
+        print(fmt_row(row, lim), f"[{time.time() - t0:.0f}s]", flush=True)
+    done = "were built" if dry else "passed their checks"
+    print(f"{failures} kernel(s) failed" if failures else f"all kernels {done}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
