@@ -81,3 +81,25 @@ def test_hc_pre_and_post_c_target(cpu):
     out = torch.empty(T_, 4, D)
     post_k(x, y, post, comb, out)
     assert (out - hyper_connection.post_reference(x, y, post, rc)).abs().max() < 1e-5
+
+
+def test_moe_grouped_gemm_c_target(cpu):
+    from deepinfer.codegen.kernels import _common, moe_grouped_gemm
+
+    torch.manual_seed(3)
+    E, N, K, bm, g = 4, 64, 128, 16, 32
+    ids = torch.randint(0, E, (60,))
+    ids[ids == 2] = 1  # an expert with no rows, another spanning several tiles
+    rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, bm)
+    x = torch.randn(60, K)
+    a, sa = _common.quant_fp8_groups(torch.where(rows[:, None] >= 0, x[rows.clamp_min(0)], 0.0), g)
+    quant = [_common.quant_fp8_blocks(torch.randn(N, K) * 0.05, g) for _ in range(E)]
+    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+    M = rows.numel()
+    cfg = fp8_gemm.Config(bm, 32, 32, 2, 128)
+    kernel = cpu(moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="cpu", cfg=cfg))
+    out = torch.empty(M, N)
+    kernel(a.float(), sa.T.contiguous(), b.float(), sb, tiles, out)
+    ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles, bm, g, g)
+    assert tiles.tolist().count(1) >= 2 and 2 not in tiles.tolist()
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()

@@ -7,7 +7,7 @@ UTCQMMA (UTCHMMA for fp16/bf16). Bulk tensor copies are UTMALDG/UTMASTG.
 
 import pytest
 
-from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_routing, rmsnorm_quant
+from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_grouped_gemm, moe_routing, rmsnorm_quant
 
 T_PREFILL = 4096
 D = 5120  # V4.1 hidden
@@ -21,6 +21,10 @@ def _programs(target):
         (
             "fp8_gemm_v4",
             fp8_gemm.program(T_PREFILL, 1024, 4096, act_group=128, weight_block=128, target=target, cfg=g128),
+        ),
+        (
+            "moe_grouped_gemm",  # EP8 slice of V4.1: 48 local experts, w1|w3 fused (2 x 2304)
+            moe_grouped_gemm.program(24576, 4608, D, 48, act_group=32, weight_block=32, target=target, cfg=g32),
         ),
         ("rmsnorm", rmsnorm_quant.program(T_PREFILL, D, group=32, quant=False, eps=1e-20, target=target)),
         ("rmsnorm_quant", rmsnorm_quant.program(T_PREFILL, D, group=32, quant=True, eps=1e-20, target=target)),
@@ -55,7 +59,7 @@ def test_lowers_and_compiles_to_cubin(artifacts, target, name):
     assert sum(art.opcodes.values()) > 20 and art.opcodes["EXIT"] >= 1
 
 
-@pytest.mark.parametrize("name", ["fp8_gemm_v41", "fp8_gemm_v4"])
+@pytest.mark.parametrize("name", ["fp8_gemm_v41", "fp8_gemm_v4", "moe_grouped_gemm"])
 def test_sm90_fp8_gemm_uses_wgmma_and_tma(artifacts, name):
     ops = artifacts[("sm90", name)].opcodes
     assert ops["QGMMA"] > 0, "FP8 wgmma (QGMMA) missing from SASS"
@@ -63,7 +67,7 @@ def test_sm90_fp8_gemm_uses_wgmma_and_tma(artifacts, name):
     assert ops["HMMA"] == 0
 
 
-@pytest.mark.parametrize("name", ["fp8_gemm_v41", "fp8_gemm_v4"])
+@pytest.mark.parametrize("name", ["fp8_gemm_v41", "fp8_gemm_v4", "moe_grouped_gemm"])
 def test_sm100_fp8_gemm_uses_tcgen05(artifacts, name):
     art = artifacts[("sm100", name)]
     assert art.opcodes["UTCQMMA"] > 0, "tcgen05 FP8 MMA (UTCQMMA) missing from SASS"
@@ -82,5 +86,5 @@ def test_second_build_hits_the_cache(artifacts):
 
     art = artifacts[("sm90", "rmsnorm")]
     mtime = art.cubin_path.stat().st_mtime_ns
-    again = tb.build("rmsnorm_sm90", _programs("sm90")[2][1], "sm90", sass=False)
+    again = tb.build("rmsnorm_sm90", _programs("sm90")[3][1], "sm90", sass=False)
     assert again.cubin_path == art.cubin_path and again.cubin_path.stat().st_mtime_ns == mtime

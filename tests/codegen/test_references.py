@@ -107,3 +107,21 @@ def test_fp8_gemm_roofline_counts():
     bytes_, flops = fp8_gemm.roofline(128, 256, 512, 128, 128)
     assert flops == 2 * 128 * 256 * 512
     assert bytes_ == 128 * 512 + 256 * 512 + 4 * 128 * 4 + 4 * 2 * 4 + 2 * 128 * 256
+
+
+def test_moe_grouped_gemm_reference_matches_per_row_f64():
+    from deepinfer.codegen.kernels import moe_grouped_gemm
+
+    torch.manual_seed(4)
+    E, N, K, bm, g = 3, 64, 128, 8, 32
+    ids = torch.randint(0, E, (30,))
+    rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, bm)
+    assert rows.numel() % bm == 0 and (rows >= 0).sum() == 30
+    assert sorted(rows[rows >= 0].tolist()) == list(range(30))  # a permutation of the routed rows
+    x = torch.randn(30, K)
+    a, sa = _common.quant_fp8_groups(torch.where(rows[:, None] >= 0, x[rows.clamp_min(0)], 0.0), g)
+    quant = [_common.quant_fp8_blocks(torch.randn(N, K) * 0.05, g) for _ in range(E)]
+    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+    out = moe_grouped_gemm.reference(a, sa, b, sb, tiles, bm, g, g)
+    oracle = moe_grouped_gemm.reference_f64(a, sa, b, sb, tiles, bm, g, g)
+    assert (out.double() - oracle).abs().max() < 1e-6 * oracle.abs().max()
