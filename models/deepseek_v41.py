@@ -666,13 +666,13 @@ def build_dspark_graph(
     prev, prevs, steps, drafts = anchor, [], [], []
     for i in range(bs - 1):
         prevs.append(prev)
-        step = b.add(b.slice(base, axis=0, start=i, end=i + 1), b.linear(b.embedding(m_embed, prev), m_head))
+        step = b.add(b.slice(base, axis=0, start=i, end=i + 1), b.linear(b.cast(b.embedding(m_embed, prev), dtype="f32"), m_head))
         steps.append(step)
         prev = b.argmax(step, axis=-1)
         drafts.append(prev)
     step_logits = b.concat(*steps, axis=0, name="step_logits")
     draft_tokens = b.concat(*drafts, axis=0, name="draft_tokens")
-    feats = b.concat(rest, b.embedding(m_embed, b.concat(*prevs, axis=0)), axis=1)
+    feats = b.concat(rest, b.cast(b.embedding(m_embed, b.concat(*prevs, axis=0)), dtype="f32"), axis=1)
     proj = w.plain(f"{last}.confidence_head.proj.weight", [1, dd + r])
     proj_b = w.plain(f"{last}.confidence_head.proj.bias", [1])
     raw = b.reshape(b.linear(feats, proj, proj_b), shape=[bs - 1], name="confidence_raw")
