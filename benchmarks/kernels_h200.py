@@ -38,7 +38,13 @@ except ImportError:
 
 import torch  # noqa: E402
 
-from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_routing, rmsnorm_quant  # noqa: E402
+from deepinfer.codegen.kernels import (  # noqa: E402
+    fp8_gemm,
+    hyper_connection,
+    moe_grouped_gemm,
+    moe_routing,
+    rmsnorm_quant,
+)
 from deepinfer.codegen.kernels._common import quant_fp8_blocks, quant_fp8_groups  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -159,6 +165,43 @@ def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dr
         a16 = (a.float() * sa.repeat_interleave(g, 1)).bfloat16()
         w16 = (b.float() * sb.repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
         return a16 @ w16.T
+
+    row.eager_ms = bench(eager, quick)
+
+
+def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool):
+    """EP8 slice of V4.1 prefill: `tokens` x top-6 rows spread over E local experts, w1|w3 fused (N = 2x2304)."""
+    N, K, g, cfg = 2 * MOE_INTER, HIDDEN, 32, fp8_gemm.default_config(32)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, E, (tokens * TOPK,), generator=gen)
+    rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, cfg.block_m)
+    M = rows.numel()
+    row.shape = f"{M}x{N}x{K} E{E}"
+    kernel = build(moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg))
+    row.bytes_, row.flops = moe_grouped_gemm.roofline(M, N, K, E, g, g)
+    if dry:
+        return
+    rows, tiles = rows.cuda(), tiles.cuda()
+    x = torch.randn(tokens * TOPK, K, device="cuda")
+    a, sa = quant_fp8_groups(torch.where(rows[:, None] >= 0, x[rows.clamp_min(0)], 0.0), g)
+    quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
+    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+    del quant
+    sa_t, c = sa.T.contiguous(), torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    kernel(a, sa_t, b, sb, tiles, c)
+    real = rows >= 0
+    ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles.cpu(), cfg.block_m, g, g)
+    row.check = expect(rel_err(c[real], ref[real]), 2e-2)
+    row.ms = bench(lambda: kernel(a, sa_t, b, sb, tiles, c), quick)
+
+    def eager():  # per expert: dequantise its rows and weights to bf16, one matmul each
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        a16 = (a.float() * sa.repeat_interleave(g, 1)).bfloat16()
+        for e in range(E):
+            sel = (tiles == e).repeat_interleave(cfg.block_m)
+            w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
+            out[sel] = a16[sel] @ w16.T
+        return out
 
     row.eager_ms = bench(eager, quick)
 
@@ -303,6 +346,7 @@ def cases(quick: bool):
             lambda r, q, d: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 128, g128, q, d),
         )
     )
+    out.append(("moe_grouped_gemm g32", "EP8 4096 tok", lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d)))
     if not quick:  # a small sweep: what the autotuner would search
         for cfg in fp8_gemm.config_space(4096, 32768, 1280, 32)[::6][:8]:
             out.append(
@@ -330,7 +374,7 @@ def cases(quick: bool):
 
 
 def fmt_row(row: Row, lim: Limits | None) -> str:
-    head = f"{row.kernel:<34} {row.shape:<18}"
+    head = f"{row.kernel:<34} {row.shape:<24}"
     if row.error:
         return f"{head} ERROR {row.error}"
     if lim is None or row.ms != row.ms:  # dry run or not timed
@@ -361,7 +405,7 @@ def main(argv=None) -> int:
             f"measured limits: HBM copy {lim.hbm / 1e12:.2f} TB/s, FP8 _scaled_mm {lim.fp8 / 1e12:.0f} TFLOPS, "
             f"BF16 matmul {lim.bf16 / 1e12:.0f} TFLOPS"
         )
-    print(f"{'kernel':<34} {'shape':<18} {'time':>12} {'achieved':>14} {'%limit':>7} {'vs eager':>7}")
+    print(f"{'kernel':<34} {'shape':<24} {'time':>12} {'achieved':>14} {'%limit':>7} {'vs eager':>7}")
     failures = 0
     for name, shape, run in cases(args.quick):
         if args.only and args.only not in name:
