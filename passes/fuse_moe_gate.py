@@ -11,7 +11,7 @@ registers and does the top-k in the same launch; the logits must therefore be si
 from __future__ import annotations
 
 from deepinfer.ir.graph import Graph
-from deepinfer.passes.pattern import Absent, Any, Op, find_matches, replace
+from deepinfer.passes.pattern import Absent, Any, Op, rewrite_matches
 from deepinfer.passes.pipeline import register_pass
 
 PATTERN = Op(
@@ -24,10 +24,13 @@ PATTERN = Op(
 )
 
 
+def rewrite(m):
+    inputs = [m["x"], m["gate_weight"], m["bias"], m["tid2eid"], m["tokens"]]
+    return "moe_gate_route", inputs, dict(m.node("route").attrs)
+
+
 @register_pass("fuse_moe_gate")
 def fuse_moe_gate(g: Graph) -> Graph:
-    """linear (gate) + moe_route -> moe_gate_route."""
-    for m in find_matches(g, PATTERN):
-        inputs = [m["x"], m["gate_weight"], m["bias"], m["tid2eid"], m["tokens"]]
-        replace(g, m, "moe_gate_route", inputs, dict(m.node("route").attrs))
+    """linear (gate) + moe_route -> moe_gate_route. No check: every gate GEMM + routing pair fuses."""
+    rewrite_matches(g, PATTERN, rewrite)
     return g

@@ -8,7 +8,7 @@ allowed when nothing else reads it: the norm's output must be single-use.
 from __future__ import annotations
 
 from deepinfer.ir.graph import Graph
-from deepinfer.passes.pattern import Any, Op, find_matches, replace
+from deepinfer.passes.pattern import Any, Op, rewrite_matches
 from deepinfer.passes.pipeline import register_pass
 
 # quant_fp8(rmsnorm(x, w?)) with the norm's output read only by the quant.
@@ -25,10 +25,13 @@ def check(m) -> bool:
     return not isinstance(k, int) or k % m.node("quant").attrs["group"] == 0
 
 
+def rewrite(m):
+    attrs = {"eps": m.node("norm").attrs["eps"], "group": m.node("quant").attrs["group"]}
+    return "rmsnorm_quant_fp8", [m["x"], m["w"]], attrs
+
+
 @register_pass("fuse_rmsnorm_quant")
 def fuse_rmsnorm_quant(g: Graph) -> Graph:
     """rmsnorm + quant_fp8 -> rmsnorm_quant_fp8."""
-    for m in find_matches(g, PATTERN, where=check):
-        attrs = {"eps": m.node("norm").attrs["eps"], "group": m.node("quant").attrs["group"]}
-        replace(g, m, "rmsnorm_quant_fp8", [m["x"], m["w"]], attrs)
+    rewrite_matches(g, PATTERN, rewrite, where=check)
     return g

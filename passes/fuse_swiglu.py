@@ -11,7 +11,7 @@ On V4 this is the shared expert of every MoE layer.
 from __future__ import annotations
 
 from deepinfer.ir.graph import Graph
-from deepinfer.passes.pattern import Absent, Any, Op, find_matches, replace
+from deepinfer.passes.pattern import Absent, Any, Op, rewrite_matches
 from deepinfer.passes.pipeline import register_pass
 
 
@@ -34,13 +34,16 @@ def check(m) -> bool:
     return gate.op == up.op and gate.attrs == up.attrs
 
 
+def rewrite(m):
+    # The GEMMs' own attributes (block, act_group for FP8; none for plain linear) carry over unchanged.
+    attrs = {"limit": m.node("act").attrs["limit"], **m.node("gate").attrs}
+    inputs = [m["x"], m["w1"], m["w3"], m.values.get("s1"), m.values.get("s3")]
+    return "swiglu_gate_up", inputs, attrs
+
+
 @register_pass("fuse_swiglu")
 def fuse_swiglu(g: Graph) -> Graph:
     """linear(x, w1), linear(x, w3), swiglu -> swiglu_gate_up (FP8 or plain weights)."""
     for pattern in PATTERNS:
-        for m in find_matches(g, pattern, where=check):
-            gate = m.node("gate")
-            attrs = {"limit": m.node("act").attrs["limit"], **gate.attrs}
-            inputs = [m["x"], m["w1"], m["w3"], m.values.get("s1"), m.values.get("s3")]
-            replace(g, m, "swiglu_gate_up", inputs, attrs)
+        rewrite_matches(g, pattern, rewrite, where=check)
     return g

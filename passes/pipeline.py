@@ -15,7 +15,6 @@ parallelism, select kernels, plan memory. Empty phases are places for passes sti
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -27,6 +26,7 @@ from deepinfer.errors import ConfigError, DeepInferError, VerificationError
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.printer import print_graph
 from deepinfer.ir.verifier import check
+from deepinfer.passes.pattern import clone_graph
 
 PHASES = ("canonicalize", "quantize", "fuse", "parallel", "select_kernels", "plan_memory")
 
@@ -257,7 +257,7 @@ def run_pipeline(
     if dump_dir is not None:
         dump_dir = Path(dump_dir)
         dump_dir.mkdir(parents=True, exist_ok=True)
-    g = copy.deepcopy(g) if copy_graph else g
+    g = clone_graph(g) if copy_graph else g
     _dump(dump_dir, 0, "input", "graph", g, f"input graph: {len(g.nodes)} nodes")
     report = PassReport()
     for i, (phase, name, opts) in enumerate(pipe.steps(), start=1):

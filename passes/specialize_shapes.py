@@ -8,12 +8,11 @@ Symbols not bound (e.g. the compressed-cache lengths C4, C8) stay symbolic.
 
 from __future__ import annotations
 
-import copy
-
 from deepinfer.errors import ConfigError
 from deepinfer.ir.graph import Graph, TensorType, Value
 from deepinfer.ir.registry import get_op
 from deepinfer.ir.shapes import substitute
+from deepinfer.passes.pattern import clone_graph
 from deepinfer.passes.pipeline import register_pass
 
 
@@ -52,4 +51,4 @@ def specialize_shapes(g: Graph, **bindings: int) -> Graph:
 
 def bucket_graphs(g: Graph, buckets: dict[str, dict[str, int]]) -> dict[str, Graph]:
     """One specialised copy per bucket, e.g. ``{"prefill": {"T": 64}, "decode": {"T": 1}}``."""
-    return {name: specialize_shapes(copy.deepcopy(g), **b) for name, b in buckets.items()}
+    return {name: specialize_shapes(clone_graph(g), **b) for name, b in buckets.items()}
