@@ -88,7 +88,7 @@ def test_fuse_swiglu_needs_one_x_and_single_use_intermediates():
 # -- moe gate + routing ---------------------------------------------------------------------------------
 
 
-def _router(hashed: bool):
+def _router(hashed: bool, extra_user: bool = False):
     b = GraphBuilder("g")
     x, tokens = b.input("x", "f32", ["T", 64]), b.input("tokens", "i64", ["T"])
     logits = b.linear(x, b.param("gate.weight", "f32", [8, 64]))
@@ -96,7 +96,7 @@ def _router(hashed: bool):
         w, idx = b.moe_route(logits, None, b.param("gate.tid2eid", "i32", [100, 2]), tokens, topk=2)
     else:
         w, idx = b.moe_route(logits, b.param("gate.bias", "f32", [8]), topk=2, route_scale=1.5)
-    b.output(w, idx)
+    b.output(w, idx, *([logits] if extra_user else []))
     return b.build()
 
 
@@ -107,3 +107,7 @@ def test_fuse_moe_gate_fires_for_score_and_hash_routing_and_keeps_numbers():
         assert ops == ["moe_gate_route"]
         params = random_weights(g0.params, seed=2, n_experts=8)
         _same(g0, g, {"x": torch.randn(6, 64), "tokens": torch.randint(0, 100, (6,))}, params)
+
+
+def test_fuse_moe_gate_does_not_fire_when_the_logits_are_read_elsewhere():
+    assert "moe_gate_route" not in _fuse(_router(False, extra_user=True), "fuse_moe_gate")[1]
