@@ -666,7 +666,8 @@ def build_dspark_graph(
     prev, prevs, steps, drafts = anchor, [], [], []
     for i in range(bs - 1):
         prevs.append(prev)
-        step = b.add(b.slice(base, axis=0, start=i, end=i + 1), b.linear(b.cast(b.embedding(m_embed, prev), dtype="f32"), m_head))
+        markov = b.linear(b.cast(b.embedding(m_embed, prev), dtype="f32"), m_head)
+        step = b.add(b.slice(base, axis=0, start=i, end=i + 1), markov)
         steps.append(step)
         prev = b.argmax(step, axis=-1)
         drafts.append(prev)
