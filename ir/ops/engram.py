@@ -45,7 +45,7 @@ def tokenizer_token_map() -> tuple[tuple[int, ...], int]:
     for tid in range(tok.get_vocab_size(with_added_tokens=True)):
         text = tok.decode([tid], skip_special_tokens=False)
         if "\ufffd" in text:
-            key = "raw:" + tok.id_to_token(tid)
+            key = tok.id_to_token(tid)  # shares the key space with normalised texts
         else:
             norm_text = norm.normalize_str(text)
             key = norm_text if norm_text == " " else norm_text.strip(" ")

@@ -310,3 +310,62 @@ def test_bad_build_arguments(tiny):
         v41.build_graph(tiny[0], weights="float", mode="fast")
     with pytest.raises(ConfigError, match="text_config"):
         v41.parse_config({"text_config": 3})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engram pieces and checkpoint-format weights
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_engram_real_vocabulary_and_primes():
+    from deepinfer.ir.ops.engram import tokenizer_token_map
+
+    c = v41.parse_config(json.loads(REAL_CONFIG.read_text()))  # checks prime sums == engram_num_embeddings
+    assert c.engram_num_embeddings == (384006168, 384016682)
+    cmap, classes = tokenizer_token_map()
+    assert len(cmap) == 129280 and classes == c.engram_compressed_vocab == 99092
+
+
+def test_engram_hash_ids_match_oracle(tiny):
+    """The graph's hash ids (through a history carried across calls) equal the oracle's, image token included."""
+    from deepinfer.ir.builder import GraphBuilder
+    from deepinfer.ir.interpreter import run as run_graph
+
+    cfg = tiny[0]
+    c = v41.parse_config(cfg)
+    ids = prompt(cfg, 12, 8)
+    ids[5] = cfg["image_token_id"]
+    want = ref.engram_hash_ids(cfg, ids.tolist())
+    primes = v41._engram_primes_flat(c)
+    n = c.engram_max_ngram - 1
+    for li, layer in enumerate(c.engram_layers):
+        b = GraphBuilder("hash")
+        tok, hist = b.input("tokens", "i64", ["T"]), b.input("history", "i64", [n])
+        out = b.engram_hash(
+            tok, hist, multipliers=v41.engram_multipliers(c, layer), primes=primes[li], n_heads=c.engram_n_heads,
+            pad_id=c.engram_pad_id, vocab=c.vocab_size, compressed_vocab=c.engram_compressed_vocab,
+            image_token_id=c.image_token_id,
+        )  # fmt: skip
+        b.output(out, b.engram_history(hist, tok))
+        g = b.build()
+        history, got = torch.full((n,), -1), []
+        for lo, hi in ((0, 4), (4, 5), (5, 12)):
+            h, history = run_graph(g, {"tokens": ids[lo:hi], "history": history})
+            got.append(h)
+        assert torch.equal(torch.cat(got), want[:, li])
+
+
+def test_checkpoint_format_graph_runs_on_tiny_checkpoint(tmp_path):
+    """make-checkpoint's tiny V4.1 checkpoint (FP8 32x32 blocks, FP4 experts, FP8 Engram rows) loads into the
+    checkpoint-dtype graph, which runs with finite logits."""
+    from deepinfer.models import checkpoint as ck
+
+    cfg = preset_config("deepseek-v4.1-flash", "tiny")
+    path = ck.make_checkpoint("deepseek-v4.1-flash", "tiny", tmp_path / "ckpt")
+    g = v41.build_graph(cfg)
+    w = ck.load_checkpoint(path, g.params)
+    dtypes = {p.name: str(p.dtype) for p in g.params}
+    assert dtypes["layers.1.engram.embed.weight"] == "f8e4m3" and dtypes["layers.0.attn.wq_a.scale"] == "e8m0"
+    ids = prompt({"vocab_size": 1000}, 20, 9)
+    logits, _, _ = call(g, w, fresh_caches(g, 32), ids, 0, check=True)
+    assert logits.shape == (20, 129280) and logits.isfinite().all()
