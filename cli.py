@@ -9,6 +9,7 @@ that is not built yet says so in one line and exits 2; nothing prints made-up re
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -44,60 +45,89 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model(spec: str | None, seed: int):
-    """(model name, graph, params, where the weights came from) for a model name, name:preset, or directory."""
-    from deepinfer.models import get_model
-    from deepinfer.models.checkpoint import load_checkpoint, random_weights, resolve_model
+def _default_model(spec: str | None) -> str | None:
+    """The model to use when none is named: the default one, or V4-Flash while the V4.1 graph is not built."""
+    if spec is not None or os.environ.get("DEEPINFER_HF_MODEL_DIR"):
+        return spec
+    from deepinfer.models import DEFAULT_MODEL, get_model
+
+    try:
+        get_model(DEFAULT_MODEL)
+        return None
+    except ImportError:
+        print(f"note: the {DEFAULT_MODEL} graph is not built yet; using deepseek-v4-flash")
+        return "deepseek-v4-flash"
+
+
+def _plan_weights(plan) -> tuple[dict, str]:
+    from deepinfer.models.checkpoint import load_checkpoint, random_weights
     from deepinfer.models.presets import weight_block_size
 
-    name, config, ckpt = resolve_model(spec)
-    try:
-        mod = get_model(name)
-    except ImportError:
-        if spec is not None or ckpt is not None:
-            raise NotBuiltError(f"the {name} graph is not built yet") from None
-        print(f"note: the {name} graph is not built yet; running deepseek-v4-flash instead")
-        name, config, ckpt = resolve_model("deepseek-v4-flash")
-        mod = get_model(name)
-    graph = mod.build_graph(mod.parse_config(config))
-    if ckpt is not None:
-        return name, graph, load_checkpoint(ckpt, graph.params), str(ckpt)
-    weights = random_weights(graph.params, seed, block=weight_block_size(config))
-    return name, graph, weights, f"random weights (seed {seed}) in the checkpoint formats"
+    if "checkpoint" in plan.weights:
+        return load_checkpoint(plan.weights["checkpoint"], plan.graph.params), plan.weights["checkpoint"]
+    seed = int(plan.weights.get("random_seed", 0))
+    block = weight_block_size(plan.config)
+    source = f"random weights (seed {seed}) in the checkpoint formats"
+    return random_weights(plan.graph.params, seed, block=block), source
+
+
+def _compile(args: argparse.Namespace):
+    from deepinfer.compiler import compile_model
+
+    res = compile_model(_default_model(args.model), args.target, seed=args.seed, dump_ir=args.dump_ir)
+    g = res.plan.graph
+    print(
+        f"compiled {res.plan.model} for {res.plan.target}: graph built in {res.build_s:.2f} s, "
+        f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s, "
+        f"{res.nodes_before} -> {len(g.nodes)} nodes"
+    )
+    print(res.plan.report)
+    if args.dump_ir:
+        print(f"IR after every pass: {args.dump_ir}")
+    return res.plan
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from deepinfer.runtime.plan import write_plan
+
+    if not args.output:
+        raise DeepInferError("compile needs -o PLAN_DIR")
+    plan = _compile(args)
+    print(f"wrote plan {write_plan(plan, args.output, overwrite=args.overwrite)}")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import time
-
     from deepinfer.ir.printer import summary
-    from deepinfer.models.tokenizer import get_tokenizer
+    from deepinfer.models.tokenizer import encode_chat, get_tokenizer
+    from deepinfer.runtime.plan import load_plan
     from deepinfer.runtime.session import greedy_generate
 
-    if args.plan:
-        raise NotBuiltError("running a compiled plan is not built yet (issue 7); `deepinfer run` without a plan "
-                            "runs the built-in tiny model through the interpreter")
     if args.max_tokens <= 0:
         raise DeepInferError(f"--max-tokens must be positive, got {args.max_tokens}")
-    t0 = time.perf_counter()
-    name, graph, params, source = _load_model(args.model, args.seed)
-    build_s = time.perf_counter() - t0
-    tok = get_tokenizer()
     prompts = args.prompt or ["What is the capital of France?"]
-    print(f"model: {name} ({source}); graph built and weights ready in {build_s:.2f} s")
-    print(summary(graph))
+    if any(not p for p in prompts):
+        raise DeepInferError("empty prompt")
+    if args.plan:
+        plan = load_plan(args.plan)
+        if plan.target != "cpu":
+            raise DeepInferError(f"plan {args.plan} was compiled for {plan.target}; this runtime runs 'cpu' plans")
+    else:
+        args.target, args.dump_ir = "cpu", None
+        plan = _compile(args)
+    params, source = _plan_weights(plan)
+    tok = get_tokenizer()
+    print(f"\nmodel: {plan.model} ({source})")
+    print(summary(plan.graph))
     for prompt in prompts:
-        if not prompt:
-            raise DeepInferError("empty prompt")
-        from deepinfer.models.tokenizer import encode_chat
-
         ids = encode_chat([{"role": "user", "content": prompt}])
-        res = greedy_generate(graph, params, ids, args.max_tokens, stop_ids=(tok.eos_id,))
+        res = greedy_generate(plan.graph, params, ids, args.max_tokens, stop_ids=(tok.eos_id,))
         print(f"\nprompt ({len(ids)} tokens): {prompt!r}")
         print(f"output ({len(res.output_ids)} tokens): {tok.decode(res.output_ids)!r}")
         print(f"token ids: {res.output_ids}")
         print(
             f"prefill {res.prefill_s * 1000:.0f} ms; decode {res.decode_tok_s:.1f} tok/s "
-            "(CPU interpreter: the reference path, not the compiled plan)"
+            "(CPU: the ops' torch references run one by one; compiled kernels come with issue 6)"
         )
     if source.startswith("random"):
         print("\nnote: random weights generate noise; pass --model DIR (or DEEPINFER_HF_MODEL_DIR) for a checkpoint")
@@ -125,11 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser("compile", help="compile a model to a plan directory for a target")
-    c.add_argument("--model", default=MODELS[0], help="model name, preset, or checkpoint directory")
+    c.add_argument("--model", default=None, help="model name, name:preset, or checkpoint directory "
+                   "(default: $DEEPINFER_HF_MODEL_DIR, else the built-in tiny preset)")
     c.add_argument("--target", default="cpu", choices=TARGETS)
     c.add_argument("-o", "--output", help="plan directory to write")
     c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR")
-    c.set_defaults(func=_not_built("compile", 5))
+    c.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
+    c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="run a compiled plan (no plan: compile and run the tiny model on CPU)")
     r.add_argument("plan", nargs="?", help="plan directory")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.errors import ConfigError, DeepInferError
+from deepinfer.ir import dtypes as dt
 from deepinfer.ir import interpreter
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.shapes import evaluate, parse_dim
@@ -47,8 +48,9 @@ def allocate_caches(g: Graph, max_len: int, device: str | torch.device = "cpu") 
     out = {}
     for entry in g.meta.get("caches", []):
         shape = tuple(evaluate(parse_dim(d), env) for d in entry["shape"])
-        dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[entry.get("dtype", "f32")]
-        out[entry["name"]] = torch.zeros(shape, dtype=dtype, device=device)
+        dtype = dt.dtype(entry.get("dtype", "f32")).torch_dtype
+        # A cache starts zeroed unless the graph says otherwise (e.g. Engram history starts at -1, "none").
+        out[entry["name"]] = torch.full(shape, entry.get("init", 0), dtype=dtype, device=device)
     return out
 
 

@@ -65,11 +65,51 @@ def test_run_without_plan_generates_with_the_tiny_model(capsys):
     [
         (["run", "--max-tokens", "0"], "--max-tokens must be positive"),
         (["run", "--model", "deepseek-v4-flash", "--prompt", ""], "empty prompt"),
-        (["run", "some-plan-dir"], "not built yet"),
+        (["run", "no-such-plan-dir"], "no-such-plan-dir: no plan here"),
         (["run", "--model", "no-such-model"], "no-such-model"),
-        (["compile"], "not built yet"),
+        (["compile"], "compile needs -o PLAN_DIR"),
+        (["compile", "--target", "sm90", "-o", "x"], "needs kernel binding"),
+        (["tune"], "not built yet"),
+        (["bench"], "not built yet"),
     ],
 )
 def test_run_bad_input_is_one_line_exit_2(argv, msg, capsys):
     assert main(argv) == 2
     assert msg in _one_line_error(capsys)
+
+
+def test_compile_then_run_the_plan_equals_run_without_a_plan(tmp_path, capsys):
+    plan, dump = tmp_path / "plan", tmp_path / "ir"
+    argv = ["--model", "deepseek-v4-flash", "--max-tokens", "3", "--prompt", "Hi"]
+    assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan), "--dump-ir", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "fuse_swiglu" in out and "wrote plan" in out
+    assert (plan / "plan.json").is_file() and (dump / "00-input-graph.dil").is_file()
+    assert main(["run", str(plan), *argv[2:]]) == 0
+    from_plan = capsys.readouterr().out
+    assert main(["run", *argv]) == 0
+    direct = capsys.readouterr().out
+    ids = [line for line in from_plan.splitlines() if line.startswith("token ids")]
+    assert ids and ids == [line for line in direct.splitlines() if line.startswith("token ids")]
+    # the plan is also something `inspect` prints
+    assert main(["inspect", str(plan), "--summary-only"]) == 0
+    assert "swiglu_gate_up" in capsys.readouterr().out
+    # an existing plan is not overwritten silently
+    assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan)]) == 2
+    assert "already exists" in _one_line_error(capsys)
+
+
+def test_run_rejects_a_plan_for_another_target_or_missing_fields(tmp_path, capsys):
+    import json
+
+    plan = tmp_path / "plan"
+    assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    doc = json.loads((plan / "plan.json").read_text())
+    (plan / "plan.json").write_text(json.dumps({**doc, "target": "sm90"}))
+    assert main(["run", str(plan)]) == 2
+    assert "compiled for sm90" in _one_line_error(capsys)
+    del doc["model"]
+    (plan / "plan.json").write_text(json.dumps(doc))
+    assert main(["run", str(plan)]) == 2
+    assert "model: missing field" in _one_line_error(capsys)
