@@ -81,7 +81,8 @@ def _compile(args: argparse.Namespace):
         f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s, "
         f"{res.nodes_before} -> {len(g.nodes)} nodes"
     )
-    print(res.plan.report)
+    if getattr(args, "verbose", True):
+        print(res.plan.report)
     if args.dump_ir:
         print(f"IR after every pass: {args.dump_ir}")
     return res.plan
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR")
     c.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
     c.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
+    c.add_argument("-v", "--verbose", action="store_true", help="print every pass with its time and changes")
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="run a compiled plan (no plan: compile and run the tiny model on CPU)")

@@ -81,7 +81,7 @@ def test_run_bad_input_is_one_line_exit_2(argv, msg, capsys):
 def test_compile_then_run_the_plan_equals_run_without_a_plan(tmp_path, capsys):
     plan, dump = tmp_path / "plan", tmp_path / "ir"
     argv = ["--model", "deepseek-v4-flash", "--max-tokens", "3", "--prompt", "Hi"]
-    assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan), "--dump-ir", str(dump)]) == 0
+    assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan), "--dump-ir", str(dump), "-v"]) == 0
     out = capsys.readouterr().out
     assert "fuse_swiglu" in out and "wrote plan" in out
     assert (plan / "plan.json").is_file() and (dump / "00-input-graph.dil").is_file()
