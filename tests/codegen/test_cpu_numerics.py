@@ -103,3 +103,18 @@ def test_moe_grouped_gemm_c_target(cpu):
     ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles, bm, g, g)
     assert tiles.tolist().count(1) >= 2 and 2 not in tiles.tolist()
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_sparse_attn_decode_c_target(cpu):
+    from deepinfer.codegen.kernels import sparse_attn_decode
+
+    torch.manual_seed(5)
+    B, H, D, S, K = 3, 8, 64, 200, 64
+    q, kv = torch.randn(B, H, D), torch.randn(S, D)
+    idx = torch.randint(0, S, (B, K), dtype=torch.int32)
+    idx[:, -5:] = -1  # invalid slots, including in the last block
+    sink = torch.randn(H) * 2
+    kernel = cpu(sparse_attn_decode.program(B, H, D, S, K, target="cpu", cfg=sparse_attn_decode.Config(32, 128)))
+    out = torch.empty(B, H, D)
+    kernel(q, kv, idx, sink, out)
+    assert (out - sparse_attn_decode.reference(q, kv, idx, sink)).abs().max() < 1e-5

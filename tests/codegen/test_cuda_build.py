@@ -7,10 +7,28 @@ UTCQMMA (UTCHMMA for fp16/bf16). Bulk tensor copies are UTMALDG/UTMASTG.
 
 import pytest
 
-from deepinfer.codegen.kernels import fp8_gemm, hyper_connection, moe_grouped_gemm, moe_routing, rmsnorm_quant
+from deepinfer.codegen.kernels import (
+    fp8_gemm,
+    hyper_connection,
+    moe_grouped_gemm,
+    moe_routing,
+    rmsnorm_quant,
+    sparse_attn_decode,
+)
 
 T_PREFILL = 4096
 D = 5120  # V4.1 hidden
+NAMES = [
+    "fp8_gemm_v41",
+    "fp8_gemm_v4",
+    "moe_grouped_gemm",
+    "rmsnorm",
+    "rmsnorm_quant",
+    "moe_routing",
+    "hc_pre",
+    "hc_post",
+    "sparse_attn_decode",
+]
 
 
 def _programs(target):
@@ -31,6 +49,8 @@ def _programs(target):
         ("moe_routing", moe_routing.program(T_PREFILL, 384, topk=6, route_scale=1.5, target=target)),
         ("hc_pre", hyper_connection.pre_program(T_PREFILL, D, eps=1e-20, hc_eps=1e-6, iters=20, target=target)),
         ("hc_post", hyper_connection.post_program(T_PREFILL, D, target=target)),
+        # decode batch 64, 64 heads x 512, 128 window + 512 selected entries from a 64K-row pool
+        ("sparse_attn_decode", sparse_attn_decode.program(64, 64, 512, 65536, 640, target=target)),
     ]
 
 
@@ -41,15 +61,15 @@ def artifacts(codegen_cache, nvcc_required):
 
     out = {}
     for target in ("sm90", "sm100"):
-        for name, func in _programs(target):
+        programs = _programs(target)
+        assert [name for name, _ in programs] == NAMES
+        for name, func in programs:
             out[(target, name)] = tb.build(f"{name}_{target}", func, target)
     return out
 
 
 @pytest.mark.parametrize("target", ["sm90", "sm100"])
-@pytest.mark.parametrize(
-    "name", ["fp8_gemm_v41", "fp8_gemm_v4", "rmsnorm", "rmsnorm_quant", "moe_routing", "hc_pre", "hc_post"]
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_lowers_and_compiles_to_cubin(artifacts, target, name):
     art = artifacts[(target, name)]
     assert art.cubin_path is not None and art.cubin_path.stat().st_size > 1000
@@ -88,3 +108,14 @@ def test_second_build_hits_the_cache(artifacts):
     mtime = art.cubin_path.stat().st_mtime_ns
     again = tb.build("rmsnorm_sm90", _programs("sm90")[3][1], "sm90", sass=False)
     assert again.cubin_path == art.cubin_path and again.cubin_path.stat().st_mtime_ns == mtime
+
+
+def test_sm90_sparse_attention_uses_bf16_wgmma_and_async_gather(artifacts):
+    ops = artifacts[("sm90", "sparse_attn_decode")].opcodes
+    assert ops["HGMMA"] > 0, "bf16 wgmma (HGMMA) missing for QK^T / PV"
+    assert ops["LDGSTS"] > 0, "the KV row gather should use cp.async"
+
+
+def test_sm100_sparse_attention_uses_tensor_cores(artifacts):
+    # fragment accumulators lower to mma.sync on sm100 (tcgen05 needs a TMEM accumulator: not yet)
+    assert artifacts[("sm100", "sparse_attn_decode")].opcodes["HMMA"] > 0

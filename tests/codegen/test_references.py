@@ -125,3 +125,19 @@ def test_moe_grouped_gemm_reference_matches_per_row_f64():
     out = moe_grouped_gemm.reference(a, sa, b, sb, tiles, bm, g, g)
     oracle = moe_grouped_gemm.reference_f64(a, sa, b, sb, tiles, bm, g, g)
     assert (out.double() - oracle).abs().max() < 1e-6 * oracle.abs().max()
+
+
+def test_sparse_attn_reference_matches_f64_loops_and_sink_matters():
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    torch.manual_seed(6)
+    q, kv = torch.randn(2, 4, 32), torch.randn(50, 32)
+    idx = torch.randint(0, 50, (2, 16), dtype=torch.int32)
+    idx[0, :3] = -1
+    sink = torch.randn(4)
+    out = sad.reference(q, kv, idx, sink)
+    assert (out.double() - sad.reference_f64_loops(q, kv, idx, sink)).abs().max() < 1e-5
+    # a huge sink absorbs the probability mass; a very negative one is plain softmax attention
+    assert sad.reference(q, kv, idx, torch.full((4,), 1e4)).abs().max() < 1e-6
+    plain = sad.reference(q, kv, idx, torch.full((4,), -1e4))
+    assert not torch.allclose(plain, out, atol=1e-3)
