@@ -369,3 +369,15 @@ def test_checkpoint_format_graph_runs_on_tiny_checkpoint(tmp_path):
     ids = prompt({"vocab_size": 1000}, 20, 9)
     logits, _, _ = call(g, w, fresh_caches(g, 32), ids, 0, check=True)
     assert logits.shape == (20, 129280) and logits.isfinite().all()
+
+
+def test_decode_after_truncated_compact_prefill_matches_oracle(tiny):
+    cfg, w = tiny
+    keep = cfg["sliding_window"] + cfg["dspark_block_size"]
+    ids = prompt(cfg, 36, 10)
+    g = v41.build_graph(cfg, weights="float", mode="compact", keep_tokens=keep)
+    _, caches, _ = call(g, w, fresh_caches(g, 64), ids[:30], 0)
+    _, state = ref.prefill(cfg, w, ids[:30], mode="compact", keep_tokens=keep)
+    for t in range(30, 36):
+        logits, caches, _ = call(g, w, caches, ids[t : t + 1], t)
+        assert rel(logits[0], ref.decode_step(cfg, w, state, int(ids[t]))) < TOL
