@@ -44,6 +44,7 @@ from deepinfer.codegen.kernels import (  # noqa: E402
     moe_grouped_gemm,
     moe_routing,
     rmsnorm_quant,
+    sparse_attn_decode,
 )
 from deepinfer.codegen.kernels._common import quant_fp8_blocks, quant_fp8_groups  # noqa: E402
 
@@ -321,6 +322,26 @@ def case_hc_post(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: hyper_connection.post_reference(x, y, post, c), quick)
 
 
+def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool):
+    """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool."""
+    S = 1 << 18
+    kernel = build(sparse_attn_decode.program(B, HEADS, HEAD_DIM, S, topk, target="sm90"))
+    row.bytes_, row.flops = sparse_attn_decode.roofline(B, HEADS, HEAD_DIM, topk)
+    row.peak = "bf16"
+    if dry:
+        return
+    q = torch.randn(B, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(S, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, S, (B, topk), device="cuda", dtype=torch.int32)
+    idx[:, -7:] = -1  # a few invalid slots, as a partly filled selection has
+    sink = torch.randn(HEADS, device="cuda")
+    out = torch.empty_like(q)
+    kernel(q, kv, idx, sink, out)
+    row.check = expect(rel_err(out, sparse_attn_decode.reference(q, kv, idx, sink)), 2e-2)
+    row.ms = bench(lambda: kernel(q, kv, idx, sink, out), quick)
+    row.eager_ms = bench(lambda: sparse_attn_decode.reference(q, kv, idx, sink), quick)
+
+
 # ---------------------------------------------------------------------------------------------- plan
 
 
@@ -370,6 +391,8 @@ def cases(quick: bool):
             ("hc_pre", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_pre(r, T_, q, d)),
             ("hc_post", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_post(r, T_, q, d)),
         ]
+    for B in (64, 128) if not quick else (64,):
+        out.append(("sparse_attn_decode", f"B{B} H64 k640", lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d)))
     return out
 
 
