@@ -6,5 +6,7 @@
                        sparse_attn_decode: TileLang factory, torch reference, config space, roofline
                        (plus Triton and Ascend variants where they exist)
 
-Importing this package does not import tilelang or triton; the factories do, when called.
+Importing this package imports neither tilelang nor triton. TileLang is imported by the factories when
+called; rmsnorm_quant and moe_routing import triton at module import when it is installed (their
+Triton variants need `tl` as a module global for the interpreter).
 """
