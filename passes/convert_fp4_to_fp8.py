@@ -1,0 +1,95 @@
+"""Quantisation (phase 1): FP4 experts -> FP8 at load time, for targets whose matrix units lack FP4 (SM90).
+
+The checkpoint stores routed experts as packed FP4 E2M1 with one ue8m0 scale per 32 inputs of a row
+(MODEL_SPEC §4.3). Hopper's tensor cores have no FP4 path, so on `sm90` the experts run as block-scaled FP8
+E4M3 (the `moe_experts` "fp8" format, one ue8m0 scale per `block` x `block` tile, as the dense weights).
+The pass retypes the expert parameters (same checkpoint names), switches the ops to FP8, and records the
+conversion in ``graph.meta["param_conversions"]``: the runtime applies :func:`fp4_to_fp8_block` (named there)
+to the tensors it loads, or calls :func:`apply_param_conversions`.
+
+Exactness. An FP4 value is c * 2^e, c in {0, 0.5, 1, 1.5, 2, 3, 4, 6} (at most two significant bits), e the
+group's scale exponent. The FP8 block scale is 2^E with E = (largest group exponent in the block) - 6, so the
+block's largest value is at most 6 * 2^6 = 384 <= 448 (no saturation) and the code is c * 2^(e-E). E4M3 holds
+every number m * 2^p with m < 16 and p >= -9 (its subnormal step is 2^-9), so the code is exact whenever its
+lowest set bit is >= 2^-9: always when e >= E - 8, i.e. when every group in the block is within 14 binades
+(2^14) of the block's largest group scale. Real and random checkpoints have a spread of a few binades, so the
+conversion is exact there (tests check it bit for bit); beyond 14 binades the smallest codes of the small
+groups round to the E4M3 grid (round to nearest even) or flush to zero. Groups that are all zero do not count.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from deepinfer.codegen.targets import TARGETS
+from deepinfer.errors import ConfigError
+from deepinfer.ir import dtypes as dt
+from deepinfer.ir.graph import Graph, TensorType
+from deepinfer.passes.pipeline import register_pass
+
+FN = "deepinfer.passes.convert_fp4_to_fp8:fp4_to_fp8_block"
+FP4_GROUP = 32
+
+
+def fp4_to_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed FP4 [N, K/2] with e8m0 [N, K/32] -> (E4M3 [N, K], e8m0 [ceil(N/block), ceil(K/block)])."""
+    vals = dt.fp4_to_float(w)  # [N, K]
+    n, k = vals.shape
+    exp = dt.e8m0_to_float(scale).log2().round()  # [N, K/32], exact integers
+    live = vals.unflatten(-1, (-1, FP4_GROUP)).ne(0).any(-1)  # groups with a nonzero code
+    exp_el = exp.repeat_interleave(FP4_GROUP, 1)  # per element
+    nb, kb = -(-n // block), -(-k // block)
+    pad = torch.full((nb * block, kb * block), -1e9)
+    pad[:n, :k] = torch.where(live.repeat_interleave(FP4_GROUP, 1), exp_el, torch.tensor(-1e9))
+    top = pad.view(nb, block, kb, block).amax(dim=(1, 3))  # largest live group exponent per block
+    big = (top - 6).clamp(-127, 127)
+    big = torch.where(top < -1e8, torch.zeros_like(big), big)  # an all-zero block: any scale, take 2^0
+    big_el = big.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    codes = (vals * torch.exp2(exp_el - big_el)).to(torch.float8_e4m3fn)
+    return codes, dt.float_to_e8m0(torch.exp2(big))
+
+
+def apply_param_conversions(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as the converted graph wants them (a new dict; the loaded ones are not changed)."""
+    out = dict(tensors)
+    for conv in meta.get("param_conversions", []):
+        module, fn_name = conv["fn"].split(":")
+        fn = getattr(importlib.import_module(module), fn_name)
+        for wname, sname in conv["params"]:
+            out[wname], out[sname] = fn(tensors[wname], tensors[sname], conv["block"])
+    return out
+
+
+def _lacks_fp4(target: str) -> bool:
+    if target not in TARGETS:
+        raise ConfigError(f"convert_fp4_to_fp8: unknown target {target!r} (known: {', '.join(TARGETS)})")
+    dtypes = TARGETS[target].dtypes
+    return "float8_e4m3" in dtypes and "float4_e2m1" not in dtypes
+
+
+@register_pass("convert_fp4_to_fp8")
+def convert_fp4_to_fp8(g: Graph, target: str | None = None, block: int | None = None) -> Graph:
+    """FP4 experts -> block-scaled FP8 for a target without FP4 matrix units (sm90); no target: no change."""
+    if target is None or not _lacks_fp4(target):
+        return g
+    pairs: list[list[str]] = []
+    for n in g.nodes:
+        if n.op != "moe_experts" or n.attrs["fmt"] != "fp4":
+            continue
+        b = block or n.attrs["block"]
+        for i in range(0, len(n.inputs) - 3, 2):
+            w, s = n.inputs[3 + i], n.inputs[4 + i]
+            rows, cols = w.shape[0], w.shape[1] * 2
+            w.type = TensorType(dt.f8e4m3, (rows, cols))
+            s.type = TensorType(dt.e8m0, (-(-rows // b), -(-cols // b)))
+            pairs.append([w.name, s.name])
+        n.attrs = {**n.attrs, "fmt": "fp8", "block": b}
+        g.meta.setdefault("param_conversions", [])
+        convs = g.meta["param_conversions"]
+        if not convs or convs[-1]["fn"] != FN or convs[-1]["block"] != b:
+            convs.append({"fn": FN, "block": b, "params": []})
+        convs[-1]["params"] += pairs
+        pairs = []
+    return g
