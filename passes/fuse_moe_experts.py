@@ -39,9 +39,7 @@ def _shared(fp8: bool, quantised: bool) -> Op:
 
 
 PATTERNS = [
-    Op("add", ROUTED, _shared(fp8, quantised), capture="add")
-    for quantised in (True, False)
-    for fp8 in (True, False)
+    Op("add", ROUTED, _shared(fp8, quantised), capture="add") for quantised in (True, False) for fp8 in (True, False)
 ] + [ROUTED]
 
 
@@ -49,7 +47,8 @@ def check(m) -> bool:
     if "gu" not in m.ops:
         return True
     gu, down = m.node("gu").attrs, m.node("down").attrs
-    return not gu["act_group"] and not down.get("act_group", 0) and ("block" not in down or gu["block"] == down["block"])
+    same_block = "block" not in down or gu["block"] == down["block"]
+    return not gu["act_group"] and not down.get("act_group", 0) and same_block
 
 
 def layout(t, masked_max_t: int) -> str:
