@@ -1,0 +1,69 @@
+"""Fusion: a V4.1 ratio-2 kv source's compressor with its index keys -> pair_compressor_keys (MODEL_SPEC §2.13).
+
+    pooled, entry_pos, entry_idx, state_kv', state_score' = pair_compressor(kv, score, state_kv, state_score, pos)
+    latent = rmsnorm(pooled, norm)                  entry = rope(latent, entry_pos)
+    keys   = rope(rmsnorm(linear(latent, wk), k_norm), entry_pos)
+    ->  entry, keys, entry_idx, state_kv', state_score' = pair_compressor_keys(kv, score, ..., norm, wk, k_norm)
+
+The pooled rows, the latent and the key projection stay on chip: pooled, latent and entry_pos are read only
+inside the match (the latent by the wk GEMM and the entry RoPE, entry_pos by the two RoPEs), and both RoPEs
+use one table. The cache writes (scatter_rows) stay outside. Without QAT only: the QAT fake-quant points sit
+between the RoPEs and the writes and end the match there (they are not fused).
+"""
+
+from __future__ import annotations
+
+from deepinfer.ir.graph import Graph
+from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
+from deepinfer.ir.ops.attention import ROPE_ATTRS
+from deepinfer.passes.pattern import Absent, Any, Op, find_matches, make_node
+from deepinfer.passes.pipeline import register_pass
+
+LATENT = Op("rmsnorm", Op("pair_compressor", output=0, capture="pc", single_use=True), Any("norm"), capture="latent")
+PATTERN = Op(
+    "rope",
+    Op(
+        "rmsnorm",
+        Op("linear", LATENT, Any("wk"), Absent(), capture="wk_gemm", single_use=True),
+        Any("k_norm"),
+        capture="k_norm_op",
+        single_use=True,
+    ),
+    Op("pair_compressor", *map(Any, ("kv", "score", "state_kv", "state_score", "pos")), output=1, capture="pc"),
+    attrs={"inverse": False},
+    capture="key_rope",
+)
+
+
+@register_pass("fuse_compressor")
+def fuse_compressor(g: Graph) -> Graph:
+    """pair_compressor + latent norm + entry RoPE + index-key GEMM/norm/RoPE -> pair_compressor_keys."""
+    users, pos = g.users(), {id(n): i for i, n in enumerate(g.nodes)}
+    outputs = {v.name for v in g.outputs}
+    entry_rope = {}
+
+    def check(m) -> bool:
+        latent, entry_pos = m.node("latent").outputs[0], m.node("pc").outputs[1]
+        others = [u for u in users[latent.name] if u is not m.node("wk_gemm")]
+        if len(others) != 1 or others[0].op != "rope" or others[0].inputs != [latent, entry_pos]:
+            return False
+        rope, key_rope = others[0], m.root
+        if any(rope.attrs[k] != key_rope.attrs[k] for k in (*ROPE_ATTRS, "inverse")):
+            return False
+        if latent.name in outputs or entry_pos.name in outputs or len(users[entry_pos.name]) != 2:
+            return False
+        entry_rope[id(m.root)] = rope
+        # The fused op sits at the key RoPE: nothing may read what it takes over before that.
+        taken = [rope.outputs[0], *m.node("pc").outputs[2:]]
+        return not any(pos[id(u)] < pos[id(m.root)] for v in taken for u in users.get(v.name, []))
+
+    drop = set()
+    for m in find_matches(g, PATTERN, where=check):
+        pc, rope = m.node("pc"), entry_rope[id(m.root)]
+        attrs = {"eps": m.node("latent").attrs["eps"], **{k: rope.attrs[k] for k in ROPE_ATTRS}}
+        inputs = [m["kv"], m["score"], m["state_kv"], m["state_score"], m["pos"], m["norm"], m["wk"], m["k_norm"]]
+        reuse = [rope.outputs[0], m.root.outputs[0], *pc.outputs[2:]]
+        g.nodes[pos[id(m.root)]] = make_node(g, "pair_compressor_keys", inputs, attrs, reuse)
+        drop |= {id(n) for n in [*m.nodes, rope] if n is not m.root}
+    g.nodes = [n for n in g.nodes if id(n) not in drop]
+    return g
