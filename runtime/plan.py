@@ -101,3 +101,16 @@ def load_plan(path: str | os.PathLike) -> Plan:
         pipeline=_field(doc, "pipeline", dict, str(f)),
         report=report,
     )
+
+
+def bind_weights(plan: Plan) -> tuple[dict, str]:
+    """The plan's weights: its checkpoint's tensors, or the seeded random weights (checkpoint formats);
+    returns (params by name, a description of where they came from)."""
+    from deepinfer.models.checkpoint import load_checkpoint, random_weights
+    from deepinfer.models.presets import weight_block_size
+
+    if "checkpoint" in plan.weights:
+        return load_checkpoint(plan.weights["checkpoint"], plan.graph.params), plan.weights["checkpoint"]
+    seed = int(plan.weights.get("random_seed", 0))
+    source = f"random weights (seed {seed}) in the checkpoint formats"
+    return random_weights(plan.graph.params, seed, block=weight_block_size(plan.config)), source
