@@ -34,8 +34,18 @@ PHASES = ("canonicalize", "quantize", "fuse", "parallel", "select_kernels", "pla
 # every pass sees a clean graph and the node counts in the report mean something.
 DEFAULT_PHASES: dict[str, list] = {
     "canonicalize": ["dce", "cse", "fold_constants", "dce"],
-    "quantize": [],
-    "fuse": ["fuse_rmsnorm_quant", "fuse_swiglu", "fuse_moe_gate", "dce"],
+    "quantize": ["quantize_activations", "convert_fp4_to_fp8"],  # both off by default: options turn them on
+    "fuse": [
+        "fuse_rmsnorm_quant",
+        "fuse_swiglu",
+        "fuse_moe_gate",
+        "fuse_attention",
+        "fuse_hyper_connection",
+        "fuse_out_proj",
+        "fuse_moe_experts",
+        "fuse_compressor",
+        "dce",
+    ],
     "parallel": [],
     "select_kernels": [],
     "plan_memory": [],
@@ -95,12 +105,19 @@ def _ensure_loaded() -> None:
     if not _LOADED:
         _LOADED = True
         from deepinfer.passes import (  # noqa: F401
+            convert_fp4_to_fp8,
             cse,
             dce,
             fold_constants,
+            fuse_attention,
+            fuse_compressor,
+            fuse_hyper_connection,
+            fuse_moe_experts,
             fuse_moe_gate,
+            fuse_out_proj,
             fuse_rmsnorm_quant,
             fuse_swiglu,
+            quantize_activations,
             specialize_shapes,
         )
 

@@ -50,7 +50,9 @@ def test_pipeline_keeps_logits_and_fires(weights, tmp_path):
     counts = opt.op_counts()
     n_moe = counts["moe_gate_route"]
     assert n_moe == cfg.num_layers and "moe_route" not in counts
-    assert counts["swiglu_gate_up"] == cfg.num_layers and "swiglu" not in counts
+    # fuse_swiglu made one swiglu_gate_up per layer; fuse_moe_experts then took each into its MoE op
+    assert report.by_name("fuse_swiglu")[0].added == {"swiglu_gate_up": cfg.num_layers} and "swiglu" not in counts
+    assert counts["moe_grouped_experts"] == cfg.num_layers and "swiglu_gate_up" not in counts
     assert counts["window_indices"] == 1 and counts["ring_slots"] == 1  # cse: one per graph, not per layer
     assert report.by_name("fuse_swiglu")[0].nodes_after == report.by_name("fuse_swiglu")[0].nodes_before - 2 * n_moe
     inputs = _inputs(g, t=5, start=3)
