@@ -57,6 +57,13 @@ ROW_LOCAL: dict[str, tuple[int, ...] | None] = {
     "sparse_attention": (0, 3, 5),  # q and index lists by row; the pools are global
     "indexer_topk": (0, 1, 3),  # per query: scores against the (global) index keys, visibility from its position
     "compressed_indices": (0,),  # per query position
+    # fused ops (phase 2): the same rows as the ops they replace
+    "fused_attention": (0, 1, 4, 6),  # q, positions, win_idx, cmp_idx
+    "grouped_out_proj": (0,),
+    "moe_grouped_experts": (0, 1, 2),
+    "hc_pre_collapse": (0, 4),
+    "hc_post_pre": (0, 1, 2, 3),
+    "hc_post_pre_collapse": (0, 1, 2, 3, 7),
 }
 
 

@@ -26,11 +26,12 @@ from deepinfer.passes.eplb import Placement, contiguous_placement, eplb_placemen
 from deepinfer.passes.pipeline import register_pass
 
 TOKEN_MODES = ("replicated", "distinct")
+MOE_OPS = {"moe_experts": 3, "moe_grouped_experts": 9}  # op -> index of its first expert tensor
 
 
 def layer_key(node: Node) -> str:
-    """The MoE layer a moe_experts node belongs to: its first expert tensor's prefix (``layers.3.ffn``)."""
-    return node.inputs[3].name.split(".experts.")[0]
+    """The MoE layer a MoE node belongs to: its first expert tensor's prefix (``layers.3.ffn``)."""
+    return node.inputs[MOE_OPS[node.op]].name.split(".experts.")[0]
 
 
 def _layer_load(eplb: dict, key: str, n_experts: int) -> list[float]:
@@ -50,25 +51,42 @@ def placement_for(node: Node, world: int, eplb: dict | None) -> Placement:
 
 
 def _shard(em: Emitter, node: Node, p: Placement, rank: int, world: int, tokens: str) -> list[Node]:
-    """The nodes replacing one moe_experts node on ``rank``; the last takes over its output."""
+    """The nodes replacing one MoE node on ``rank``; the last takes over its output."""
     per = EXPERT_FORMATS[node.attrs["fmt"]]
-    x, w, idx, experts = node.inputs[0], node.inputs[1], node.inputs[2], node.inputs[3:]
-    slots = p.slots[rank]
-    tensors = [t for e, _ in slots for t in experts[per * e : per * (e + 1)]]
+    x, w, idx = node.inputs[:3]
+    experts = node.inputs[MOE_OPS[node.op] :]
+    tensors = [t for e, _ in p.slots[rank] for t in experts[per * e : per * (e + 1)]]
     new: list[Node] = []
 
     def add(op: str, inputs: list, attrs: dict, reuse=()) -> Value:
         new.append(em.node(op, inputs, attrs, node.outputs[0].name, reuse))
         return new[-1].outputs[0]
 
-    if tokens == "distinct":
-        x, w, idx = (add("all_gather", [v], {"world": world}) for v in (x, w, idx))
+    xs = [add("all_gather", [v], {"world": world}) for v in (x, w, idx)] if tokens == "distinct" else [x, w, idx]
     attrs = {k: node.attrs[k] for k in ("n_experts", "fmt", "swiglu_limit", "block")}
-    attrs.update(slot_expert=[e for e, _ in slots], slot_replica=[j for _, j in slots], replicas=list(p.replicas))
-    part = add("moe_experts_local", [x, w, idx, *tensors], attrs)
+    attrs.update(
+        slot_expert=[e for e, _ in p.slots[rank]], slot_replica=[j for _, j in p.slots[rank]], replicas=list(p.replicas)
+    )
+    part = add("moe_experts_local", [*xs, *tensors], attrs)
     combine = "all_reduce" if tokens == "replicated" else "reduce_scatter"
-    add(combine, [part], {"world": world}, reuse=node.outputs)
+    shared = node.op == "moe_grouped_experts" and node.inputs[3] is not None
+    routed = add(combine, [part], {"world": world}, reuse=() if shared else node.outputs)
+    if shared:  # the shared expert runs once per token, on the rank holding the token, after the combine
+        add("add", [routed, _shared_expert(node, add)], {}, reuse=node.outputs)
     return new
+
+
+def _shared_expert(node: Node, add) -> Value:
+    """moe_grouped_experts's shared expert as the ops it fused (same order, so the same numbers)."""
+    x, (sw1, sw3, sw2, ss1, ss3, ss2), a = node.inputs[0], node.inputs[3:9], node.attrs
+    h = add("swiglu_gate_up", [x, sw1, sw3, ss1, ss3], {"limit": a["shared_limit"], "block": a["shared_block"]})
+    if a["shared_mid_group"]:
+        codes = add("quant_fp8", [h], {"group": a["shared_mid_group"]})
+        scales = codes.producer.outputs[1]
+        h = add("dequant_fp8", [codes, scales], {"group": a["shared_mid_group"], "dtype": h.dtype})
+    if ss2 is None:
+        return add("linear", [h, sw2], {})
+    return add("linear_fp8", [h, sw2, ss2], {"block": a["shared_block"]})
 
 
 def prune_params(g: Graph) -> None:
@@ -87,7 +105,7 @@ def expert_parallel(g: Graph, *, world: int, rank: int, tokens: str = "replicate
     em, nodes = Emitter(g), []
     plan: dict[str, dict] = {}
     for node in g.nodes:
-        if node.op != "moe_experts":
+        if node.op not in MOE_OPS:
             nodes.append(node)
             continue
         p = placement_for(node, world, eplb)

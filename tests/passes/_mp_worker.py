@@ -22,13 +22,27 @@ def cases(world: int) -> list[tuple[str, dict, str]]:
             ("dp2_ep2", {"world": 2, "dp": 2, "ep": 2}, "dp"),
             ("cp2_ep2", {"world": 2, "cp": 2, "ep": 2}, "cp"),
             ("ep2", {"world": 2, "ep": 2}, "same"),
+            ("cp2_ep2_fused", {"world": 2, "cp": 2, "ep": 2}, "cp"),
         ]
     return [
         ("ep4", {"world": 4, "ep": 4}, "same"),
         ("ep4_eplb", {"world": 4, "ep": 4, "eplb": eplb}, "same"),
-        ("dp4_ep4_eplb", {"world": 4, "dp": 4, "ep": 4, "eplb": eplb}, "dp"),
         ("cp4_ep4", {"world": 4, "cp": 4, "ep": 4}, "cp"),
+        ("dp4_ep4_eplb_fused", {"world": 4, "dp": 4, "ep": 4, "eplb": eplb}, "dp"),
     ]
+
+
+# Every fusion of phase 2 (with the shared expert inside moe_grouped_experts), for the "_fused" cases.
+FUSED = [
+    "fuse_rmsnorm_quant",
+    "fuse_swiglu",
+    "fuse_moe_gate",
+    "fuse_moe_experts",
+    "fuse_attention",
+    "fuse_hyper_connection",
+    "fuse_out_proj",
+    "dce",
+]
 
 
 def tiny():
@@ -67,14 +81,15 @@ def main(rank: int, world: int, out_dir: str) -> None:
     from deepinfer.ir.interpreter import run
     from deepinfer.passes.parallel_layout import shard_for_rank
     from deepinfer.passes.pattern import clone_graph
-    from deepinfer.passes.pipeline import run_pipeline
+    from deepinfer.passes.pipeline import Pipeline, run_pipeline
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     torch.set_num_threads(1)
     g, params = tiny()
     opt, _ = run_pipeline(g)
+    fused, _ = run_pipeline(g, Pipeline.default().with_phase("fuse", FUSED))
     for name, layout, split in cases(world):
-        rg = shard_for_rank(clone_graph(opt), rank, layout)
+        rg = shard_for_rank(clone_graph(fused if name.endswith("_fused") else opt), rank, layout)
         outs = run(rg, rank_inputs(g, split, rank, world), params, check=True)
         names = [v.name for v in rg.outputs]
         torch.save(

@@ -1,7 +1,8 @@
 """Per-rank plans run in 2 and 4 CPU processes (torch.distributed, gloo) give the single-process logits and caches.
 
-Layouts: DP=2/EP=2, CP=2/EP=2 (zig-zag), EP=2, EP=4, EP=4 with EPLB redundant experts, DP=4/EP=4 with EPLB,
-CP=4/EP=4, on the tiny V4 config (8 experts, every attention kind, hash and score routing).
+Layouts: DP=2/EP=2, CP=2/EP=2 (zig-zag), EP=2, EP=4, EP=4 with EPLB redundant experts, CP=4/EP=4, and on the
+fully fused graph (shared expert inside moe_grouped_experts) CP=2/EP=2 and DP=4/EP=4 with EPLB; tiny V4 config
+(8 experts, every attention kind, hash and score routing).
 """
 
 from __future__ import annotations
@@ -64,5 +65,5 @@ def _check_sharding(name, layout, results, g):
     assert all(len(e) <= n_slots for e in experts), name
     assert set().union(*experts) == {str(i) for i in range(8)}, name
     ops = results[0]["ops"]
-    assert "moe_experts" not in ops and ops["moe_experts_local"] == 4, name
+    assert "moe_experts" not in ops and "moe_grouped_experts" not in ops and ops["moe_experts_local"] == 4, name
     assert ("cp_gather" in ops) == (layout.get("cp", 1) > 1), name
