@@ -58,6 +58,7 @@ class RequestOutput:
     ttft_s: float | None = None
     tpot_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
 
 def _resolve_plan(model, target: str, plan) -> Plan:
@@ -281,7 +282,7 @@ class LLM:
             tpot = (seq.finish_time - seq.first_token_time) / (n - 1)
         return RequestOutput(
             seq.request_id, seq.index, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finished,
-            seq.finish_reason, seq.error, list(seq.logprobs), ttft, tpot, seq.num_preemptions,
+            seq.finish_reason, seq.error, list(seq.logprobs), ttft, tpot, seq.num_preemptions, seq.num_cached_tokens,
         )  # fmt: skip
 
     # -- offline API -------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         seq.cache = self.kv.admit(tokens)
-        seq.num_computed = seq.cache.num_reused_tokens
+        seq.num_computed = seq.num_cached_tokens = seq.cache.num_reused_tokens
         self.kv.allocate(seq.cache, seq.num_computed + n)
         seq.status = Status.RUNNING
         self.running.append(seq)

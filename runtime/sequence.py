@@ -45,6 +45,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # reused from the prefix cache at the last admission
 
     @property
     def num_tokens(self) -> int:
