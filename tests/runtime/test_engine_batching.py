@@ -79,7 +79,7 @@ def test_prefix_reuse_gives_the_same_output(tiny_v4):
     prompt = prompts_of_lengths([40], seed=8)[0]
     llm = _llm(tiny_v4)
     first = llm.generate([prompt], _greedy())[0]
-    second = llm.generate([prompt + [5]] , _greedy())[0]  # shares 2 full blocks (32 tokens) with the first
+    second = llm.generate([prompt + [5]], _greedy())[0]  # shares 2 full blocks (32 tokens) with the first
     fresh = _llm(tiny_v4, enable_prefix_caching=False).generate([prompt + [5]], _greedy())[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
     assert second.token_ids == fresh.token_ids
