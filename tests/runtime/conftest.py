@@ -31,8 +31,7 @@ class TinyModel:
 
 def v41_tiny_config(**overrides) -> dict:
     cfg = preset_config("deepseek-v4.1-flash", "tiny")
-    cfg["vocab_size"] = 512
-    cfg.update(overrides)
+    cfg["text_config"].update(vocab_size=512, **overrides)
     return cfg
 
 
