@@ -13,9 +13,24 @@ as DeepGEMM does on SM90). On sm90 the MMA accumulates in registers (wgmma → Q
 on sm100 it accumulates in tensor memory (tcgen05 → UTCQMMA) and the tile is read back per step.
 The CPU variant is the same program with fp32 inputs and local buffers (numerics only).
 
-Known cost: with 32-wide K tiles the promotion (3 FP32 ops per accumulator element per 32 K) rivals
-the MMA time on Hopper; SM100's native block-scaled MMA (ue8m0 per 32 in TMEM) removes it and is the
-next step for this file.
+Cost of exactness on Hopper (sm90). wgmma has no per-K-block scale, so every 32 K the fp32 partial tile
+must be folded into the accumulator with one FFMA per element (acc = part * (sa*sb) + acc). Per SM and
+clock the tensor cores do 4096 FP8 FMAs and the FP32 pipes 128 FFMAs, so one FFMA per 32 MMA FMAs costs
+exactly as many cycles as the MMA itself: the promotion can only be hidden if it runs *concurrently*
+with the next wgmma (and then it fills every issue slot). Folding the 32-wide scales into the FP8
+operands is not exact (e4m3 loses low bits when shifted down by a scale ratio), and pre-multiplying the
+4 sub-group scales of a 128-K window only works if they are equal. DeepGEMM's V3/V4 case (1x128
+activations, 128x128 weights) promotes once per 128 K, which makes the promotion 4x cheaper than here.
+
+The sm90 program therefore (BENCHMARKS.md has the measured variants):
+  * stages `block_k` (32/64/128) K per TMA stage and issues one wgmma per 32-K sub-block into one of
+    two partial fragments, asynchronously (`overlap`): the wgmma of sub-block s+1 runs while sub-block
+    s is promoted, and the stage is released only after the last wgmma that reads it has completed;
+  * uses two consumer warpgroups (`threads=256`) that each own 64 rows x block_n (FullRow split) so
+    acc + 2 partials fit in registers without spills, and the two warpgroups overlap each other;
+  * keeps the weight scales of the whole N tile in shared memory (one bulk copy), and the activation
+    scales ride the TMA pipeline (MN-major rows).
+SM100's native block-scaled MMA (ue8m0 per 32 in TMEM) removes the promotion and is the next step here.
 """
 
 import itertools
@@ -35,6 +50,13 @@ class Config:
     block_k: int = 128
     stages: int = 3
     threads: int = 128
+    overlap: bool = False  # sm90: async wgmma per 32-K sub-block, promoted while the next one runs
+    row_split: bool = False  # sm90: warpgroups split M (each 64 rows x block_n) instead of "square"
+
+    @property
+    def tag(self) -> str:
+        extra = ("o" if self.overlap else "") + ("r" if self.row_split else "")
+        return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}t{self.threads}{extra}"
 
 
 def default_config(k_group: int) -> Config:
@@ -56,6 +78,8 @@ def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
+    if target == "sm90" and (cfg.overlap or cfg.row_split or cfg.block_k > min(act_group, weight_block)):
+        return _program_sm90(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg)
     bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
     assert act_group % bK == 0 and weight_block % bK == 0, "block_k must divide both scale granularities"
     mem = Mem(target)
@@ -105,6 +129,88 @@ def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target
                 T.copy(C_s, C[by * bM, bx * bN])
 
     return fp8_gemm
+
+
+def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config):
+    """sm90 program: several 32-K sub-blocks per TMA stage, async wgmma overlapped with the promotion."""
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
+    ag, wb = act_group, weight_block
+    sub = min(ag, wb)  # promotion granularity: the finer of the two scale grids
+    assert bK % sub == 0 and ag % bK in (0, ag) and bK <= max(ag, wb) * 4, "block_k: a multiple of the scale step"
+    assert bN % wb == 0 or wb % bN == 0, "block_n and the weight block must nest"
+    subs = list(range(bK // sub))  # a Python list: the sub-block loop is unrolled at trace time
+    sa_rows = max(1, bK // ag)
+    kb_a, nb_w, kb_w = ceil_div(K, ag), ceil_div(N, wb), ceil_div(K, wb)
+    nbt = max(1, bN // wb)
+    policy = T.GemmWarpPolicy.FullRow if cfg.row_split else T.GemmWarpPolicy.Square
+    fp8 = "float8_e4m3fn"
+
+    @T.prim_func
+    def fp8_gemm_sm90(
+        A: T.Tensor((M, K), fp8),
+        SA: T.Tensor((kb_a, M), "float32"),
+        B: T.Tensor((N, K), fp8),
+        SB: T.Tensor((nb_w, kb_w), "float32"),
+        C: T.Tensor((M, N), "bfloat16"),
+    ):
+        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), threads=cfg.threads) as (bx, by):
+            A_s = T.alloc_shared((bM, bK), fp8)
+            B_s = T.alloc_shared((bN, bK), fp8)
+            SA_s = T.alloc_shared((sa_rows, bM), "float32")
+            SB_s = T.alloc_shared((nbt, kb_w), "float32")
+            p0 = T.alloc_fragment((bM, bN), "float32")
+            p1 = T.alloc_fragment((bM, bN), "float32")
+            acc = T.alloc_fragment((bM, bN), "float32")
+            C_s = T.alloc_shared((bM, bN), "bfloat16")
+            keep = T.alloc_local((1,), "float32")
+            T.copy(SB[bx * bN // wb, 0], SB_s)  # every weight scale of this N tile, once
+            T.clear(acc)
+            for ko in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.stages):
+                T.copy(A[by * bM, ko * bK], A_s)
+                T.copy(B[bx * bN, ko * bK], B_s)
+                T.copy(SA[ko * bK // ag, by * bM], SA_s)
+                if cfg.overlap:
+                    parts = [p0, p1]
+                    TC.wgmma_gemm(A_s[:, 0:sub], B_s[:, 0:sub], p0, transpose_B=True, clear_accum=True, policy=policy)
+                    for s in subs:
+                        if s + 1 < len(subs):
+                            k1 = (s + 1) * sub
+                            TC.wgmma_gemm(
+                                A_s[:, k1 : k1 + sub],
+                                B_s[:, k1 : k1 + sub],
+                                parts[(s + 1) % 2],
+                                transpose_B=True,
+                                clear_accum=True,
+                                policy=policy,
+                            )
+                            T.wait_wgmma(1)  # sub-block s is done, s+1 is in flight
+                        else:
+                            T.wait_wgmma(0)
+                            # A never-taken read of the stage after the last wait: it moves TileLang's
+                            # "stage free" arrive behind the wait (else the producer may overwrite
+                            # the stage while the async wgmma still reads it).
+                            if SA_s[0, 0] < 0.0:
+                                keep[0] = T.cast(A_s[0, 0], "float32") + T.cast(B_s[0, 0], "float32")
+                        for i, j in T.Parallel(bM, bN):
+                            sb = SB_s[j // wb if bN >= wb else 0, (ko * bK + s * sub) // wb]
+                            acc[i, j] += parts[s % 2][i, j] * (SA_s[(s * sub) // ag, i] * sb)
+                else:
+                    for s in subs:
+                        k0 = s * sub
+                        T.gemm(
+                            A_s[:, k0 : k0 + sub], B_s[:, k0 : k0 + sub], p0, transpose_B=True, clear_accum=True,
+                            policy=policy,
+                        )
+                        for i, j in T.Parallel(bM, bN):
+                            sb = SB_s[j // wb if bN >= wb else 0, (ko * bK + k0) // wb]
+                            acc[i, j] += p0[i, j] * (SA_s[k0 // ag, i] * sb)
+            T.copy(acc, C_s)
+            T.copy(C_s, C[by * bM, bx * bN])
+
+    return fp8_gemm_sm90
 
 
 # ---------------------------------------------------------------------------------------------- reference
