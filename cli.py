@@ -60,15 +60,9 @@ def _default_model(spec: str | None) -> str | None:
 
 
 def _plan_weights(plan) -> tuple[dict, str]:
-    from deepinfer.models.checkpoint import load_checkpoint, random_weights
-    from deepinfer.models.presets import weight_block_size
+    from deepinfer.runtime.plan import bind_weights
 
-    if "checkpoint" in plan.weights:
-        return load_checkpoint(plan.weights["checkpoint"], plan.graph.params), plan.weights["checkpoint"]
-    seed = int(plan.weights.get("random_seed", 0))
-    block = weight_block_size(plan.config)
-    source = f"random weights (seed {seed}) in the checkpoint formats"
-    return random_weights(plan.graph.params, seed, block=block), source
+    return bind_weights(plan)
 
 
 def _compile(args: argparse.Namespace):
@@ -98,41 +92,148 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_requests(args: argparse.Namespace) -> list[dict]:
+    """The requests to run: --prompt (each a user message) or --input JSONL (one object a line: "prompt",
+    "messages" or "prompt_token_ids", plus any SamplingParams field, e.g. "max_tokens", "temperature")."""
+    import json
+
+    if args.input:
+        try:
+            lines = [ln for ln in open(args.input, encoding="utf-8").read().splitlines() if ln.strip()]
+        except OSError as e:
+            raise DeepInferError(f"--input {args.input}: {e.strerror}") from None
+        reqs = []
+        for n, line in enumerate(lines, 1):
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DeepInferError(f"{args.input}:{n}: bad JSON: {e.msg}") from None
+            if not isinstance(doc, dict):
+                raise DeepInferError(f"{args.input}:{n}: expected a JSON object")
+            reqs.append(doc)
+        return reqs
+    return [{"prompt": p} for p in (args.prompt or ["What is the capital of France?"])]
+
+
+def _request_prompt(req: dict):
+    if "prompt" in req and isinstance(req["prompt"], str) and req["prompt"]:
+        return [{"role": "user", "content": req["prompt"]}]  # a CLI prompt is a user turn, in the chat format
+    for key in ("prompt_token_ids", "messages", "prompt"):
+        if key in req:
+            return req[key]
+    return []
+
+
+def _request_params(req: dict, args: argparse.Namespace):
+    from deepinfer.runtime.sampler import SamplingParams
+
+    fields = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.sampling_seed}  # fmt: skip
+    fields.update({k: v for k, v in req.items() if k not in ("prompt", "messages", "prompt_token_ids", "id")})
+    unknown = sorted(set(fields) - set(SamplingParams.__dataclass_fields__))
+    if unknown:
+        return _UnknownFields(f"unknown request field(s) {', '.join(unknown)}")  # this request fails alone
+    return SamplingParams(**fields)
+
+
+def _unknown_fields_type():
+    from deepinfer.runtime.sampler import InvalidRequestError, SamplingParams
+
+    class UnknownFields(SamplingParams):
+        def __init__(self, message: str):
+            super().__init__()
+            self.message = message
+
+        def validate(self) -> None:
+            raise InvalidRequestError(self.message)
+
+    return UnknownFields
+
+
+def _UnknownFields(message: str):  # noqa: N802 (a class made on first use: the runtime imports torch)
+    return _unknown_fields_type()(message)
+
+
+def _progress(total: int) -> Callable[[int, int], None]:
+    import time
+
+    t0 = time.perf_counter()
+
+    def show(done: int, _total: int) -> None:
+        width = 30
+        fill = width * done // max(total, 1)
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        end = "\n" if done == total else ""
+        print(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests, {rate:.2f} req/s", end=end,
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    return show
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    import time
+
     from deepinfer.ir.printer import summary
-    from deepinfer.models.tokenizer import encode_chat, get_tokenizer
-    from deepinfer.runtime.plan import load_plan
-    from deepinfer.runtime.session import greedy_generate
+    from deepinfer.runtime.engine import LLM
 
     if args.max_tokens <= 0:
         raise DeepInferError(f"--max-tokens must be positive, got {args.max_tokens}")
-    prompts = args.prompt or ["What is the capital of France?"]
-    if any(not p for p in prompts):
-        raise DeepInferError("empty prompt")
+    reqs = _run_requests(args)
     if args.plan:
-        plan = load_plan(args.plan)
-        if plan.target != "cpu":
-            raise DeepInferError(f"plan {args.plan} was compiled for {plan.target}; this runtime runs 'cpu' plans")
+        llm = LLM(plan=args.plan, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     else:
         args.target, args.dump_ir = "cpu", None
         plan = _compile(args)
-    params, source = _plan_weights(plan)
-    tok = get_tokenizer()
-    print(f"\nmodel: {plan.model} ({source})")
-    print(summary(plan.graph))
-    for prompt in prompts:
-        ids = encode_chat([{"role": "user", "content": prompt}])
-        res = greedy_generate(plan.graph, params, ids, args.max_tokens, stop_ids=(tok.eos_id,))
-        print(f"\nprompt ({len(ids)} tokens): {prompt!r}")
-        print(f"output ({len(res.output_ids)} tokens): {tok.decode(res.output_ids)!r}")
-        print(f"token ids: {res.output_ids}")
-        print(
-            f"prefill {res.prefill_s * 1000:.0f} ms; decode {res.decode_tok_s:.1f} tok/s "
-            "(CPU: the ops' torch references run one by one; compiled kernels come with issue 6)"
-        )
-    if source.startswith("random"):
+        llm = LLM(plan=plan, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    print(f"\nmodel: {llm.plan.model} ({llm.weights_source})")
+    print(summary(llm.plan.graph))
+    t0 = time.perf_counter()
+    progress = _progress(len(reqs)) if args.input else None
+    outs = llm.generate([_request_prompt(r) for r in reqs], [_request_params(r, args) for r in reqs], progress)
+    wall = time.perf_counter() - t0
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if args.output:
+        _write_outputs(args.output, reqs, outs)
+    else:
+        for req, out in zip(reqs, outs):
+            if out.finish_reason != "error":
+                _print_output(req, out)
+    _print_summary(outs, wall, args.output)
+    if llm.weights_source.startswith("random"):
         print("\nnote: random weights generate noise; pass --model DIR (or DEEPINFER_HF_MODEL_DIR) for a checkpoint")
-    return 0
+    for o in failed:
+        print(f"deepinfer run: error: request {o.index}: {o.error}", file=sys.stderr)
+    llm.close()
+    return 2 if failed else 0
+
+
+def _print_output(req: dict, out) -> None:
+    shown = req.get("prompt", req.get("messages", req.get("prompt_token_ids")))
+    print(f"\nprompt ({len(out.prompt_token_ids)} tokens): {shown!r}")
+    print(f"output ({len(out.token_ids)} tokens): {out.text!r}")
+    print(f"token ids: {out.token_ids}")
+    tpot = f"; tpot {out.tpot_s * 1000:.0f} ms" if out.tpot_s else ""
+    print(f"finish: {out.finish_reason}; ttft {out.ttft_s * 1000:.0f} ms{tpot} "
+          "(CPU: the ops' torch references, one request at a time; compiled kernels come with issue 6)")  # fmt: skip
+
+
+def _write_outputs(path: str, reqs: list[dict], outs) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        for req, o in zip(reqs, outs):
+            row = {"index": o.index, "id": req.get("id"), "text": o.text, "token_ids": o.token_ids,
+                   "finish_reason": o.finish_reason, "error": o.error, "num_prompt_tokens": len(o.prompt_token_ids),
+                   "ttft_s": o.ttft_s, "tpot_s": o.tpot_s}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
+def _print_summary(outs, wall: float, output: str | None) -> None:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    gen = sum(len(o.token_ids) for o in outs)
+    where = f"; wrote {output}" if output else ""
+    print(f"\n{len(outs)} requests: {prompt} prompt + {gen} generated tokens in {wall:.2f} s "
+          f"({(prompt + gen) / wall:.1f} tok/s, {gen / wall:.1f} generated tok/s){where}")  # fmt: skip
 
 
 def _not_built(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
@@ -174,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=None, help="model name, name:preset, or checkpoint directory "
                    "(default: $DEEPINFER_HF_MODEL_DIR, else the built-in tiny preset)")
     r.add_argument("--max-tokens", type=int, default=16)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--sampling-seed", type=int, default=None, help="seed of every request's sampler")
+    r.add_argument("--max-num-seqs", type=int, default=16, help="requests per step")
+    r.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
     r.set_defaults(func=cmd_run)
 

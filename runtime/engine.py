@@ -36,7 +36,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: min(the model's max positions, 4096)
-    num_blocks: int | None = None  # default: enough for max_num_seqs sequences of max_model_len
+    num_blocks: int | None = None  # default: enough for max_num_seqs sequences of max_model_len, within kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30  # the default num_blocks' memory cap for the block pools
     block_size: int | None = None  # default: kv_cache.default_block_size
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
@@ -104,7 +105,7 @@ class LLM:
         self.max_model_len = self.config.max_model_len or min(_max_positions(self.plan.config), 4096)
         compact = graph.meta.get("mode") == "compact"
         block_size = self.config.block_size or default_block_size(cache_specs(graph))
-        num_blocks = self.config.num_blocks or self.config.max_num_seqs * -(-self.max_model_len // block_size)
+        num_blocks = self.config.num_blocks or self._default_num_blocks(cache_specs(graph), block_size)
         self.kv = KVCacheManager(
             graph, num_blocks, self.config.max_num_seqs, block_size,
             enable_prefix_caching=self.config.enable_prefix_caching and not compact,
@@ -125,6 +126,11 @@ class LLM:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if self.config.overlap else None
         self._counter = 0
         self.batch_log: list[list[tuple]] = []  # every executed batch's signature (tests compare them)
+
+    def _default_num_blocks(self, specs, block_size: int) -> int:
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // block_size)
+        per_block = sum(s.row_bytes * block_size // s.ratio for s in specs if s.growing) or 1
+        return max(1, min(wanted, self.config.kv_cache_bytes // per_block))
 
     # -- requests ----------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None) -> str:
@@ -171,7 +177,7 @@ class LLM:
             raise InvalidRequestError(f"a prompt is a string, a list of token ids or a list of chat messages, "
                                       f"got {type(prompt).__name__}")  # fmt: skip
         if not ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("empty prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

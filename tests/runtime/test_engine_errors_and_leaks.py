@@ -20,7 +20,7 @@ def test_bad_requests_fail_alone(tiny_v4):
     ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     cases = [
         (good, ok, None),
-        ([], ok, "prompt is empty"),
+        ([], ok, "empty prompt"),
         (good * 11, ok, "max_model_len is 64"),
         (good, SamplingParams(max_tokens=0), "max_tokens must be a positive"),
         (good, SamplingParams(stop=42), "stop must be a string or a list of strings"),
