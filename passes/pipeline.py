@@ -46,9 +46,9 @@ DEFAULT_PHASES: dict[str, list] = {
         "fuse_compressor",
         "dce",
     ],
-    "parallel": [],
-    "select_kernels": [],
-    "plan_memory": [],
+    "parallel": [],  # filled per rank by parallel_layout.layout_pipeline(layout, rank) when a layout is given
+    "select_kernels": ["select_kernels", "check_batch_invariance"],  # the check is a no-op unless batch-invariant
+    "plan_memory": ["plan_memory"],
 }
 
 DUMP_ENV = "DEEPINFER_DUMP_IR"
@@ -105,9 +105,12 @@ def _ensure_loaded() -> None:
     if not _LOADED:
         _LOADED = True
         from deepinfer.passes import (  # noqa: F401
+            check_batch_invariance,
+            context_parallel,
             convert_fp4_to_fp8,
             cse,
             dce,
+            expert_parallel,
             fold_constants,
             fuse_attention,
             fuse_compressor,
@@ -117,7 +120,10 @@ def _ensure_loaded() -> None:
             fuse_out_proj,
             fuse_rmsnorm_quant,
             fuse_swiglu,
+            parallel_layout,
+            plan_memory,
             quantize_activations,
+            select_kernels,
             specialize_shapes,
         )
 

@@ -1,0 +1,273 @@
+"""Kernel selection (phase 4): bind every op to a codegen kernel family and a config, per shape bucket.
+
+    g = select_kernels(g, target="sm90", buckets={"decode": {"T": 1}, "prefill": {"T": 2048}})
+    g.meta["kernels"]["nodes"]["layers.0.attn.3"]   -> {"op", "family", "configs": {bucket: {...}}, "reduce"}
+
+A binding names the family (a file in codegen/kernels/), the program in it, the shape it is built for at
+each bucket and its tile config, chosen by a small cost rule (no tuning database yet: the autotuner will
+replace the rule, not the binding format). ``reduce`` lists the config fields that fix a reduction's split
+or order (split-K and block_k of a GEMM, the threads sharing an RMSNorm row, the KV chunk of the attention's
+online softmax, a collective's algorithm); the batch-invariance check compares them across buckets.
+
+Ops with no family fall back to ``torch_ref`` (the op's torch reference; cuBLAS/ATen on GPU) and are listed
+in ``meta["kernels"]["fallback"]`` with the reason; shape-only ops are ``view`` (no launch) and collectives
+are ``collective`` (torch.distributed: gloo on cpu, NCCL on GPU).
+
+Batch-invariant mode (``batch_invariant=True`` or DEEPINFER_BATCH_INVARIANT=1): one family per node for
+every bucket, and every reduce field pinned to the value the largest bucket chose.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+
+from deepinfer.codegen.targets import Target, get_target
+from deepinfer.errors import ConfigError
+from deepinfer.ir.graph import Graph, Node, Value
+from deepinfer.ir.shapes import evaluate
+from deepinfer.passes.pipeline import register_pass
+
+DEFAULT_BUCKETS = {"decode": {"T": 1}, "small": {"T": 64}, "prefill": {"T": 4096}}
+DEFAULT_SYMBOL = 8192  # cache lengths (C4, C128, ...) when a bucket does not bind them
+ENV_INVARIANT = "DEEPINFER_BATCH_INVARIANT"
+VIEW_OPS = {"reshape", "expand", "slice"}
+COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "cp_gather"}
+REDUCING_COLLECTIVES = {"all_reduce", "reduce_scatter"}
+DECODE_ATTN_MAX_T = 64  # above this a bucket is prefill: the decode attention kernel is not used there
+
+
+def batch_invariant_mode(option: bool | None = None) -> bool:
+    return option if option is not None else os.environ.get(ENV_INVARIANT, "0") not in ("", "0", "false")
+
+
+class Fallback(Exception):
+    """No family applies; the message is the reason recorded in the report."""
+
+
+class _Ctx:
+    """What a binder sees: the node, its shapes evaluated at one bucket, the target."""
+
+    def __init__(self, node: Node, env: dict, target: Target):
+        self.node, self.env, self.target = node, env, target
+
+    def shape(self, v: Value | None) -> tuple[int, ...]:
+        return tuple(evaluate(d, self.env) for d in v.shape)
+
+    def rows(self, v: Value) -> int:
+        return math.prod(self.shape(v)[:-1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Binders: (ctx) -> (family, program, shape, config dict, reduce fields); raise Fallback when none applies
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gemm_tiles(m: int, n: int, k_group: int, sms: int) -> dict:
+    from deepinfer.codegen.kernels import fp8_gemm
+
+    cfg = fp8_gemm.default_config(k_group)
+    bm = 64 if m <= 64 else 128
+    bn = 128 if math.ceil(m / bm) * math.ceil(n / 128) >= sms else 64  # small grids: narrower tiles, more CTAs
+    return {**asdict(cfg), "block_m": bm, "block_n": bn, "split_k": 1}
+
+
+def bind_linear_fp8(c: _Ctx):
+    x, w = c.node.inputs[0], c.node.inputs[1]
+    n, k = c.shape(w)
+    k_group = c.node.attrs["act_group"] or c.node.attrs["block"]
+    m = c.rows(x)
+    return "fp8_gemm", "program", {"M": m, "N": n, "K": k}, _gemm_tiles(m, n, k_group, c.target.sm_count), GEMM_REDUCE
+
+
+GEMM_REDUCE = ("block_k", "split_k")
+
+
+def bind_moe(c: _Ctx):
+    a = c.node.attrs
+    if a["fmt"] != "fp8":
+        raise Fallback(f"{a['fmt']} experts: the grouped GEMM takes FP8 (convert_fp4_to_fp8 makes them FP8 on sm90)")
+    x, idx = c.node.inputs[0], c.node.inputs[2]
+    t, d = c.shape(x)
+    topk = c.shape(idx)[1]
+    first = 9 if c.node.op == "moe_grouped_experts" else 3
+    inter = c.shape(c.node.inputs[first])[0]
+    cfg = _gemm_tiles(t * topk, 2 * inter, a["block"], c.target.sm_count)
+    return "moe_grouped_gemm", "program", {"M": t * topk, "N": 2 * inter, "K": d}, cfg, GEMM_REDUCE
+
+
+def bind_rmsnorm(c: _Ctx):
+    from deepinfer.codegen.kernels import rmsnorm_quant
+
+    x = c.node.inputs[0]
+    m, d = c.rows(x), c.shape(x)[-1]
+    space = rmsnorm_quant.config_space(m, d)
+    if not space:
+        raise Fallback(f"rmsnorm_quant has no config for D={d}")
+    # Few rows: many threads per row (parallelism inside the row); many rows: fewer threads, rows per block.
+    want_threads = max(cf.threads for cf in space) if m < c.target.sm_count else min(cf.threads for cf in space)
+    rows_per_block = (lambda cf: cf.block_m) if m >= 4096 else (lambda cf: -cf.block_m)
+    cfg = max((cf for cf in space if cf.threads == want_threads), key=rows_per_block)
+    quant = c.node.op == "rmsnorm_quant_fp8"
+    return "rmsnorm_quant", "program", {"M": m, "D": d, "quant": quant}, asdict(cfg), ("threads",)
+
+
+def bind_route(c: _Ctx):
+    from deepinfer.codegen.kernels import moe_routing
+
+    a, inputs = c.node.attrs, c.node.inputs
+    if inputs[2] is not None or a["scoring"] != "sqrtsoftplus" or not a["normalize"] or inputs[1] is None:
+        raise Fallback("moe_routing covers score routing (sqrtsoftplus, bias, normalised); hash routing is a lookup")
+    t, e = c.shape(inputs[0])
+    space = [cf for cf in moe_routing.config_space(t, e) if cf.block_m == 1] or [moe_routing.Config()]
+    return "moe_routing", "program", {"T": t, "E": e, "topk": a["topk"]}, asdict(space[-1]), ()
+
+
+def bind_attention(c: _Ctx):
+    from deepinfer.codegen.kernels import sparse_attn_decode
+
+    q, _, _, win_idx, _, cmp_idx = c.node.inputs
+    t, h, d = c.shape(q)
+    topk = c.shape(win_idx)[1] + (c.shape(cmp_idx)[1] if cmp_idx is not None else 0)
+    if t > DECODE_ATTN_MAX_T:
+        raise Fallback(f"prefill bucket (T={t}): sparse_attn_decode is the decode kernel")
+    space = sparse_attn_decode.config_space(t, topk)
+    if not space:
+        raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
+    cfg = space[0] if t * h < 2 * c.target.sm_count else space[-1]  # small batches: short KV chunks
+    return "sparse_attn_decode", "program", {"B": t, "H": h, "D": d, "topk": topk}, asdict(cfg), ("block_n",)
+
+
+def bind_hc_pre(c: _Ctx):
+    from deepinfer.codegen.kernels import hyper_connection as hc
+
+    x = c.node.inputs[0]
+    t, n, d = c.shape(x)
+    if n != hc.N_HC:
+        raise Fallback(f"hyper_connection is built for {hc.N_HC} streams, not {n}")
+    cfg = hc.Config(block_m=16 if t < 1024 else 64, block_k=128 if d % 128 == 0 else 64, threads=128)
+    return "hyper_connection", "pre_program", {"T": t, "D": d}, asdict(cfg), ("block_k", "threads")
+
+
+def bind_hc_post(c: _Ctx):
+    from deepinfer.codegen.kernels import hyper_connection as hc
+
+    t, n, d = c.shape(c.node.inputs[1])
+    if n != hc.N_HC:
+        raise Fallback(f"hyper_connection is built for {hc.N_HC} streams, not {n}")
+    return "hyper_connection", "post_program", {"T": t, "D": d}, {"block_m": 1, "block_d": 512, "threads": 128}, ()
+
+
+BINDERS: dict[str, Callable] = {
+    "linear_fp8": bind_linear_fp8,
+    "moe_experts": bind_moe,
+    "moe_experts_local": bind_moe,
+    "moe_grouped_experts": bind_moe,
+    "rmsnorm": bind_rmsnorm,
+    "rmsnorm_quant_fp8": bind_rmsnorm,
+    "moe_route": bind_route,
+    "sparse_attention": bind_attention,
+    "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
+    "hc_post": bind_hc_post,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bind_bucket(node: Node, env: dict, target: Target) -> dict:
+    if node.op in VIEW_OPS:
+        return {"family": "view"}
+    if node.op in COLLECTIVES:
+        return {"family": "collective", "backend": "gloo" if target.name == "cpu" else "nccl"}
+    binder = BINDERS.get(node.op)
+    if binder is None:
+        return {"family": "torch_ref", "reason": "no kernel family for this op"}
+    try:
+        family, program, shape, cfg, reduce = binder(_Ctx(node, env, target))
+    except Fallback as e:
+        return {"family": "torch_ref", "reason": str(e)}
+    return {"family": family, "program": program, "shape": shape, "config": cfg, "reduce": list(reduce)}
+
+
+def _collective_algo(node: Node, per: dict, invariant: bool) -> None:
+    # NCCL picks ring or tree by message size (so by T) unless pinned; a sum's order follows the algorithm.
+    if node.op in REDUCING_COLLECTIVES:
+        for b in per.values():
+            b.update(config={"algo": "ring" if invariant else "auto"}, reduce=["algo"])
+
+
+def _pin(per: dict, order: list[str]) -> None:
+    """Batch-invariant: one family everywhere, and the largest bucket's reduce fields in every bucket."""
+    ref = per[order[-1]]
+    if any(b["family"] != ref["family"] for b in per.values()):
+        reason = "batch-invariant mode: one implementation for every bucket"
+        for name in per:
+            per[name] = {"family": "torch_ref", "reason": reason}
+        return
+    for b in per.values():
+        for f in ref.get("reduce", []):
+            b["config"][f] = ref["config"][f]
+
+
+def _env(g: Graph, bucket: dict) -> dict:
+    syms = set(g.symbols())
+    for v in g.params:
+        for d in v.shape:
+            if not isinstance(d, int):
+                syms |= d.free_symbols
+    return {**{s: DEFAULT_SYMBOL for s in syms}, **bucket}
+
+
+@register_pass("select_kernels")
+def select_kernels(
+    g: Graph, *, target: str = "cpu", buckets: dict | None = None, batch_invariant: bool | None = None
+) -> Graph:
+    """Bind every node to a kernel family + config per bucket (graph.meta["kernels"])."""
+    tgt = get_target(target)
+    buckets = buckets or ({"bucket": g.meta["bucket"]} if g.meta.get("bucket") else DEFAULT_BUCKETS)
+    if not isinstance(buckets, dict) or not all(isinstance(b, dict) for b in buckets.values()):
+        raise ConfigError("select_kernels: buckets must map names to symbol bindings, e.g. {'decode': {'T': 1}}")
+    invariant = batch_invariant_mode(batch_invariant)
+    envs = {name: _env(g, b) for name, b in buckets.items()}
+    order = sorted(envs, key=lambda n: envs[n].get("T", 0))
+    nodes, fallback = {}, {}
+    for node in g.nodes:
+        per = {name: _bind_bucket(node, env, tgt) for name, env in envs.items()}
+        _collective_algo(node, per, invariant)
+        if invariant:
+            _pin(per, order)
+        nodes[node.outputs[0].name] = {"op": node.op, "buckets": per}
+        for b in per.values():
+            if b["family"] == "torch_ref":
+                fallback.setdefault(node.op, b["reason"])
+    g.meta["kernels"] = {
+        "target": target,
+        "buckets": {n: dict(b) for n, b in buckets.items()},
+        "batch_invariant": invariant,
+        "nodes": nodes,
+        "fallback": fallback,
+        "coverage": coverage(nodes),
+    }
+    return g
+
+
+def coverage(nodes: dict) -> dict[str, int]:
+    """Nodes per family (a node counts under the family of its first bucket)."""
+    out: dict[str, int] = {}
+    for rec in nodes.values():
+        fam = next(iter(rec["buckets"].values()))["family"]
+        out[fam] = out.get(fam, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def format_kernel_report(g: Graph) -> str:
+    k = g.meta["kernels"]
+    lines = [f"kernels for {k['target']} (buckets {', '.join(k['buckets'])}; batch-invariant {k['batch_invariant']})"]
+    lines += [f"  {fam:<20} {n:>5} nodes" for fam, n in k["coverage"].items()]
+    lines += [f"  torch_ref: {op}: {why}" for op, why in sorted(k["fallback"].items())]
+    return "\n".join(lines)
