@@ -167,6 +167,7 @@ def plan_memory(g: Graph, *, T: int | None = None, max_len: int = 8192) -> Graph
         "T": t,
         "symbols": {k: v for k, v in sorted(env.items()) if k != "T"},
         "weights": sum(nbytes(p, env) for p in g.params),
+        "weights_by_kind": _weights_by_kind(g, env),
         "caches": sum(nbytes(v, env) for v in g.inputs if v.name in caches),
         "io": sum(nbytes(v, env) for v in g.inputs if v.name not in caches),
         "activations": arena,
@@ -182,13 +183,23 @@ def plan_memory(g: Graph, *, T: int | None = None, max_len: int = 8192) -> Graph
     return g
 
 
+def _weights_by_kind(g: Graph, env: dict) -> dict[str, int]:
+    """Routed experts, Engram tables (host-offload candidates) and the rest."""
+    out = {"experts": 0, "engram_tables": 0, "other": 0}
+    for p in g.params:
+        kind = "experts" if ".experts." in p.name else "engram_tables" if ".engram.embed." in p.name else "other"
+        out[kind] += nbytes(p, env)
+    return out
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:10.3f} GiB" if n >= 2**30 else f"{n / 2**20:10.3f} MiB"
 
 
 def format_memory_report(g: Graph) -> str:
     m = g.meta["memory"]
-    rows = [("weights", m["weights"]), ("caches", m["caches"]), ("inputs", m["io"])]
+    rows = [("weights", m["weights"])] + [(f"  {k}", n) for k, n in m["weights_by_kind"].items()]
+    rows += [("caches", m["caches"]), ("inputs", m["io"])]
     rows += [("activations (arena)", m["activations"]), ("  live at once (bound)", m["live_max"])]
     rows += [("  without reuse", m["no_reuse"]), ("  largest workspace", m["workspace_max"]), ("peak", m["peak"])]
     head = f"memory at T={m['T']} ({', '.join(f'{k}={v}' for k, v in m['symbols'].items())})"
