@@ -54,6 +54,12 @@ def _fit(x: Value, group: int) -> int:
     return k if k < group else 0
 
 
+def _is_fp8(x: Value, group: int) -> bool:
+    """x is already the dequantised FP8 version of a value, with this group."""
+    p = x.producer
+    return p is not None and p.op == "dequant_fp8" and p.attrs["group"] == group
+
+
 def _node(op: str, inputs: list[Value], attrs: dict, names: list[str]) -> Node:
     opdef = get_op(op)
     attrs = opdef.bind_attrs(attrs)
@@ -80,7 +86,7 @@ def quantize_activations(g: Graph, enabled: bool = False) -> Graph:
     for n in g.nodes:
         x = n.inputs[0]
         group = _fit(x, _group(n, enabled)) if x is not None and _group(n, enabled) else 0
-        if group:
+        if group and not _is_fp8(x, group):  # (an FP8 x: the pass ran before; it is idempotent)
             key = (x.name, group)
             if key not in made:
                 q = _node("quant_fp8", [x], {"group": group}, [name(f"{x.name}.q"), name(f"{x.name}.qs")])
@@ -88,8 +94,8 @@ def quantize_activations(g: Graph, enabled: bool = False) -> Graph:
                 nodes += [q, dq]
                 made[key] = dq.outputs[0]
             n.inputs = [made[key], *n.inputs[1:]]
-            if "act_group" in n.attrs:
-                n.attrs = {**n.attrs, "act_group": 0}
+        if group and "act_group" in n.attrs:
+            n.attrs = {**n.attrs, "act_group": 0}
         nodes.append(n)
     g.nodes = nodes
     return g

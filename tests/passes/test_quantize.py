@@ -117,3 +117,9 @@ def test_convert_on_sm90_keeps_the_logits_and_records_the_conversion(tiny_model)
     loaded = apply_param_conversions(g.meta, params)
     got = run(g, inputs, loaded, check=True)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_quantize_activations_is_idempotent(tiny_model):
+    g = tiny_model("v41", True)[0]
+    again = run_pass(copy.deepcopy(g), "quantize_activations", {"enabled": True})
+    assert again.op_counts() == g.op_counts()
