@@ -52,10 +52,12 @@ class Config:
     threads: int = 128
     overlap: bool = False  # sm90: async wgmma per 32-K sub-block, promoted while the next one runs
     row_split: bool = False  # sm90: warpgroups split M (each 64 rows x block_n) instead of "square"
+    n_split: int = 1  # sm90: MMA the N tile in n_split column slices through one partial (fewer registers)
 
     @property
     def tag(self) -> str:
         extra = ("o" if self.overlap else "") + ("r" if self.row_split else "")
+        extra += f"n{self.n_split}" if self.n_split > 1 else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}t{self.threads}{extra}"
 
 
@@ -73,12 +75,26 @@ def config_space(M: int, N: int, K: int, k_group: int) -> list[Config]:
     return out
 
 
+def sm90_tune_space(M: int, N: int, K: int, k_group: int) -> list[Config]:
+    """The sm90 formulations worth timing (BENCHMARKS.md: the 2026-11-29 sweep), fastest family first."""
+    out = [
+        Config(128, 256, 64, 4, 256, False, True, 2),
+        Config(128, 256, 128, 3, 256, False, True, 2),
+        Config(128, 128, 128, 4, 256, True, True),
+        Config(128, 128, 128, 3, 256, True, True),
+        Config(128, 128, 64, 4, 256, True, True),
+    ]
+    return [c for c in out if N % c.block_n == 0 and K % c.block_k == 0 and c.block_k % min(k_group, 128) == 0]
+
+
 def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target: str, cfg: Config):
     """TileLang prim_func for one shape and config on `target` (cpu | sm90 | sm100)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
-    if target == "sm90" and (cfg.overlap or cfg.row_split or cfg.block_k > min(act_group, weight_block)):
+    if target == "sm90" and (
+        cfg.overlap or cfg.row_split or cfg.n_split > 1 or cfg.block_k > min(act_group, weight_block)
+    ):
         return _program_sm90(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg)
     bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
     assert act_group % bK == 0 and weight_block % bK == 0, "block_k must divide both scale granularities"
@@ -141,7 +157,12 @@ def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, 
     sub = min(ag, wb)  # promotion granularity: the finer of the two scale grids
     assert bK % sub == 0 and ag % bK in (0, ag) and bK <= max(ag, wb) * 4, "block_k: a multiple of the scale step"
     assert bN % wb == 0 or wb % bN == 0, "block_n and the weight block must nest"
-    subs = list(range(bK // sub))  # a Python list: the sub-block loop is unrolled at trace time
+    ns = cfg.n_split
+    assert ns in (1, 2) and bN % ns == 0
+    bNs = bN // ns
+    # Python lists: the unit loops are unrolled at trace time
+    units = [(s, h) for s in range(bK // sub) for h in range(ns)]
+    unit_ids, slices = list(range(len(units))), list(range(ns))
     sa_rows = max(1, bK // ag)
     kb_a, nb_w, kb_w = ceil_div(K, ag), ceil_div(N, wb), ceil_div(K, wb)
     nbt = max(1, bN // wb)
@@ -161,32 +182,45 @@ def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, 
             B_s = T.alloc_shared((bN, bK), fp8)
             SA_s = T.alloc_shared((sa_rows, bM), "float32")
             SB_s = T.alloc_shared((nbt, kb_w), "float32")
-            p0 = T.alloc_fragment((bM, bN), "float32")
-            p1 = T.alloc_fragment((bM, bN), "float32")
-            acc = T.alloc_fragment((bM, bN), "float32")
+            p0 = T.alloc_fragment((bM, bNs), "float32")
+            p1 = T.alloc_fragment((bM, bNs), "float32")
+            acc = T.alloc_fragment((bM, bNs), "float32")
+            acc1 = T.alloc_fragment((bM, bNs), "float32")  # second column slice (n_split == 2)
             C_s = T.alloc_shared((bM, bN), "bfloat16")
             keep = T.alloc_local((1,), "float32")
+            accs = [acc, acc1][:ns]
             T.copy(SB[bx * bN // wb, 0], SB_s)  # every weight scale of this N tile, once
-            T.clear(acc)
+            for a in accs:
+                T.clear(a)
             for ko in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.stages):
                 T.copy(A[by * bM, ko * bK], A_s)
                 T.copy(B[bx * bN, ko * bK], B_s)
                 T.copy(SA[ko * bK // ag, by * bM], SA_s)
                 if cfg.overlap:
+                    # units (sub-block s, column slice h) in order; unit u+1 is issued before u is promoted
                     parts = [p0, p1]
-                    TC.wgmma_gemm(A_s[:, 0:sub], B_s[:, 0:sub], p0, transpose_B=True, clear_accum=True, policy=policy)
-                    for s in subs:
-                        if s + 1 < len(subs):
-                            k1 = (s + 1) * sub
+                    s0, h0 = units[0]
+                    TC.wgmma_gemm(
+                        A_s[:, s0 * sub : (s0 + 1) * sub],
+                        B_s[h0 * bNs : (h0 + 1) * bNs, s0 * sub : (s0 + 1) * sub],
+                        p0,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=policy,
+                    )
+                    for u in unit_ids:
+                        s, h = units[u]
+                        if u + 1 < len(units):
+                            s1, h1 = units[u + 1]
                             TC.wgmma_gemm(
-                                A_s[:, k1 : k1 + sub],
-                                B_s[:, k1 : k1 + sub],
-                                parts[(s + 1) % 2],
+                                A_s[:, s1 * sub : (s1 + 1) * sub],
+                                B_s[h1 * bNs : (h1 + 1) * bNs, s1 * sub : (s1 + 1) * sub],
+                                parts[(u + 1) % 2],
                                 transpose_B=True,
                                 clear_accum=True,
                                 policy=policy,
                             )
-                            T.wait_wgmma(1)  # sub-block s is done, s+1 is in flight
+                            T.wait_wgmma(1)  # unit u is done, u+1 is in flight
                         else:
                             T.wait_wgmma(0)
                             # A never-taken read of the stage after the last wait: it moves TileLang's
@@ -194,20 +228,26 @@ def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, 
                             # the stage while the async wgmma still reads it).
                             if SA_s[0, 0] < 0.0:
                                 keep[0] = T.cast(A_s[0, 0], "float32") + T.cast(B_s[0, 0], "float32")
-                        for i, j in T.Parallel(bM, bN):
-                            sb = SB_s[j // wb if bN >= wb else 0, (ko * bK + s * sub) // wb]
-                            acc[i, j] += parts[s % 2][i, j] * (SA_s[(s * sub) // ag, i] * sb)
+                        for i, j in T.Parallel(bM, bNs):
+                            sb = SB_s[(h * bNs + j) // wb if bN >= wb else 0, (ko * bK + s * sub) // wb]
+                            accs[h][i, j] += parts[u % 2][i, j] * (SA_s[(s * sub) // ag, i] * sb)
                 else:
-                    for s in subs:
+                    for u in unit_ids:
+                        s, h = units[u]
                         k0 = s * sub
                         T.gemm(
-                            A_s[:, k0 : k0 + sub], B_s[:, k0 : k0 + sub], p0, transpose_B=True, clear_accum=True,
+                            A_s[:, k0 : k0 + sub],
+                            B_s[h * bNs : (h + 1) * bNs, k0 : k0 + sub],
+                            p0,
+                            transpose_B=True,
+                            clear_accum=True,
                             policy=policy,
                         )
-                        for i, j in T.Parallel(bM, bN):
-                            sb = SB_s[j // wb if bN >= wb else 0, (ko * bK + k0) // wb]
-                            acc[i, j] += p0[i, j] * (SA_s[k0 // ag, i] * sb)
-            T.copy(acc, C_s)
+                        for i, j in T.Parallel(bM, bNs):
+                            sb = SB_s[(h * bNs + j) // wb if bN >= wb else 0, (ko * bK + k0) // wb]
+                            accs[h][i, j] += p0[i, j] * (SA_s[k0 // ag, i] * sb)
+            for h in slices:
+                T.copy(accs[h], C_s[:, h * bNs : (h + 1) * bNs])
             T.copy(C_s, C[by * bM, bx * bN])
 
     return fp8_gemm_sm90
