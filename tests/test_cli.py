@@ -93,7 +93,7 @@ def test_compile_then_run_the_plan_equals_run_without_a_plan(tmp_path, capsys):
     assert ids and ids == [line for line in direct.splitlines() if line.startswith("token ids")]
     # the plan is also something `inspect` prints
     assert main(["inspect", str(plan), "--summary-only"]) == 0
-    assert "swiglu_gate_up" in capsys.readouterr().out
+    assert "graph 'deepseek_v4'" in capsys.readouterr().out  # (the fused op names follow the pipeline)
     # an existing plan is not overwritten silently
     assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan)]) == 2
     assert "already exists" in _one_line_error(capsys)
@@ -113,3 +113,27 @@ def test_run_rejects_a_plan_for_another_target_or_missing_fields(tmp_path, capsy
     (plan / "plan.json").write_text(json.dumps(doc))
     assert main(["run", str(plan)]) == 2
     assert "model: missing field" in _one_line_error(capsys)
+
+
+def test_run_input_jsonl_to_output_jsonl_with_progress_and_summary(tmp_path, capsys):
+    import json
+
+    plan = tmp_path / "plan"
+    assert main(["compile", "--model", "deepseek-v4-flash", "-o", str(plan)]) == 0
+    lines = [
+        {"prompt": "Hello"},
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "temperature": 0.7, "seed": 3},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0},  # bad: this request alone fails
+        {"prompt": "Bye", "colour": "red"},  # unknown field: this request alone fails
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    capsys.readouterr()
+    assert main(["run", str(plan), "--input", str(inp), "--output", str(out), "--max-tokens", "3"]) == 2
+    cap = capsys.readouterr()
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows][:2] != ["error", "error"] and len(rows) == 4
+    assert len(rows[1]["token_ids"]) <= 2 and rows[0]["ttft_s"] > 0
+    assert "max_tokens must be a positive" in rows[2]["error"] and "colour" in rows[3]["error"]
+    assert "4/4 requests" in cap.err and "request 2:" in cap.err
+    assert "4 requests:" in cap.out and "tok/s" in cap.out
