@@ -236,6 +236,12 @@ def _print_summary(outs, wall: float, output: str | None) -> None:
           f"({(prompt + gen) / wall:.1f} tok/s, {gen / wall:.1f} generated tok/s){where}")  # fmt: skip
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from deepinfer.codegen.tuner import tune_target
+
+    return tune_target(args.target, args.kernels)
+
+
 def _not_built(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise NotBuiltError(f"`deepinfer {what}` is not built yet (issue {issue})")
@@ -287,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="autotune kernels for a target and fill the tuning database")
     t.add_argument("--target", default="sm90", choices=TARGETS)
     t.add_argument("--kernels", nargs="*", help="kernel families to tune (default: all)")
-    t.set_defaults(func=_not_built("tune", 6))
+    t.set_defaults(func=cmd_tune)
 
     b = sub.add_parser("bench", help="benchmark a V4.1-Flash slice against torch and the hardware limit")
     b.add_argument("--target", default="sm90", choices=TARGETS)
