@@ -15,8 +15,9 @@ from __future__ import annotations
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
 from deepinfer.ir.ops.attention import ROPE_ATTRS
-from deepinfer.passes.pattern import Absent, Any, Op, rewrite_matches
+from deepinfer.passes.pattern import Absent, Any, Op
 from deepinfer.passes.pipeline import register_pass
+from deepinfer.passes.rewrite_patterns import rewrite_patterns
 
 
 def _core(q_norm: bool) -> Op:
@@ -70,6 +71,5 @@ def rewrite(m):
 @register_pass("fuse_attention")
 def fuse_attention(g: Graph) -> Graph:
     """q-norm + rope + sparse_attention + inverse rope (+ reshape + quant_fp8) -> fused_attention."""
-    for pattern in PATTERNS:
-        rewrite_matches(g, pattern, rewrite, where=check)
+    rewrite_patterns(g, PATTERNS, rewrite, where=check)
     return g

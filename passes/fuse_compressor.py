@@ -16,8 +16,9 @@ from __future__ import annotations
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
 from deepinfer.ir.ops.attention import ROPE_ATTRS
-from deepinfer.passes.pattern import Absent, Any, Op, find_matches, make_node
+from deepinfer.passes.pattern import Absent, Any, Op, make_node
 from deepinfer.passes.pipeline import register_pass
+from deepinfer.passes.rewrite_patterns import find_pattern_matches, node_users
 
 LATENT = Op("rmsnorm", Op("pair_compressor", output=0, capture="pc", single_use=True), Any("norm"), capture="latent")
 PATTERN = Op(
@@ -38,7 +39,7 @@ PATTERN = Op(
 @register_pass("fuse_compressor")
 def fuse_compressor(g: Graph) -> Graph:
     """pair_compressor + latent norm + entry RoPE + index-key GEMM/norm/RoPE -> pair_compressor_keys."""
-    users, pos = g.users(), {id(n): i for i, n in enumerate(g.nodes)}
+    users, pos = node_users(g), {id(n): i for i, n in enumerate(g.nodes)}
     outputs = {v.name for v in g.outputs}
     entry_rope = {}
 
@@ -58,7 +59,7 @@ def fuse_compressor(g: Graph) -> Graph:
         return not any(pos[id(u)] < pos[id(m.root)] for v in taken for u in users.get(v.name, []))
 
     drop = set()
-    for m in find_matches(g, PATTERN, where=check):
+    for m in find_pattern_matches(g, [PATTERN], check, users):
         pc, rope = m.node("pc"), entry_rope[id(m.root)]
         attrs = {"eps": m.node("latent").attrs["eps"], **{k: rope.attrs[k] for k in ROPE_ATTRS}}
         inputs = [m["kv"], m["score"], m["state_kv"], m["state_score"], m["pos"], m["norm"], m["wk"], m["k_norm"]]

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from deepinfer.ir.graph import Graph, Node
 from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
-from deepinfer.passes.pattern import Any, Op, find_matches, make_node
+from deepinfer.passes.pattern import Any, Op, make_node
 from deepinfer.passes.pipeline import register_pass
+from deepinfer.passes.rewrite_patterns import find_pattern_matches, node_users
 
 COLLAPSE = Op("hc_collapse", Any("x"), Any("prev_pre"), capture="collapse")
 
@@ -51,7 +52,7 @@ def _read_before(g: Graph, values, at: int, pos: dict, users: dict, allowed: set
 
 
 def _fuse_stats_collapse(g: Graph) -> None:
-    users, pos = g.users(), {id(n): i for i, n in enumerate(g.nodes)}
+    users, pos = node_users(g), {id(n): i for i, n in enumerate(g.nodes)}
     stats_of: dict[int, Node] = {}
 
     def check(m) -> bool:
@@ -62,7 +63,7 @@ def _fuse_stats_collapse(g: Graph) -> None:
         return not _read_before(g, stats[0].outputs, pos[id(m.root)], pos, users, set())
 
     rewrites = []
-    for m in find_matches(g, COLLAPSE, where=check):
+    for m in find_pattern_matches(g, [COLLAPSE], check, users):
         st = stats_of[id(m.root)]
         inputs = [m["x"], *st.inputs[1:4], m["prev_pre"]]
         rewrites.append((m.root, [m.root, st], "hc_pre_collapse", inputs, dict(st.attrs), m.root.outputs + st.outputs))
@@ -70,14 +71,14 @@ def _fuse_stats_collapse(g: Graph) -> None:
 
 
 def _fuse_post_pre(g: Graph) -> None:
-    users, pos = g.users(), {id(n): i for i, n in enumerate(g.nodes)}
+    users, pos = node_users(g), {id(n): i for i, n in enumerate(g.nodes)}
 
     def check(m) -> bool:
         xn = m.node("post").outputs[0]
         return not _read_before(g, [xn], pos[id(m.root)], pos, users, {id(m.root)})
 
     rewrites = []
-    for m in find_matches(g, PRE, where=check):
+    for m in find_pattern_matches(g, [PRE], check, users):
         post, pre = m.node("post"), m.root
         inputs = [m["y"], m["x"], m["post"], m["comb"], *pre.inputs[1:]]
         outputs = post.outputs + pre.outputs

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
-from deepinfer.passes.pattern import Absent, Any, Op, rewrite_matches
+from deepinfer.passes.pattern import Absent, Any, Op
 from deepinfer.passes.pipeline import register_pass
+from deepinfer.passes.rewrite_patterns import rewrite_patterns
 
 ROUTED = Op("moe_experts", Any("x"), Any("weights"), Any("idx"), ..., capture="moe", single_use=True)
 
@@ -76,6 +77,5 @@ def _rewrite(masked_max_t: int):
 @register_pass("fuse_moe_experts")
 def fuse_moe_experts(g: Graph, masked_max_t: int = 64) -> Graph:
     """moe_experts (+ the shared expert and the add) -> moe_grouped_experts with a T-bucket layout."""
-    for pattern in PATTERNS:
-        rewrite_matches(g, pattern, _rewrite(masked_max_t), where=check)
+    rewrite_patterns(g, PATTERNS, _rewrite(masked_max_t), where=check)
     return g

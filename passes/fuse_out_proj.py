@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
-from deepinfer.passes.pattern import Absent, Any, Op, rewrite_matches
+from deepinfer.passes.pattern import Absent, Any, Op
 from deepinfer.passes.pipeline import register_pass
+from deepinfer.passes.rewrite_patterns import rewrite_patterns
 
 
 def _u(quantised: bool) -> Op:
@@ -57,6 +58,5 @@ def rewrite(m):
 @register_pass("fuse_out_proj")
 def fuse_out_proj(g: Graph) -> Graph:
     """grouped_linear (wo_a) + reshape (+ quant/dequant) + linear (wo_b) -> grouped_out_proj."""
-    for pattern in PATTERNS:
-        rewrite_matches(g, pattern, rewrite, where=check)
+    rewrite_patterns(g, PATTERNS, rewrite, where=check)
     return g
