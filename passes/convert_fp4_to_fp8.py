@@ -75,15 +75,18 @@ def convert_fp4_to_fp8(g: Graph, target: str | None = None, block: int | None = 
     if target is None or not _lacks_fp4(target):
         return g
     pairs: list[list[str]] = []
+    retyped: dict[tuple, tuple[TensorType, TensorType]] = {}  # every expert of a layer has the same shapes
     for n in g.nodes:
         if n.op != "moe_experts" or n.attrs["fmt"] != "fp4":
             continue
         b = block or n.attrs["block"]
         for i in range(0, len(n.inputs) - 3, 2):
             w, s = n.inputs[3 + i], n.inputs[4 + i]
-            rows, cols = w.shape[0], w.shape[1] * 2
-            w.type = TensorType(dt.f8e4m3, (rows, cols))
-            s.type = TensorType(dt.e8m0, (-(-rows // b), -(-cols // b)))
+            key = (w.shape, b)
+            if key not in retyped:
+                rows, cols = w.shape[0], w.shape[1] * 2
+                retyped[key] = TensorType(dt.f8e4m3, (rows, cols)), TensorType(dt.e8m0, (-(-rows // b), -(-cols // b)))
+            w.type, s.type = retyped[key]
             pairs.append([w.name, s.name])
         n.attrs = {**n.attrs, "fmt": "fp8", "block": b}
         g.meta.setdefault("param_conversions", [])
