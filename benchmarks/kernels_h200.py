@@ -354,22 +354,23 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool):
 
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
-    g32, g128 = fp8_gemm.default_config(32), fp8_gemm.default_config(128)
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
     if not quick:
         gemms += [(4096, HIDDEN, 8192), (4096, MOE_INTER, HIDDEN), (8192, 8192, 8192)]
     out = []
     for M, N, K in gemms:
+        cfg = fp8_gemm.sm90_config(M, N, 32)
         out.append(
             (
-                f"fp8_gemm g32 {g32.block_m}x{g32.block_n}x{g32.block_k}",
+                f"fp8_gemm g32 {cfg.tag}",
                 f"{M}x{N}x{K}",
-                lambda r, q, d, M=M, N=N, K=K: case_fp8_gemm(r, M, N, K, 32, g32, q, d),
+                lambda r, q, d, M=M, N=N, K=K, cfg=cfg: case_fp8_gemm(r, M, N, K, 32, cfg, q, d),
             )
         )
+    g128 = fp8_gemm.sm90_config(4096, HEADS * HEAD_DIM, 128)
     out.append(
         (
-            f"fp8_gemm g128 {g128.block_m}x{g128.block_n}x{g128.block_k}",
+            f"fp8_gemm g128 {g128.tag}",
             "4096x32768x1280",
             lambda r, q, d: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 128, g128, q, d),
         )

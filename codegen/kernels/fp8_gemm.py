@@ -62,7 +62,16 @@ class Config:
 
 
 def default_config(k_group: int) -> Config:
+    """Portable config (every target, including the CPU `c` target and sm100): one K group per stage."""
     return Config(block_k=min(128, k_group), stages=3 if k_group >= 128 else 6)
+
+
+def sm90_config(M: int, N: int, k_group: int) -> Config:
+    """Best measured sm90 formulation (H200 sweeps, BENCHMARKS.md): 128x256 tiles where M and N give
+    enough tiles to fill 132 SMs, else 128x128 with async wgmma overlapped with the promotion."""
+    if M >= 1024 and N % 256 == 0 and N >= 4096:
+        return Config(128, 256, 128, 3, 256, False, True, 2)
+    return Config(128, 128, 128, 4, 256, k_group < 128, True)
 
 
 def config_space(M: int, N: int, K: int, k_group: int) -> list[Config]:

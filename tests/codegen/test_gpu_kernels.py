@@ -40,11 +40,15 @@ H, QL, HEADS, HD, INTER = 5120, 1280, 64, 512, 2304
 @pytest.mark.parametrize(
     "M,N,K", [(4096, QL, H), (4096, HEADS * HD, QL), (4096, H, 8192), (4096, 2 * INTER, H), (64, HEADS * HD, QL)]
 )
-@pytest.mark.parametrize("cfg_name", ["default", "sm90_overlap"])
+@pytest.mark.parametrize("cfg_name", ["default", "sm90_overlap", "sm90_best"])
 def test_fp8_gemm_v41(kb, M, N, K, cfg_name):
     from deepinfer.codegen.kernels import fp8_gemm
 
-    cfg = fp8_gemm.default_config(32) if cfg_name == "default" else fp8_gemm.Config(128, 128, 64, 4, 256, True, True)
+    cfg = {
+        "default": fp8_gemm.default_config(32),
+        "sm90_overlap": fp8_gemm.Config(128, 128, 64, 4, 256, True, True),
+        "sm90_best": fp8_gemm.sm90_config(M, N, 32),
+    }[cfg_name]
     _run(kb, kb.case_fp8_gemm, M, N, K, 32, cfg)
 
 
@@ -52,6 +56,7 @@ def test_fp8_gemm_v4_groups_of_128(kb):
     from deepinfer.codegen.kernels import fp8_gemm
 
     _run(kb, kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.default_config(128))
+    _run(kb, kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.sm90_config(4096, HEADS * HD, 128))
 
 
 def test_moe_grouped_gemm_contiguous(kb):
