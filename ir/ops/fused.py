@@ -353,6 +353,28 @@ class PairCompressorKeys:
         return entry, keys, entry_idx, new_kv, new_score
 
 
+@register_op(
+    "compressor_keys",
+    "kv, positions, norm, wk, k_norm",
+    {"eps": Attr("float", 1e-6), **ROPE_ATTRS},
+    level="kernel",
+)
+class CompressorKeys:
+    """A V4.1 ratio-1 kv source (no pooling: one entry per token, MODEL_SPEC §2.13) with its index keys:
+    latent = rmsnorm(kv, norm); entry = rope(latent, positions); keys = rope(rmsnorm(latent @ wk^T, k_norm),
+    positions). The same kernel as pair_compressor_keys without the pair pooling. Returns (entry, keys)."""
+
+    def infer(kv, positions, norm, wk, k_norm, *, eps, **rope):
+        latent = RMSNorm.infer(kv, norm, eps=eps)
+        return latent, RMSNorm.infer(Linear.infer(latent, wk, None), k_norm, eps=eps)
+
+    def reference(kv, positions, norm, wk, k_norm, *, eps, **rope):
+        latent = RMSNorm.reference(kv, norm, eps=eps)
+        entry = Rope.reference(latent, positions, inverse=False, **rope)
+        keys = RMSNorm.reference(Linear.reference(latent, wk, None), k_norm, eps=eps)
+        return entry, Rope.reference(keys, positions, inverse=False, **rope)
+
+
 @register_op("constant", "", {"shape": Attr("shape"), "values": Attr("floats"), "dtype": Attr("dtype", dt.f32)})
 class Constant:
     """A small tensor given by its values (row-major; ints stored exactly up to 2^53). Made by fold_constants."""

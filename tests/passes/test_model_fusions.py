@@ -44,8 +44,8 @@ CASES = [
     # the shared expert joins the routed experts once fuse_swiglu has made its gate/up op
     ("v4", ["fuse_swiglu", "fuse_moe_experts"], {"moe_grouped_experts": 4}),
     ("v41", ["fuse_swiglu", "fuse_moe_experts"], {"moe_grouped_experts": 10}),
-    # the two ratio-2 kv sources (layers 2, 4); the ratio-1 source (layer 6) has no pair compressor
-    ("v41", ["fuse_compressor"], {"pair_compressor_keys": 2}),
+    # the two ratio-2 kv sources (layers 2, 4) and the ratio-1 source (layer 6, no pooling)
+    ("v41", ["fuse_compressor"], {"pair_compressor_keys": 2, "compressor_keys": 1}),
     ("v4", ["fuse_compressor"], {}),
 ]
 
