@@ -13,8 +13,8 @@ inside the match (the latent by the wk GEMM and the entry RoPE, entry_pos by the
 use one table. Ratio 1 (no pooling, one entry per token at its own position) is the same without the pair
 compressor: latent = rmsnorm(kv, norm) with kv = x @ wkv^T, and both RoPEs at the token positions
 -> entry, keys = compressor_keys(kv, positions, norm, wk, k_norm). The check also asks one eps for both norms.
-The cache writes (scatter_rows) stay outside. Without QAT only: the QAT fake-quant points sit between the
-RoPEs and the writes and end the match there (they are not fused).
+The cache writes (scatter_rows) stay outside, and so do the QAT fake-quant points (``qat=True``), which sit
+between the RoPEs and the writes.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def quantize_activations(g: Graph, enabled: bool = False) -> Graph:
     made: dict[tuple[str, int], Value] = {}  # (value, group) -> its dequantised FP8 version
     nodes: list[Node] = []
     for n in g.nodes:
-        x = n.inputs[0]
+        x = n.inputs[0] if n.inputs else None
         group = _fit(x, _group(n, enabled)) if x is not None and _group(n, enabled) else 0
         if group and not _is_fp8(x, group):  # (an FP8 x: the pass ran before; it is idempotent)
             key = (x.name, group)

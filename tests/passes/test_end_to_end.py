@@ -53,3 +53,38 @@ def test_sm90_pipeline_converts_the_experts_and_keeps_the_logits(tiny_model):
     opt, _ = run_pipeline(g0, _pipeline(True, target="sm90"))
     assert {n.attrs["fmt"] for n in opt.nodes if n.op == "moe_grouped_experts"} == {"fp8"}
     _close(run(opt, inputs, apply_param_conversions(opt.meta, params), check=True), expected, exact=True)
+
+
+def _graph_inputs(g, seed: int = 0) -> dict:
+    """Inputs for any of the models' graphs: 16 tokens/rows per symbolic length, 64 compressed-cache rows."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for v in g.inputs:
+        shape = [d if isinstance(d, int) else 64 if str(d).startswith("C") else 16 for d in v.shape]
+        if v.name in ("positions", "ctx_positions"):
+            out[v.name] = torch.arange(3, 3 + shape[0])
+        elif v.name in ("tokens", "anchor"):
+            out[v.name] = torch.randint(0, 100, shape, generator=gen)
+        elif not v.dtype.is_float:
+            out[v.name] = torch.full(shape, -1, dtype=torch.int64)
+        else:
+            out[v.name] = torch.randn(shape, generator=gen) * 0.1
+    return out
+
+
+@pytest.mark.parametrize("which", ["v4-mtp", "v41-dspark", "v41-qat"])
+def test_the_other_graphs_keep_their_numbers_too(which):
+    from deepinfer.models import deepseek_v4, deepseek_v41
+    from deepinfer.models.checkpoint import random_weights
+    from deepinfer.models.presets import preset_config
+
+    if which == "v4-mtp":
+        cfg = deepseek_v4.parse_config(deepseek_v4.TINY_CONFIGS["tiny"])
+        g = deepseek_v4.build_mtp_graph(cfg)
+    else:
+        cfg = deepseek_v41.parse_config(preset_config("deepseek-v4.1-flash", "tiny"))
+        g = deepseek_v41.build_dspark_graph(cfg) if which == "v41-dspark" else deepseek_v41.build_graph(cfg, qat=True)
+    params, inputs = random_weights(g.params, seed=1, block=cfg.fp8_block), _graph_inputs(g)
+    opt, _ = run_pipeline(g, _pipeline(False))
+    assert opt.op_counts()["fused_attention"] >= 1 and len(opt.nodes) < len(g.nodes)
+    _close(run(opt, inputs, params, check=True), run(g, inputs, params, check=True), exact=False)
