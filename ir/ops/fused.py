@@ -120,8 +120,9 @@ def _rope_attrs(attrs: dict) -> dict:
     level="kernel",
 )
 class FusedAttention:
-    """The attention core as one op, the boundary of FlashMLA's fused V4.1 sparse-attention kernel
-    (codegen/kernels/sparse_attn_decode.py is its decode half; the fused prologue/epilogue are its next step):
+    """The attention core as one op, the boundary of FlashMLA's fused V4.1 sparse-attention kernel. Kernel
+    family: codegen/kernels/sparse_attn_decode.py (decode; its listed next step is this q-norm/RoPE prologue and
+    inverse-RoPE/quant epilogue; prefill has no family yet):
 
         q' = rope(rmsnorm(q) if q_norm else q, positions)          per-head unweighted q norm (V4 only)
         o  = sparse_attention(q', sink, win_kv, win_idx, cmp_kv, cmp_idx) {scale}
@@ -332,8 +333,9 @@ class PairCompressorKeys:
         keys   = rope(rmsnorm(latent @ wk^T, k_norm), entry_pos)      the index key row
 
     One kernel pools the pairs, normalises and rotates the latent and runs the small wk GEMM on it while it is
-    on chip (the indexer-key half of FlashMLA's V4.1 compressor). Returns (entry [(T+1)//2, d],
-    keys [(T+1)//2, di], entry_idx, state_kv', state_score'); the cache writes stay scatter_rows.
+    on chip. No codegen/kernels/ family implements it yet (kernel selection runs the torch reference).
+    Returns (entry [(T+1)//2, d], keys [(T+1)//2, di], entry_idx, state_kv', state_score'); the cache writes
+    stay scatter_rows.
     """
 
     def infer(kv, score, state_kv, state_score, positions, norm, wk, k_norm, *, eps, **rope):
@@ -362,7 +364,8 @@ class PairCompressorKeys:
 class CompressorKeys:
     """A V4.1 ratio-1 kv source (no pooling: one entry per token, MODEL_SPEC §2.13) with its index keys:
     latent = rmsnorm(kv, norm); entry = rope(latent, positions); keys = rope(rmsnorm(latent @ wk^T, k_norm),
-    positions). The same kernel as pair_compressor_keys without the pair pooling. Returns (entry, keys)."""
+    positions). pair_compressor_keys without the pair pooling (no codegen family yet either). Returns
+    (entry, keys)."""
 
     def infer(kv, positions, norm, wk, k_norm, *, eps, **rope):
         latent = RMSNorm.infer(kv, norm, eps=eps)
