@@ -46,6 +46,7 @@ from deepinfer.codegen.kernels import (  # noqa: E402
     moe_grouped_gemm,
     moe_routing,
     rmsnorm_quant,
+    rope,
     sparse_attn_decode,
 )
 from deepinfer.codegen.kernels._common import quant_fp8_blocks, quant_fp8_groups  # noqa: E402
@@ -349,6 +350,25 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: sparse_attn_decode.reference(q, kv, idx, sink), quick)
 
 
+def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
+    """V4.1 query RoPE: T tokens x 64 heads x 512, the last 64 channels rotated, YaRN table of 1M positions."""
+    from deepinfer.ir.ops.attention import rope_inv_freq
+
+    P, r = 1 << 20, 64
+    kernel = build(rope.program(T_, HEADS, HEAD_DIM, P, rope_dim=r, inverse=inverse, target="sm90"))
+    row.bytes_, row.flops = rope.roofline(T_, HEADS, HEAD_DIM, r)
+    if dry:
+        return
+    table = rope.cos_sin_table(P, rope_inv_freq(r, 10000.0, 16.0, 65536)).cuda()
+    x = torch.randn(T_, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, P, (T_,), device="cuda", dtype=torch.int32)
+    y = torch.full_like(x, float("nan"))
+    kernel(x, pos, table, y)
+    row.check = expect(rel_err(y, rope.reference(x, pos, table, r, inverse)), 1e-2)
+    row.ms = bench(lambda: kernel(x, pos, table, y), quick)
+    row.eager_ms = bench(lambda: rope.reference(x, pos, table, r, inverse), quick)
+
+
 # ---------------------------------------------------------------------------------------------- plan
 
 
@@ -399,6 +419,8 @@ def cases(quick: bool):
             ("hc_pre", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_pre(r, T_, q, d)),
             ("hc_post", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_post(r, T_, q, d)),
         ]
+    for T_ in (4096, 64) if not quick else (4096,):
+        out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
     for B in (64, 128) if not quick else (64,):
         out.append(("sparse_attn_decode", f"B{B} H64 k640", lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d)))
     return out

@@ -94,3 +94,9 @@ def test_hc_post(kb, T_):
 @pytest.mark.parametrize("B", [64, 128])
 def test_sparse_attn_decode(kb, B):
     _run(kb, kb.case_attn_decode, B, 640)
+
+
+@pytest.mark.parametrize("T_", [4096, 64])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope(kb, T_, inverse):
+    _run(kb, kb.case_rope, T_, inverse)
