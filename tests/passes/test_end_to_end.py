@@ -88,3 +88,15 @@ def test_the_other_graphs_keep_their_numbers_too(which):
     opt, _ = run_pipeline(g, _pipeline(False))
     assert opt.op_counts()["fused_attention"] >= 1 and len(opt.nodes) < len(g.nodes)
     _close(run(opt, inputs, params, check=True), run(g, inputs, params, check=True), exact=False)
+
+
+def test_the_fused_v41_graph_prints_and_parses_back(tiny_model):
+    from deepinfer.ir.parser import parse_graph
+    from deepinfer.ir.printer import print_graph
+    from deepinfer.ir.verifier import verify
+
+    opt, _ = run_pipeline(tiny_model("v41", True)[0], _pipeline(True, target="sm90"))
+    text = print_graph(opt)
+    parsed = parse_graph(text)
+    verify(parsed)
+    assert print_graph(parsed) == text and "param_conversions" in parsed.meta
