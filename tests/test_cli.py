@@ -69,7 +69,7 @@ def test_run_without_plan_generates_with_the_tiny_model(capsys):
         (["run", "--model", "no-such-model"], "no-such-model"),
         (["compile"], "compile needs -o PLAN_DIR"),
         (["compile", "--target", "sm90", "-o", "x"], "needs kernel binding"),
-        (["tune"], "not built yet"),
+        (["tune"], "no CUDA GPU on this machine"),
         (["bench"], "not built yet"),
     ],
 )

@@ -77,6 +77,13 @@ CASES.update(
         "linear_fp4": lambda b: b.linear_fp4(
             _x(b), b.param("w.weight", "f4e2m1x2", [16, 32]), b.param("w.scale", "e8m0", [16, 2]), act_group=32
         ),
+        # collectives at world size 1 (the multi-process runs are in tests/passes/test_parallel_mp.py)
+        "all_reduce": lambda b: b.all_reduce(_x(b), world=1),
+        "all_gather": lambda b: b.all_gather(_x(b), world=1, axis=0),
+        "reduce_scatter": lambda b: b.reduce_scatter(_x(b), world=1, axis=0),
+        "all_to_all": lambda b: b.all_to_all(_x(b), world=1, axis=0),
+        "cp_gather": lambda b: b.cp_gather(_x(b), world=1),
+        "cp_take": lambda b: b.cp_take(_x(b), world=1, rank=0),
     }
 )
 
