@@ -110,7 +110,9 @@ def test_every_registered_op_is_shape_checked_somewhere():
     executed += [deepseek_v4.build_mtp_graph(v4), deepseek_v41.build_dspark_graph(_v41_tiny(), weights="float")]
     executed.append(_expert_and_context_parallel_world_one())
     covered = {op for g in executed for op in g.op_counts()} | set(_core_cases.CASES)
-    missing = sorted(set(all_ops()) - covered - DEDICATED)
+    # ops registered by other test files (custom ops of the serialization tests) are not deepinfer's
+    ours = {name for name, d in all_ops().items() if d.reference_fn.__module__.startswith("deepinfer.")}
+    missing = sorted(ours - covered - DEDICATED)
     assert missing == [], f"ops with no symbolic-shape execution check: {missing}"
 
 
