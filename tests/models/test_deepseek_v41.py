@@ -318,11 +318,12 @@ def test_bad_build_arguments(tiny):
 
 
 def test_engram_real_vocabulary_and_primes():
-    from deepinfer.ir.ops.engram import tokenizer_token_map
+    from deepinfer.ir.ops.engram import token_map
 
     c = v41.parse_config(json.loads(REAL_CONFIG.read_text()))  # checks prime sums == engram_num_embeddings
     assert c.engram_num_embeddings == (384006168, 384016682)
-    cmap, classes = tokenizer_token_map()
+    cmap = token_map(129280, c.engram_compressed_vocab)
+    classes = int(cmap.max()) + 1
     assert len(cmap) == 129280 and classes == c.engram_compressed_vocab == 99092
 
 
