@@ -1,7 +1,10 @@
 """``deepinfer compile``: model config -> graph -> pass pipeline -> plan.
 
-Today a plan carries the optimised graph for the ``cpu`` target, whose kernels are the ops' torch references.
-GPU targets need the kernel binding of phase 4 (issue 6) and are refused with a one-line error until then.
+A plan carries the optimised graph. For ``cpu`` its kernels are the ops' torch references. For ``sm90`` the
+pipeline quantises activations explicitly (the FP8 kernels take FP8 operands), converts FP4 experts to FP8
+(Hopper has no FP4 MMA) and binds every node to a kernel family and tile config (select_kernels); the kernels
+themselves compile lazily, on the GPU, at the first run (runtime/cuda_executor.py). Other GPU targets are refused
+with a one-line error until their runtime exists.
 """
 
 from __future__ import annotations
@@ -13,7 +16,19 @@ from dataclasses import dataclass
 from deepinfer.errors import NotBuiltError
 from deepinfer.runtime.plan import Plan
 
-SUPPORTED_TARGETS = ("cpu",)
+SUPPORTED_TARGETS = ("cpu", "sm90")
+
+
+def default_pipeline(target: str):
+    """The default pipeline; for a GPU target with its quantisation and kernel binding switched on."""
+    from deepinfer.passes.pipeline import Pipeline
+
+    pipe = Pipeline.default()
+    if target == "cpu":
+        return pipe
+    quantize = [("quantize_activations", {"enabled": True}), ("convert_fp4_to_fp8", {"target": target})]
+    select = [("select_kernels", {"target": target}), "check_batch_invariance"]
+    return pipe.with_phase("quantize", quantize).with_phase("select_kernels", select)
 
 
 @dataclass
@@ -38,13 +53,13 @@ def compile_model(
     from deepinfer.passes.pipeline import Pipeline, run_pipeline
 
     if target not in SUPPORTED_TARGETS:
-        raise NotBuiltError(f"compiling for target {target!r} needs kernel binding (issue 6); only 'cpu' works today")
+        raise NotBuiltError(f"compiling for target {target!r} is not built yet; supported: {', '.join(SUPPORTED_TARGETS)}")
     t0 = time.perf_counter()
     name, config, ckpt = resolve_model(model)
     mod = get_model(name)
     graph = mod.build_graph(mod.parse_config(config))
     build_s = time.perf_counter() - t0
-    pipe = Pipeline.from_config(pipeline) if pipeline else Pipeline.default()
+    pipe = Pipeline.from_config(pipeline) if pipeline else default_pipeline(target)
     t1 = time.perf_counter()
     optimised, report = run_pipeline(graph, pipe, dump_ir=dump_ir)
     passes_s = time.perf_counter() - t1

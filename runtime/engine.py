@@ -28,7 +28,7 @@ from deepinfer.runtime.sampler import InvalidRequestError, Sample, SamplingParam
 from deepinfer.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from deepinfer.runtime.sequence import Sequence, Status
 
-RUNTIME_TARGETS = ("cpu",)
+RUNTIME_TARGETS = ("cpu", "sm90")  # sm90: runtime/cuda_executor.py (needs a CUDA device)
 
 
 @dataclass
@@ -65,7 +65,11 @@ class RequestOutput:
 def _resolve_plan(model, target: str, plan) -> Plan:
     if target not in RUNTIME_TARGETS:
         raise NotBuiltError(f"the runtime runs {', '.join(RUNTIME_TARGETS)} plans today; target {target!r} needs "
-                            "compiled kernels (issue 6)")  # fmt: skip
+                            "its own executor")  # fmt: skip
+    if target != "cpu":
+        from deepinfer.runtime.cuda_executor import require_cuda
+
+        require_cuda(f"target {target!r}")  # before compiling or loading anything: one line, no traceback
     if plan is None:
         from deepinfer.compiler import compile_model
 
@@ -117,7 +121,7 @@ class LLM:
             ),
             self.kv,
         )  # fmt: skip
-        self.executor = Executor(InterpreterRunner(graph, params), self.kv)
+        self.executor = Executor(_runner(self.plan, params), self.kv)
         self._seed_rng = random.Random(self.config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []  # rejected at submission, reported on the next step
@@ -338,6 +342,15 @@ class LLM:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def _runner(plan: Plan, params: dict):
+    """The plan's ModelRunner: the interpreter on cpu, compiled kernels (with counted fallbacks) on sm90."""
+    if plan.target == "cpu":
+        return InterpreterRunner(plan.graph, params)
+    from deepinfer.runtime.cuda_executor import CudaRunner
+
+    return CudaRunner(plan.graph, params)
 
 
 def _load_tokenizer():

@@ -1,0 +1,368 @@
+"""Run a plan's graph on a CUDA device: compiled kernels where the binding allows, torch references elsewhere.
+
+    runner = CudaRunner(plan.graph, params)          # weights go to the GPU once
+    logits, caches = runner.forward(tokens, positions, caches)
+    print(runner.report())                           # which nodes ran compiled kernels, which ran references
+
+Per node, in graph order: the binding select_kernels wrote (graph.meta["kernels"], the bucket nearest the
+call's token count) names a family; when runtime/kernel_adapters.py has an adapter for that family and op, and
+the adapter accepts the concrete shapes, its kernels are fetched from a cache keyed by (family, program, shapes,
+config) -- compiled lazily, on first use -- and run. Anything else runs the op's torch reference on the GPU;
+that is explicit and counted, with the reason. A kernel that fails to build, raises, or disagrees with the
+reference on its first call (checked once per kernel set: a wrong kernel must not poison the results) is
+disabled and its nodes fall back, also counted.
+
+The graph is one sequence per call (as the interpreter); the engine's KV cache manager keeps the dense caches
+on the host, so ``forward`` moves them to the device and back. Batched paged kernels and CUDA graphs replace
+this later without changing the seam (runtime/executor.py's ModelRunner).
+
+``device="cpu"`` runs the same dispatch with references only (the adapters decline CPU tensors), which is
+how the accounting is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.errors import DeepInferError, IRError
+from deepinfer.ir.graph import Graph, Node
+from deepinfer.ir.interpreter import bind_symbols, concrete_attrs
+from deepinfer.ir.registry import get_op
+from deepinfer.runtime import kernel_adapters as ka
+
+VERIFY_TOL = 0.1  # first-call check: max |kernel - reference| / max |reference|; catches wrong layouts, not ulps
+
+
+class CudaUnavailableError(DeepInferError):
+    """A GPU plan was opened where there is no CUDA device."""
+
+
+def require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError(f"{what} needs a CUDA device (an H200 for sm90); this machine has none")
+
+
+class KernelCache:
+    """Compiled kernels by KernelKey; a key that failed once stays failed (its reason is kept)."""
+
+    def __init__(self, builder: Callable = ka.build_kernel, budget_s: float | None = None):
+        self.builder, self.budget_s = builder, budget_s
+        self.kernels: dict = {}
+        self.failed: dict = {}
+        self.build_s: dict = {}
+
+    def get(self, key):
+        if key in self.kernels:
+            return self.kernels[key]
+        if key in self.failed:
+            raise ka.Decline(self.failed[key])
+        if self.budget_s is not None and sum(self.build_s.values()) > self.budget_s:
+            raise ka.Decline(f"compile budget of {self.budget_s:.0f} s spent")
+        t0 = time.perf_counter()
+        try:
+            self.kernels[key] = self.builder(key)
+        except Exception as e:  # a kernel that cannot build falls back to the reference, with the reason
+            self.failed[key] = f"build failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            raise ka.Decline(self.failed[key]) from None
+        finally:
+            self.build_s[key] = time.perf_counter() - t0
+        return self.kernels[key]
+
+    def disable(self, keys, reason: str) -> None:
+        for k in keys:
+            self.kernels.pop(k, None)
+            self.failed[k] = reason
+
+
+@dataclass
+class Step:
+    """One node, resolved once per graph: what to read, what to write, what to free after it."""
+
+    node: Node
+    layer: str
+    inputs: list
+    outputs: list
+    free: list
+    param_inputs: list
+
+
+def layer_of(node: Node) -> str:
+    """The builder's scope ("l3.120" -> "l3"); nodes outside every layer are "embed" / "head"."""
+    head = node.outputs[0].name.split(".", 1)[0]
+    return head if head[:1] == "l" and head[1:].isdigit() else ""
+
+
+def plan_steps(g: Graph) -> list[Step]:
+    last: dict[str, int] = {}
+    for i, n in enumerate(g.nodes):
+        for v in n.inputs:
+            if v is not None:
+                last[v.name] = i
+    keep = {v.name for v in g.outputs}
+    steps, seen_layer = [], False
+    for i, n in enumerate(g.nodes):
+        layer = layer_of(n)
+        seen_layer |= bool(layer)
+        frees = [v.name for v in n.inputs if v is not None and v.kind == "node" and last.get(v.name) == i
+                 and v.name not in keep]  # fmt: skip
+        steps.append(Step(n, layer or ("head" if seen_layer else "embed"),
+                          [None if v is None else v.name for v in n.inputs], [v.name for v in n.outputs],
+                          sorted(set(frees)), [v is not None and v.kind == "param" for v in n.inputs]))  # fmt: skip
+    return steps
+
+
+@dataclass
+class Stats:
+    """Node executions by how they ran, and why the references ran."""
+
+    compiled: Counter = field(default_factory=Counter)  # family -> node executions
+    reference: Counter = field(default_factory=Counter)  # reason -> node executions
+    per_node: dict = field(default_factory=dict)  # node name -> "compiled <family>" | "reference: <reason>"
+    verified: dict = field(default_factory=dict)  # kernel set -> relative error at its first call
+
+    def total(self) -> tuple[int, int]:
+        return sum(self.compiled.values()), sum(self.reference.values())
+
+
+class GraphExecutor:
+    """Node-by-node execution with per-node dispatch; ``compiled=False`` runs every node's reference (the
+    torch eager baseline of the same graph)."""
+
+    def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], *, compiled: bool = True,
+                 kernels: KernelCache | None = None, verify: bool = True):  # fmt: skip
+        self.graph, self.params = g, params
+        self.compiled, self.verify = compiled, verify
+        self.kernels = kernels or KernelCache()
+        self.steps = plan_steps(g)
+        meta = g.meta.get("kernels") or {}
+        self.bindings = meta.get("nodes", {})
+        self.buckets = sorted(((b.get("T", 0), name) for name, b in meta.get("buckets", {}).items()))
+        self.stats = Stats()
+        self.prep_cache: dict = {}
+        self.layer_times: dict[str, float] | None = None  # filled by run(timed=True), milliseconds
+        self._attrs_cache: dict = {}
+
+    # -- binding ---------------------------------------------------------------------------------------
+    def _bucket(self, t: int) -> str | None:
+        for bt, name in self.buckets:
+            if t <= bt:
+                return name
+        return self.buckets[-1][1] if self.buckets else None
+
+    def binding(self, node: Node, t: int) -> dict:
+        rec = self.bindings.get(node.outputs[0].name)
+        bucket = self._bucket(t)
+        if rec is None or bucket is None:
+            return {"family": "torch_ref", "reason": "no binding (plan compiled without select_kernels)"}
+        return rec["buckets"].get(bucket) or next(iter(rec["buckets"].values()))
+
+    # -- running ---------------------------------------------------------------------------------------
+    def run(self, inputs: Mapping[str, torch.Tensor], *, timed: bool = False) -> list[torch.Tensor]:
+        env = bind_symbols(self.graph, inputs)
+        t = int(inputs["tokens"].shape[0]) if "tokens" in inputs else 1
+        vals: dict = dict(inputs)
+        vals.update({p.name: self.params[p.name] for p in self.graph.params})
+        marks = [] if timed else None
+        for step in self.steps:
+            if marks is not None and (not marks or marks[-1][0] != step.layer):
+                marks.append((step.layer, _event()))
+            args = [None if n is None else vals[n] for n in step.inputs]
+            outs = self._run_node(step, args, self._attrs(step.node, env), t)
+            if len(outs) != len(step.outputs):
+                raise IRError(f"node {step.node.label}: produced {len(outs)} outputs, expected {len(step.outputs)}")
+            vals.update(zip(step.outputs, outs))
+            for name in step.free:
+                vals.pop(name, None)
+        if marks is not None:
+            self.layer_times = _layer_times(marks)
+        return [vals[v.name] for v in self.graph.outputs]
+
+    def _attrs(self, node: Node, env: dict) -> dict:
+        key = (id(node), tuple(sorted(env.items())))
+        if key not in self._attrs_cache:
+            self._attrs_cache[key] = concrete_attrs(node, env)
+        return self._attrs_cache[key]
+
+    def _run_node(self, step: Step, args: list, attrs: dict, t: int) -> list:
+        node, name = step.node, step.outputs[0]
+        b = self.binding(node, t)
+        family = b.get("family", "torch_ref")
+        adapter = ka.adapter_for(family, node.op) if self.compiled else None
+        if adapter is None:
+            why = "baseline: references only" if not self.compiled else b.get("reason") or f"{family}: no adapter"
+            return self._reference(node, args, attrs, name, why)
+        call = ka.Call(node.op, attrs, args, step.inputs, step.param_inputs, b.get("config") or {}, self.prep_cache)
+        keys: list = []
+        try:
+            keys = adapter.keys(call)
+            kernels = [self.kernels.get(k) for k in keys]
+            outs = adapter.run(call, kernels)
+            if self.verify and tuple(keys) not in self.stats.verified:
+                self._check(node, args, attrs, outs, keys)
+        except ka.Decline as e:
+            return self._reference(node, args, attrs, name, f"{family}: {e}")
+        except Exception as e:  # a kernel that raises is disabled; the node's reference runs instead
+            self.kernels.disable(keys, f"raised {type(e).__name__}")
+            return self._reference(node, args, attrs, name, f"{family}: {type(e).__name__}: {str(e)[:120]}")
+        self.stats.compiled[family] += 1
+        self.stats.per_node[name] = f"compiled {family}"
+        return outs
+
+    def _check(self, node: Node, args, attrs, outs, keys) -> None:
+        ref = get_op(node.op).run(args, attrs)
+        err = max((_rel_err(a, b) for a, b in zip(_as_float(outs), _as_float(ref))), default=0.0)
+        self.stats.verified[tuple(keys)] = err
+        if not err <= VERIFY_TOL:  # NaN counts as a mismatch
+            self.kernels.disable(keys, f"mismatch vs reference at first call (rel err {err:.2e})")
+            raise ka.Decline(f"mismatch vs reference at first call (rel err {err:.2e})")
+
+    def _reference(self, node: Node, args, attrs, name: str, reason: str) -> list:
+        self.stats.reference[reason] += 1
+        self.stats.per_node[name] = f"reference: {reason}"
+        try:
+            return get_op(node.op).run(args, attrs)
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise IRError(f"node {node.label} failed: {e}") from e
+
+    # -- report ----------------------------------------------------------------------------------------
+    def report(self) -> str:
+        c, r = self.stats.total()
+        lines = [f"node executions: {c} compiled, {r} torch reference"]
+        lines += [f"  compiled  {fam:<20} {n:>6}" for fam, n in self.stats.compiled.most_common()]
+        lines += [f"  reference {n:>6}  {why}" for why, n in self.stats.reference.most_common()]
+        built = len(self.kernels.kernels)
+        lines.append(f"kernels: {built} built ({sum(self.kernels.build_s.values()):.1f} s), "
+                     f"{len(self.kernels.failed)} disabled")  # fmt: skip
+        lines += [f"  disabled {k.describe()}: {why}" for k, why in self.kernels.failed.items()]
+        if self.stats.verified:
+            worst = max(self.stats.verified.values())
+            lines.append(f"first-call checks: {len(self.stats.verified)} kernel sets, worst rel err {worst:.2e}")
+        return "\n".join(lines)
+
+    def kernel_keys(self, inputs: Mapping[str, torch.Tensor]) -> list:
+        """The kernels a call with these inputs would use (runs the graph with references to get the shapes)."""
+        found: list = []
+        saved, self.compiled = self.compiled, False
+        try:
+            env = bind_symbols(self.graph, inputs)
+            t = int(inputs["tokens"].shape[0])
+            vals: dict = dict(inputs)
+            vals.update({p.name: self.params[p.name] for p in self.graph.params})
+            for step in self.steps:
+                args = [None if n is None else vals[n] for n in step.inputs]
+                attrs = self._attrs(step.node, env)
+                b = self.binding(step.node, t)
+                adapter = ka.adapter_for(b.get("family", ""), step.node.op) if saved else None
+                if adapter is not None:
+                    call = ka.Call(step.node.op, attrs, args, step.inputs, step.param_inputs, b.get("config") or {},
+                                   self.prep_cache)  # fmt: skip
+                    try:
+                        found += [k for k in adapter.keys(call) if k not in found]
+                    except ka.Decline:
+                        pass
+                vals.update(zip(step.outputs, get_op(step.node.op).run(args, attrs)))
+                for name in step.free:
+                    vals.pop(name, None)
+        finally:
+            self.compiled = saved
+        return found
+
+
+def _event():
+    if torch.cuda.is_available():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return time.perf_counter()
+
+
+def _layer_times(marks: list) -> dict[str, float]:
+    marks = marks + [("end", _event())]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for (layer, a), (_, b) in zip(marks, marks[1:]):
+        out[layer] += a.elapsed_time(b) if not isinstance(a, float) else (b - a) * 1e3
+    return dict(out)
+
+
+def _as_float(outs) -> list[torch.Tensor]:
+    """Outputs as floats to compare: an (fp8 codes, e8m0 scales) pair is dequantised first."""
+    outs = list(outs)
+    if len(outs) == 2 and outs[1].dtype == torch.float8_e8m0fnu and outs[0].dtype == torch.float8_e4m3fn:
+        from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+        q, s = outs
+        return [dequant_fp8_groups(q, s, q.shape[-1] // s.shape[-1])]
+    return [o.float() for o in outs if o.is_floating_point()]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine's ModelRunner for sm90 plans
+# ---------------------------------------------------------------------------------------------------
+
+
+def to_device(params: Mapping[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in params.items()}
+
+
+def restack_experts(g: Graph, params: dict[str, torch.Tensor]) -> int:
+    """Lay each MoE layer's FP8 experts out as the grouped kernel reads them ([E, 2I, D] w1|w3, [E, D, I] w2)
+    and rebind the per-expert parameters to views of the stacks: one copy per layer, no doubled memory.
+    Returns the number of layers restacked."""
+    done = 0
+    for n in g.nodes:
+        if n.op != "moe_grouped_experts" or n.attrs.get("fmt") != "fp8":
+            continue
+        names = [v.name for v in n.inputs[9:]]
+        e = n.attrs["n_experts"]
+        w1 = [params[names[6 * i]] for i in range(e)]
+        w2 = [params[names[6 * i + 2]] for i in range(e)]
+        w3 = [params[names[6 * i + 4]] for i in range(e)]
+        if ka._stacked_view(w1, w3) is None:
+            b13 = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
+            inter = w1[0].shape[0]
+            for i in range(e):
+                params[names[6 * i]], params[names[6 * i + 4]] = b13[i, :inter], b13[i, inter:]
+        if ka._stacked_view(w2, None) is None:
+            b2 = torch.stack(w2)
+            for i in range(e):
+                params[names[6 * i + 2]] = b2[i]
+        done += 1
+    return done
+
+
+class CudaRunner:
+    """ModelRunner for ``sm90`` plans (runtime/executor.py's seam)."""
+
+    def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], device: str = "cuda", *,
+                 kernels: KernelCache | None = None, verify: bool = True):  # fmt: skip
+        if str(device).startswith("cuda"):
+            require_cuda("running an sm90 plan")
+        self.device = torch.device(device)
+        dev_params = to_device(params, self.device)
+        restack_experts(g, dev_params)
+        self.exec = GraphExecutor(g, dev_params, kernels=kernels, verify=verify)
+        self.cache_names = [e["name"] for e in g.meta.get("caches", [])]
+
+    def forward(self, tokens, positions, caches):
+        dev = self.device
+        feeds = {"tokens": tokens.to(dev), "positions": positions.to(dev)}
+        feeds.update({k: v.to(dev) for k, v in caches.items()})
+        outs = self.exec.run(feeds)
+        new = {n: t.to(caches[n].device) for n, t in zip(self.cache_names, outs[1 : 1 + len(self.cache_names)])}
+        return outs[0].float().cpu(), new
+
+    def report(self) -> str:
+        return self.exec.report()

@@ -1,0 +1,584 @@
+"""Adapters between graph nodes and compiled codegen kernels (the CUDA executor's per-family glue).
+
+A kernel is built for concrete shapes, dtypes and layouts (fp8 codes + fp32 MN-major scales, bf16 activations);
+a node carries the op's semantics (f32 activations, e8m0 scales, per-expert weight lists). An adapter bridges
+the two for one family:
+
+    keys(call)          -> the kernels it needs: hashable, picklable KernelKeys (so they can be pre-built in
+                           other processes); raises Decline(reason) when the family cannot take this call
+    run(call, kernels)  -> the node's outputs, in the node's dtypes
+
+Rows are padded to buckets (powers of two, at least one tile) so a prefill of any length reuses a few kernels
+instead of compiling one per token count. Weights are re-laid-out once per parameter (``Call.prep`` caches by
+parameter name), never per call.
+
+``build_kernel(key)`` compiles with TileLang (``execution_backend="tvm_ffi"``, as benchmarks/kernels_h200.py).
+``emulated_kernel(key)`` returns a torch stand-in with the kernel's exact signature (written from the family's
+torch reference), so the adapters' layout work is tested on CPU, without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.ir import dtypes as dt
+
+TILELANG_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+MIN_GEMM_ROWS = 64  # one wgmma tile of rows; also keeps the MN-major scale rows 16-byte aligned for TMA
+
+
+class Decline(Exception):
+    """This family cannot run this call; the message is the reason the report shows."""
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    family: str  # module in deepinfer.codegen.kernels
+    program: str  # factory in that module
+    args: tuple  # positional shape arguments
+    kwargs: tuple  # sorted (name, value) pairs; "cfg" holds a tuple of Config fields
+
+    def describe(self) -> str:
+        kw = ", ".join(f"{k}={v}" for k, v in self.kwargs if k != "cfg")
+        return f"{self.family}.{self.program}{self.args} {kw}"
+
+
+def _key(family: str, program: str, args: tuple, cfg=None, **kwargs) -> KernelKey:
+    kw = dict(kwargs)
+    if cfg is not None:
+        kw["cfg"] = tuple(sorted(vars(cfg).items()))
+    return KernelKey(family, program, tuple(args), tuple(sorted(kw.items())))
+
+
+@dataclass
+class Call:
+    """One node execution as an adapter sees it."""
+
+    op: str
+    attrs: dict
+    args: list  # torch tensors (or None), the node's inputs
+    names: list  # the inputs' value names (parameters are cached by name)
+    is_param: list  # which inputs are parameters (re-laid-out once, cached)
+    config: dict  # the binding's tile config for the nearest bucket
+    cache: dict = field(default_factory=dict)  # the runner's per-parameter preparation cache
+
+    def prep(self, tag: str, index: int | tuple, fn: Callable):
+        """fn() once per parameter (tag, input names); recomputed every call for non-parameters."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if not all(self.is_param[i] for i in idx):
+            return fn()
+        k = (tag, *(self.names[i] for i in idx))
+        if k not in self.cache:
+            self.cache[k] = fn()
+        return self.cache[k]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def bucket_rows(m: int, multiple: int) -> int:
+    """Rows padded to a power of two, at least ``multiple`` and a multiple of it (few distinct kernels)."""
+    p = max(multiple, 1 << max(0, m - 1).bit_length())
+    return -(-p // multiple) * multiple
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x.contiguous()
+    out = x.new_zeros((rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out
+
+
+def scales_f32(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 (or float) scales as the fp32 the kernels read."""
+    return dt.e8m0_to_float(s) if s.dtype in (torch.float8_e8m0fnu, torch.uint8) else s.float()
+
+
+def quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 as the graph's quant_fp8 op does it; returns (codes [M, K], fp32 scales [M, K/g])."""
+    from deepinfer.ir.ops.quant import quant_fp8_groups
+
+    q, s = quant_fp8_groups(x, group)
+    return q, dt.e8m0_to_float(s)
+
+
+def _cuda_only(call: Call) -> None:
+    x = next(a for a in call.args if a is not None)
+    if x.device.type != "cuda" and not EMULATE:
+        raise Decline("compiled kernels run on CUDA tensors only")
+
+
+EMULATE = False  # tests set this: emulated kernels stand in for the compiled ones on CPU
+
+
+# ---------------------------------------------------------------------------------------------- fp8_gemm
+
+
+def _gemm_cfg(call: Call, m: int, n: int, k: int, group: int, tuned: bool):
+    from deepinfer.codegen.kernels import fp8_gemm
+
+    if tuned and k % 128 == 0:
+        cfg = fp8_gemm.sm90_config(m, n, group)  # the measured-best sm90 formulation (BENCHMARKS.md)
+    else:
+        fields = {f: call.config[f] for f in vars(fp8_gemm.Config()) if f in call.config}
+        cfg = fp8_gemm.Config(**fields)
+    if k % cfg.block_k or group % min(cfg.block_k, group):
+        raise Decline(f"K={k} is not a multiple of block_k {cfg.block_k}")
+    return cfg
+
+
+def _gemm_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int, tuned: bool):
+    m, k = x2d.shape
+    rows = bucket_rows(m, MIN_GEMM_ROWS)
+    cfg = _gemm_cfg(call, rows, n, k, min(group, block), tuned)
+    n_pad = -(-n // cfg.block_n) * cfg.block_n
+    key = _key("fp8_gemm", "program", (rows, n_pad, k), cfg, act_group=group, weight_block=block)
+    return key, rows, n_pad
+
+
+def _gemm_weight(call: Call, wi: int, si: int, n_pad: int, block: int):
+    def make():
+        w, s = call.args[wi], scales_f32(call.args[si])
+        return pad_rows(w, n_pad), pad_rows(s, -(-n_pad // block)).contiguous()
+
+    return call.prep(f"gemm_w{n_pad}", (wi, si), make)
+
+
+def fp8_linear(call: Call, kernel, x: torch.Tensor, wi: int, si: int, group: int, block: int, key_info) -> torch.Tensor:
+    """x [..., K] @ W^T through the FP8 kernel: quantise x per group, pad rows and N, crop."""
+    _, rows, n_pad = key_info
+    n = call.args[wi].shape[0]
+    x2d = x.reshape(-1, x.shape[-1])
+    a, sa = quant_act(x2d, group)
+    a, sa_t = pad_rows(a, rows), pad_rows(sa, rows).T.contiguous()  # the kernel reads MN-major scales
+    b, sb = _gemm_weight(call, wi, si, n_pad, block)
+    c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=x.device)
+    kernel(a, sa_t, b, sb, c)
+    return c[: x2d.shape[0], :n].to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+class LinearFP8Adapter:
+    """linear_fp8: activations quantised per group here (act_group, or the weight block when the graph
+    multiplies unquantised activations: the kernel only takes FP8), one fp8_gemm launch, bf16 out."""
+
+    family = "fp8_gemm"
+    ops = ("linear_fp8",)
+    tuned = True
+
+    def _plan(self, call: Call):
+        _cuda_only(call)
+        x, w = call.args[0], call.args[1]
+        block = call.attrs["block"]
+        group = call.attrs["act_group"] or block
+        return _gemm_plan(call, x.reshape(-1, x.shape[-1]), w.shape[0], group, block, self.tuned), group, block
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0][0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        info, group, block = self._plan(call)
+        return [fp8_linear(call, kernels[0], call.args[0], 1, 2, group, block, info)]
+
+
+# ---------------------------------------------------------------------------------------------- rmsnorm
+
+
+class RMSNormAdapter:
+    """rmsnorm / rmsnorm_quant_fp8: bf16 activations in the kernel (the graph's f32 is rounded once),
+    fp32 weight, MN-major fp32 scales back to the op's e8m0 [M, G]."""
+
+    family = "rmsnorm_quant"
+    ops = ("rmsnorm", "rmsnorm_quant_fp8")
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import rmsnorm_quant
+
+        _cuda_only(call)
+        x = call.args[0]
+        d = x.shape[-1]
+        m = x.numel() // d
+        quant = call.op == "rmsnorm_quant_fp8"
+        group = call.attrs["group"] if quant else 32
+        if d % group:
+            raise Decline(f"D={d} is not a multiple of the group {group}")
+        cfg = rmsnorm_quant.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
+        rows = bucket_rows(m, max(cfg.block_m, 16))
+        key = _key("rmsnorm_quant", "program", (rows, d), cfg, group=group, quant=quant, eps=float(call.attrs["eps"]))
+        return key, rows, group, quant
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        _, rows, group, quant = self._plan(call)
+        x = call.args[0]
+        d = x.shape[-1]
+        x2d = x.reshape(-1, d)
+        m = x2d.shape[0]
+        w = call.prep("norm_w", 1, lambda: _norm_weight(call.args[1], d, x.device))
+        xb = pad_rows(x2d.to(torch.bfloat16), rows)
+        if not quant:
+            y = torch.empty_like(xb)
+            kernels[0](xb, w, y)
+            return [y[:m].to(x.dtype).reshape(x.shape)]
+        q = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(d // group, rows, dtype=torch.float32, device=x.device)
+        kernels[0](xb, w, q, s)
+        scales = dt.float_to_e8m0(s[:, :m].T.contiguous())
+        return [q[:m].reshape(x.shape), scales.reshape(*x.shape[:-1], d // group)]
+
+
+def _norm_weight(w: torch.Tensor | None, d: int, device) -> torch.Tensor:
+    return torch.ones(d, device=device) if w is None else w.float().contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- mHC
+
+
+class HCPostAdapter:
+    """hc_post: X' = post*y + comb^T X in one pass (bf16 streams in the kernel)."""
+
+    family = "hyper_connection"
+    ops = ("hc_post",)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import hyper_connection as hc
+
+        _cuda_only(call)
+        t, n, d = call.args[1].shape
+        bd = call.config.get("block_d", 512)
+        bd = bd if d % bd == 0 else math.gcd(d, bd)
+        if n != hc.N_HC or bd < 32:
+            raise Decline(f"hc_post kernel needs {hc.N_HC} streams and D a multiple of 32 (n={n}, D={d})")
+        rows = bucket_rows(t, 16)
+        key = _key("hyper_connection", "post_program", (rows, d), block_m=1, block_d=bd, threads=128)
+        return key, rows
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        _, rows = self._plan(call)
+        y, x, post, comb = call.args
+        t = x.shape[0]
+        xb, yb = pad_rows(x.to(torch.bfloat16), rows), pad_rows(y.to(torch.bfloat16), rows)
+        pb, cb = pad_rows(post.float(), rows), pad_rows(comb.float().reshape(t, -1), rows)
+        out = torch.empty_like(xb)
+        kernels[0](xb, yb, pb, cb, out)
+        return [out[:t].to(x.dtype)]
+
+
+class HCPreCollapseAdapter:
+    """hc_pre_collapse: mixes + RMS + Sinkhorn + collapse with the previous pre, from one read of X."""
+
+    family = "hyper_connection"
+    ops = ("hc_pre_collapse",)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import hyper_connection as hc
+
+        _cuda_only(call)
+        t, n, d = call.args[0].shape
+        cfg = hc.Config(**{f: call.config[f] for f in ("block_m", "block_k", "threads") if f in call.config})
+        if n != hc.N_HC or d % cfg.block_k:
+            raise Decline(f"hc_pre kernel needs {hc.N_HC} streams and D % {cfg.block_k} == 0 (n={n}, D={d})")
+        a = call.attrs
+        rows = bucket_rows(t, cfg.block_m)
+        key = _key("hyper_connection", "pre_program", (rows, d), cfg, eps=float(a["norm_eps"]),
+                   hc_eps=float(a["hc_eps"]), iters=int(a["sinkhorn_iters"]))  # fmt: skip
+        return key, rows
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import hyper_connection as hc
+
+        _, rows = self._plan(call)
+        x, fn, base, scale, prev = call.args
+        t, n, d = x.shape
+        fn_p = call.prep("hc_fn", 1, lambda: hc.pad_fn(fn.float()).contiguous())
+        xb = pad_rows(x.to(torch.bfloat16).reshape(t, n * d), rows)
+        outs = (
+            torch.empty(rows, d, dtype=torch.bfloat16, device=x.device),
+            *(torch.empty(rows, k, device=x.device) for k in (n, n, n * n)),
+        )
+        kernels[0](xb, fn_p, base.float().contiguous(), scale.float().contiguous(), pad_rows(prev.float(), rows), *outs)
+        y, pre, post, comb = (o[:t] for o in outs)
+        return [y.to(x.dtype), pre, post, comb.reshape(t, n, n)]
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+
+
+def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
+    """Contiguous layout, vectorised: (slot of each (token, k) pair, tile experts, padded rows).
+
+    The tile count is bucketed (1, 2, 3, 4, 6, 8, 12, ...) so few kernel shapes serve every routing."""
+    flat = idx.reshape(-1)
+    counts = torch.bincount(flat, minlength=n_experts)
+    tiles_per = (counts + block_m - 1) // block_m
+    first_tile = torch.cumsum(tiles_per, 0) - tiles_per
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    start_of = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=idx.device) - start_of[sorted_e]
+    slot = torch.empty_like(flat)
+    slot[order] = first_tile[sorted_e] * block_m + rank
+    n_tiles = int(tiles_per.sum())
+    n_bucket = _tile_bucket(n_tiles)
+    tile_expert = torch.full((n_bucket,), -1, dtype=torch.int32, device=idx.device)
+    live = torch.nonzero(tiles_per).flatten()
+    tile_expert[:n_tiles] = torch.repeat_interleave(live, tiles_per[live]).to(torch.int32)
+    return slot, tile_expert, n_bucket * block_m
+
+
+def _tile_bucket(n: int) -> int:
+    p = 1 << max(0, n - 1).bit_length()
+    return p * 3 // 4 if n <= p * 3 // 4 and p >= 4 else p
+
+
+class MoEGroupedAdapter:
+    """moe_grouped_experts (fmt fp8): the routed experts as two grouped FP8 GEMMs (gate|up fused, then down)
+    over the contiguous layout, SwiGLU and the weighted un-permute in torch; the shared expert through the
+    dense FP8 GEMM. The experts' weights are stacked once ([E, 2I, K] and [E, D, I]); the runner rebinds
+    the per-expert parameters to views of the stack, so the memory is not doubled."""
+
+    family = "moe_grouped_gemm"
+    ops = ("moe_grouped_experts",)
+    dense = LinearFP8Adapter()
+
+    def _cfg(self, call: Call):
+        from deepinfer.codegen.kernels import fp8_gemm
+
+        fields = {f: call.config[f] for f in vars(fp8_gemm.Config()) if f in call.config}
+        cfg = fp8_gemm.Config(**fields)
+        if cfg.overlap or cfg.row_split or cfg.n_split > 1 or cfg.block_k > call.attrs["block"]:
+            cfg = fp8_gemm.default_config(call.attrs["block"])  # the grouped program has the plain loop only
+        return cfg
+
+    def _shapes(self, call: Call):
+        a = call.attrs
+        if a["fmt"] != "fp8":
+            raise Decline(f"{a['fmt']} experts: the grouped GEMM takes FP8")
+        x, idx = call.args[0], call.args[2]
+        w1, w2 = call.args[9], call.args[11]
+        inter, d = w1.shape
+        return x.shape[0], d, inter, a["n_experts"], a["block"], idx
+
+    def _keys(self, call: Call, m_rows: int):
+        _, d, inter, e, block, _ = self._shapes(call)
+        cfg = self._cfg(call)
+        if (2 * inter) % cfg.block_n or d % cfg.block_n or d % cfg.block_k or inter % cfg.block_k:
+            raise Decline(f"expert dims D={d}, I={inter} do not tile by {cfg.block_n}x{cfg.block_k}")
+        k1 = _key("moe_grouped_gemm", "program", (m_rows, 2 * inter, d, e), cfg, act_group=block, weight_block=block)
+        k2 = _key("moe_grouped_gemm", "program", (m_rows, d, inter, e), cfg, act_group=block, weight_block=block)
+        return [k1, k2], cfg
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        t, _, _, e, _, idx = self._shapes(call)
+        cfg = self._cfg(call)
+        m_rows = _moe_layout(idx, e, cfg.block_m)[2]
+        keys, _ = self._keys(call, m_rows)
+        return keys + self._shared_keys(call)
+
+    def _shared_keys(self, call: Call) -> list[KernelKey]:
+        if call.args[3] is None:
+            return []
+        return [self.dense.keys(self._shared_call(call, i)) [0] for i in (3, 4)] + [
+            self.dense.keys(self._shared_call(call, 5))[0]
+        ]
+
+    def _shared_call(self, call: Call, wi: int, x=None) -> Call:
+        a = call.attrs
+        x = call.args[0] if x is None else x
+        si = wi + 3
+        attrs = {"block": a["shared_block"], "act_group": a["shared_mid_group"] if wi == 5 else 0}
+        return Call("linear_fp8", attrs, [x, call.args[wi], call.args[si]],
+                    [call.names[0], call.names[wi], call.names[si]], [False, call.is_param[wi], call.is_param[si]],
+                    call.config, call.cache)  # fmt: skip
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.ir.ops.moe import swiglu
+
+        t, d, inter, e, block, idx = self._shapes(call)
+        cfg = self._cfg(call)
+        x, weights = call.args[0], call.args[1]
+        slot, tile_expert, m_rows = _moe_layout(idx, e, cfg.block_m)
+        b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
+        k = idx.shape[1]
+        a_rows = torch.zeros(m_rows, d, device=x.device, dtype=torch.float32)
+        a_rows[slot] = x.float().repeat_interleave(k, 0)  # pair (t, j) is row t*k + j of idx.reshape(-1)
+        h13 = self._grouped(kernels[0], a_rows, b13, s13, tile_expert, block, 2 * inter)
+        h = swiglu(h13[:, :inter], h13[:, inter:], call.attrs["swiglu_limit"])
+        y_rows = self._grouped(kernels[1], h, b2, s2, tile_expert, block, d)
+        y = (y_rows[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
+        if call.args[3] is not None:
+            y = y + self._shared(call, kernels[2:])
+        return [y.to(x.dtype)]
+
+    def _grouped(self, kernel, a_rows, b, s, tile_expert, block, n):
+        a, sa = quant_act(a_rows, block)
+        c = torch.empty(a_rows.shape[0], n, dtype=torch.bfloat16, device=a_rows.device)
+        kernel(a, sa.T.contiguous(), b, s, tile_expert, c)
+        return c
+
+    def _shared(self, call: Call, kernels: list) -> torch.Tensor:
+        from deepinfer.ir.ops.moe import swiglu
+
+        a = call.attrs
+        outs = []
+        for wi, kern in zip((3, 4), kernels[:2]):
+            sc = self._shared_call(call, wi)
+            outs.append(fp8_linear(sc, kern, call.args[0].float(), 1, 2, a["shared_block"], a["shared_block"],
+                                   self.dense._plan(sc)[0]))  # fmt: skip
+        h = swiglu(outs[0], outs[1], a["shared_limit"])
+        sc = self._shared_call(call, 5, h)
+        group = a["shared_mid_group"] or a["shared_block"]
+        return fp8_linear(sc, kernels[2], h, 1, 2, group, a["shared_block"], self.dense._plan(sc)[0])
+
+
+def stack_experts(call: Call, n_experts: int):
+    """([E, 2I, D] w1|w3 codes, [E, 2I/b, D/b] fp32 scales, [E, D, I] w2, its scales); the per-expert
+    tensors of the call are views of the stacks afterwards (see CudaRunner._rebind)."""
+    ex = call.args[9:]
+    w1 = [ex[6 * i] for i in range(n_experts)]
+    s1 = [ex[6 * i + 1] for i in range(n_experts)]
+    w2 = [ex[6 * i + 2] for i in range(n_experts)]
+    s2 = [ex[6 * i + 3] for i in range(n_experts)]
+    w3 = [ex[6 * i + 4] for i in range(n_experts)]
+    s3 = [ex[6 * i + 5] for i in range(n_experts)]
+    b13 = _stacked_view(w1, w3)
+    if b13 is None:
+        b13 = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
+    b2 = _stacked_view(w2, None)
+    if b2 is None:
+        b2 = torch.stack(w2)
+    s13 = torch.stack([torch.cat([scales_f32(a), scales_f32(b)]) for a, b in zip(s1, s3)])
+    return b13, s13, b2, torch.stack([scales_f32(s) for s in s2])
+
+
+def _stacked_view(first: list, second: list | None):
+    """A zero-copy [E, rows, K] view when the experts already lie stacked in one storage (the benchmark
+    generates them that way), else None."""
+    w0 = first[0]
+    per = w0.shape[0] * (2 if second is not None else 1)
+    k = w0.shape[1]
+    if not all(w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+               for w in first + (second or [])):  # fmt: skip
+        return None
+    base = w0.storage_offset()
+    for e, w in enumerate(first):
+        if w.storage_offset() != base + e * per * k:
+            return None
+        if second is not None and second[e].storage_offset() != base + e * per * k + w0.numel():
+            return None
+    return torch.as_strided(w0, (len(first), per, k), (per * k, k, 1), base)
+
+
+ADAPTERS: dict[str, object] = {
+    "fp8_gemm": LinearFP8Adapter(),
+    "rmsnorm_quant": RMSNormAdapter(),
+    "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter()),
+    "moe_grouped_gemm": MoEGroupedAdapter(),
+}
+
+
+def adapter_for(family: str, op: str):
+    """The adapter of ``family`` for ``op``, or None."""
+    cands = ADAPTERS.get(family)
+    for a in cands if isinstance(cands, tuple) else (cands,) if cands else ():
+        if op in a.ops:
+            return a
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def _factory(key: KernelKey):
+    import importlib
+
+    mod = importlib.import_module(f"deepinfer.codegen.kernels.{key.family}")
+    kw = dict(key.kwargs)
+    if "cfg" in kw:
+        cfg_cls = getattr(mod, "Config", None)
+        if cfg_cls is None:
+            from deepinfer.codegen.kernels.fp8_gemm import Config as cfg_cls
+        kw["cfg"] = cfg_cls(**dict(kw["cfg"]))
+    return getattr(mod, key.program)(*key.args, target="sm90", **kw)
+
+
+def build_kernel(key: KernelKey):
+    """Lower and compile one kernel for the H200 (TileLang caches the result on disk)."""
+    import tilelang
+
+    return tilelang.compile(_factory(key), target=TILELANG_TARGET, execution_backend="tvm_ffi")
+
+
+def prebuild_one(key: KernelKey) -> str:
+    """Worker for a process pool: build (to warm TileLang's disk cache); returns '' or the error."""
+    try:
+        build_kernel(key)
+        return ""
+    except Exception as e:  # reported by the caller, the kernel then falls back to its reference
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def emulated_kernel(key: KernelKey) -> Callable:
+    """A torch stand-in with the compiled kernel's signature (outputs written in place), from the family's
+    reference: for CPU tests of the adapters."""
+    kw = dict(key.kwargs)
+    if key.family == "fp8_gemm":
+        from deepinfer.codegen.kernels import fp8_gemm
+
+        def gemm(a, sa_t, b, sb, c):
+            c.copy_(fp8_gemm.reference(a, sa_t.T, b, sb, kw["act_group"], kw["weight_block"]))
+
+        return gemm
+    if key.family == "moe_grouped_gemm":
+        from deepinfer.codegen.kernels import moe_grouped_gemm
+
+        bm = dict(kw["cfg"])["block_m"]
+
+        def grouped(a, sa_t, b, sb, tiles, c):
+            c.copy_(moe_grouped_gemm.reference(a, sa_t.T, b, sb, tiles, bm, kw["act_group"], kw["weight_block"]))
+
+        return grouped
+    if key.family == "rmsnorm_quant":
+        from deepinfer.codegen.kernels import rmsnorm_quant
+
+        def norm(x, w, *outs):
+            if kw["quant"]:
+                q, s = rmsnorm_quant.reference(x, w, kw["eps"], kw["group"])
+                outs[0].copy_(q)
+                outs[1].copy_(s.T)
+            else:
+                outs[0].copy_(rmsnorm_quant.reference(x, w, kw["eps"]))
+
+        return norm
+    if key.program == "post_program":
+        from deepinfer.codegen.kernels import hyper_connection as hc
+
+        def post(x, y, p, c, out):
+            out.copy_(hc.post_reference(x, y, p, c.view(-1, hc.N_HC, hc.N_HC)))
+
+        return post
+    if key.program == "pre_program":
+        from deepinfer.codegen.kernels import hyper_connection as hc
+
+        def pre(x, fn_p, base, scale, prev, y, pre_, post_, comb):
+            t = x.shape[0]
+            r = hc.pre_reference(x.view(t, hc.N_HC, -1), fn_p[: hc.N_MIX], base, scale, prev, kw["eps"],
+                                 kw["hc_eps"], kw["iters"])  # fmt: skip
+            for o, v in zip((y, pre_, post_, comb), r):
+                o.copy_(v.reshape(o.shape))
+
+        return pre
+    raise KeyError(f"no emulation for {key.family}.{key.program}")
