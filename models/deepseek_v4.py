@@ -209,32 +209,21 @@ def _fp8_block(d: dict) -> int | None:
     return int(block[0])
 
 
-def parse_config(d: dict) -> V4Config:
-    """A V4Config from a config.json dict; a bad or missing key raises ConfigError naming it."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"config: expected a JSON object, got {type(d).__name__}")
-    n = _get(d, "num_hidden_layers")
-    head_dim = _get(d, "head_dim")
-    layer_types, ratios = _layer_kinds(d, n)
-    theta, ctheta, yarn = _rope(d)
-    if _get(d, "num_key_value_heads", int, 1) != 1:
-        raise ConfigError("config: key 'num_key_value_heads' must be 1 (V4 is shared-KV MQA)")
+def shared_fields(d: dict) -> dict:
+    """The config fields V4 and V4.1 read the same way, checked (the model-specific ones are parsed by each)."""
     if _get(d, "hidden_act", str, "silu") != "silu":
         raise ConfigError(f"config: key 'hidden_act' must be 'silu', got {d['hidden_act']!r}")
     if _get(d, "n_shared_experts", int, 1) != 1:
         raise ConfigError(f"config: key 'n_shared_experts' must be 1, got {d['n_shared_experts']!r}")
     if _get(d, "tie_word_embeddings", bool, False):
-        raise ConfigError("config: key 'tie_word_embeddings' must be false (V4's head is untied)")
+        raise ConfigError("config: key 'tie_word_embeddings' must be false (the head is untied)")
     scoring = _get(d, "scoring_func", str, "sqrtsoftplus")
     if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
         raise ConfigError(f"config: key 'scoring_func' must be sqrtsoftplus/sigmoid/softmax, got {scoring!r}")
-    expert_dtype = _get(d, "expert_dtype", str, "fp4")
-    if expert_dtype not in ("fp4", "fp8", "bf16"):
-        raise ConfigError(f"config: key 'expert_dtype' must be fp4/fp8/bf16, got {expert_dtype!r}")
-    cfg = V4Config(
+    head_dim = _get(d, "head_dim")
+    return dict(
         vocab_size=_get(d, "vocab_size"),
         hidden_size=_get(d, "hidden_size"),
-        num_layers=n,
         num_heads=_get(d, "num_attention_heads"),
         head_dim=head_dim,
         rope_dim=_rope_dim(d, head_dim),
@@ -242,9 +231,6 @@ def parse_config(d: dict) -> V4Config:
         o_groups=_get(d, "o_groups"),
         o_lora_rank=_get(d, "o_lora_rank"),
         window=_get(d, "sliding_window"),
-        layer_types=layer_types,
-        compress_ratios=ratios,
-        hash_layers=_hash_layers(d, n),
         n_routed_experts=_get(d, "n_routed_experts"),
         experts_per_tok=_get(d, "num_experts_per_tok"),
         moe_inter=_get(d, "moe_intermediate_size"),
@@ -259,13 +245,34 @@ def parse_config(d: dict) -> V4Config:
         hc_sinkhorn_iters=_get(d, "hc_sinkhorn_iters"),
         hc_eps=float(_get(d, "hc_eps", float)),
         rms_eps=float(_get(d, "rms_norm_eps", float)),
+        max_position_embeddings=_get(d, "max_position_embeddings", int, 1 << 20),
+    )
+
+
+def parse_config(d: dict) -> V4Config:
+    """A V4Config from a config.json dict; a bad or missing key raises ConfigError naming it."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config: expected a JSON object, got {type(d).__name__}")
+    n = _get(d, "num_hidden_layers")
+    layer_types, ratios = _layer_kinds(d, n)
+    theta, ctheta, yarn = _rope(d)
+    if _get(d, "num_key_value_heads", int, 1) != 1:
+        raise ConfigError("config: key 'num_key_value_heads' must be 1 (V4 is shared-KV MQA)")
+    expert_dtype = _get(d, "expert_dtype", str, "fp4")
+    if expert_dtype not in ("fp4", "fp8", "bf16"):
+        raise ConfigError(f"config: key 'expert_dtype' must be fp4/fp8/bf16, got {expert_dtype!r}")
+    cfg = V4Config(
+        num_layers=n,
+        layer_types=layer_types,
+        compress_ratios=ratios,
+        hash_layers=_hash_layers(d, n),
         rope_theta=theta,
         compress_rope_theta=ctheta,
         yarn=yarn,
         num_mtp_layers=_get(d, "num_nextn_predict_layers", int, 0, positive=False),
         fp8_block=_fp8_block(d),
         expert_dtype=expert_dtype,
-        max_position_embeddings=_get(d, "max_position_embeddings", int, 1 << 20),
+        **shared_fields(d),
     )
     _check_dims(cfg)
     return cfg

@@ -41,7 +41,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.ir.builder import GraphBuilder
 from deepinfer.ir.graph import Graph, Value
 from deepinfer.ir.shapes import dmax, sym
-from deepinfer.models.deepseek_v4 import _fp8_block, _get, _moe, _rope, _rope_dim, _Weights, param_count
+from deepinfer.models.deepseek_v4 import _fp8_block, _get, _moe, _rope, _Weights, param_count, shared_fields
 from deepinfer.models.presets import engram_primes
 
 MODE_ENV = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
@@ -169,7 +169,6 @@ def parse_config(d: dict) -> V41Config:
             raise ConfigError("config: key 'text_config' must be an object")
         d = dict(d["text_config"])
     n = _get(d, "num_hidden_layers")
-    head_dim = _get(d, "head_dim")
     ratios = _int_list(d, "compress_ratios")
     if len(ratios) < n or any(r not in (0, 1, 2) for r in ratios[:n]):
         raise ConfigError(f"config: key 'compress_ratios' must list >= {n} ratios from 0/1/2, got {list(ratios)!r}")
@@ -177,15 +176,6 @@ def parse_config(d: dict) -> V41Config:
     theta, ctheta, yarn = _rope(d)
     if _get(d, "num_key_value_heads", int, 1) != 1:
         raise ConfigError("config: key 'num_key_value_heads' must be 1 (V4.1 is shared-KV MQA)")
-    if _get(d, "hidden_act", str, "silu") != "silu":
-        raise ConfigError(f"config: key 'hidden_act' must be 'silu', got {d['hidden_act']!r}")
-    if _get(d, "n_shared_experts", int, 1) != 1:
-        raise ConfigError(f"config: key 'n_shared_experts' must be 1, got {d['n_shared_experts']!r}")
-    if _get(d, "tie_word_embeddings", bool, False):
-        raise ConfigError("config: key 'tie_word_embeddings' must be false (the head is untied)")
-    scoring = _get(d, "scoring_func", str, "sqrtsoftplus")
-    if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
-        raise ConfigError(f"config: key 'scoring_func' must be sqrtsoftplus/sigmoid/softmax, got {scoring!r}")
     q = top.get("quantization_config") or d.get("quantization_config")
     expert_dtype = (q or {}).get("expert_dtype") if isinstance(q, dict) else None
     expert_dtype = expert_dtype or d.get("expert_dtype") or ("fp4" if q else "bf16")
@@ -196,36 +186,13 @@ def parse_config(d: dict) -> V41Config:
     engram_rows = _int_list(d, "engram_num_embeddings", [0] * len(engram_layers))
     image = d.get("image_token_id", top.get("image_token_id"))
     cfg = V41Config(
-        vocab_size=_get(d, "vocab_size"),
-        hidden_size=_get(d, "hidden_size"),
         num_layers=n,
-        num_heads=_get(d, "num_attention_heads"),
-        head_dim=head_dim,
-        rope_dim=_rope_dim(d, head_dim),
-        q_lora_rank=_get(d, "q_lora_rank"),
-        o_groups=_get(d, "o_groups"),
-        o_lora_rank=_get(d, "o_lora_rank"),
-        window=_get(d, "sliding_window"),
         compress_ratios=ratios,
         kv_sources=_int_list(d, "kv_source_layer_ids"),
         index_sources=_int_list(d, "index_source_layer_ids"),
         candidate_source=int(_get(d, "candidate_source_layer_id", int, -1, positive=False)),
         candidate_topk_blocks=_get(d, "candidate_topk_blocks", int, 1),
         candidate_block_size=_get(d, "candidate_block_size", int, 1),
-        n_routed_experts=_get(d, "n_routed_experts"),
-        experts_per_tok=_get(d, "num_experts_per_tok"),
-        moe_inter=_get(d, "moe_intermediate_size"),
-        route_scale=float(_get(d, "routed_scaling_factor", float)),
-        scoring_func=scoring,
-        norm_topk_prob=_get(d, "norm_topk_prob", bool, True),
-        swiglu_limit=float(_get(d, "swiglu_limit", float, positive=False)),
-        index_n_heads=_get(d, "index_n_heads"),
-        index_head_dim=_get(d, "index_head_dim"),
-        index_topk=_get(d, "index_topk"),
-        hc_mult=_get(d, "hc_mult"),
-        hc_sinkhorn_iters=_get(d, "hc_sinkhorn_iters"),
-        hc_eps=float(_get(d, "hc_eps", float)),
-        rms_eps=float(_get(d, "rms_norm_eps", float)),
         rope_theta=theta,
         compress_rope_theta=ctheta,
         yarn=yarn,
@@ -249,8 +216,8 @@ def parse_config(d: dict) -> V41Config:
         dspark_experts_per_tok=_get(d, "dspark_num_experts_per_tok", int, 1),
         truncation_mode=mode,
         keep_tokens=keep,
-        max_position_embeddings=_get(d, "max_position_embeddings", int, 1 << 20),
         hash_layers=(False,) * n,
+        **shared_fields(d),
     )
     _check(cfg)
     return cfg
