@@ -242,6 +242,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return tune_target(args.target, args.kernels)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The real-dims V4.1 slice benchmark (benchmarks/bench_slice.py); one-line error without CUDA."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    if args.target != "sm90":
+        raise DeepInferError(f"bench runs on sm90 (an H200) today, not {args.target!r}")
+    if not torch.cuda.is_available():
+        raise DeepInferError("bench needs a CUDA device (an H200 for sm90); this machine has none")
+    path = Path(__file__).resolve().parent / "benchmarks" / "bench_slice.py"
+    spec = importlib.util.spec_from_file_location("bench_slice", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.run_from_args(args)
+    return 0
+
+
 def _not_built(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise NotBuiltError(f"`deepinfer {what}` is not built yet (issue {issue})")
@@ -297,7 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark a V4.1-Flash slice against torch and the hardware limit")
     b.add_argument("--target", default="sm90", choices=TARGETS)
-    b.set_defaults(func=_not_built("bench", 8))
+    b.add_argument("--layers", default="0,2,3,20,21,24", help="real layer ids of the slice (no Engram layers)")
+    b.add_argument("--batches", default="1,16,64,256", help="decode token counts")
+    b.add_argument("--context", type=int, default=4096, help="cached tokens for decode")
+    b.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: none)")
+    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this")
+    b.add_argument("--jobs", type=int, default=0, help="pre-build kernels in this many processes")
+    b.add_argument("--no-torch-compile", action="store_true")
+    b.add_argument("--out", default=os.environ.get("OUT") or "bench_slice_out", help="JSON + PNG go here")
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="print a graph (.dil text, .json, .onnx) or a plan directory")
     i.add_argument("file")

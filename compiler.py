@@ -53,7 +53,8 @@ def compile_model(
     from deepinfer.passes.pipeline import Pipeline, run_pipeline
 
     if target not in SUPPORTED_TARGETS:
-        raise NotBuiltError(f"compiling for target {target!r} is not built yet; supported: {', '.join(SUPPORTED_TARGETS)}")
+        supported = ", ".join(SUPPORTED_TARGETS)
+        raise NotBuiltError(f"compiling for target {target!r} is not built yet; supported: {supported}")
     t0 = time.perf_counter()
     name, config, ckpt = resolve_model(model)
     mod = get_model(name)

@@ -367,7 +367,7 @@ class MoEGroupedAdapter:
         if a["fmt"] != "fp8":
             raise Decline(f"{a['fmt']} experts: the grouped GEMM takes FP8")
         x, idx = call.args[0], call.args[2]
-        w1, w2 = call.args[9], call.args[11]
+        w1 = call.args[9]
         inter, d = w1.shape
         return x.shape[0], d, inter, a["n_experts"], a["block"], idx
 
@@ -391,7 +391,7 @@ class MoEGroupedAdapter:
     def _shared_keys(self, call: Call) -> list[KernelKey]:
         if call.args[3] is None:
             return []
-        return [self.dense.keys(self._shared_call(call, i)) [0] for i in (3, 4)] + [
+        return [self.dense.keys(self._shared_call(call, i))[0] for i in (3, 4)] + [
             self.dense.keys(self._shared_call(call, 5))[0]
         ]
 

@@ -1,0 +1,419 @@
+"""A V4.1-Flash slice at the REAL dims on an H200: compiled plan vs torch eager vs torch.compile vs the limits.
+
+    python3 benchmarks/bench_slice.py [--layers 0,2,3,20,21,24] [--batches 1,16,64,256] [--context 4096]
+                                      [--prefill 8192] [--out DIR] [--budget-s 480]
+    deepinfer bench ...                                   (the same arguments)
+
+The slice: real layers renumbered into one graph by config surgery (slice_config): their compress ratios, kv /
+index / candidate source roles (sources kept with their sharers), real weight formats (FP8 E4M3 dense weights
+with 32x32 ue8m0 blocks, routed experts FP4 in the checkpoint -> FP8 on sm90 by the convert pass), all 384
+experts. Default layers 0, 2, 3, 20, 21, 24: SWA only; ratio-2 kv source; ratio-2 sharer; ratio-1 kv/index/
+candidate source; ratio-1 sharer; ratio-1 index source. Engram layers (1, 14) are left out: their tables are
+384M rows x 8 heads x 256 per layer (~100 GB each in FP8), more than the GPU; 8 MoE layers (~13.6 GB of FP8
+experts each) would also pass the ~100 GB memory target, so 6 layers. Random weights are generated ON THE GPU
+(normal values rounded to E4M3 with power-of-two block scales), experts directly in the stacked layout the
+grouped GEMM reads.
+
+Decode rows: the graph runs ONE sequence per call. "decode B" runs T=B new tokens appended to one sequence
+with `context` cached tokens: the GEMMs, MoE and norms see exactly the B-row batch of a batched decode, while
+attention reads one sequence's cache instead of B (so it is cheaper than real batched decode). B truly
+independent sequences would be B calls of T=1: that figure is B x the "decode 1" time (printed alongside).
+Prefill: T tokens from an empty cache.
+
+Per layer: time (CUDA events between layers, median of reps), tokens/s, % of roofline and the speedup over the
+torch eager reference of the same graph (the interpreter's references on the GPU). Roofline per layer: weight
+bytes that must be read (dense weights + the expected distinct experts E(1-(1-k/E)^T)) over the measured HBM
+copy bandwidth, and 2 x tokens x weights used per token over the measured FP8 peak; attention/KV bytes and
+attention flops are not counted (a floor). torch.compile wraps the whole-slice reference function (per-layer
+times are not separable there); when dynamo cannot trace it, the row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-tilelang-cache"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-triton-cache"))
+
+import torch  # noqa: E402
+
+DEFAULT_LAYERS = (0, 2, 3, 20, 21, 24)
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[slice {time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- the slice
+
+
+def slice_config(layers=DEFAULT_LAYERS) -> dict:
+    """The real V4.1-Flash config cut to `layers` (renumbered 0..n-1), roles kept, Engram and MTP off."""
+    from deepinfer.models.presets import preset_config
+
+    cfg = preset_config("deepseek-v4.1-flash", "real")
+    t = cfg["text_config"]
+    layers = sorted(layers)
+    new = {old: i for i, old in enumerate(layers)}
+    if set(layers) & set(t.get("engram_layer_ids", [])):
+        raise ValueError(f"Engram layers {t['engram_layer_ids']} do not fit one GPU (~100 GB tables each)")
+    t["num_hidden_layers"] = len(layers)
+    t["compress_ratios"] = [t["compress_ratios"][i] for i in layers]
+    t["kv_source_layer_ids"] = [new[s] for s in t["kv_source_layer_ids"] if s in new]
+    t["index_source_layer_ids"] = [new[s] for s in t["index_source_layer_ids"] if s in new]
+    cs = t.get("candidate_source_layer_id", -1)
+    t["candidate_source_layer_id"] = new.get(cs, -1)
+    t["engram_layer_ids"], t["engram_num_embeddings"] = [], []
+    t["dspark_target_layer_ids"], t["num_nextn_predict_layers"] = [], 0
+    return cfg
+
+
+def slice_graph(layers=DEFAULT_LAYERS):
+    from deepinfer.compiler import default_pipeline
+    from deepinfer.models import get_model
+    from deepinfer.passes.pipeline import run_pipeline
+
+    mod = get_model("deepseek-v4.1-flash")
+    g = mod.build_graph(mod.parse_config(slice_config(layers)))
+    opt, _ = run_pipeline(g, default_pipeline("sm90"))
+    return opt
+
+
+def gpu_weights(g, device="cuda", seed: int = 0) -> dict:
+    """Random weights in the checkpoint formats, made on the device; experts stacked as the grouped GEMM reads."""
+    from deepinfer.ir import dtypes as dt
+
+    torch.manual_seed(seed)
+    params: dict = {}
+    for n in g.nodes:
+        if n.op == "moe_grouped_experts" and n.attrs.get("fmt") == "fp8":
+            _stacked_experts(n, params, device)
+    for p in g.params:
+        if p.name in params:
+            continue
+        shape = tuple(int(d) for d in p.shape)
+        d = p.type.dtype
+        if d is dt.f8e4m3:
+            params[p.name] = _fp8(shape, device)
+        elif d is dt.e8m0:
+            params[p.name] = _scale(shape, p.name, g, device)
+        elif d.is_float:
+            params[p.name] = _float(p.name, shape, device).to(d.torch_dtype)
+        elif p.name.endswith("tid2eid"):
+            params[p.name] = torch.randint(0, 384, shape, device=device).to(d.torch_dtype)
+        else:
+            params[p.name] = torch.zeros(shape, dtype=d.torch_dtype, device=device)
+    return params
+
+
+def _fp8(shape, device) -> torch.Tensor:
+    """N(0, 1) * 16 in E4M3 (codes well inside the range), chunked to bound the fp32 temporary."""
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    flat = out.view(-1)
+    step = 1 << 28
+    for i in range(0, flat.numel(), step):
+        j = min(flat.numel(), i + step)
+        flat[i:j] = (torch.randn(j - i, device=device, dtype=torch.bfloat16) * 16).to(torch.float8_e4m3fn)
+    return out
+
+
+def _scale(shape, name: str, g, device) -> torch.Tensor:
+    """2^-4/sqrt(fan_in) as ue8m0 so W ~ N(0, 1/fan_in) (codes are N(0, 16^2))."""
+    from deepinfer.ir import dtypes as dt
+
+    fan_in = shape[-1] * 32
+    e = -4 - round(math.log2(math.sqrt(fan_in)))
+    return torch.full(shape, 127 + e, dtype=torch.uint8, device=device).view(dt.e8m0.torch_dtype)
+
+
+def _float(name: str, shape, device) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    r = torch.randn(shape, device=device)
+    if name.endswith(("norm.weight", "q_weight", "k_weight")):
+        return 1.0 + 0.1 * r
+    if leaf.startswith("hc_") and leaf.endswith("_fn"):
+        return r / math.sqrt(shape[-1])
+    if leaf.startswith("hc_") and leaf.endswith("_scale"):
+        return 0.05 + 0.1 * torch.rand(shape, device=device)
+    if leaf.endswith("embed.weight") or name == "embed.weight":
+        return r
+    if len(shape) >= 2:
+        return r / math.sqrt(shape[-1])
+    return 0.02 * r if not leaf.startswith("hc_") else 0.1 * r
+
+
+def _stacked_experts(n, params: dict, device) -> None:
+    """One [E, 2I, D] (w1|w3) and one [E, D, I] (w2) FP8 stack per layer; the per-expert params are views."""
+    from deepinfer.ir import dtypes as dt
+
+    names = [v.name for v in n.inputs[9:]]
+    e = n.attrs["n_experts"]
+    inter, d = (int(x) for x in n.inputs[9].shape)
+    b13, b2 = _fp8((e, 2 * inter, d), device), _fp8((e, d, inter), device)
+    for i in range(e):
+        params[names[6 * i]], params[names[6 * i + 4]] = b13[i, :inter], b13[i, inter:]
+        params[names[6 * i + 2]] = b2[i]
+        for j, (rows, cols) in ((1, (inter, d)), (5, (inter, d)), (3, (d, inter))):
+            sh = (-(-rows // 32), -(-cols // 32))
+            e8 = -4 - round(math.log2(math.sqrt(cols)))
+            params[names[6 * i + j]] = torch.full(sh, 127 + e8, dtype=torch.uint8, device=device).view(
+                dt.e8m0.torch_dtype
+            )
+
+
+# ---------------------------------------------------------------------------------------------- roofline
+
+
+def layer_roofline(g, params, t: int) -> dict[str, tuple[float, float]]:
+    """(bytes, flops) per layer: weights read and 2 x tokens x weights used per token (see module doc)."""
+    from deepinfer.runtime.cuda_executor import plan_steps
+
+    out: dict[str, list[float]] = {}
+    for step in plan_steps(g):
+        n = step.node
+        acc = out.setdefault(step.layer, [0.0, 0.0])
+        pnames = [nm for nm, is_p in zip(step.inputs, step.param_inputs) if is_p]
+        if n.op == "moe_grouped_experts":
+            e, k = n.attrs["n_experts"], int(n.inputs[2].shape[1]) if isinstance(n.inputs[2].shape[1], int) else 6
+            experts = pnames[-6 * e :] if len(pnames) >= 6 * e else []
+            shared = pnames[: len(pnames) - len(experts)]
+            per_expert = sum(params[x].numel() * params[x].element_size() for x in experts) / max(e, 1)
+            active = e * (1 - (1 - k / e) ** t)
+            sb = sum(params[x].numel() * params[x].element_size() for x in shared)
+            acc[0] += active * per_expert + sb
+            acc[1] += 2.0 * t * (k * per_expert + sb)
+            continue
+        if n.op in ("embedding", "engram_embed"):
+            acc[0] += t * params[pnames[0]].shape[-1] * params[pnames[0]].element_size() if pnames else 0
+            continue
+        b = sum(params[x].numel() * params[x].element_size() for x in pnames)
+        acc[0] += b
+        if n.op in ("linear_fp8", "linear", "grouped_out_proj", "swiglu_gate_up", "fused_attention"):
+            acc[1] += 2.0 * t * sum(params[x].numel() for x in pnames if params[x].dim() == 2)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def _inputs(g, t: int, context: int, device="cuda") -> dict:
+    from deepinfer.runtime.session import allocate_caches
+
+    feeds = {"tokens": torch.randint(3, 120000, (t,), device=device),
+             "positions": torch.arange(context, context + t, device=device)}  # fmt: skip
+    feeds.update(allocate_caches(g, context + t, device=device))
+    return feeds
+
+
+def time_layers(ex, feeds, reps: int) -> tuple[dict, float]:
+    """Median per-layer ms over reps (CUDA events between layers) and the median whole-call ms."""
+    per: dict[str, list] = {}
+    totals = []
+    for _ in range(reps):
+        ex.run(feeds, timed=True)
+        for k, v in ex.layer_times.items():
+            per.setdefault(k, []).append(v)
+        totals.append(sum(ex.layer_times.values()))
+    med = {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+    return med, sorted(totals)[len(totals) // 2]
+
+
+def time_call(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def compile_baseline(eager, feeds, reps: int, budget_s: float):
+    """torch.compile around the reference function of the whole slice; (ms, note)."""
+    if budget_s < 30:
+        return float("nan"), "skipped (time budget)"
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64
+    fn = torch.compile(lambda f: eager.run(f), dynamic=False)
+    t0 = time.time()
+    try:
+        fn(feeds)
+        torch.cuda.synchronize()
+    except Exception as e:
+        return float("nan"), f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    note = f"compiled in {time.time() - t0:.0f} s"
+    return time_call(lambda: fn(feeds), reps), note
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layers=DEFAULT_LAYERS,
+        batches=(1, 16, 64, 256), context: int = 4096, prefill: int = 8192, reps: int = 5,
+        torch_compile: bool = True) -> list[dict]:  # fmt: skip
+    """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir)."""
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
+
+    require_cuda("the slice benchmark")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kernels_h200
+
+    end = time.time() + budget_s
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lim = kernels_h200.measure_limits(quick=True)
+    log(f"limits: HBM copy {lim.hbm / 1e12:.2f} TB/s, FP8 {lim.fp8 / 1e12:.0f} TFLOPS, "
+        f"BF16 {lim.bf16 / 1e12:.0f} TFLOPS")
+    g = slice_graph(layers)
+    params = gpu_weights(g)
+    torch.cuda.synchronize()
+    log(f"slice layers {list(layers)}: {len(g.nodes)} nodes, weights {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+        f"on the GPU")  # fmt: skip
+    kernels = KernelCache(budget_s=max(30.0, budget_s * 0.4))
+    comp = GraphExecutor(g, params, kernels=kernels)
+    eager = GraphExecutor(g, params, compiled=False)
+    cases = [("decode", b, context) for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
+    rows = []
+    for kind, t, ctx in cases:
+        if end - time.time() < 25:
+            log(f"{kind} T={t}: skipped (time budget)")
+            rows.append({"case": f"{kind} {t}", "skipped": "time budget"})
+            continue
+        row = _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, torch_compile and kind == "decode"
+                    and t == 1)  # fmt: skip
+        rows.append(row)
+        torch.cuda.empty_cache()
+    print(comp.report(), flush=True)
+    (out / "bench_slice.json").write_text(json.dumps({"limits": vars(lim), "layers": list(layers), "rows": rows},
+                                                     indent=1, default=str))  # fmt: skip
+    _plot(rows, out / "bench_slice.png")
+    print_table(rows)
+    return rows
+
+
+def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compile) -> dict:
+    row: dict = {"case": f"{kind} {t}" + (f" ctx {ctx}" if ctx else ""), "tokens": t}
+    try:
+        feeds = _inputs(g, t, ctx)
+        if jobs:
+            keys = [k for k in comp.kernel_keys(feeds) if k not in comp.kernels.kernels]
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from gpu_e2e import prebuild
+
+            prebuild(keys, jobs, max(10.0, (end - time.time()) * 0.5))
+        t0 = time.time()
+        comp.run(feeds)  # builds (from the cache) and checks every kernel once
+        torch.cuda.synchronize()
+        log(f"{row['case']}: first compiled call {time.time() - t0:.1f} s")
+        n = reps if kind == "decode" else max(2, reps // 2)
+        layers_c, total_c = time_layers(comp, feeds, n)
+        layers_e, total_e = time_layers(eager, feeds, max(2, n // 2))
+        roof = layer_roofline(g, params, t)
+        row["layers"] = {}
+        for layer, ms in layers_c.items():
+            b, f = roof.get(layer, (0.0, 0.0))
+            bound_ms = max(b / lim.hbm, f / lim.fp8) * 1e3
+            row["layers"][layer] = {"ms": ms, "eager_ms": layers_e.get(layer, float("nan")),
+                                    "tok_s": t / (ms * 1e-3), "roofline_pct": 100 * bound_ms / ms if ms else 0.0,
+                                    "bytes": b, "flops": f}  # fmt: skip
+        row.update(ms=total_c, eager_ms=total_e, tok_s=t / (total_c * 1e-3))
+        if kind == "decode" and t > 1:
+            row["note"] = "one sequence, T new tokens (see module doc)"
+        if with_compile:
+            row["compile_ms"], row["compile_note"] = compile_baseline(eager, feeds, n, end - time.time() - 20)
+        log(f"{row['case']}: compiled {total_c:.2f} ms, eager {total_e:.2f} ms, {row['tok_s']:.0f} tok/s")
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"{row['case']}: ERROR {row['error']}")
+        traceback.print_exc(limit=4)
+    return row
+
+
+def print_table(rows: list) -> None:
+    print(f"\n{'case':<22} {'layer':<6} {'ms':>9} {'tok/s':>10} {'%roof':>6} {'vs eager':>8} {'vs compile':>10}")
+    for r in rows:
+        if "layers" not in r:
+            print(f"{r['case']:<22} {r.get('error') or r.get('skipped', '')}")
+            continue
+        for layer, m in r["layers"].items():
+            sp = m["eager_ms"] / m["ms"] if m["ms"] else float("nan")
+            print(f"{r['case']:<22} {layer:<6} {m['ms']:>9.3f} {m['tok_s']:>10.0f} {m['roofline_pct']:>5.1f}% "
+                  f"{sp:>7.2f}x {'':>10}")  # fmt: skip
+        cms = r.get("compile_ms", float("nan"))
+        vs_c = f"{cms / r['ms']:.2f}x" if cms == cms else (r.get("compile_note") or "-")[:40]
+        print(f"{r['case']:<22} {'all':<6} {r['ms']:>9.3f} {r['tok_s']:>10.0f} {'':>6} "
+              f"{r['eager_ms'] / r['ms']:>7.2f}x {vs_c:>10}")  # fmt: skip
+        if r["case"].startswith("decode 1 "):
+            print(f"{'':<22} (B independent sequences as B calls: B x {r['ms']:.3f} ms)")
+
+
+def _plot(rows: list, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    done = [r for r in rows if "layers" in r]
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(done)
+    layer_names = list(done[0]["layers"])
+    for i, r in enumerate(done):
+        xs = [j + i * width for j in range(len(layer_names))]
+        ax.bar(xs, [r["layers"].get(k, {}).get("roofline_pct", 0) for k in layer_names], width, label=r["case"])
+    ax.set_xticks([j + 0.4 for j in range(len(layer_names))], layer_names)
+    ax.set_ylabel("% of roofline")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--layers", default=",".join(map(str, DEFAULT_LAYERS)), help="real layer ids of the slice")
+    ap.add_argument("--batches", default="1,16,64,256", help="decode token counts (see the module doc)")
+    ap.add_argument("--context", type=int, default=4096, help="cached tokens for decode")
+    ap.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: none)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--jobs", type=int, default=0, help="pre-build kernels in this many processes")
+    ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_slice_out")
+
+
+def run_from_args(args) -> list[dict]:
+    return run(out_dir=args.out, budget_s=args.budget_s, jobs=args.jobs,
+               layers=tuple(int(x) for x in args.layers.split(",")),
+               batches=tuple(int(x) for x in args.batches.split(",") if x), context=args.context,
+               prefill=args.prefill, reps=args.reps, torch_compile=not args.no_torch_compile)  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_slice: error: needs a CUDA device (an H200); this machine has none", file=sys.stderr)
+        return 2
+    run_from_args(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
