@@ -243,7 +243,8 @@ def _slice(out: Path, budget: float, jobs: int):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_slice
 
-    return bench_slice.run(out_dir=out, budget_s=budget, jobs=jobs)
+    # reduced for the time budget: decode 1/16/64 (256 via `deepinfer bench`), prefill 4096 (8192 there)
+    return bench_slice.run(out_dir=out, budget_s=budget, jobs=jobs, batches=(1, 16, 64), prefill=4096, reps=3)
 
 
 def summary(rows: list, slice_rows) -> None:
