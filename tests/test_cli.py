@@ -68,9 +68,9 @@ def test_run_without_plan_generates_with_the_tiny_model(capsys):
         (["run", "no-such-plan-dir"], "no-such-plan-dir: no plan here"),
         (["run", "--model", "no-such-model"], "no-such-model"),
         (["compile"], "compile needs -o PLAN_DIR"),
-        (["compile", "--target", "sm90", "-o", "x"], "needs kernel binding"),
+        (["compile", "--target", "ascend950", "-o", "x"], "not built yet"),
         (["tune"], "no CUDA GPU on this machine"),
-        (["bench"], "not built yet"),
+        (["bench"], "needs a CUDA device"),
     ],
 )
 def test_run_bad_input_is_one_line_exit_2(argv, msg, capsys):
@@ -137,3 +137,12 @@ def test_run_input_jsonl_to_output_jsonl_with_progress_and_summary(tmp_path, cap
     assert "max_tokens must be a positive" in rows[2]["error"] and "colour" in rows[3]["error"]
     assert "4/4 requests" in cap.err and "request 2:" in cap.err
     assert "4 requests:" in cap.out and "tok/s" in cap.out
+
+
+def test_sm90_plan_compiles_here_and_refuses_to_run_without_a_gpu(tmp_path, capsys):
+    plan = tmp_path / "plan90"
+    assert main(["compile", "--model", "deepseek-v4-flash", "--target", "sm90", "-o", str(plan), "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "select_kernels" in out and "convert_fp4_to_fp8" in out
+    assert main(["run", str(plan), "--max-tokens", "2"]) == 2
+    assert "CUDA" in _one_line_error(capsys)
