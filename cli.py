@@ -180,7 +180,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise DeepInferError(f"--max-tokens must be positive, got {args.max_tokens}")
     reqs = _run_requests(args)
     if args.plan:
-        llm = LLM(plan=args.plan, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        from deepinfer.runtime.plan import load_plan
+
+        plan = load_plan(args.plan)  # a plan runs on the target it was compiled for
+        llm = LLM(plan=plan, target=plan.target, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
     else:
         args.target, args.dump_ir = "cpu", None
         plan = _compile(args)
