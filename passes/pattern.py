@@ -255,7 +255,11 @@ def rewrite_matches(
     All matches are found first and dead matched nodes removed once at the end, so a pass costs a few sweeps
     of the graph however many matches it has.
     """
-    matches = find_matches(g, pattern, where)
+    return apply_rewrites(g, find_matches(g, pattern, where), rewrite)
+
+
+def apply_rewrites(g: Graph, matches: list[Match], rewrite: Callable[[Match], tuple[str, list, dict]]) -> int:
+    """Replace each match's root by the node ``rewrite(m)`` describes, then drop the dead interiors once."""
     pos = {id(n): i for i, n in enumerate(g.nodes)}
     interior: list[Node] = []
     for m in matches:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deepinfer.ir.graph import Graph, Node, Value
-from deepinfer.passes.pattern import Match, Op, make_node, match_at, remove_dead
+from deepinfer.passes.pattern import Match, Op, apply_rewrites, match_at
 
 
 def node_users(g: Graph) -> dict[str, list[Node]]:
@@ -55,12 +55,4 @@ def rewrite_patterns(
     where: Callable[[Match], bool] | None = None,
 ) -> int:
     """Every match becomes the node ``rewrite(m)`` = (op, inputs, attrs) at its root, owning the root's outputs."""
-    matches = find_pattern_matches(g, patterns, where)
-    pos = {id(n): i for i, n in enumerate(g.nodes)}
-    interior: list[Node] = []
-    for m in matches:
-        op, inputs, attrs = rewrite(m)
-        g.nodes[pos[id(m.root)]] = make_node(g, op, inputs, attrs, m.root.outputs)
-        interior += [n for n in m.nodes if n is not m.root]
-    remove_dead(g, interior)
-    return len(matches)
+    return apply_rewrites(g, find_pattern_matches(g, patterns, where), rewrite)
