@@ -35,7 +35,14 @@ from deepinfer.ir.interpreter import bind_symbols, concrete_attrs
 from deepinfer.ir.registry import get_op
 from deepinfer.runtime import kernel_adapters as ka
 
-VERIFY_TOL = 0.1  # first-call check: max |kernel - reference| / max |reference|; catches wrong layouts, not ulps
+# First-call check (catches wrong layouts and wrong operands, not ulps): max |kernel - reference| / max |reference|
+# at most VERIFY_TOL, and the norm-wise error ||kernel - reference|| / ||reference|| at most VERIFY_L2. FP8 outputs
+# (codes + scales, compared dequantised) may differ by one e4m3 step wherever the kernel's bf16-rounded input
+# sits on a rounding boundary the f32 reference does not (up to 1/8 of the value: 0.07-0.11 of the max measured
+# on random 64 x 5120 rows), so their max-error bound is VERIFY_TOL_FP8; a wrong layout is O(1) in both norms.
+VERIFY_TOL = 0.1
+VERIFY_TOL_FP8 = 0.25
+VERIFY_L2 = 0.05
 
 
 class CudaUnavailableError(DeepInferError):
@@ -215,11 +222,15 @@ class GraphExecutor:
 
     def _check(self, node: Node, args, attrs, outs, keys) -> None:
         ref = get_op(node.op).run(args, attrs)
-        err = max((_rel_err(a, b) for a, b in zip(_as_float(outs), _as_float(ref))), default=0.0)
+        pairs = list(zip(_as_float(outs), _as_float(ref)))
+        err = max((_rel_err(a, b) for a, b in pairs), default=0.0)
+        l2 = max((_rel_l2(a, b) for a, b in pairs), default=0.0)
         self.stats.verified[tuple(keys)] = err
-        if not err <= VERIFY_TOL:  # NaN counts as a mismatch
-            self.kernels.disable(keys, f"mismatch vs reference at first call (rel err {err:.2e})")
-            raise ka.Decline(f"mismatch vs reference at first call (rel err {err:.2e})")
+        tol = VERIFY_TOL_FP8 if _is_fp8(outs) else VERIFY_TOL
+        if not (err <= tol and l2 <= VERIFY_L2):  # NaN counts as a mismatch
+            why = f"mismatch vs reference at first call (rel err {err:.2e}, norm-wise {l2:.2e})"
+            self.kernels.disable(keys, why)
+            raise ka.Decline(why)
 
     def _reference(self, node: Node, args, attrs, name: str, reason: str) -> list:
         self.stats.reference[reason] += 1
@@ -300,6 +311,16 @@ def _as_float(outs) -> list[torch.Tensor]:
         q, s = outs
         return [dequant_fp8_groups(q, s, q.shape[-1] // s.shape[-1])]
     return [o.float() for o in outs if o.is_floating_point()]
+
+
+def _is_fp8(outs) -> bool:
+    return any(o.dtype == torch.float8_e4m3fn for o in outs)
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else 0.0
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -207,6 +207,7 @@ class RMSNormAdapter:
         if d % group:
             raise Decline(f"D={d} is not a multiple of the group {group}")
         cfg = rmsnorm_quant.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
+        cfg = rmsnorm_quant.Config(cfg.block_m, _norm_threads(cfg.block_m * d, cfg.threads))
         rows = bucket_rows(m, max(cfg.block_m, 16))
         key = _key("rmsnorm_quant", "program", (rows, d), cfg, group=group, quant=quant, eps=float(call.attrs["eps"]))
         return key, rows, group, quant
@@ -231,6 +232,14 @@ class RMSNormAdapter:
         kernels[0](xb, w, q, s)
         scales = dt.float_to_e8m0(s[:, :m].T.contiguous())
         return [q[:m].reshape(x.shape), scales.reshape(*x.shape[:-1], d // group)]
+
+
+def _norm_threads(elems: int, threads: int) -> int:
+    """The most threads, up to the binding's, that split a block's elements evenly: TileLang cannot lay out
+    the row fragments otherwise (D=1280 on 512 threads fails to build: "Inconsistent layouts ... ReduceOp")."""
+    while threads > 32 and elems % threads:
+        threads //= 2
+    return threads
 
 
 def _norm_weight(w: torch.Tensor | None, d: int, device) -> torch.Tensor:
@@ -391,8 +400,11 @@ class MoEGroupedAdapter:
     def _shared_keys(self, call: Call) -> list[KernelKey]:
         if call.args[3] is None:
             return []
+        x = call.args[0]
+        # the down GEMM reads the SwiGLU output [T, I], not x [T, D]: key it on that K (a stand-in of that shape)
+        h = x.new_empty((x.shape[0], call.args[5].shape[1]))
         return [self.dense.keys(self._shared_call(call, i))[0] for i in (3, 4)] + [
-            self.dense.keys(self._shared_call(call, 5))[0]
+            self.dense.keys(self._shared_call(call, 5, h))[0]
         ]
 
     def _shared_call(self, call: Call, wi: int, x=None) -> Call:
@@ -539,6 +551,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
         from deepinfer.codegen.kernels import fp8_gemm
 
         def gemm(a, sa_t, b, sb, c):
+            _check_abi(key, (a, (key.args[0], key.args[2])), (b, (key.args[1], key.args[2])),
+                       (c, (key.args[0], key.args[1])))  # fmt: skip
             c.copy_(fp8_gemm.reference(a, sa_t.T, b, sb, kw["act_group"], kw["weight_block"]))
 
         return gemm
@@ -548,6 +562,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
         bm = dict(kw["cfg"])["block_m"]
 
         def grouped(a, sa_t, b, sb, tiles, c):
+            m, n, k, e = key.args
+            _check_abi(key, (a, (m, k)), (b, (e, n, k)), (tiles, (m // bm,)), (c, (m, n)))
             c.copy_(moe_grouped_gemm.reference(a, sa_t.T, b, sb, tiles, bm, kw["act_group"], kw["weight_block"]))
 
         return grouped
@@ -555,6 +571,7 @@ def emulated_kernel(key: KernelKey) -> Callable:
         from deepinfer.codegen.kernels import rmsnorm_quant
 
         def norm(x, w, *outs):
+            _check_abi(key, (x, key.args), (w, key.args[1:]), *((o, key.args) for o in outs[:1]))
             if kw["quant"]:
                 q, s = rmsnorm_quant.reference(x, w, kw["eps"], kw["group"])
                 outs[0].copy_(q)
@@ -582,3 +599,10 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         return pre
     raise KeyError(f"no emulation for {key.family}.{key.program}")
+
+
+def _check_abi(key: KernelKey, *pairs) -> None:
+    """The compiled kernels reject operands of other shapes (TileLang's packed ABI check); so do the stand-ins."""
+    for i, (t, shape) in enumerate(pairs):
+        if tuple(t.shape) != tuple(shape):
+            raise RuntimeError(f"kernel {key.describe()} operand {i}: shape {tuple(t.shape)}, expected {tuple(shape)}")

@@ -32,7 +32,8 @@ class Config:
 
 
 def config_space(M: int, D: int) -> list[Config]:
-    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * D // t <= 160]
+    # the threads must split a block's bm x D elements evenly, or TileLang cannot lay out the row fragments
+    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * D // t <= 160 and bm * D % t == 0]
 
 
 def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config()):
