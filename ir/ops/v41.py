@@ -161,7 +161,17 @@ class IndexScores:
         return TensorType(dt.f32, (q.shape[0], keys.shape[0]))
 
     def reference(q, weights, keys, positions, *, ratio, scale):
-        return indexer_scores(q, weights, keys, positions, ratio=ratio, scale=scale)[0]
+        # rows are independent: chunk the queries so the [rows, Hi, C] fp32 temporaries stay under ~1 GiB
+        # (at T = C = 4096 with 32 heads one pass would be 2 GiB per temporary); small calls run in one piece
+        rows = max(1, _TEMP_ELEMS // max(1, q.shape[1] * keys.shape[0]))
+        if q.shape[0] <= rows:
+            return indexer_scores(q, weights, keys, positions, ratio=ratio, scale=scale)[0]
+        return torch.cat([indexer_scores(q[i : i + rows], weights[i : i + rows], keys, positions[i : i + rows],
+                                         ratio=ratio, scale=scale)[0]
+                          for i in range(0, q.shape[0], rows)])  # fmt: skip
+
+
+_TEMP_ELEMS = 1 << 28  # fp32 elements a reference temporary may take before it is chunked over rows
 
 
 def _masked_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -174,10 +184,17 @@ def _masked_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _block_mask(scores: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
-    """True at the columns lying in one of the row's blocks (block id -1 = none)."""
+    """True at the columns lying in one of the row's blocks (block id -1 = none).
+
+    Memory-lean: a [T, n_blocks] table of chosen blocks, gathered per column ([T, C] bools), instead of the
+    [T, nb, C] comparison (32 GiB at T = C = 4096 with 2048 candidate blocks)."""
+    n = -(-scores.shape[-1] // block)
+    b = blocks.long()
+    b = torch.where((b >= 0) & (b < n), b, torch.full_like(b, n))  # none / out of range -> a spare column
+    chosen = torch.zeros(b.shape[0], n + 1, dtype=torch.bool, device=scores.device)
+    chosen.scatter_(1, b, True)
     col_block = torch.arange(scores.shape[-1], device=scores.device) // block  # [C]
-    hit = (blocks.long().unsqueeze(-1) == col_block) & (blocks.unsqueeze(-1) >= 0)  # [T, nb, C]
-    return hit.any(dim=1)
+    return chosen[:, col_block]
 
 
 @register_op("topk_entries", "scores, blocks?", {"topk": Attr("int"), "block": Attr("int", 1)}, level="model")
