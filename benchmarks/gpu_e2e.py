@@ -243,8 +243,13 @@ def _slice(out: Path, budget: float, jobs: int):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_slice
 
-    # reduced for the time budget: decode 1/16/64 (256 via `deepinfer bench`), prefill 4096 (8192 there)
-    return bench_slice.run(out_dir=out, budget_s=budget, jobs=jobs, batches=(1, 16, 64), prefill=4096, reps=3)
+    # reduced for the time budget: decode 1/16/64 (256 via `deepinfer bench`), prefill 4096 (8192 there).
+    # No torch.compile baseline here: dynamo traces the executor's per-node Python loop, breaks the graph at the
+    # references' host reads (.item(), int(positions[0]), nonzero, unique().tolist()) and recompiles _run_node per
+    # node until its recompile limit (the first H200 run: ~110 s of the budget, then eager for the rest), so the
+    # figure would not be torch.compile's; the eager reference of the same graph is the baseline.
+    return bench_slice.run(out_dir=out, budget_s=budget, jobs=jobs, batches=(1, 16, 64), prefill=4096, reps=3,
+                           torch_compile=False)  # fmt: skip
 
 
 def summary(rows: list, slice_rows) -> None:

@@ -65,6 +65,7 @@ class Call:
     is_param: list  # which inputs are parameters (re-laid-out once, cached)
     config: dict  # the binding's tile config for the nearest bucket
     cache: dict = field(default_factory=dict)  # the runner's per-parameter preparation cache
+    memo: dict = field(default_factory=dict)  # per call: work keys() did that run() reuses
 
     def prep(self, tag: str, index: int | tuple, fn: Callable):
         """fn() once per parameter (tag, input names); recomputed every call for non-parameters."""
@@ -100,11 +101,19 @@ def scales_f32(s: torch.Tensor) -> torch.Tensor:
 
 
 def quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group FP8 as the graph's quant_fp8 op does it; returns (codes [M, K], fp32 scales [M, K/g])."""
-    from deepinfer.ir.ops.quant import quant_fp8_groups
+    """Per-token-group FP8 as the graph's quant_fp8 op does it; returns (codes [M, K], fp32 scales [M, K/g]).
 
-    q, s = quant_fp8_groups(x, group)
-    return q, dt.e8m0_to_float(s)
+    The same numbers as quant_fp8_groups + e8m0_to_float (the scales are powers of two), without the e8m0
+    round trip, whose positivity check is a device -> host synchronisation on every GEMM."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = dt.pow2_scale(g.abs().amax(-1, keepdim=True), dt.FP8_MAX)
+    q = (g / scale).clamp(-dt.FP8_MAX, dt.FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+def to_e8m0(s: torch.Tensor) -> torch.Tensor:
+    """Positive power-of-two fp32 scales as ue8m0 (dt.float_to_e8m0 without its synchronising check)."""
+    return (torch.ceil(torch.log2(s.float())).clamp(-127, 127) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _cuda_only(call: Call) -> None:
@@ -230,7 +239,7 @@ class RMSNormAdapter:
         q = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(d // group, rows, dtype=torch.float32, device=x.device)
         kernels[0](xb, w, q, s)
-        scales = dt.float_to_e8m0(s[:, :m].T.contiguous())
+        scales = to_e8m0(s[:, :m].T.contiguous())
         return [q[:m].reshape(x.shape), scales.reshape(*x.shape[:-1], d // group)]
 
 
@@ -328,22 +337,30 @@ class HCPreCollapseAdapter:
 def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
     """Contiguous layout, vectorised: (slot of each (token, k) pair, tile experts, padded rows).
 
-    The tile count is bucketed (1, 2, 3, 4, 6, 8, 12, ...) so few kernel shapes serve every routing."""
+    The tile count is bucketed (1, 2, 3, 4, 6, 8, 12, ...) so few kernel shapes serve every routing. With few
+    pairs (T*k <= E/2: decode) the count is the routing-independent bound min(E, T*k) + T*k // block_m (tight
+    there: almost every pair has its own expert), so the layout needs no device -> host synchronisation;
+    otherwise the exact count is read back (one synchronisation) to keep padding tiles few."""
     flat = idx.reshape(-1)
     counts = torch.bincount(flat, minlength=n_experts)
     tiles_per = (counts + block_m - 1) // block_m
-    first_tile = torch.cumsum(tiles_per, 0) - tiles_per
+    ends = torch.cumsum(tiles_per, 0)
+    first_tile = ends - tiles_per
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
     start_of = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=idx.device) - start_of[sorted_e]
     slot = torch.empty_like(flat)
     slot[order] = first_tile[sorted_e] * block_m + rank
-    n_tiles = int(tiles_per.sum())
-    n_bucket = _tile_bucket(n_tiles)
-    tile_expert = torch.full((n_bucket,), -1, dtype=torch.int32, device=idx.device)
-    live = torch.nonzero(tiles_per).flatten()
-    tile_expert[:n_tiles] = torch.repeat_interleave(live, tiles_per[live]).to(torch.int32)
+    pairs = flat.numel()
+    if 2 * pairs <= n_experts:
+        n_tiles = min(n_experts, pairs) + pairs // block_m  # >= sum over experts of ceil(count / block_m)
+    else:
+        n_tiles = int(ends[-1])
+    n_bucket = _tile_bucket(max(n_tiles, 1))
+    # tile i belongs to the first expert whose tiles end after i; tiles past the last one are padding (-1)
+    e = torch.searchsorted(ends, torch.arange(n_bucket, device=idx.device), right=True)
+    tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1)).to(torch.int32)
     return slot, tile_expert, n_bucket * block_m
 
 
@@ -393,9 +410,15 @@ class MoEGroupedAdapter:
         _cuda_only(call)
         t, _, _, e, _, idx = self._shapes(call)
         cfg = self._cfg(call)
-        m_rows = _moe_layout(idx, e, cfg.block_m)[2]
+        m_rows = self._layout(call, idx, e, cfg.block_m)[2]
         keys, _ = self._keys(call, m_rows)
         return keys + self._shared_keys(call)
+
+    @staticmethod
+    def _layout(call: Call, idx, e: int, block_m: int):
+        if "moe_layout" not in call.memo:
+            call.memo["moe_layout"] = _moe_layout(idx, e, block_m)
+        return call.memo["moe_layout"]
 
     def _shared_keys(self, call: Call) -> list[KernelKey]:
         if call.args[3] is None:
@@ -422,7 +445,7 @@ class MoEGroupedAdapter:
         t, d, inter, e, block, idx = self._shapes(call)
         cfg = self._cfg(call)
         x, weights = call.args[0], call.args[1]
-        slot, tile_expert, m_rows = _moe_layout(idx, e, cfg.block_m)
+        slot, tile_expert, m_rows = self._layout(call, idx, e, cfg.block_m)
         b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
         k = idx.shape[1]
         a_rows = torch.zeros(m_rows, d, device=x.device, dtype=torch.float32)
