@@ -245,7 +245,9 @@ class RMSNormAdapter:
 
 def _norm_threads(elems: int, threads: int) -> int:
     """The most threads, up to the binding's, that split a block's elements evenly: TileLang cannot lay out
-    the row fragments otherwise (D=1280 on 512 threads fails to build: "Inconsistent layouts ... ReduceOp")."""
+    the row fragments otherwise (D=1280 on 512 threads fails to build: "Inconsistent layouts ... ReduceOp").
+    Not sufficient for D=1280 quant on the H200: 256 threads then fail in the group reduce ("XOR-butterfly
+    AllReduce requires logical_width ... power of two"); those nodes fall back to the reference, counted."""
     while threads > 32 and elems % threads:
         threads //= 2
     return threads
