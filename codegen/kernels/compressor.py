@@ -1,0 +1,140 @@
+"""V4.1 compressor epilogue: ratio-2 pair pooling + RMSNorm, and ratio-1 RMSNorm (MODEL_SPEC §2.13).
+
+    ratio 2: c_j = sum_{t in {2j, 2j+1}} softmax_t(z_t) * a_t        per-channel softmax over the pair, fp32
+    ratio 1: c_j = a_j                                                (no gate)
+    latent_j = RMSNorm_w( bf16(c_j) )                                 fp32 statistics, bf16 out
+
+A [T, d] = x @ wkv^T and Z [T, d] = x @ wgate^T come from the GEMM (fp32, d = 512). A batch whose first
+position is odd completes the pair left pending by the previous batch: with `odd=True` the kernel takes the
+pending row (state_a, state_z [1, d], the `pair_compressor` op's state) as the first member of pair 0, so
+no host-side concatenation is needed. Group i of the output is group start//2 + i; only complete pairs
+are produced (G = (T + odd) // 2); an unfinished last row stays the caller's new state, as in the op.
+
+Memory-bound: A and Z read once, the latent written once (bf16). One CTA normalises `block_g` groups; the
+pair softmax is computed as sigmoid(z0 - z1) (one exp per channel: softmax over two values).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.codegen.kernels._common import Mem, ceil_div
+
+FAMILY = "compressor"
+
+
+@dataclass(frozen=True)
+class Config:
+    block_g: int = 4  # groups (output rows) per CTA
+    threads: int = 128
+
+
+def config_space(G: int, d: int) -> list[Config]:
+    return [Config(bg, th) for bg in (1, 2, 4, 8) for th in (64, 128, 256) if bg * d >= th * 4]
+
+
+def n_groups(T_: int, ratio: int, odd: bool = False) -> int:
+    return (T_ + int(odd)) // 2 if ratio == 2 else T_
+
+
+def program(T_: int, d: int, *, ratio: int, eps: float, odd: bool = False, target: str, cfg: Config = Config()):
+    """ratio 2: prim_func(A [T, d] f32, Z [T, d] f32, SA [1, d] f32, SZ [1, d] f32, W [d] f32, Y [G, d]);
+    ratio 1: prim_func(A [T, d] f32, W [d] f32, Y [T, d]). Y is bf16 on CUDA, fp32 on the `c` target."""
+    import tilelang.language as T
+
+    assert ratio in (1, 2) and not (odd and ratio == 1)
+    mem = Mem(target)
+    out_dt = "float32" if mem.cpu else "bfloat16"
+    G, bg, off = n_groups(T_, ratio, odd), cfg.block_g, int(odd)
+    inv_d = 1.0 / d
+
+    if ratio == 1:
+
+        @T.prim_func
+        def compressor_r1(A: T.Tensor((T_, d), "float32"), W: T.Tensor((d,), "float32"), Y: T.Tensor((T_, d), out_dt)):
+            with T.Kernel(ceil_div(G, bg), threads=cfg.threads) as bx:
+                c = mem.fragment((bg, d), "float32")
+                sq = mem.fragment((bg, d), "float32")
+                ss = mem.fragment((bg,), "float32")
+                for i, j in mem.par(bg, d):
+                    g = T.min(bx * bg + i, G - 1)  # tail rows recompute the last group; stores are guarded
+                    c[i, j] = T.cast(T.cast(A[g, j], out_dt), "float32")  # bf16(c) before the norm
+                    sq[i, j] = c[i, j] * c[i, j]
+                T.reduce_sum(sq, ss, dim=1)
+                for i, j in mem.par(bg, d):
+                    if bx * bg + i < G:
+                        Y[bx * bg + i, j] = T.cast(c[i, j] * T.rsqrt(ss[i] * inv_d + eps) * W[j], out_dt)
+
+        return compressor_r1
+
+    @T.prim_func
+    def compressor_r2(
+        A: T.Tensor((T_, d), "float32"),
+        Z: T.Tensor((T_, d), "float32"),
+        SA: T.Tensor((1, d), "float32"),
+        SZ: T.Tensor((1, d), "float32"),
+        W: T.Tensor((d,), "float32"),
+        Y: T.Tensor((G, d), out_dt),
+    ):
+        with T.Kernel(ceil_div(G, bg), threads=cfg.threads) as bx:
+            c = mem.fragment((bg, d), "float32")
+            sq = mem.fragment((bg, d), "float32")
+            ss = mem.fragment((bg,), "float32")
+            for i, j in mem.par(bg, d):
+                g = T.min(bx * bg + i, G - 1)
+                r1 = 2 * g + 1 - off  # the pair's second row in this batch (always present)
+                a1, z1 = A[r1, j], Z[r1, j]
+                a0 = T.if_then_else(r1 == 0, SA[0, j], A[T.max(r1 - 1, 0), j])
+                z0 = T.if_then_else(r1 == 0, SZ[0, j], Z[T.max(r1 - 1, 0), j])
+                p0 = 1.0 / (1.0 + T.exp(z1 - z0))  # softmax weight of the first member
+                c[i, j] = T.cast(T.cast(a1 + p0 * (a0 - a1), out_dt), "float32")
+                sq[i, j] = c[i, j] * c[i, j]
+            T.reduce_sum(sq, ss, dim=1)
+            for i, j in mem.par(bg, d):
+                if bx * bg + i < G:
+                    Y[bx * bg + i, j] = T.cast(c[i, j] * T.rsqrt(ss[i] * inv_d + eps) * W[j], out_dt)
+
+    return compressor_r2
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def reference(a, z, w, *, ratio: int, eps: float, state_a=None, state_z=None, odd: bool = False, out_dtype=None):
+    """Torch reference: the pooled rows of complete pairs, bf16-rounded (out_dtype), RMSNorm'd in fp32."""
+    out_dtype = out_dtype or torch.bfloat16
+    if ratio == 1:
+        c = a.float()
+    else:
+        if odd:
+            a = torch.cat([state_a, a])
+            z = torch.cat([state_z, z])
+        g = a.shape[0] // 2
+        pa, pz = a[: 2 * g].float().view(g, 2, -1), z[: 2 * g].float().view(g, 2, -1)
+        c = (pa * torch.softmax(pz, dim=1)).sum(1)
+    c = c.to(out_dtype).float()
+    y = c * torch.rsqrt(c.square().mean(-1, keepdim=True) + eps) * w.float()
+    return y.to(out_dtype)
+
+
+def reference_f64(a, z, w, *, ratio: int, eps: float, state_a=None, state_z=None, odd: bool = False):
+    """Independent float64 oracle from the formula, no bf16 rounding: explicit exp/sum softmax, loop over pairs."""
+    a, w = a.double(), w.double()
+    if ratio == 1:
+        c = a
+    else:
+        z = z.double()
+        if odd:
+            a, z = torch.cat([state_a.double(), a]), torch.cat([state_z.double(), z])
+        rows = []
+        for j in range(a.shape[0] // 2):
+            e0, e1 = torch.exp(z[2 * j]), torch.exp(z[2 * j + 1])
+            rows.append((e0 * a[2 * j] + e1 * a[2 * j + 1]) / (e0 + e1))
+        c = torch.stack(rows)
+    return c / torch.sqrt((c * c).mean(-1, keepdim=True) + eps) * w
+
+
+def roofline(T_: int, d: int, ratio: int, out_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops): A (and Z) read once in fp32, latent written once; ~10 flops per pooled channel."""
+    G = n_groups(T_, ratio)
+    return float(4 * T_ * d * ratio + G * d * out_bytes + 4 * d), float(G * d * (10 if ratio == 2 else 4))
