@@ -1,0 +1,280 @@
+"""V4.1 lightning indexer: scores fused with an exact top-k that reads every score once (MODEL_SPEC §2.9, §2.13).
+
+    S(t, j) = scale * ks_j * sum_h w[t, h] * ReLU(q[t, h] . k_j)        32 heads x 128 dims
+    visible j < min((pos_t + 1) // ratio, C)                             (ratio 1: j <= t)
+    Idx[t]  = top-k of S(t, .) over the visible entries; ties: the LOWER entry index wins (as `topk_entries`)
+
+FP8: q and k may be float8_e4m3 (wgmma with fp32 accumulation). The per-(token, head) q scale is folded
+into w by the caller (ReLU(s x) = s ReLU(x) for s > 0), the per-row k scale is `KS` and multiplies after the
+head sum for the same reason; for bf16 inputs pass KS = 1.
+
+Two kernels, and the scores never go to HBM:
+1. `score_program`, grid (chunks, T): a CTA scores one query against one chunk of `chunk` entries (K tiles of
+   `block_c` rows x 128 through shared memory, one GEMM [block_c, 128] x [128, 32] per tile, ReLU, weighted
+   head sum in registers), turns each score into an order-preserving int32 key (`-0.0` folded to `+0.0`;
+   invisible entries get INT_MIN) in shared memory, and selects the chunk's exact top-k there.
+   Tiles past the causal limit are skipped, so prefill does about half the work.
+2. `merge_program`, grid (T,): the chunks' candidates (chunks x k keys, in ascending entry order) -> top-k.
+   With one chunk the first kernel writes the final answer and the merge is skipped.
+The global top-k is the top-k of the chunk-wise top-k sets because (score desc, index asc) is a strict total
+order. Selection (both kernels) is a 32-round radix select on the keys held in shared memory: bit by bit,
+the largest threshold u with #(key >= u) >= k is the k-th key; then everything above it plus the first
+`need` ties in index order (two prefix sums). The output is the selected SET in ascending entry order
+(Idx int32, -1 padding at the end) with its keys; `keys_to_scores` turns keys back into float scores.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.codegen.kernels._common import Mem, ceil_div
+
+FAMILY = "indexer_topk"
+INT_MIN = -(2**31)
+
+
+@dataclass(frozen=True)
+class Config:
+    chunk: int = 4096  # entries per scoring CTA (the selection works on this many keys in shared memory)
+    block_c: int = 64  # K rows per GEMM tile
+    threads: int = 256
+
+
+def config_space(T_: int, C: int, topk: int = 512) -> list[Config]:
+    """Chunks small enough to fill the GPU at decode, large enough (>= 2k) to make the merge cheap."""
+    return [
+        Config(ch, bc, th)
+        for ch in (1024, 2048, 4096, 8192)
+        for bc in (64, 128)
+        for th in (128, 256)
+        if ch >= 2 * topk and C % ch == 0
+    ] or [Config(C, 64, 256)]
+
+
+def default_config(T_: int, C: int, topk: int = 512, target: str = "sm90", sms: int = 132) -> Config:
+    """Decode (few queries): the smallest chunk that still gives >= 2k keys per chunk; prefill: big chunks.
+    sm100 uses 128-row tiles (tcgen05)."""
+    bc = 128 if target == "sm100" else 64
+    ok = [ch for ch in (8192, 4096, 2048, 1024) if ch >= 2 * topk and C % ch == 0]
+    for ch in ok:
+        if T_ * (C // ch) >= sms:  # the biggest chunk that still gives every SM a CTA
+            return Config(ch, bc, 256)
+    return Config(ok[-1] if ok else C, bc, 256)
+
+
+def _float_key(f):
+    """Order-preserving int32 of an fp32 (+0 and -0 map to the same key)."""
+    import tilelang.language as T
+
+    b = T.reinterpret(T.if_then_else(f == 0.0, T.float32(0.0), f), "int32")
+    return T.if_then_else(b >= 0, b, T.bitwise_xor(b, 0x7FFFFFFF))
+
+
+def _make_select(mem: Mem, N: int, k: int):
+    """A TileLang macro: exact top-k of keys[0:N] (index order = tie order) into OutIdx/OutKey[row, base:]."""
+    import tilelang.language as T
+
+    @T.macro
+    def select(keys, ids, flag, rank, ind, cnt, OutIdx, OutKey, row, base):
+        thr = T.alloc_var("int64", init=0)  # threshold in the unsigned space u = key + 2^31
+        for z, j in mem.par(1, N):
+            ind[z, j] = T.if_then_else(keys[j] >= INT_MIN + 1, 1, 0)
+        T.reduce_sum(ind, cnt, dim=1)
+        keff = T.alloc_var("int32", init=T.min(cnt[0], k))
+        for bit in T.serial(32):
+            cand = thr + T.shift_left(T.int64(1), T.cast(31 - bit, "int64"))
+            for z, j in mem.par(1, N):
+                ind[z, j] = T.if_then_else(T.cast(keys[j], "int64") + 2147483648 >= cand, 1, 0)
+            T.reduce_sum(ind, cnt, dim=1)
+            if cnt[0] >= keff:
+                thr = cand
+        kth = T.alloc_var("int32", init=T.cast(thr - 2147483648, "int32"))  # the k-th largest key (any key when keff == 0: nothing is taken)
+        for z, j in mem.par(1, N):
+            ind[z, j] = T.if_then_else(keys[j] > kth, 1, 0)
+        T.reduce_sum(ind, cnt, dim=1)
+        need = T.alloc_var("int32", init=keff - cnt[0])  # ties at the threshold still to take, lowest index first
+        for j in mem.par(N):
+            flag[j] = T.if_then_else(keys[j] == kth, 1, 0)
+        if mem.cpu:
+            acc = T.alloc_var("int32", init=0)
+            for j in T.serial(N):
+                rank[j] = acc
+                acc = acc + flag[j]
+            for j in T.serial(N):
+                flag[j] = T.if_then_else(keys[j] > kth, 1, T.if_then_else(flag[j] * rank[j] + (1 - flag[j]) * need < need, 1, 0))
+            acc = 0
+            for j in T.serial(N):
+                rank[j] = acc
+                acc = acc + flag[j]
+        else:
+            T.cumsum(src=flag, dst=rank, dim=0)  # inclusive
+            for j in mem.par(N):
+                flag[j] = T.if_then_else(keys[j] > kth, 1, T.if_then_else(flag[j] * (rank[j] - 1) + (1 - flag[j]) * need < need, 1, 0))
+            T.cumsum(src=flag, dst=rank, dim=0)
+            for j in mem.par(N):
+                rank[j] = rank[j] - flag[j]
+        for j in mem.par(N):
+            if flag[j] == 1:
+                if keys[j] >= INT_MIN + 1:  # invisible entries (INT_MIN) are never taken
+                    OutIdx[row, base + rank[j]] = ids[j]
+                    OutKey[row, base + rank[j]] = keys[j]
+        for p in mem.par(k):
+            if p >= keff:
+                OutIdx[row, base + p] = -1
+                OutKey[row, base + p] = INT_MIN
+
+    return select
+
+
+def score_program(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ratio: int, scale: float,
+                  dtype: str = "bfloat16", target: str, cfg: Config = Config()):  # fmt: skip
+    """prim_func(Q [T*H, di], W [T, H] f32, K [C, di], KS [C] f32, Pos [T] int32,
+    OutIdx [T, chunks*k] int32, OutKey [T, chunks*k] int32). dtype: bfloat16 | float8_e4m3 (fp32 on `c`)."""
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    mem = Mem(target)
+    in_dt = "float32" if mem.cpu else dtype
+    use_tmem = target == "sm100"  # tcgen05 MMA into tensor memory (UTC*MMA), read back per tile
+    ch, bc, k = min(cfg.chunk, C), cfg.block_c, topk
+    assert not use_tmem or bc == 128, "tcgen05 tiles are 128 rows"
+    assert C % ch == 0 and ch % bc == 0 and k <= ch
+    n_chunks, n_sub = C // ch, ch // bc
+    select = _make_select(mem, ch, k)
+
+    @T.prim_func
+    def indexer_score_topk(
+        Q: T.Tensor((T_ * H, di), in_dt),
+        W: T.Tensor((T_, H), "float32"),
+        K: T.Tensor((C, di), in_dt),
+        KS: T.Tensor((C,), "float32"),
+        Pos: T.Tensor((T_,), "int32"),
+        OutIdx: T.Tensor((T_, n_chunks * k), "int32"),
+        OutKey: T.Tensor((T_, n_chunks * k), "int32"),
+    ):
+        with T.Kernel(n_chunks, T_, threads=cfg.threads) as (c, t):
+            q_s = mem.shared((H, di), in_dt)
+            k_s = mem.shared((bc, di), in_dt)
+            w_s = mem.shared((H,), "float32")
+            acc = mem.fragment((bc, H), "float32")
+            if use_tmem:
+                acc_tm = T.alloc_tmem([bc, H], "float32")
+                mbar = T.alloc_barrier(1)
+            srow = mem.fragment((bc,), "float32")
+            keys = mem.shared((ch,), "int32")
+            ids = mem.shared((ch,), "int32")
+            flag = mem.shared((ch,), "int32")
+            rank = mem.shared((ch,), "int32")
+            ind = mem.fragment((1, ch), "int32")
+            cnt = mem.fragment((1,), "int32")
+            nvis = T.min((Pos[t] + 1) // ratio, C)
+            T.copy(Q[t * H, 0], q_s)
+            for h in mem.par(H):
+                w_s[h] = W[t, h] * scale
+            for s in T.serial(n_sub):
+                e0 = c * ch + s * bc
+                if e0 < nvis:
+                    T.copy(K[e0, 0], k_s)
+                    if use_tmem:
+                        TC.gemm(k_s, q_s, acc_tm, transpose_B=True, clear_accum=True, mbar=mbar)
+                        T.copy(acc_tm, acc)
+                    else:
+                        T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True)
+                    for j, h in mem.par(bc, H):
+                        acc[j, h] = T.max(acc[j, h], 0.0) * w_s[h]
+                    T.reduce_sum(acc, srow, dim=1)
+                    for j in mem.par(bc):
+                        keys[s * bc + j] = T.if_then_else(e0 + j < nvis, _float_key(srow[j] * KS[e0 + j]), INT_MIN)
+                        ids[s * bc + j] = e0 + j
+                else:
+                    for j in mem.par(bc):
+                        keys[s * bc + j] = INT_MIN
+                        ids[s * bc + j] = e0 + j
+            select(keys, ids, flag, rank, ind, cnt, OutIdx, OutKey, t, c * k)
+
+    return indexer_score_topk
+
+
+def merge_program(T_: int, n_chunks: int, *, topk: int = 512, target: str, threads: int = 256):
+    """prim_func(CandIdx [T, chunks*k] int32, CandKey [T, chunks*k] int32, Idx [T, k] int32, Key [T, k] int32)."""
+    import tilelang.language as T
+
+    mem = Mem(target)
+    k = topk
+    N = n_chunks * k
+    select = _make_select(mem, N, k)
+
+    @T.prim_func
+    def indexer_topk_merge(
+        CandIdx: T.Tensor((T_, N), "int32"),
+        CandKey: T.Tensor((T_, N), "int32"),
+        Idx: T.Tensor((T_, k), "int32"),
+        Key: T.Tensor((T_, k), "int32"),
+    ):
+        with T.Kernel(T_, threads=threads) as t:
+            keys = mem.shared((N,), "int32")
+            ids = mem.shared((N,), "int32")
+            flag = mem.shared((N,), "int32")
+            rank = mem.shared((N,), "int32")
+            ind = mem.fragment((1, N), "int32")
+            cnt = mem.fragment((1,), "int32")
+            for j in mem.par(N):
+                keys[j] = CandKey[t, j]
+                ids[j] = CandIdx[t, j]
+            select(keys, ids, flag, rank, ind, cnt, Idx, Key, t, 0)
+
+    return indexer_topk_merge
+
+
+# ---------------------------------------------------------------------------------------------- host side
+
+
+def keys_to_scores(keys: torch.Tensor) -> torch.Tensor:
+    """Inverse of the kernel's key map: int32 keys -> fp32 scores (INT_MIN padding -> -inf)."""
+    k = keys.to(torch.int32)
+    bits = torch.where(k >= 0, k, k ^ 0x7FFFFFFF)
+    return torch.where(k == INT_MIN, torch.tensor(float("-inf")), bits.view(torch.float32))
+
+
+def reference_scores(q, w, keys, kscale, positions, *, ratio: int, scale: float) -> torch.Tensor:
+    """fp32 [T, C]: scale * ks_j * sum_h w_h ReLU(q_h . k_j); -inf where not visible."""
+    s = torch.relu(torch.einsum("thd,cd->thc", q.float(), keys.float()))
+    s = (s * w.float().unsqueeze(-1)).sum(1) * kscale.float() * scale
+    vis = torch.arange(keys.shape[0]) < ((positions.long() + 1) // ratio).unsqueeze(-1)
+    return s.masked_fill(~vis, float("-inf"))
+
+
+def reference(q, w, keys, kscale, positions, *, ratio: int, scale: float, topk: int) -> torch.Tensor:
+    """Torch reference in the kernel's output convention: the top-k SET (ties to the lower index, -inf never
+    picked) in ascending entry order, int64 [T, k], -1 padding at the end."""
+    s = reference_scores(q, w, keys, kscale, positions, ratio=ratio, scale=scale)
+    kk = min(topk, s.shape[1])
+    idx = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :kk]
+    ok = torch.gather(s, 1, idx) > float("-inf")
+    idx = torch.where(ok, idx, torch.full_like(idx, s.shape[1]))
+    idx = idx.sort(-1).values
+    idx = torch.where(idx == s.shape[1], -1, idx)
+    return torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
+
+
+def reference_f64(q, w, keys, kscale, positions, *, ratio: int, scale: float, topk: int) -> torch.Tensor:
+    """Independent float64 oracle: per query, Python sort on (-score, index) over the visible entries."""
+    qd, kd = q.double(), keys.double()
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
+    for t in range(q.shape[0]):
+        nvis = min((int(positions[t]) + 1) // ratio, keys.shape[0])
+        dots = (kd[:nvis] @ qd[t].T).clamp(min=0)  # [nvis, H]
+        sc = (dots @ w[t].double()) * kscale[:nvis].double() * scale
+        order = sorted(range(nvis), key=lambda j: (-float(sc[j]), j))[:topk]
+        out[t, : len(order)] = torch.tensor(sorted(order), dtype=torch.int64)
+    return out
+
+
+def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ratio: int = 2, elem_bytes: int = 1,
+             causal: bool = True) -> tuple[float, float]:  # fmt: skip
+    """(bytes, flops). Keys (plus their fp32 scale) are read once per call -- concurrent queries share them
+    through L2 -- q and w once per query, the top-k written once. Flops: 2*H*di per visible (query, entry),
+    half the square when the queries are a causal prefill over their own entries."""
+    vis = T_ * C / 2 if causal and T_ > 1 else T_ * C
+    bytes_ = C * (di * elem_bytes + 4) + T_ * (H * di * elem_bytes + 4 * H + 4) + 8 * T_ * topk
+    return float(bytes_), float(vis * (2 * H * di + 3 * H))
