@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.codegen.kernels._common import Mem, ceil_div
+from deepinfer.codegen.kernels._common import Mem
 
 FAMILY = "indexer_topk"
 INT_MIN = -(2**31)
@@ -88,7 +88,8 @@ def _make_select(mem: Mem, N: int, k: int):
             T.reduce_sum(ind, cnt, dim=1)
             if cnt[0] >= keff:
                 thr = cand
-        kth = T.alloc_var("int32", init=T.cast(thr - 2147483648, "int32"))  # the k-th largest key (any key when keff == 0: nothing is taken)
+        # the k-th largest key (when keff == 0 it is the top of the range: nothing is taken)
+        kth = T.alloc_var("int32", init=T.cast(thr - 2147483648, "int32"))
         for z, j in mem.par(1, N):
             ind[z, j] = T.if_then_else(keys[j] > kth, 1, 0)
         T.reduce_sum(ind, cnt, dim=1)
@@ -101,7 +102,8 @@ def _make_select(mem: Mem, N: int, k: int):
                 rank[j] = acc
                 acc = acc + flag[j]
             for j in T.serial(N):
-                flag[j] = T.if_then_else(keys[j] > kth, 1, T.if_then_else(flag[j] * rank[j] + (1 - flag[j]) * need < need, 1, 0))
+                tie_rank = flag[j] * rank[j] + (1 - flag[j]) * need  # non-ties rank as `need`: not taken
+                flag[j] = T.if_then_else(keys[j] > kth, 1, T.if_then_else(tie_rank < need, 1, 0))
             acc = 0
             for j in T.serial(N):
                 rank[j] = acc
@@ -109,7 +111,8 @@ def _make_select(mem: Mem, N: int, k: int):
         else:
             T.cumsum(src=flag, dst=rank, dim=0)  # inclusive
             for j in mem.par(N):
-                flag[j] = T.if_then_else(keys[j] > kth, 1, T.if_then_else(flag[j] * (rank[j] - 1) + (1 - flag[j]) * need < need, 1, 0))
+                tie_rank = flag[j] * (rank[j] - 1) + (1 - flag[j]) * need
+                flag[j] = T.if_then_else(keys[j] > kth, 1, T.if_then_else(tie_rank < need, 1, 0))
             T.cumsum(src=flag, dst=rank, dim=0)
             for j in mem.par(N):
                 rank[j] = rank[j] - flag[j]
@@ -271,10 +274,10 @@ def reference_f64(q, w, keys, kscale, positions, *, ratio: int, scale: float, to
 
 
 def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ratio: int = 2, elem_bytes: int = 1,
-             causal: bool = True) -> tuple[float, float]:  # fmt: skip
+             causal: bool = False) -> tuple[float, float]:  # fmt: skip
     """(bytes, flops). Keys (plus their fp32 scale) are read once per call -- concurrent queries share them
     through L2 -- q and w once per query, the top-k written once. Flops: 2*H*di per visible (query, entry),
-    half the square when the queries are a causal prefill over their own entries."""
-    vis = T_ * C / 2 if causal and T_ > 1 else T_ * C
+    half the square for a causal prefill over its own entries (`causal`); decode queries see all C."""
+    vis = T_ * C / 2 if causal else T_ * C
     bytes_ = C * (di * elem_bytes + 4) + T_ * (H * di * elem_bytes + 4 * H + 4) + 8 * T_ * topk
     return float(bytes_), float(vis * (2 * H * di + 3 * H))
