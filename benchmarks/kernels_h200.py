@@ -178,9 +178,11 @@ def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dr
     row.eager_ms = bench(eager, quick)
 
 
-def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool):
-    """EP8 slice of V4.1 prefill: `tokens` x top-6 rows spread over E local experts, w1|w3 fused (N = 2x2304)."""
-    N, K, g, cfg = 2 * MOE_INTER, HIDDEN, 32, fp8_gemm.default_config(32)
+def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool, cfg=None):
+    """EP8 slice of V4.1 prefill: `tokens` x top-6 rows spread over E local experts, w1|w3 fused (N = 2x2304).
+    cfg None: moe_grouped_gemm.sm90_config (fp8_gemm's improved main loop)."""
+    N, K, g = 2 * MOE_INTER, HIDDEN, 32
+    cfg = cfg or moe_grouped_gemm.sm90_config(tokens * TOPK, N)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, E, (tokens * TOPK,), generator=gen)
     rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, cfg.block_m)
@@ -211,6 +213,49 @@ def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool):
             w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
             out[sel] = a16[sel] @ w16.T
         return out
+
+    row.eager_ms = bench(eager, quick)
+
+
+def case_grouped_gemm_masked(row: Row, tokens: int, E: int, max_rows: int, quick: bool, dry: bool, cfg=None):
+    """Decode, EP8 slice: `tokens` x top-6 over 384 experts, the pairs of the E local ones in the masked layout
+    (max_rows rows per expert, Counts[e] real), w1|w3 fused. HBM-bound: only active experts' weights count."""
+    N, K, g = 2 * MOE_INTER, HIDDEN, 32
+    cfg = cfg or moe_grouped_gemm.sm90_config(tokens * TOPK, N, masked=True)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).flatten()
+    ids = ids[ids < E]  # the local experts' pairs
+    dest, counts = moe_grouped_gemm.masked_layout(ids, E, max_rows)
+    M, active, real_rows = E * max_rows, int((counts > 0).sum()), int(counts.sum())
+    row.shape = f"{real_rows}r/{active}e x{N}x{K}"
+    kernel = build(
+        moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg, max_rows=max_rows)
+    )
+    row.bytes_, row.flops = moe_grouped_gemm.roofline(real_rows, N, K, active, g, g)
+    if dry:
+        return
+    x = torch.zeros(M, K, device="cuda")
+    x[dest.cuda()] = torch.randn(ids.numel(), K, device="cuda")
+    a, sa = quant_fp8_groups(x, g)
+    quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
+    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+    del quant
+    counts_d, sa_t = counts.cuda(), sa.T.contiguous()
+    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    kernel(a, sa_t, b, sb, counts_d, c)
+    tiles = moe_grouped_gemm.masked_tile_expert(counts, max_rows, cfg.block_m)
+    ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles, cfg.block_m, g, g)
+    real = dest.cuda()
+    row.check = expect(rel_err(c[real], ref[real]), 2e-2)
+    row.ms = bench(lambda: kernel(a, sa_t, b, sb, counts_d, c), quick)
+    act_e = [e for e in range(E) if counts[e] > 0]
+
+    def eager():  # per active expert: dequantise its weights to bf16, one matmul over its real rows
+        a16 = (a.float() * sa.repeat_interleave(g, 1)).bfloat16()
+        for e in act_e:
+            w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
+            c[e * max_rows : e * max_rows + int(counts[e])] = a16[e * max_rows : e * max_rows + int(counts[e])] @ w16.T
+        return c
 
     row.eager_ms = bench(eager, quick)
 
@@ -330,10 +375,24 @@ def case_hc_post(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: hyper_connection.post_reference(x, y, post, c), quick)
 
 
-def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool):
-    """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool."""
+def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None):
+    """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
+    cfg None: sparse_attn_decode.sm90_config (split-K over the entries when B is small)."""
     S = 1 << 18
-    kernel = build(sparse_attn_decode.program(B, HEADS, HEAD_DIM, S, topk, target="sm90"))
+    cfg = cfg or sparse_attn_decode.sm90_config(B, topk)
+    if cfg.num_split > 1:
+        part, comb = (build(f) for f in sparse_attn_decode.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90",
+                                                                          cfg=cfg))  # fmt: skip
+        scratch = (
+            torch.empty(B, cfg.num_split, HEADS, HEAD_DIM, device="cuda"),
+            torch.empty(B, cfg.num_split, HEADS, device="cuda"),
+            torch.empty(B, cfg.num_split, HEADS, device="cuda"),
+        ) if not dry else None  # fmt: skip
+
+        def kernel(q, kv, idx, sink, out):
+            sparse_attn_decode.run_split((part, comb), q, kv, idx, sink, out, cfg.num_split, scratch)
+    else:
+        kernel = build(sparse_attn_decode.program(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg))
     row.bytes_, row.flops = sparse_attn_decode.roofline(B, HEADS, HEAD_DIM, topk)
     row.peak = "bf16"
     if dry:
@@ -342,6 +401,8 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool):
     kv = torch.randn(S, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(0, S, (B, topk), device="cuda", dtype=torch.int32)
     idx[:, -7:] = -1  # a few invalid slots, as a partly filled selection has
+    if B > 1:
+        idx[0, topk // 2 :] = -1  # request 0: half its selection unfilled (whole split chunks of -1)
     sink = torch.randn(HEADS, device="cuda")
     out = torch.empty_like(q)
     kernel(q, kv, idx, sink, out)
@@ -395,7 +456,27 @@ def cases(quick: bool):
             lambda r, q, d: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 128, g128, q, d),
         )
     )
-    out.append(("moe_grouped_gemm g32", "EP8 4096 tok", lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d)))
+    mcfg = moe_grouped_gemm.sm90_config(4096 * TOPK, 2 * MOE_INTER)
+    out.append(
+        (f"moe_grouped_gemm g32 {mcfg.tag}", "EP8 4096 tok", lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d))
+    )
+    old = fp8_gemm.default_config(32)  # the plain single-warpgroup loop, for the same-run comparison
+    out.append(
+        (
+            f"moe_grouped_gemm g32 {old.tag} (old loop)",
+            "EP8 4096 tok",
+            lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, old),
+        )
+    )
+    dcfg = moe_grouped_gemm.sm90_config(64 * TOPK, 2 * MOE_INTER, masked=True)
+    for T_ in (64, 16):
+        out.append(
+            (
+                f"moe_grouped_gemm masked g32 {dcfg.tag}",
+                f"EP8 decode {T_} tok",
+                lambda r, q, d, T_=T_: case_grouped_gemm_masked(r, T_, 48, 64, q, d),
+            )
+        )
     if not quick:  # a small sweep: what the autotuner would search
         for cfg in fp8_gemm.config_space(4096, 32768, 1280, 32)[::6][:8]:
             out.append(
@@ -421,8 +502,23 @@ def cases(quick: bool):
         ]
     for T_ in (4096, 64) if not quick else (4096,):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
-    for B in (64, 128) if not quick else (64,):
-        out.append(("sparse_attn_decode", f"B{B} H64 k640", lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d)))
+    for B in (1, 16, 64, 128) if not quick else (64,):
+        acfg = sparse_attn_decode.sm90_config(B, 640)
+        out.append(
+            (
+                f"sparse_attn_decode {acfg.tag}",
+                f"B{B} H64 k640",
+                lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d),
+            )
+        )
+    for B in (1, 64) if not quick else ():
+        out.append(
+            (
+                "sparse_attn_decode n64t256s1 (old)",
+                f"B{B} H64 k640",
+                lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d, sparse_attn_decode.Config()),
+            )
+        )
     return out
 
 

@@ -382,13 +382,24 @@ class MoEGroupedAdapter:
     dense = LinearFP8Adapter()
 
     def _cfg(self, call: Call):
-        from deepinfer.codegen.kernels import fp8_gemm
+        """The binding's config, else the sm90 grouped main loop (moe_grouped_gemm.sm90_config: fp8_gemm's
+        2-warpgroup overlapped loop); the portable plain loop where the expert dims do not tile by it."""
+        from deepinfer.codegen.kernels import fp8_gemm, moe_grouped_gemm
 
         fields = {f: call.config[f] for f in vars(fp8_gemm.Config()) if f in call.config}
-        cfg = fp8_gemm.Config(**fields)
-        if cfg.overlap or cfg.row_split or cfg.n_split > 1 or cfg.block_k > call.attrs["block"]:
-            cfg = fp8_gemm.default_config(call.attrs["block"])  # the grouped program has the plain loop only
-        return cfg
+        cfg = fp8_gemm.Config(**fields) if fields else moe_grouped_gemm.sm90_config(0, 0)
+        block = call.attrs["block"]
+        w1 = call.args[9]
+        inter, d = w1.shape if w1 is not None and w1.dim() == 2 else (0, 0)
+        sm90_loop = moe_grouped_gemm._is_sm90_cfg(cfg)
+        fits = (
+            cfg.block_m == 128
+            and cfg.n_split == 1
+            and all(n % cfg.block_n == 0 and n % block == 0 for n in (2 * inter, d))
+            and all(k % cfg.block_k == 0 for k in (d, inter))
+            and (cfg.block_k % block == 0 if sm90_loop else block % cfg.block_k == 0)
+        )
+        return cfg if fits else fp8_gemm.default_config(block)
 
     def _shapes(self, call: Call):
         a = call.attrs

@@ -118,3 +118,21 @@ def test_sparse_attn_decode_c_target(cpu):
     out = torch.empty(B, H, D)
     kernel(q, kv, idx, sink, out)
     assert (out - sparse_attn_decode.reference(q, kv, idx, sink)).abs().max() < 1e-5
+
+
+def test_sparse_attn_decode_split_c_target(cpu):
+    """split-K (4 chunks) + combine: a chunk of only -1 entries and the sink stay exact."""
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    torch.manual_seed(6)
+    B, H, D, S, K, ns = 2, 8, 64, 200, 128, 4
+    q, kv = torch.randn(B, H, D), torch.randn(S, D)
+    idx = torch.randint(0, S, (B, K), dtype=torch.int32)
+    idx[0, 96:] = -1  # request 0: its whole last chunk is invalid
+    idx[1, 40:45] = -1
+    sink = torch.randn(H) * 2
+    cfg = sad.Config(32, 128, ns, 1)
+    part, comb = (cpu(f) for f in sad.split_programs(B, H, D, S, K, target="cpu", cfg=cfg))
+    out = torch.empty(B, H, D)
+    sad.run_split((part, comb), q, kv, idx, sink, out, ns)
+    assert (out - sad.reference(q, kv, idx, sink)).abs().max() < 1e-5

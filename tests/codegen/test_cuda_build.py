@@ -119,3 +119,28 @@ def test_sm90_sparse_attention_uses_bf16_wgmma_and_async_gather(artifacts):
 def test_sm100_sparse_attention_uses_tensor_cores(artifacts):
     # fragment accumulators lower to mma.sync on sm100 (tcgen05 needs a TMEM accumulator: not yet)
     assert artifacts[("sm100", "sparse_attn_decode")].opcodes["HMMA"] > 0
+
+
+@pytest.mark.parametrize("max_rows", [0, 64])
+def test_sm90_moe_grouped_improved_loop(codegen_cache, nvcc_required, max_rows):
+    """sm90 grouped GEMM with fp8_gemm's overlapped main loop: contiguous and masked (decode) layouts."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = moe_grouped_gemm.sm90_config(0, 4608, masked=bool(max_rows))
+    m = 48 * max_rows if max_rows else 24576
+    func = moe_grouped_gemm.program(m, 4608, D, 48, act_group=32, weight_block=32, target="sm90", cfg=cfg,
+                                    max_rows=max_rows)  # fmt: skip
+    art = tb.build(f"moe_grouped_sm90_{max_rows}", func, "sm90")
+    assert art.opcodes["QGMMA"] > 0 and art.opcodes["UTMALDG"] > 0
+    assert art.opcodes["LDL"] == 0 and art.opcodes["STL"] == 0, "register spills"
+
+
+def test_sm90_sparse_attention_split_builds(codegen_cache, nvcc_required):
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = sparse_attn_decode.sm90_config(16, 640)
+    assert cfg.num_split > 1
+    part, comb = sparse_attn_decode.split_programs(16, 64, 512, 65536, 640, target="sm90", cfg=cfg)
+    ops = tb.build("sparse_attn_split_sm90", part, "sm90").opcodes
+    assert ops["HGMMA"] > 0 and ops["LDGSTS"] > 0
+    assert tb.build("sparse_attn_combine_sm90", comb, "sm90").opcodes["EXIT"] >= 1

@@ -8,6 +8,7 @@ in check-only mode, so the benchmark table and these tests check exactly the sam
     python3 -m pytest tests/codegen/test_gpu_kernels.py -m gpu -v      # on the H200
 """
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -60,7 +61,18 @@ def test_fp8_gemm_v4_groups_of_128(kb):
 
 
 def test_moe_grouped_gemm_contiguous(kb):
-    _run(kb, kb.case_grouped_gemm, 4096, 48)
+    _run(kb, kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
+
+
+def test_moe_grouped_gemm_contiguous_portable_config(kb):
+    from deepinfer.codegen.kernels import fp8_gemm
+
+    _run(kb, functools.partial(kb.case_grouped_gemm, cfg=fp8_gemm.default_config(32)), 512, 48)  # plain loop
+
+
+@pytest.mark.parametrize("T_", [64, 16])
+def test_moe_grouped_gemm_masked(kb, T_):
+    _run(kb, kb.case_grouped_gemm_masked, T_, 48, 64)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
@@ -91,9 +103,15 @@ def test_hc_post(kb, T_):
     _run(kb, kb.case_hc_post, T_)
 
 
-@pytest.mark.parametrize("B", [64, 128])
+@pytest.mark.parametrize("B", [1, 16, 64, 128])
 def test_sparse_attn_decode(kb, B):
-    _run(kb, kb.case_attn_decode, B, 640)
+    _run(kb, kb.case_attn_decode, B, 640)  # sm90_config: split-K + combine below 119 requests
+
+
+def test_sparse_attn_decode_single_pass_config(kb):
+    from deepinfer.codegen.kernels import sparse_attn_decode
+
+    _run(kb, functools.partial(kb.case_attn_decode, cfg=sparse_attn_decode.Config()), 64, 640)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
