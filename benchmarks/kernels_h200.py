@@ -430,6 +430,164 @@ def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: rope.reference(x, pos, table, r, inverse), quick)
 
 
+# --- new families: indexer_topk, compressor, engram (cases appended; imports are local to keep them separate)
+
+IDX_HEADS, IDX_DIM, IDX_TOPK = 32, 128, 512
+
+
+def _topk_check(idx, key, scores, k: int) -> str:
+    """The kernel's set against fp32 reference scores: right count, no repeats, its own scores agree, and
+    nothing it left out beats what it took (up to accumulation-order rounding; exact ties may go either way)."""
+    from deepinfer.codegen.kernels import indexer_topk
+
+    worst = 0.0
+    span = scores[scores > float("-inf")].abs().max().clamp_min(1e-30)
+    got_s = indexer_topk.keys_to_scores(key.cpu()).to(scores.device)
+    for t in range(scores.shape[0]):
+        nvis = int((scores[t] > float("-inf")).sum())
+        sel = idx[t][idx[t] >= 0].long()
+        if sel.numel() != min(k, nvis) or sel.unique().numel() != sel.numel():
+            raise AssertionError(f"row {t}: {sel.numel()} distinct picks, want {min(k, nvis)}")
+        if sel.numel() == 0:
+            continue
+        kth = torch.topk(scores[t], sel.numel()).values[-1]
+        worst = max(worst, ((kth - scores[t, sel].min()) / span).item())
+        worst = max(worst, ((got_s[t, : sel.numel()] - scores[t, sel]).abs().max() / span).item())
+    return expect(worst, 1e-3)
+
+
+def case_indexer_topk(row: Row, T_: int, C: int, prefill: bool, fp8: bool, quick: bool, dry: bool):
+    """V4.1 indexer: T queries x 32 heads x 128 against C index keys, top-512; prefill is causal (ratio 2)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+
+    cfg = it.default_config(T_, C, IDX_TOPK)
+    dt = "float8_e4m3" if fp8 else "bfloat16"
+    score = build(it.score_program(T_, C, topk=IDX_TOPK, ratio=2, scale=1.0, dtype=dt, target="sm90", cfg=cfg))
+    n_chunks = C // cfg.chunk
+    merge = build(it.merge_program(T_, n_chunks, topk=IDX_TOPK, target="sm90")) if n_chunks > 1 else None
+    row.bytes_, row.flops = it.roofline(T_, C, topk=IDX_TOPK, elem_bytes=1 if fp8 else 2, causal=prefill)
+    if dry:
+        return
+    tdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    q = (torch.randn(T_ * IDX_HEADS, IDX_DIM, device="cuda") * 2).to(tdt)
+    k = (torch.randn(C, IDX_DIM, device="cuda") * 2).to(tdt)
+    w = torch.randn(T_, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
+    ks = torch.rand(C, device="cuda") + 0.5
+    # decode: every entry visible; prefill: T tokens over their own C = T/2 ratio-2 entries
+    pos = torch.arange(T_, device="cuda", dtype=torch.int32) if prefill else torch.full(
+        (T_,), 2 * C - 1, device="cuda", dtype=torch.int32)  # fmt: skip
+    ci = torch.empty(T_, n_chunks * IDX_TOPK, device="cuda", dtype=torch.int32)
+    ck = torch.empty_like(ci)
+    idx = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    key = torch.empty_like(idx)
+
+    def run():
+        score(q, w, k, ks, pos, ci, ck)
+        if merge is not None:
+            merge(ci, ck, idx, key)
+
+    run()
+    out_i, out_k = (idx, key) if merge is not None else (ci, ck)
+    qf = q.float().view(T_, IDX_HEADS, IDX_DIM)
+    scores = torch.cat([it.reference_scores(qf[i : i + 256], w[i : i + 256], k.float(), ks, pos[i : i + 256],
+                                            ratio=2, scale=1.0) for i in range(0, T_, 256)])  # fmt: skip
+    row.check = _topk_check(out_i, out_k, scores, IDX_TOPK)
+    row.ms = bench(run, quick)
+
+    def eager():  # torch: full scores, then topk
+        s = torch.relu(torch.einsum("thd,cd->thc", qf, k.float()))
+        s = (s * w.unsqueeze(-1)).sum(1) * ks
+        vis = torch.arange(C, device="cuda") < ((pos.long() + 1) // 2).unsqueeze(-1)
+        return torch.topk(s.masked_fill(~vis, float("-inf")), IDX_TOPK, dim=-1).indices
+
+    row.eager_ms = bench(eager, quick) if T_ * C <= (1 << 24) else float("nan")
+
+
+def case_compressor(row: Row, T_: int, ratio: int, quick: bool, dry: bool):
+    """V4.1 compressor epilogue on 512-dim rows: ratio-2 pair softmax pooling + RMSNorm, or ratio-1 RMSNorm."""
+    from deepinfer.codegen.kernels import compressor as cp
+
+    d = 512
+    kernel = build(cp.program(T_, d, ratio=ratio, eps=EPS, target="sm90"))
+    row.bytes_, row.flops = cp.roofline(T_, d, ratio)
+    if dry:
+        return
+    a, z = torch.randn(T_, d, device="cuda"), torch.randn(T_, d, device="cuda") * 3
+    sa, sz = torch.zeros(1, d, device="cuda"), torch.zeros(1, d, device="cuda")
+    w = torch.rand(d, device="cuda") + 0.5
+    y = torch.empty(cp.n_groups(T_, ratio), d, device="cuda", dtype=torch.bfloat16)
+    args = (a, z, sa, sz, w, y) if ratio == 2 else (a, w, y)
+    kernel(*args)
+    ref = cp.reference(a, z, w, ratio=ratio, eps=EPS)
+    row.check = expect(rel_err(y, ref), 2e-2)
+    row.ms = bench(lambda: kernel(*args), quick)
+    row.eager_ms = bench(lambda: cp.reference(a, z, w, ratio=ratio, eps=EPS), quick)
+
+
+def case_engram_embed(row: Row, T_: int, quick: bool, dry: bool):
+    """Engram gather: 24 FP8 rows of 256 (ue8m0 per 32) per token from a 4M-row slice of the table."""
+    from deepinfer.codegen.kernels import engram as eg
+
+    R, K = 1 << 22, 24
+    kernel = build(eg.embed_program(T_, K, R, target="sm90"))
+    row.bytes_, row.flops = eg.embed_roofline(T_, K)
+    if dry:
+        return
+    table = (torch.randn(R, eg.HEAD_DIM, device="cuda") * 4).to(torch.float8_e4m3fn)
+    scale = torch.randint(110, 140, (R, eg.HEAD_DIM // 32), device="cuda", dtype=torch.uint8)
+    ids = torch.randint(0, R, (T_, K), device="cuda", dtype=torch.int32)
+    m = torch.empty(T_, K * eg.HEAD_DIM, device="cuda")
+    kernel(table, scale, ids, m)
+    row.check = expect(rel_err(m, eg.embed_reference(table, scale, ids)), 1e-6)
+    row.ms = bench(lambda: kernel(table, scale, ids, m), quick)
+    row.eager_ms = bench(lambda: eg.embed_reference(table, scale, ids), quick)
+
+
+def case_engram_gate(row: Row, T_: int, quick: bool, dry: bool):
+    """Engram gate into 4 residual streams of 5120 (bf16), kv = 4 keys + value (fp32)."""
+    from deepinfer.codegen.kernels import engram as eg
+
+    n, D, img = 4, HIDDEN, 129264
+    kernel = build(eg.gate_program(T_, n, D, eps=EPS, clamp=1e-6, image_token_id=img, target="sm90"))
+    row.bytes_, row.flops = eg.gate_roofline(T_, n, D)
+    if dry:
+        return
+    x = torch.randn(T_, n, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(T_, (n + 1) * D, device="cuda")
+    qk = torch.rand(n, D, device="cuda") + 0.5
+    tok = torch.randint(0, 129280, (T_,), device="cuda", dtype=torch.int32)
+    tok[::7] = img
+    y = torch.empty_like(x)
+    kernel(x, kv, qk, tok, y)
+    ref = eg.gate_reference(x, kv, qk, tok, eps=EPS, clamp=1e-6, image_token_id=img)
+    row.check = expect(rel_err(y, ref), 1e-2)
+    row.ms = bench(lambda: kernel(x, kv, qk, tok, y), quick)
+    row.eager_ms = bench(lambda: eg.gate_reference(x, kv, qk, tok, eps=EPS, clamp=1e-6, image_token_id=img), quick)
+
+
+def new_family_cases(quick: bool):
+    """Rows for indexer_topk, compressor and engram (appended to `cases`)."""
+    out = [
+        ("indexer_topk fp8", "T64 C65536 k512", lambda r, q, d: case_indexer_topk(r, 64, 65536, False, True, q, d)),
+        ("indexer_topk fp8 prefill", "T4096 C2048 k512",
+         lambda r, q, d: case_indexer_topk(r, 4096, 2048, True, True, q, d)),
+        ("compressor r2", "4096x512", lambda r, q, d: case_compressor(r, 4096, 2, q, d)),
+        ("engram_embed", "4096x24x256 fp8", lambda r, q, d: case_engram_embed(r, 4096, q, d)),
+        ("engram_gate", f"4096x4x{HIDDEN}", lambda r, q, d: case_engram_gate(r, 4096, q, d)),
+    ]  # fmt: skip
+    if not quick:
+        out += [
+            ("indexer_topk fp8", "T1 C65536 k512", lambda r, q, d: case_indexer_topk(r, 1, 65536, False, True, q, d)),
+            ("indexer_topk bf16", "T64 C65536 k512",
+             lambda r, q, d: case_indexer_topk(r, 64, 65536, False, False, q, d)),
+            ("compressor r2", "64x512", lambda r, q, d: case_compressor(r, 64, 2, q, d)),
+            ("compressor r1", "4096x512", lambda r, q, d: case_compressor(r, 4096, 1, q, d)),
+            ("engram_embed", "64x24x256 fp8", lambda r, q, d: case_engram_embed(r, 64, q, d)),
+            ("engram_gate", f"64x4x{HIDDEN}", lambda r, q, d: case_engram_gate(r, 64, q, d)),
+        ]  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- plan
 
 
@@ -519,6 +677,7 @@ def cases(quick: bool):
                 lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d, sparse_attn_decode.Config()),
             )
         )
+    out += new_family_cases(quick)
     return out
 
 

@@ -31,6 +31,7 @@ from deepinfer.codegen.kernels._common import Mem
 
 FAMILY = "indexer_topk"
 INT_MIN = -(2**31)
+MAX_MERGE = 8192  # candidates one merge CTA selects from (4 int32 arrays in shared memory: 128 KiB)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def config_space(T_: int, C: int, topk: int = 512) -> list[Config]:
         for ch in (1024, 2048, 4096, 8192)
         for bc in (64, 128)
         for th in (128, 256)
-        if ch >= 2 * topk and C % ch == 0
+        if ch >= 2 * topk and C % ch == 0 and (C // ch) * topk <= MAX_MERGE
     ] or [Config(C, 64, 256)]
 
 
@@ -55,7 +56,7 @@ def default_config(T_: int, C: int, topk: int = 512, target: str = "sm90", sms: 
     """Decode (few queries): the smallest chunk that still gives >= 2k keys per chunk; prefill: big chunks.
     sm100 uses 128-row tiles (tcgen05)."""
     bc = 128 if target == "sm100" else 64
-    ok = [ch for ch in (8192, 4096, 2048, 1024) if ch >= 2 * topk and C % ch == 0]
+    ok = [ch for ch in (8192, 4096, 2048, 1024) if ch >= 2 * topk and C % ch == 0 and (C // ch) * topk <= MAX_MERGE]
     for ch in ok:
         if T_ * (C // ch) >= sms:  # the biggest chunk that still gives every SM a CTA
             return Config(ch, bc, 256)
@@ -205,6 +206,7 @@ def merge_program(T_: int, n_chunks: int, *, topk: int = 512, target: str, threa
     mem = Mem(target)
     k = topk
     N = n_chunks * k
+    assert N <= MAX_MERGE, f"{n_chunks} chunks x top-{k}: use bigger chunks (at most {MAX_MERGE} candidates)"
     select = _make_select(mem, N, k)
 
     @T.prim_func
@@ -243,7 +245,7 @@ def reference_scores(q, w, keys, kscale, positions, *, ratio: int, scale: float)
     """fp32 [T, C]: scale * ks_j * sum_h w_h ReLU(q_h . k_j); -inf where not visible."""
     s = torch.relu(torch.einsum("thd,cd->thc", q.float(), keys.float()))
     s = (s * w.float().unsqueeze(-1)).sum(1) * kscale.float() * scale
-    vis = torch.arange(keys.shape[0]) < ((positions.long() + 1) // ratio).unsqueeze(-1)
+    vis = torch.arange(keys.shape[0], device=keys.device) < ((positions.long() + 1) // ratio).unsqueeze(-1)
     return s.masked_fill(~vis, float("-inf"))
 
 

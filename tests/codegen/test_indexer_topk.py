@@ -153,8 +153,8 @@ def test_roofline_and_configs():
     assert f_pre == 4096 * 2048 / 2 * (2 * 32 * 128 + 96)  # causal prefill: half the square
     assert b / 4.8e12 > 1e-6  # >= 1 us at H200 bandwidth: 8.6 MB of keys dominate decode
     for cfg in it.config_space(64, 65536):
-        assert cfg.chunk >= 1024 and 65536 % cfg.chunk == 0
-    dec = it.default_config(1, 65536)
-    assert dec.chunk == 1024, "decode with one query spreads 64 chunks over the SMs"
+        assert cfg.chunk >= 1024 and 65536 % cfg.chunk == 0 and 65536 // cfg.chunk * 512 <= it.MAX_MERGE
+    assert it.default_config(1, 65536).chunk == 4096, "one query: as many chunks as one merge CTA can take"
+    assert it.default_config(1, 8192).chunk == 1024
     assert it.default_config(64, 65536).chunk == 8192
     assert it.default_config(4, 65536, target="sm100").block_c == 128
