@@ -138,3 +138,50 @@ def roofline(T_: int, d: int, ratio: int, out_bytes: int = 2) -> tuple[float, fl
     """(bytes, flops): A (and Z) read once in fp32, latent written once; ~10 flops per pooled channel."""
     G = n_groups(T_, ratio)
     return float(4 * T_ * d * ratio + G * d * out_bytes + 4 * d), float(G * d * (10 if ratio == 2 else 4))
+
+
+# ---------------------------------------------------------------------------------------------- ascend
+
+
+def ascend_program(T_: int, d: int, *, eps: float, block_g: int = 4, num_cores: int = 32):
+    """Ascend 950 ratio-2 compressor (vector cores only), batches that start on a pair boundary: the 2*bg rows
+    of A and Z go to the Unified Buffer by DMA, SIMT pools each pair and squares it, a SIMD reduction makes
+    the row sums, SIMT normalises; groups are spread persistently over `num_cores`."""
+    import tilelang.ascend.language as T
+
+    G, bg = T_ // 2, block_g
+    assert T_ % 2 == 0 and G % bg == 0
+
+    @T.prim_func
+    def compressor_r2_ascend(
+        A: T.Tensor((T_, d), "float32"),
+        Z: T.Tensor((T_, d), "float32"),
+        W: T.Tensor((d,), "float32"),
+        Y: T.Tensor((G, d), "bfloat16"),
+    ):
+        with T.Kernel(num_cores) as bx:
+            a_ub = T.alloc_shared((2 * bg, d), "float32")
+            z_ub = T.alloc_shared((2 * bg, d), "float32")
+            w_ub = T.alloc_shared((d,), "float32")
+            c_ub = T.alloc_shared((bg, d), "float32")
+            sq = T.alloc_shared((bg, d), "float32")
+            ss = T.alloc_shared((bg,), "float32")
+            y_ub = T.alloc_shared((bg, d), "bfloat16")
+            T.copy(W, w_ub)
+            for tile in T.Persistent([G // bg], num_cores, bx):
+                T.copy(A[tile * 2 * bg, 0], a_ub)
+                T.copy(Z[tile * 2 * bg, 0], z_ub)
+                with T.SimtVF(threads=128):
+                    for i, j in T.Parallel(bg, d):
+                        p0 = 1.0 / (1.0 + T.exp(z_ub[2 * i + 1, j] - z_ub[2 * i, j]))
+                        c = a_ub[2 * i + 1, j] + p0 * (a_ub[2 * i, j] - a_ub[2 * i + 1, j])
+                        c_ub[i, j] = T.cast(T.cast(c, "bfloat16"), "float32")
+                        sq[i, j] = c_ub[i, j] * c_ub[i, j]
+                with T.SimdVF():
+                    T.reduce_sum(sq, ss, dim=1)
+                with T.SimtVF(threads=128):
+                    for i, j in T.Parallel(bg, d):
+                        y_ub[i, j] = T.cast(c_ub[i, j] * T.rsqrt(ss[i] / d + eps) * w_ub[j], "bfloat16")
+                T.copy(y_ub, Y[tile * bg, 0])
+
+    return compressor_r2_ascend

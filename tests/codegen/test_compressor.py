@@ -82,3 +82,22 @@ def test_roofline_and_config_space():
     b1, _ = cp.roofline(4096, D, 1)
     assert b1 == 4 * 4096 * D + 4096 * D * 2 + 4 * D
     assert all(c.block_g * D >= 4 * c.threads for c in cp.config_space(2048, D))
+
+
+def test_ascend950_structure(tilelang_required, codegen_cache):
+    """AscendC for Ascend 950 (emitted, not compiled): vector cores only, UB DMA both ways fenced before
+    vector compute, SIMT pooling with exp, SIMD row sums, rsqrt."""
+    import re
+
+    from deepinfer.codegen import tilelang_backend as tb
+
+    art = tb.build("compressor_r2_ascend", cp.ascend_program(4096, D, eps=EPS), "ascend950")
+    src = art.source
+    sig = re.search(r'extern "C" __global__ (\S+(?: \S+)?) void (\w+)\(', src)
+    assert sig and sig.group(1) == "__vector__" and "ASC_IS_AIC" not in src
+    assert "asc_copy_gm2ub_align" in src and "asc_copy_ub2gm_align" in src
+    notifies = re.findall(r"asc_sync_notify\((PIPE_\w+), (PIPE_\w+)", src)
+    waits = re.findall(r"asc_sync_wait\((PIPE_\w+), (PIPE_\w+)", src)
+    assert ("PIPE_MTE2", "PIPE_V") in notifies and sorted(set(notifies)) == sorted(set(waits))
+    assert "__simt_vf__" in src and "expf" in src and "rsqrtf" in src
+    assert "__simd_vf__" in src and "vcadd" in src
