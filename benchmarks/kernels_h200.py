@@ -464,7 +464,10 @@ def case_indexer_topk(row: Row, T_: int, C: int, prefill: bool, fp8: bool, quick
     dt = "float8_e4m3" if fp8 else "bfloat16"
     score = build(it.score_program(T_, C, topk=IDX_TOPK, ratio=2, scale=1.0, dtype=dt, target="sm90", cfg=cfg))
     n_chunks = C // cfg.chunk
-    merge = build(it.merge_program(T_, n_chunks, topk=IDX_TOPK, target="sm90")) if n_chunks > 1 else None
+    levels, n = [], n_chunks  # (kernel, candidate sets it leaves) per merge level
+    for group in it.merge_plan(n_chunks, IDX_TOPK):
+        levels.append((build(it.merge_program(T_, n, topk=IDX_TOPK, group=group, target="sm90")), n // group))
+        n //= group
     row.bytes_, row.flops = it.roofline(T_, C, topk=IDX_TOPK, elem_bytes=1 if fp8 else 2, causal=prefill)
     if dry:
         return
@@ -476,18 +479,17 @@ def case_indexer_topk(row: Row, T_: int, C: int, prefill: bool, fp8: bool, quick
     # decode: every entry visible; prefill: T tokens over their own C = T/2 ratio-2 entries
     pos = torch.arange(T_, device="cuda", dtype=torch.int32) if prefill else torch.full(
         (T_,), 2 * C - 1, device="cuda", dtype=torch.int32)  # fmt: skip
-    ci = torch.empty(T_, n_chunks * IDX_TOPK, device="cuda", dtype=torch.int32)
-    ck = torch.empty_like(ci)
-    idx = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
-    key = torch.empty_like(idx)
+    bufs = [(torch.empty(T_, m * IDX_TOPK, device="cuda", dtype=torch.int32),
+             torch.empty(T_, m * IDX_TOPK, device="cuda", dtype=torch.int32))
+            for m in [n_chunks] + [n_out for _, n_out in levels]]  # fmt: skip
 
     def run():
-        score(q, w, k, ks, pos, ci, ck)
-        if merge is not None:
-            merge(ci, ck, idx, key)
+        score(q, w, k, ks, pos, *bufs[0])
+        for i, (merge, _) in enumerate(levels):
+            merge(*bufs[i], *bufs[i + 1])
 
     run()
-    out_i, out_k = (idx, key) if merge is not None else (ci, ck)
+    out_i, out_k = bufs[-1]
     qf = q.float().view(T_, IDX_HEADS, IDX_DIM)
     scores = torch.cat([it.reference_scores(qf[i : i + 256], w[i : i + 256], k.float(), ks, pos[i : i + 256],
                                             ratio=2, scale=1.0) for i in range(0, T_, 256)])  # fmt: skip

@@ -14,8 +14,10 @@ Two kernels, and the scores never go to HBM:
    head sum in registers), turns each score into an order-preserving int32 key (`-0.0` folded to `+0.0`;
    invisible entries get INT_MIN) in shared memory, and selects the chunk's exact top-k there.
    Tiles past the causal limit are skipped, so prefill does about half the work.
-2. `merge_program`, grid (T,): the chunks' candidates (chunks x k keys, in ascending entry order) -> top-k.
-   With one chunk the first kernel writes the final answer and the merge is skipped.
+2. `merge_program`, grid (sets / group, T): `group` candidate sets (k keys each, ascending entry order) -> one
+   top-k set; `merge_plan` stacks levels so that one CTA never holds more than MAX_MERGE candidates (decode
+   with few queries uses small chunks to fill the GPU, e.g. 64 chunks -> 16 x 4). With one chunk the first
+   kernel writes the final answer and there is no merge.
 The global top-k is the top-k of the chunk-wise top-k sets because (score desc, index asc) is a strict total
 order. Selection (both kernels) is a 32-round radix select on the keys held in shared memory: bit by bit,
 the largest threshold u with #(key >= u) >= k is the k-th key; then everything above it plus the first
@@ -48,7 +50,7 @@ def config_space(T_: int, C: int, topk: int = 512) -> list[Config]:
         for ch in (1024, 2048, 4096, 8192)
         for bc in (64, 128)
         for th in (128, 256)
-        if ch >= 2 * topk and C % ch == 0 and (C // ch) * topk <= MAX_MERGE
+        if ch >= 2 * topk and C % ch == 0
     ] or [Config(C, 64, 256)]
 
 
@@ -56,7 +58,7 @@ def default_config(T_: int, C: int, topk: int = 512, target: str = "sm90", sms: 
     """Decode (few queries): the smallest chunk that still gives >= 2k keys per chunk; prefill: big chunks.
     sm100 uses 128-row tiles (tcgen05)."""
     bc = 128 if target == "sm100" else 64
-    ok = [ch for ch in (8192, 4096, 2048, 1024) if ch >= 2 * topk and C % ch == 0 and (C // ch) * topk <= MAX_MERGE]
+    ok = [ch for ch in (8192, 4096, 2048, 1024) if ch >= 2 * topk and C % ch == 0]
     for ch in ok:
         if T_ * (C // ch) >= sms:  # the biggest chunk that still gives every SM a CTA
             return Config(ch, bc, 256)
@@ -199,24 +201,42 @@ def score_program(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 51
     return indexer_score_topk
 
 
-def merge_program(T_: int, n_chunks: int, *, topk: int = 512, target: str, threads: int = 256):
-    """prim_func(CandIdx [T, chunks*k] int32, CandKey [T, chunks*k] int32, Idx [T, k] int32, Key [T, k] int32)."""
+def merge_plan(n_chunks: int, topk: int = 512, max_merge: int = MAX_MERGE) -> list[int]:
+    """Group sizes of the merge levels: level i merges groups of g_i candidate sets (g_i * k <= max_merge);
+    the product of the groups is n_chunks. [] when there is one chunk (its top-k is final)."""
+    cap = max(2, max_merge // topk)
+    plan, n = [], n_chunks
+    while n > 1:
+        divisors = [d for d in range(2, min(cap, n) + 1) if n % d == 0]
+        g = max(divisors) if divisors else n  # (a prime above the cap cannot be split: merge_program refuses it)
+        plan.append(g)
+        n //= g
+    return plan
+
+
+def merge_program(T_: int, n_chunks: int, *, topk: int = 512, group: int | None = None, target: str,
+                  threads: int = 256):  # fmt: skip
+    """prim_func(CandIdx [T, chunks*k] int32, CandKey [T, chunks*k] int32, Idx [T, chunks/group*k] int32,
+    Key [T, chunks/group*k] int32), grid (chunks/group, T): each CTA merges `group` candidate sets (default:
+    all of them, the last level) into one top-k set, still in ascending entry order."""
     import tilelang.language as T
 
     mem = Mem(target)
     k = topk
-    N = n_chunks * k
-    assert N <= MAX_MERGE, f"{n_chunks} chunks x top-{k}: use bigger chunks (at most {MAX_MERGE} candidates)"
+    group = group or n_chunks
+    assert n_chunks % group == 0
+    n_out, N = n_chunks // group, group * k
+    assert N <= MAX_MERGE, f"{group} sets x top-{k}: more than {MAX_MERGE} candidates (use merge_plan)"
     select = _make_select(mem, N, k)
 
     @T.prim_func
     def indexer_topk_merge(
-        CandIdx: T.Tensor((T_, N), "int32"),
-        CandKey: T.Tensor((T_, N), "int32"),
-        Idx: T.Tensor((T_, k), "int32"),
-        Key: T.Tensor((T_, k), "int32"),
+        CandIdx: T.Tensor((T_, n_chunks * k), "int32"),
+        CandKey: T.Tensor((T_, n_chunks * k), "int32"),
+        Idx: T.Tensor((T_, n_out * k), "int32"),
+        Key: T.Tensor((T_, n_out * k), "int32"),
     ):
-        with T.Kernel(T_, threads=threads) as t:
+        with T.Kernel(n_out, T_, threads=threads) as (g, t):
             keys = mem.shared((N,), "int32")
             ids = mem.shared((N,), "int32")
             flag = mem.shared((N,), "int32")
@@ -224,9 +244,9 @@ def merge_program(T_: int, n_chunks: int, *, topk: int = 512, target: str, threa
             ind = mem.fragment((1, N), "int32")
             cnt = mem.fragment((1,), "int32")
             for j in mem.par(N):
-                keys[j] = CandKey[t, j]
-                ids[j] = CandIdx[t, j]
-            select(keys, ids, flag, rank, ind, cnt, Idx, Key, t, 0)
+                keys[j] = CandKey[t, g * N + j]
+                ids[j] = CandIdx[t, g * N + j]
+            select(keys, ids, flag, rank, ind, cnt, Idx, Key, t, g * k)
 
     return indexer_topk_merge
 

@@ -59,7 +59,7 @@ def test_key_map_is_order_preserving():
     assert it.keys_to_scores(torch.tensor([it.INT_MIN]))[0] == float("-inf")
 
 
-def _run_cpu(q, w, keys, ks, pos, *, ratio, scale, topk, cfg):
+def _run_cpu(q, w, keys, ks, pos, *, ratio, scale, topk, cfg, max_merge=it.MAX_MERGE):
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
     T_, H, di = q.shape
@@ -70,23 +70,25 @@ def _run_cpu(q, w, keys, ks, pos, *, ratio, scale, topk, cfg):
     ci = torch.full((T_, n_chunks * topk), 7, dtype=torch.int32)
     ck = torch.full_like(ci, 7)
     score(q.reshape(-1, di).contiguous(), w, keys, ks, pos.int(), ci, ck)
-    if n_chunks == 1:
-        return ci, ck
-    merge = compile_cpu(it.merge_program(T_, n_chunks, topk=topk, target="cpu"))
-    idx, key = torch.full((T_, topk), 7, dtype=torch.int32), torch.full((T_, topk), 7, dtype=torch.int32)
-    merge(ci, ck, idx, key)
-    return idx, key
+    for group in it.merge_plan(n_chunks, topk, max_merge):  # level by level, as on the GPU
+        merge = compile_cpu(it.merge_program(T_, n_chunks, topk=topk, group=group, target="cpu"))
+        n_chunks //= group
+        idx, key = (torch.full((T_, n_chunks * topk), 7, dtype=torch.int32) for _ in range(2))
+        merge(ci, ck, idx, key)
+        ci, ck = idx, key
+    return ci, ck
 
 
-@pytest.mark.parametrize("ratio,n_chunks", [(2, 4), (1, 1)])
-def test_c_target_exact_selection(tilelang_required, ratio, n_chunks):
-    """Chunked scoring + merge on TileLang's `c` target picks exactly the reference set, ties included."""
+@pytest.mark.parametrize("ratio,n_chunks,max_merge", [(2, 4, 8192), (1, 1, 8192), (2, 8, 64)])
+def test_c_target_exact_selection(tilelang_required, ratio, n_chunks, max_merge):
+    """Chunked scoring + merge on TileLang's `c` target picks exactly the reference set, ties included;
+    max_merge=64 forces two merge levels (8 sets -> 2 groups of 4 -> 1)."""
     T_, H, di, C, k = 4, 4, 16, 256, 16
     q, w, keys = _integer_inputs(T_, H, di, C, seed=ratio)
     ks = torch.ones(C)
     pos = torch.tensor([9, 30, 300, 511]) if ratio == 2 else torch.tensor([3, 15, 100, 255])
     cfg = it.Config(C // n_chunks, 32, 128)
-    idx, key = _run_cpu(q, w, keys, ks, pos, ratio=ratio, scale=1.0, topk=k, cfg=cfg)
+    idx, key = _run_cpu(q, w, keys, ks, pos, ratio=ratio, scale=1.0, topk=k, cfg=cfg, max_merge=max_merge)
     want = it.reference(q, w, keys, ks, pos, ratio=ratio, scale=1.0, topk=k)
     assert torch.equal(idx.long(), want)
     s = it.reference_scores(q, w, keys, ks, pos, ratio=ratio, scale=1.0)
@@ -153,8 +155,9 @@ def test_roofline_and_configs():
     assert f_pre == 4096 * 2048 / 2 * (2 * 32 * 128 + 96)  # causal prefill: half the square
     assert b / 4.8e12 > 1e-6  # >= 1 us at H200 bandwidth: 8.6 MB of keys dominate decode
     for cfg in it.config_space(64, 65536):
-        assert cfg.chunk >= 1024 and 65536 % cfg.chunk == 0 and 65536 // cfg.chunk * 512 <= it.MAX_MERGE
-    assert it.default_config(1, 65536).chunk == 4096, "one query: as many chunks as one merge CTA can take"
-    assert it.default_config(1, 8192).chunk == 1024
+        assert cfg.chunk >= 1024 and 65536 % cfg.chunk == 0
+    assert it.default_config(1, 65536).chunk == 1024, "one query: 64 chunks spread over the SMs"
+    assert it.merge_plan(64) == [16, 4] and it.merge_plan(8) == [8] and it.merge_plan(1) == []
+    assert all(g * 512 <= it.MAX_MERGE for n in (2, 8, 16, 32, 64, 128) for g in it.merge_plan(n))
     assert it.default_config(64, 65536).chunk == 8192
     assert it.default_config(4, 65536, target="sm100").block_c == 128
