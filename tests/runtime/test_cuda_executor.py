@@ -169,3 +169,35 @@ def test_gpu_runner_runs_compiled_kernels_within_the_format_tolerance(sm90_tiny)
     ref = interpreter.run(g, feeds, params)[0]
     # the formats (bf16 activations, FP8 GEMM inputs) move tiny's logits by up to ~30% of their range
     assert (logits - ref).abs().max() <= 0.5 * ref.abs().max()
+
+
+def _gpu_e2e():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_e2e.py"
+    spec = importlib.util.spec_from_file_location("gpu_e2e_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_routing_stable_variant_fixes_selection_and_lengths():
+    """gpu_e2e's routing-stable variant: distinct, widely spaced selection biases (so MoE top-k cannot flip)
+    and a sequence limit under which every indexer / candidate selection keeps all visible entries."""
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime.plan import bind_weights
+
+    g = _gpu_e2e()
+    plan = compile_model("deepseek-v4.1-flash:tiny", "cpu").plan
+    params, _ = bind_weights(plan)
+    stable = g.routing_stable_params(params)
+    biases = [n for n in params if n.endswith(".ffn.gate.bias")]
+    assert biases
+    for n in biases:
+        v = stable[n].sort().values
+        assert v.shape == params[n].shape and (v.diff() >= g.STABLE_BIAS_SPACING).all()
+    assert all(stable[n] is params[n] for n in params if n not in biases)
+    assert g.stable_max_len(plan.graph) == 6  # tiny V4.1: ratio-1 index sources with top-6
+    prompts, n = g.stable_prompts(6)
+    assert all(len(p) + n - 1 <= 6 for p in prompts) and n >= 4
