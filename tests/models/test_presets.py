@@ -135,10 +135,7 @@ def test_v41_presets_satisfy_the_oracle_role_rules(preset):
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_v4_presets_build(preset):
-    try:
-        from deepinfer.models import deepseek_v4
-    except ImportError:
-        pytest.skip("models/deepseek_v4.py not present")
+    from deepinfer.models import deepseek_v4
     from deepinfer.models.checkpoint import checkpoint_params, params_bytes
 
     cfg = preset_config(V4, preset)
