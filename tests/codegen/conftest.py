@@ -4,9 +4,11 @@ The toolchain caches are pointed away from $HOME before tilelang/triton are impo
 and our own cubin cache goes to a per-session temp dir so every run really invokes nvcc.
 """
 
+import importlib.util
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +56,30 @@ def codegen_cache(tmp_path_factory):
         os.environ.pop("DEEPINFER_CODEGEN_CACHE", None)
     else:
         os.environ["DEEPINFER_CODEGEN_CACHE"] = old
+
+
+_KERNEL_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_h200.py"
+
+
+@pytest.fixture(scope="session")
+def kb(tilelang_required):
+    """benchmarks/kernels_h200.py in check-only mode: the GPU tests run the benchmark's own cases, so the table
+    and the tests check exactly the same thing."""
+    spec = importlib.util.spec_from_file_location("kernels_h200", _KERNEL_BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.CHECK_ONLY = True
+    return mod
+
+
+@pytest.fixture(scope="session")
+def run_case(kb):
+    """Build, run and check one benchmark case (raises on a mismatch); returns its row."""
+
+    def run(case, *args):
+        row = kb.Row("test", "")
+        case(row, *args, True, False)  # quick, not dry
+        assert row.check, "the case ran no check"
+        return row
+
+    return run

@@ -9,30 +9,11 @@ in check-only mode, so the benchmark table and these tests check exactly the sam
 """
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_h200.py"
-
-
-@pytest.fixture(scope="module")
-def kb(tilelang_required):
-    spec = importlib.util.spec_from_file_location("kernels_h200", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.CHECK_ONLY = True
-    return mod
-
-
-def _run(kb, case, *args):
-    row = kb.Row("test", "")
-    case(row, *args, True, False)  # quick, not dry: build, run, check (raises on mismatch)
-    assert row.check, "the case ran no check"
-    return row
 
 
 H, QL, HEADS, HD, INTER = 5120, 1280, 64, 512, 2304
@@ -42,7 +23,7 @@ H, QL, HEADS, HD, INTER = 5120, 1280, 64, 512, 2304
     "M,N,K", [(4096, QL, H), (4096, HEADS * HD, QL), (4096, H, 8192), (4096, 2 * INTER, H), (64, HEADS * HD, QL)]
 )
 @pytest.mark.parametrize("cfg_name", ["default", "sm90_overlap", "sm90_best"])
-def test_fp8_gemm_v41(kb, M, N, K, cfg_name):
+def test_fp8_gemm_v41(kb, run_case, M, N, K, cfg_name):
     from deepinfer.codegen.kernels import fp8_gemm
 
     cfg = {
@@ -50,71 +31,71 @@ def test_fp8_gemm_v41(kb, M, N, K, cfg_name):
         "sm90_overlap": fp8_gemm.Config(128, 128, 64, 4, 256, True, True),
         "sm90_best": fp8_gemm.sm90_config(M, N, 32),
     }[cfg_name]
-    _run(kb, kb.case_fp8_gemm, M, N, K, 32, cfg)
+    run_case(kb.case_fp8_gemm, M, N, K, 32, cfg)
 
 
-def test_fp8_gemm_v4_groups_of_128(kb):
+def test_fp8_gemm_v4_groups_of_128(kb, run_case):
     from deepinfer.codegen.kernels import fp8_gemm
 
-    _run(kb, kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.default_config(128))
-    _run(kb, kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.sm90_config(4096, HEADS * HD, 128))
+    run_case(kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.default_config(128))
+    run_case(kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.sm90_config(4096, HEADS * HD, 128))
 
 
-def test_moe_grouped_gemm_contiguous(kb):
-    _run(kb, kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
+def test_moe_grouped_gemm_contiguous(kb, run_case):
+    run_case(kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
 
 
-def test_moe_grouped_gemm_contiguous_portable_config(kb):
+def test_moe_grouped_gemm_contiguous_portable_config(kb, run_case):
     from deepinfer.codegen.kernels import fp8_gemm
 
-    _run(kb, functools.partial(kb.case_grouped_gemm, cfg=fp8_gemm.default_config(32)), 512, 48)  # plain loop
+    run_case(functools.partial(kb.case_grouped_gemm, cfg=fp8_gemm.default_config(32)), 512, 48)  # plain loop
 
 
 @pytest.mark.parametrize("T_", [64, 16])
-def test_moe_grouped_gemm_masked(kb, T_):
-    _run(kb, kb.case_grouped_gemm_masked, T_, 48, 64)
+def test_moe_grouped_gemm_masked(kb, run_case, T_):
+    run_case(kb.case_grouped_gemm_masked, T_, 48, 64)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
 @pytest.mark.parametrize("quant", [False, True])
-def test_rmsnorm(kb, T_, quant):
-    _run(kb, kb.case_rmsnorm, T_, H, quant)
+def test_rmsnorm(kb, run_case, T_, quant):
+    run_case(kb.case_rmsnorm, T_, H, quant)
 
 
-def test_rmsnorm_quant_triton(kb):
-    _run(kb, kb.case_rmsnorm_triton, 4096, H)
+def test_rmsnorm_quant_triton(kb, run_case):
+    run_case(kb.case_rmsnorm_triton, 4096, H)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
 @pytest.mark.parametrize("triton_variant", [False, True])
-def test_moe_routing(kb, T_, triton_variant):
+def test_moe_routing(kb, run_case, T_, triton_variant):
     row = kb.Row("test", "")
     kb.case_routing(row, T_, True, False, triton_variant)
     assert row.check
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
-def test_hc_pre(kb, T_):
-    _run(kb, kb.case_hc_pre, T_)
+def test_hc_pre(kb, run_case, T_):
+    run_case(kb.case_hc_pre, T_)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
-def test_hc_post(kb, T_):
-    _run(kb, kb.case_hc_post, T_)
+def test_hc_post(kb, run_case, T_):
+    run_case(kb.case_hc_post, T_)
 
 
 @pytest.mark.parametrize("B", [1, 16, 64, 128])
-def test_sparse_attn_decode(kb, B):
-    _run(kb, kb.case_attn_decode, B, 640)  # sm90_config: split-K + combine below 119 requests
+def test_sparse_attn_decode(kb, run_case, B):
+    run_case(kb.case_attn_decode, B, 640)  # sm90_config: split-K + combine below 119 requests
 
 
-def test_sparse_attn_decode_single_pass_config(kb):
+def test_sparse_attn_decode_single_pass_config(kb, run_case):
     from deepinfer.codegen.kernels import sparse_attn_decode
 
-    _run(kb, functools.partial(kb.case_attn_decode, cfg=sparse_attn_decode.Config()), 64, 640)
+    run_case(functools.partial(kb.case_attn_decode, cfg=sparse_attn_decode.Config()), 64, 640)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope(kb, T_, inverse):
-    _run(kb, kb.case_rope, T_, inverse)
+def test_rope(kb, run_case, T_, inverse):
+    run_case(kb.case_rope, T_, inverse)

@@ -7,30 +7,11 @@ does for the older families.
     python3 -m pytest tests/codegen/test_gpu_new_families.py -m gpu -v      # on the H200
 """
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_h200.py"
-
-
-@pytest.fixture(scope="module")
-def kb(tilelang_required):
-    spec = importlib.util.spec_from_file_location("kernels_h200_new", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.CHECK_ONLY = True
-    return mod
-
-
-def _run(kb, case, *args):
-    row = kb.Row("test", "")
-    case(row, *args, True, False)  # quick, not dry: build, run, check (raises on mismatch)
-    assert row.check, "the case ran no check"
-    return row
 
 
 @pytest.mark.parametrize(
@@ -38,20 +19,20 @@ def _run(kb, case, *args):
     [(64, 65536, False, True), (1, 65536, False, True), (64, 65536, False, False), (4096, 2048, True, True),
      (3, 1024, False, True)],  # fmt: skip
 )
-def test_indexer_topk(kb, T_, C, prefill, fp8):
-    _run(kb, kb.case_indexer_topk, T_, C, prefill, fp8)
+def test_indexer_topk(kb, run_case, T_, C, prefill, fp8):
+    run_case(kb.case_indexer_topk, T_, C, prefill, fp8)
 
 
 @pytest.mark.parametrize("T_,ratio", [(4096, 2), (64, 2), (4096, 1)])
-def test_compressor(kb, T_, ratio):
-    _run(kb, kb.case_compressor, T_, ratio)
+def test_compressor(kb, run_case, T_, ratio):
+    run_case(kb.case_compressor, T_, ratio)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
-def test_engram_embed(kb, T_):
-    _run(kb, kb.case_engram_embed, T_)
+def test_engram_embed(kb, run_case, T_):
+    run_case(kb.case_engram_embed, T_)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
-def test_engram_gate(kb, T_):
-    _run(kb, kb.case_engram_gate, T_)
+def test_engram_gate(kb, run_case, T_):
+    run_case(kb.case_engram_gate, T_)
