@@ -68,7 +68,7 @@ def test_rmsnorm_quant_triton(kb, run_case):
 
 @pytest.mark.parametrize("T_", [4096, 64])
 @pytest.mark.parametrize("triton_variant", [False, True])
-def test_moe_routing(kb, run_case, T_, triton_variant):
+def test_moe_routing(kb, T_, triton_variant):
     row = kb.Row("test", "")
     kb.case_routing(row, T_, True, False, triton_variant)
     assert row.check
