@@ -118,26 +118,102 @@ def bind_route(c: _Ctx):
     from deepinfer.codegen.kernels import moe_routing
 
     a, inputs = c.node.attrs, c.node.inputs
-    if inputs[2] is not None or a["scoring"] != "sqrtsoftplus" or not a["normalize"] or inputs[1] is None:
+    fused = c.node.op == "moe_gate_route"  # (x, gate_weight, bias, tid2eid, tokens): the gate GEMM comes first
+    bias, tid2eid = (inputs[2], inputs[3]) if fused else (inputs[1], inputs[2])
+    if tid2eid is not None or a["scoring"] != "sqrtsoftplus" or not a["normalize"] or bias is None:
         raise Fallback("moe_routing covers score routing (sqrtsoftplus, bias, normalised); hash routing is a lookup")
-    t, e = c.shape(inputs[0])
+    t = c.rows(inputs[0])
+    e = c.shape(inputs[1])[0] if fused else c.shape(inputs[0])[-1]
     space = [cf for cf in moe_routing.config_space(t, e) if cf.block_m == 1] or [moe_routing.Config()]
-    return "moe_routing", "program", {"T": t, "E": e, "topk": a["topk"]}, asdict(space[-1]), ()
+    extra = {"torch_steps": ["gate GEMM x @ W_gate^T (fp32 logits)"]} if fused else {}
+    return "moe_routing", "program", {"T": t, "E": e, "topk": a["topk"], **extra}, asdict(space[-1]), ()
 
 
 def bind_attention(c: _Ctx):
     from deepinfer.codegen.kernels import sparse_attn_decode
 
-    q, _, _, win_idx, _, cmp_idx = c.node.inputs
+    fused = c.node.op == "fused_attention"
+    if fused:
+        q, _, _, _, win_idx, _, cmp_idx = c.node.inputs
+    else:
+        q, _, _, win_idx, _, cmp_idx = c.node.inputs
     t, h, d = c.shape(q)
     topk = c.shape(win_idx)[1] + (c.shape(cmp_idx)[1] if cmp_idx is not None else 0)
     if t > DECODE_ATTN_MAX_T:
-        raise Fallback(f"prefill bucket (T={t}): sparse_attn_decode is the decode kernel")
-    space = sparse_attn_decode.config_space(t, topk)
-    if not space:
-        raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
-    cfg = space[0] if t * h < 2 * c.target.sm_count else space[-1]  # small batches: short KV chunks
-    return "sparse_attn_decode", "program", {"B": t, "H": h, "D": d, "topk": topk}, asdict(cfg), ("block_n",)
+        raise Fallback(f"prefill bucket (T={t}): sparse_attn_decode is the decode kernel (no prefill family)")
+    if c.target.name in ("sm90", "sm100"):
+        cfg = sparse_attn_decode.sm90_config(t, topk, c.target.sm_count)  # split-K: fill the SMs at small B
+        if topk % (cfg.num_split * cfg.block_n):
+            raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
+    else:
+        space = sparse_attn_decode.config_space(t, topk)
+        if not space:
+            raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
+        cfg = space[0] if t * h < 2 * c.target.sm_count else space[-1]  # small batches: short KV chunks
+    shape = {"B": t, "H": h, "D": d, "topk": topk}
+    if fused:  # the kernel is the attention core only; the op's other steps run in torch around it
+        a = c.node.attrs
+        steps = (("q rmsnorm", a["q_norm"]), ("rope(q)", True), ("inverse rope(o)", True),
+                 ("reshape to out_groups", bool(a["out_groups"])),
+                 ("quant_fp8 epilogue", bool(a["quant_group"])))  # fmt: skip
+        shape["torch_steps"] = [s for s, on in steps if on]
+    # block_n and num_split fix the online softmax's chunking and the split-K combine order
+    return "sparse_attn_decode", "program", shape, asdict(cfg), ("block_n", "num_split")
+
+
+def bind_rope(c: _Ctx):
+    from deepinfer.codegen.kernels import rope
+
+    x = c.node.inputs[0]
+    s = c.shape(x)
+    t, d = s[0], s[-1]
+    h = math.prod(s[1:-1])
+    space = rope.config_space(t, h) or [rope.Config(1, 128)]
+    cfg = max(space, key=lambda cf: (cf.block_t if t >= 1024 else -cf.block_t, -cf.threads))
+    shape = {"T": t, "H": h, "D": d, "rope_dim": c.node.attrs["rope_dim"], "inverse": c.node.attrs["inverse"]}
+    return "rope", "program", shape, asdict(cfg), ()  # no reduction: per-element rotation
+
+
+def bind_engram_embed(c: _Ctx):
+    from deepinfer.codegen.kernels import engram
+
+    table, scale, ids = c.node.inputs
+    if scale is None:
+        raise Fallback("engram embed kernel reads the FP8 table with ue8m0 scales; this table is unquantised")
+    r, hd = c.shape(table)
+    if hd % engram.SCALE_GROUP:
+        raise Fallback(f"engram rows of {hd} values do not split into scale groups of {engram.SCALE_GROUP}")
+    t, k = c.shape(ids)
+    cfg = engram.EmbedConfig(block_t=1 if t < 64 else 4, threads=256 if hd >= 256 else 128)
+    return "engram", "embed_program", {"T": t, "K": k, "R": r, "hd": hd}, asdict(cfg), ()
+
+
+def bind_engram_gate(c: _Ctx):
+    from deepinfer.codegen.kernels import engram
+
+    t, n, d = c.shape(c.node.inputs[0])
+    space = engram.gate_config_space(d)
+    # block_d splits the row's sums over D (fixed order inside a CTA): pinned per D, not per bucket
+    cfg = space[len(space) // 2] if space else engram.GateConfig(block_d=d, threads=min(256, max(32, d)))
+    return "engram", "gate_program", {"T": t, "n": n, "D": d}, asdict(cfg), ("block_d", "threads")
+
+
+def bind_compressor(c: _Ctx):
+    a, inputs = c.node.attrs, c.node.inputs
+    pair = c.node.op == "pair_compressor_keys"
+    t, d = c.shape(inputs[0])
+    ratio = 2 if pair else 1
+    steps = ["rope(entry)", "wk GEMM", "rmsnorm(k_norm)", "rope(keys)"]
+    shape = {"T": t, "d": d, "ratio": ratio, "eps": a["eps"], "torch_steps": steps}
+    # pooling + RMSNorm of the latent; one CTA owns a row's reduction whatever block_g is
+    return "compressor", "program", shape, {"block_g": 4 if t >= 64 else 1, "threads": 128}, ("threads",)
+
+
+def bind_indexer(c: _Ctx):
+    raise Fallback(
+        "indexer_topk fuses index_scores and topk_entries into one kernel over FP8 keys with a merge plan; "
+        "the graph keeps them as two ops (f32 scores in between), so neither binds alone"
+    )
 
 
 def bind_hc_pre(c: _Ctx):
@@ -168,7 +244,16 @@ BINDERS: dict[str, Callable] = {
     "rmsnorm": bind_rmsnorm,
     "rmsnorm_quant_fp8": bind_rmsnorm,
     "moe_route": bind_route,
+    "moe_gate_route": bind_route,  # the gate GEMM stays in torch (recorded in the shape's torch_steps)
     "sparse_attention": bind_attention,
+    "fused_attention": bind_attention,  # decode buckets; q-norm / RoPE / inverse RoPE stay in torch
+    "rope": bind_rope,
+    "engram_embed": bind_engram_embed,
+    "engram_gate": bind_engram_gate,
+    "pair_compressor_keys": bind_compressor,  # pooling + norm in the kernel; RoPE, wk GEMM, k_norm in torch
+    "compressor_keys": bind_compressor,
+    "index_scores": bind_indexer,
+    "topk_entries": bind_indexer,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
     "hc_post": bind_hc_post,
 }

@@ -13,7 +13,8 @@ from deepinfer.passes.pipeline import Pipeline, run_pipeline
 from deepinfer.passes.plan_memory import lifetimes, nbytes, plan_memory
 from deepinfer.passes.select_kernels import format_kernel_report, select_kernels
 
-FAMILIES = {"fp8_gemm", "moe_grouped_gemm", "rmsnorm_quant", "moe_routing", "sparse_attn_decode", "hyper_connection"}
+FAMILIES = {"fp8_gemm", "moe_grouped_gemm", "rmsnorm_quant", "moe_routing", "sparse_attn_decode", "hyper_connection",
+            "rope", "engram", "compressor"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
