@@ -530,11 +530,123 @@ def _stacked_view(first: list, second: list | None):
     return torch.as_strided(w0, (len(first), per, k), (per * k, k, 1), base)
 
 
+# ---------------------------------------------------------------------------------------------- rope / engram
+
+
+class RopeAdapter:
+    """rope: x [T, ..., D] as [T, H, D] bf16; cos/sin from one fp32 table per (attrs, positions bucket), built
+    with the op's own frequencies (cached, so the kernel computes the reference's exact products)."""
+
+    family = "rope"
+    ops = ("rope",)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import rope
+
+        _cuda_only(call)
+        x, pos = call.args
+        t, d = x.shape[0], x.shape[-1]
+        h = x[0].numel() // d if t else 1
+        p = bucket_rows(int(pos.max()) + 1 if pos.numel() else 1, 1024)
+        cfg = rope.Config(**{f: call.config[f] for f in ("block_t", "threads") if f in call.config})
+        rows = bucket_rows(t, cfg.block_t)
+        key = _key("rope", "program", (rows, h, d, p), cfg, rope_dim=call.attrs["rope_dim"],
+                   inverse=bool(call.attrs["inverse"]))  # fmt: skip
+        return key, rows, h, p
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import rope
+        from deepinfer.ir.ops.attention import ROPE_ATTRS, rope_inv_freq
+
+        _, rows, h, p = self._plan(call)
+        x, pos = call.args
+        t, d = x.shape[0], x.shape[-1]
+        a = call.attrs
+        freq_args = tuple(a[k] for k in ("rope_dim", "theta", "yarn_factor", "yarn_orig_len", "beta_fast", "beta_slow"))
+        tkey = ("rope_table", p, tuple(sorted((k, a[k]) for k in ROPE_ATTRS)))
+        if tkey not in call.cache:
+            call.cache[tkey] = rope.cos_sin_table(p, rope_inv_freq(*freq_args)).to(x.device)
+        xb = pad_rows(x.reshape(t, h, d).to(torch.bfloat16), rows)
+        y = torch.empty_like(xb)
+        kernels[0](xb, pad_rows(pos.to(torch.int32), rows), call.cache[tkey], y)
+        return [y[:t].to(x.dtype).reshape(x.shape)]
+
+
+class EngramEmbedAdapter:
+    """engram_embed: the FP8 table and its e8m0 scales as the kernel's exponent bytes (a view), int32 ids."""
+
+    family = "engram"
+    ops = ("engram_embed",)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import engram
+
+        _cuda_only(call)
+        table, scale, ids = call.args
+        if scale is None or table.dtype != torch.float8_e4m3fn:
+            raise Decline("the embed kernel reads an FP8 table with ue8m0 scales")
+        r, hd = table.shape
+        cfg = engram.EmbedConfig(**{f: call.config[f] for f in ("block_t", "threads") if f in call.config})
+        rows = bucket_rows(ids.shape[0], cfg.block_t)
+        return _key("engram", "embed_program", (rows, ids.shape[1], r), cfg, hd=hd), rows
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        _, rows = self._plan(call)
+        table, scale, ids = call.args
+        s = call.prep("engram_s", 1, lambda: scale.contiguous().view(torch.uint8))
+        t, k = ids.shape
+        out = torch.empty(rows, k * table.shape[1], device=ids.device)
+        kernels[0](table, s, pad_rows(ids.to(torch.int32), rows), out)
+        return [out[:t]]
+
+
+class EngramGateAdapter:
+    """engram_gate: X bf16 in the kernel, kv fp32, QK = q_weight * k_weight folded once (per parameter)."""
+
+    family = "engram"
+    ops = ("engram_gate",)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import engram
+
+        _cuda_only(call)
+        t, n, d = call.args[0].shape
+        cfg = engram.GateConfig(**{f: call.config[f] for f in ("block_d", "threads") if f in call.config})
+        if d % min(cfg.block_d, d):
+            raise Decline(f"D={d} is not a multiple of block_d {cfg.block_d}")
+        a = call.attrs
+        rows = bucket_rows(t, 1)
+        key = _key("engram", "gate_program", (rows, n, d), cfg, eps=float(a["eps"]), clamp=float(a["clamp"]),
+                   image_token_id=int(a["image_token_id"]))  # fmt: skip
+        return key, rows
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        _, rows = self._plan(call)
+        x, kv, qw, kw, tokens = call.args
+        t = x.shape[0]
+        qk = call.prep("engram_qk", (2, 3), lambda: (qw.float() * kw.float()).contiguous())
+        xb = pad_rows(x.to(torch.bfloat16), rows)
+        y = torch.empty_like(xb)
+        kernels[0](xb, pad_rows(kv.float(), rows), qk, pad_rows(tokens.to(torch.int32), rows), y)
+        return [y[:t].to(x.dtype)]
+
+
 ADAPTERS: dict[str, object] = {
     "fp8_gemm": LinearFP8Adapter(),
     "rmsnorm_quant": RMSNormAdapter(),
     "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter()),
     "moe_grouped_gemm": MoEGroupedAdapter(),
+    "rope": RopeAdapter(),
+    "engram": (EngramEmbedAdapter(), EngramGateAdapter()),
 }
 
 
@@ -634,6 +746,31 @@ def emulated_kernel(key: KernelKey) -> Callable:
                 o.copy_(v.reshape(o.shape))
 
         return pre
+    if key.family == "rope":
+        from deepinfer.codegen.kernels import rope
+
+        def rot(x, pos, table, y):
+            _check_abi(key, (x, key.args[:3]), (pos, key.args[:1]), (y, key.args[:3]))
+            y.copy_(rope.reference(x, pos, table, kw["rope_dim"], kw["inverse"]))
+
+        return rot
+    if key.program == "embed_program":
+        from deepinfer.codegen.kernels import engram
+
+        def embed(table, s, ids, out):
+            _check_abi(key, (ids, key.args[:2]), (table, (key.args[2], kw["hd"])))
+            out.copy_(engram.embed_reference(table, s, ids.clamp(min=0)))
+
+        return embed
+    if key.program == "gate_program":
+        from deepinfer.codegen.kernels import engram
+
+        def gate(x, kv, qk, tok, y):
+            _check_abi(key, (x, key.args), (tok, key.args[:1]))
+            y.copy_(engram.gate_reference(x, kv, qk, tok, eps=kw["eps"], clamp=kw["clamp"],
+                                          image_token_id=kw["image_token_id"]))  # fmt: skip
+
+        return gate
     raise KeyError(f"no emulation for {key.family}.{key.program}")
 
 

@@ -95,3 +95,65 @@ def test_greedy_reuse_on_a_chain():
     m = g.meta["memory"]
     assert m["buffers"] == 4 and m["no_reuse"] == 4 * 4096
     assert m["activations"] == 2 * 4096  # two buffers at a time suffice
+
+
+OLD_BINDERS = {"linear_fp8", "moe_experts", "moe_experts_local", "moe_grouped_experts", "rmsnorm", "rmsnorm_quant_fp8",
+               "moe_route", "sparse_attention", "hc_pre_collapse", "hc_post"}  # fmt: skip
+
+
+def _v41(preset):
+    from deepinfer.models import deepseek_v41 as m41
+    from deepinfer.models.presets import preset_config
+
+    g = m41.build_graph(m41.parse_config(preset_config("deepseek-v4.1-flash", preset)))
+    pipe = Pipeline.default().with_phase("quantize", [("convert_fp4_to_fp8", {"target": "sm90"})])
+    return run_pipeline(g, pipe.with_phase("select_kernels", []).with_phase("plan_memory", []))[0]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "real"])
+def test_v41_binding_coverage_grows(preset, monkeypatch):
+    from deepinfer.passes import select_kernels as sk
+
+    g = _v41(preset)
+    after = select_kernels(clone_graph(g), target="sm90")
+    print(format_kernel_report(after))
+    monkeypatch.setattr(sk, "BINDERS", {op: b for op, b in sk.BINDERS.items() if op in OLD_BINDERS})
+    before = select_kernels(clone_graph(g), target="sm90")
+    n_before, n_after = before.meta["kernels"]["coverage"]["torch_ref"], after.meta["kernels"]["coverage"]["torch_ref"]
+    print(f"{preset}: torch_ref nodes {n_before} -> {n_after}")
+    assert n_after < n_before
+    cov = after.meta["kernels"]["coverage"]
+    assert all(cov.get(f, 0) > 0 for f in ("rope", "engram", "compressor", "moe_routing")), cov
+    nodes = after.meta["kernels"]["nodes"].values()
+    attn = [r["buckets"] for r in nodes if r["op"] == "fused_attention"]
+    if preset == "real":
+        assert attn[0]["decode"]["family"] == "sparse_attn_decode"
+        assert "rope(q)" in attn[0]["decode"]["shape"]["torch_steps"]
+        assert attn[0]["prefill"]["family"] == "torch_ref" and "prefill" in attn[0]["prefill"]["reason"]
+    assert "neither binds alone" in after.meta["kernels"]["fallback"]["topk_entries"]
+
+
+def test_batch_invariance_pins_attention_splits():
+    from deepinfer.codegen.kernels import sparse_attn_decode
+
+    g = _v41("real")
+    buckets = {"decode": {"T": 1}, "batch": {"T": 64}}
+    free = select_kernels(clone_graph(g), target="sm90", buckets=buckets, batch_invariant=False)
+    rec = next(r for r in free.meta["kernels"]["nodes"].values() if r["op"] == "fused_attention")["buckets"]
+    topk = rec["decode"]["shape"]["topk"]
+    assert rec["decode"]["config"] == asdict_cfg(sparse_attn_decode.sm90_config(1, topk))
+    assert rec["decode"]["config"]["num_split"] != rec["batch"]["config"]["num_split"]
+    with pytest.raises(VerificationError, match="reduction field"):
+        check_batch_invariance(free, enabled=True)
+    pinned = select_kernels(clone_graph(g), target="sm90", buckets=buckets, batch_invariant=True)
+    check_batch_invariance(pinned, enabled=True)
+    rec = next(r for r in pinned.meta["kernels"]["nodes"].values() if r["op"] == "fused_attention")["buckets"]
+    assert rec["decode"]["config"]["num_split"] == rec["batch"]["config"]["num_split"]
+    gate = next(r for r in pinned.meta["kernels"]["nodes"].values() if r["op"] == "engram_gate")["buckets"]
+    assert gate["decode"]["family"] == "engram" and gate["decode"]["config"] == gate["batch"]["config"]
+
+
+def asdict_cfg(cfg):
+    from dataclasses import asdict
+
+    return asdict(cfg)

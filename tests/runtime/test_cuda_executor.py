@@ -201,3 +201,21 @@ def test_routing_stable_variant_fixes_selection_and_lengths():
     assert g.stable_max_len(plan.graph) == 6  # tiny V4.1: ratio-1 index sources with top-6
     prompts, n = g.stable_prompts(6)
     assert all(len(p) + n - 1 <= 6 for p in prompts) and n >= 4
+
+
+def test_new_adapters_with_emulated_kernels_match_the_references(sm90_tiny, monkeypatch):
+    """rope and Engram gather/gate run through their adapters (CPU stand-ins) within the format tolerance;
+    nodes bound to a family with no adapter (sparse_attn_decode, compressor, moe_routing) are counted."""
+    plan, params = sm90_tiny
+    g = plan.graph
+    monkeypatch.setattr(ka, "EMULATE", True)
+    assert isinstance(ka.adapter_for("rope", "rope"), ka.RopeAdapter)
+    assert isinstance(ka.adapter_for("engram", "engram_gate"), ka.EngramGateAdapter)
+    ex = GraphExecutor(g, params, kernels=KernelCache(builder=ka.emulated_kernel))
+    out = ex.run(_feeds(g, [3, 5, 7, 11, 13]))
+    print(ex.report())
+    for fam in ("rope", "engram"):
+        assert ex.stats.compiled[fam] > 0, ex.report()
+    assert not ex.kernels.failed and max(ex.stats.verified.values()) <= VERIFY_TOL_FP8
+    assert any("no adapter" in why for why in ex.stats.reference), ex.report()
+    assert torch.isfinite(out[0]).all()
