@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from deepinfer.errors import DeepInferError, NotBuiltError
 
@@ -68,13 +70,16 @@ def _plan_weights(plan) -> tuple[dict, str]:
 def _compile(args: argparse.Namespace):
     from deepinfer.compiler import compile_model
 
-    res = compile_model(_default_model(args.model), args.target, seed=args.seed, dump_ir=args.dump_ir)
+    kw = {"kernels": getattr(args, "kernels", "none"), "jobs": getattr(args, "jobs", None)}
+    res = compile_model(_default_model(args.model), args.target, seed=args.seed, dump_ir=args.dump_ir, **kw)
     g = res.plan.graph
     print(
         f"compiled {res.plan.model} for {res.plan.target}: graph built in {res.build_s:.2f} s, "
         f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s, "
         f"{res.nodes_before} -> {len(g.nodes)} nodes"
     )
+    if res.kernels_summary:
+        print(f"{res.kernels_summary} (kernel step {res.kernels_s:.1f} s)")
     if getattr(args, "verbose", True):
         print(res.plan.report)
     if args.dump_ir:
@@ -88,7 +93,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not args.output:
         raise DeepInferError("compile needs -o PLAN_DIR")
     plan = _compile(args)
-    print(f"wrote plan {write_plan(plan, args.output, overwrite=args.overwrite)}")
+    try:
+        print(f"wrote plan {write_plan(plan, args.output, overwrite=args.overwrite)}")
+    finally:  # the kernels were staged in a temporary directory (compile_model); the plan has its own copy
+        if plan.kernels_dir and Path(plan.kernels_dir).name.startswith("deepinfer-kernels-"):
+            shutil.rmtree(plan.kernels_dir, ignore_errors=True)
     return 0
 
 
@@ -294,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
     c.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
     c.add_argument("-v", "--verbose", action="store_true", help="print every pass with its time and changes")
+    c.add_argument("--kernels", default="bound", choices=("none", "bound", "all"),
+                   help="kernel artifacts to build into the plan (GPU/NPU targets): none, the bound nodes' kernels "
+                   "at the plan's buckets (default), or all runtime row buckets")  # fmt: skip
+    c.add_argument("-j", "--jobs", type=int, default=None, help="kernel build processes (default: all cores)")
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="run a compiled plan (no plan: compile and run the tiny model on CPU)")

@@ -3,7 +3,8 @@
 plan.json holds: format/version, the model name and its config, the target, where the weights come from (a
 checkpoint directory, or random weights from a seed), the pass pipeline that produced the graph, and the
 optimised graph itself (JSON form of ir/serialize.py). The runtime reads only this file, never the pass
-manager. Kernel artifacts (issue 6) will sit beside it.
+manager. Kernel artifacts (codegen/plan_kernels.py) sit beside it in ``kernels/``: sources, cubins and
+``manifest.json``; load_plan checks every listed file against its sha256.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from deepinfer.ir.serialize import graph_from_dict, graph_to_dict
 PLAN_FORMAT = "deepinfer.plan"
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
+KERNELS_DIR = "kernels"
+KERNELS_MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -33,6 +36,8 @@ class Plan:
     weights: dict = field(default_factory=dict)  # {"checkpoint": dir} or {"random_seed": int}
     pipeline: dict = field(default_factory=dict)
     report: str = ""
+    kernels_dir: str | None = None  # a directory of kernel artifacts with manifest.json (copied into the plan)
+    kernels: dict | None = None  # that manifest
 
 
 def write_plan(plan: Plan, out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -55,6 +60,8 @@ def write_plan(plan: Plan, out: str | os.PathLike, overwrite: bool = False) -> P
         }
         (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=1) + "\n")
         (tmp / "report.txt").write_text(plan.report + "\n")
+        if plan.kernels_dir is not None:
+            shutil.copytree(plan.kernels_dir, tmp / KERNELS_DIR)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -92,6 +99,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
     except SerializationError as e:
         raise SerializationError(f"{f}: {e}") from None
     report = (f.parent / "report.txt").read_text() if (f.parent / "report.txt").is_file() else ""
+    kdir = f.parent / KERNELS_DIR
+    manifest = check_kernels(kdir) if kdir.is_dir() else None
     return Plan(
         model=_field(doc, "model", str, str(f)),
         config=_field(doc, "config", dict, str(f)),
@@ -100,7 +109,36 @@ def load_plan(path: str | os.PathLike) -> Plan:
         weights=_field(doc, "weights", dict, str(f)),
         pipeline=_field(doc, "pipeline", dict, str(f)),
         report=report,
+        kernels_dir=str(kdir) if manifest is not None else None,
+        kernels=manifest,
     )
+
+
+def check_kernels(kdir: str | os.PathLike) -> dict:
+    """Read kernels/manifest.json and check every file it lists against its sha256; one line per problem."""
+    import hashlib
+
+    kdir = Path(kdir)
+    mf = kdir / KERNELS_MANIFEST
+    if not mf.is_file():
+        raise SerializationError(f"{mf}: missing (the plan's kernels/ directory has no manifest)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise SerializationError(f"{mf}:{e.lineno}:{e.colno}: bad JSON: {e.msg}") from None
+    kernels = _field(manifest, "kernels", list, str(mf)) if isinstance(manifest, dict) else None
+    if kernels is None:
+        raise SerializationError(f"{mf}: expected a JSON object")
+    for ent in kernels:
+        for info in (ent.get("files") or {}).values():
+            path = kdir / info["file"]
+            if not path.is_file():
+                raise SerializationError(f"{path}: kernel artifact missing (listed in {mf})")
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            if digest != info["sha256"]:
+                want = info["sha256"][:12]
+                raise SerializationError(f"{path}: kernel artifact altered (sha256 {digest[:12]}, manifest {want})")
+    return manifest
 
 
 def bind_weights(plan: Plan) -> tuple[dict, str]:

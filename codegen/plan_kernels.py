@@ -1,0 +1,292 @@
+"""Kernel artifacts of a plan: every distinct kernel the bound nodes need, built and written beside plan.json.
+
+    specs = kernel_specs(graph, "sm90", mode="bound")       # distinct (family, program, args, config)
+    manifest = build_kernels(specs, "sm90", out_dir / "kernels", jobs=2)
+
+Which kernels: the bindings select_kernels recorded in ``graph.meta["kernels"]`` (its shape buckets:
+decode T=1, small T=64, prefill T=4096 by default). ``mode="all"`` re-binds a copy of the graph at the
+runtime's wider set of row buckets (``ALL_BUCKETS``: decode 1/16/64, 256, 1024, prefill 4096); ``none``
+builds nothing. Shapes are normalised as the runtime adapters do (rows padded to a power of two, at least
+one tile; GEMM N padded to block_n), so decode T=1 and T=64 usually share one kernel.
+
+The config: a tuning-database record (codegen/tuner.py) for this family, shape bucket, target and toolkit
+versions when there is one (``source: "tuned"``), else the binding's rule-based config (``"rule"``). The
+database is only read here: compile never tunes.
+
+Per kernel: ``<name>.cu`` (``.cpp`` AscendC for ascend950, no cubin: bisheng is not available) and, for
+CUDA targets, ``<name>.cubin`` compiled with the local nvcc, plus ``manifest.json`` with family, program,
+args, kwargs, config, its source, the files' sha256 and the SASS matrix-instruction counts. Builds run in
+a process pool; lowering is cached on disk by a hash of the spec, the target, tilelang's version and the
+family's source files, and nvcc by tilelang_backend's content hash, so an unchanged second compile only
+copies files.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import json
+import math
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer.errors import ConfigError
+
+KERNEL_MODES = ("none", "bound", "all")
+ALL_BUCKETS = {
+    "decode": {"T": 1},
+    "decode16": {"T": 16},
+    "small": {"T": 64},
+    "mid256": {"T": 256},
+    "mid1024": {"T": 1024},
+    "prefill": {"T": 4096},
+}
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "deepinfer.kernels"
+MIN_GEMM_ROWS = 64
+SKIP_FAMILIES = {"view", "collective", "torch_ref"}
+GEMM_DTYPE = "e4m3/ue8m0"  # the dtype the tuner records fp8 GEMMs under (tuner.TUNABLE)
+
+
+@dataclass
+class KernelSpec:
+    family: str
+    program: str
+    args: tuple
+    kwargs: dict
+    config: dict
+    source: str  # "tuned" | "rule"
+    nodes: list = field(default_factory=list)  # graph values (first few) that use it
+
+    def ident(self) -> str:
+        return json.dumps([self.family, self.program, list(self.args), self.kwargs, self.config], sort_keys=True)
+
+    @property
+    def name(self) -> str:
+        h = hashlib.sha256(self.ident().encode()).hexdigest()[:10]
+        return f"{self.family}.{self.program}-{'x'.join(str(a) for a in self.args)}-{h}"
+
+
+def _rows(m: int, multiple: int) -> int:
+    p = max(multiple, 1 << max(0, m - 1).bit_length())
+    return -(-p // multiple) * multiple
+
+
+def _tuned(family: str, shape: dict, target: str, db, versions) -> dict | None:
+    from deepinfer.codegen.tuner import make_key
+
+    if db is None:
+        return None
+    rec = db.get(make_key(family, shape, dtype=GEMM_DTYPE, target=target, versions=versions))
+    return dict(rec["config"]) if rec else None
+
+
+def _gemm_fields(cfg: dict) -> dict:
+    from deepinfer.codegen.kernels import fp8_gemm
+
+    return {k: cfg[k] for k in vars(fp8_gemm.Config()) if k in cfg}
+
+
+def _spec_for(b: dict, attrs: dict, target: str, db, versions) -> KernelSpec | None:
+    """One bucket's binding -> the kernel it needs (shapes normalised as the runtime adapters do)."""
+    fam, prog, shape, cfg = b["family"], b["program"], b["shape"], b["config"]
+    if fam == "fp8_gemm":
+        group = attrs["act_group"] or attrs["block"]
+        tshape = {"M": shape["M"], "N": shape["N"], "K": shape["K"], "g": min(group, attrs["block"])}
+        tuned = _tuned(fam, tshape, target, db, versions)
+        c = _gemm_fields(tuned or cfg)
+        rows = _rows(shape["M"], max(MIN_GEMM_ROWS, c["block_m"]))
+        n_pad = -(-shape["N"] // c["block_n"]) * c["block_n"]
+        kw = {"act_group": group, "weight_block": attrs["block"]}
+        return KernelSpec(fam, prog, (rows, n_pad, shape["K"]), kw, c, "tuned" if tuned else "rule")
+    if fam == "moe_grouped_gemm":
+        tshape = {"M": shape["M"], "N": shape["N"], "K": shape["K"], "g": attrs["block"]}
+        tuned = _tuned(fam, tshape, target, db, versions)
+        c = _gemm_fields(tuned or cfg)
+        rows = _rows(shape["M"], c["block_m"])
+        kw = {"act_group": attrs["block"], "weight_block": attrs["block"]}
+        args = (rows, shape["N"], shape["K"], attrs["n_experts"])
+        return KernelSpec(fam, prog, args, kw, c, "tuned" if tuned else "rule")
+    if fam == "rmsnorm_quant":
+        quant = bool(shape["quant"])
+        kw = {"group": attrs["group"] if quant else 32, "quant": quant, "eps": float(attrs["eps"])}
+        rows = _rows(shape["M"], max(cfg["block_m"], 16))
+        return KernelSpec(fam, prog, (rows, shape["D"]), kw, dict(cfg), "rule")
+    if fam == "hyper_connection" and prog == "pre_program":
+        kw = {"eps": float(attrs["norm_eps"]), "hc_eps": float(attrs["hc_eps"]), "iters": int(attrs["sinkhorn_iters"])}
+        return KernelSpec(fam, prog, (_rows(shape["T"], cfg["block_m"]), shape["D"]), kw, dict(cfg), "rule")
+    if fam == "hyper_connection" and prog == "post_program":
+        d, bd = shape["D"], cfg.get("block_d", 512)
+        c = {**cfg, "block_d": bd if d % bd == 0 else math.gcd(d, bd)}  # as the runtime adapter narrows it
+        return KernelSpec(fam, prog, (_rows(shape["T"], 16), d), {}, c, "rule")
+    return None  # a family whose program arguments are not derived here yet (see report)
+
+
+def kernel_specs(graph, target: str, mode: str = "bound", *, db=None) -> tuple[list[KernelSpec], dict]:
+    """The distinct kernels the graph's bindings need; returns (specs, {family: reason} for the unbuilt)."""
+    from deepinfer.codegen.tuner import TuningDB, toolkit_versions
+
+    if mode not in KERNEL_MODES:
+        raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+    if mode == "none" or target == "cpu":
+        return [], {}
+    if mode == "all":
+        from deepinfer.passes.select_kernels import select_kernels
+
+        graph = copy.deepcopy(graph)
+        select_kernels(graph, target=target, buckets=ALL_BUCKETS)
+    meta = graph.meta.get("kernels")
+    if not meta:
+        raise ConfigError(f"the graph has no kernel bindings for {target} (select_kernels did not run)")
+    db = db if db is not None else TuningDB()
+    versions = toolkit_versions()
+    by_node = {n.outputs[0].name: n for n in graph.nodes}
+    specs: dict[str, KernelSpec] = {}
+    skipped: dict[str, str] = {}
+    for vname, rec in meta["nodes"].items():
+        for b in rec["buckets"].values():
+            if b["family"] in SKIP_FAMILIES:
+                continue
+            spec = _spec_for(b, by_node[vname].attrs, target, db, versions)
+            if spec is None:
+                skipped.setdefault(f"{b['family']}.{b['program']}", "program arguments not derived at compile time yet")
+                continue
+            spec = specs.setdefault(spec.ident(), spec)
+            if len(spec.nodes) < 4 and vname not in spec.nodes:
+                spec.nodes.append(vname)
+    return sorted(specs.values(), key=lambda s: s.name), skipped
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def _family_hash(family: str) -> str:
+    h = hashlib.sha256()
+    base = Path(__file__).parent / "kernels"
+    for f in (base / f"{family}.py", base / "_common.py"):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _make_program(spec: KernelSpec, target: str):
+    mod = importlib.import_module(f"deepinfer.codegen.kernels.{spec.family}")
+    kw = dict(spec.kwargs)
+    if spec.program == "post_program":  # takes its config as keywords
+        kw.update(spec.config)
+    elif spec.config:
+        cfg_cls = getattr(mod, "Config", None)
+        if spec.family == "moe_grouped_gemm" or cfg_cls is None:
+            from deepinfer.codegen.kernels.fp8_gemm import Config as cfg_cls
+        kw["cfg"] = cfg_cls(**spec.config)
+    return getattr(mod, spec.program)(*spec.args, target=target, **kw)
+
+
+def _mma_counts(opcodes: dict) -> dict:
+    return {op: n for op, n in sorted(opcodes.items()) if "MMA" in op}
+
+
+def build_one(spec: KernelSpec, target: str) -> dict:
+    """Worker: lower (cached by spec hash), write, nvcc (cached), SASS counts. Returns paths in the cache."""
+    import tilelang
+
+    from deepinfer.codegen import tilelang_backend as tb
+    from deepinfer.codegen.targets import get_target
+
+    t0 = time.perf_counter()
+    tgt = get_target(target)
+    try:
+        key = tb.content_hash(spec.ident(), target, str(tilelang.__version__), _family_hash(spec.family))
+        ext = ".cpp" if target == "ascend950" else ".cu"
+        src = tb.cache_dir() / target / f"{spec.name}-{key}{ext}"
+        hit = src.exists()
+        if not hit:
+            text = tb.lower(_make_program(spec, target), tgt)
+            src.parent.mkdir(parents=True, exist_ok=True)
+            tb._atomic_write(src, text.encode())
+        out = {"name": spec.name, "source": str(src), "lower_cached": hit}
+        if tgt.is_cuda:
+            cubin = tb.compile_cubin(src, tgt)
+            counts = cubin.with_suffix(".mma.json")
+            if not counts.exists():
+                tb._atomic_write(counts, json.dumps(_mma_counts(tb.count_opcodes(tb.dump_sass(cubin)))).encode())
+            out.update(cubin=str(cubin), mma=json.loads(counts.read_text()))
+    except Exception as e:  # recorded in the manifest; the node then runs its fallback at run time
+        msg = str(e).strip().splitlines()
+        return {"name": spec.name, "error": f"{type(e).__name__}: {msg[-1][:300] if msg else ''}"}
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: int | None = None,
+                  mode: str = "bound", skipped: dict | None = None) -> dict:  # fmt: skip
+    """Build every spec (process pool) and copy its files into out_dir; returns the manifest (also written)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs) or 1))
+    if jobs == 1 or len(specs) <= 1:
+        results = [build_one(s, target) for s in specs]
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+            results = list(pool.map(build_one, specs, [target] * len(specs)))
+    entries = []
+    for spec, res in zip(specs, results, strict=True):
+        ent = {"name": spec.name, "family": spec.family, "program": spec.program, "args": list(spec.args)}
+        ent.update(kwargs=spec.kwargs, config=spec.config, config_source=spec.source, nodes=spec.nodes)
+        if "error" in res:
+            ent["error"] = res["error"]
+        else:
+            files = {}
+            src = Path(res["source"])
+            for kind, path in (("source", src), ("cubin", Path(res["cubin"]) if "cubin" in res else None)):
+                if path is None:
+                    continue
+                dest = out_dir / f"{spec.name}{'.cubin' if kind == 'cubin' else src.suffix}"
+                shutil.copyfile(path, dest)
+                files[kind] = {"file": dest.name, "sha256": sha256_file(dest)}
+            ent.update(files=files, lower_cached=res["lower_cached"], build_s=res["seconds"])
+            if "mma" in res:
+                ent["sass_mma"] = res["mma"]
+        entries.append(ent)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": 1,
+        "target": target,
+        "mode": mode,
+        "jobs": jobs,
+        "build_s": round(time.perf_counter() - t0, 3),
+        "kernels": entries,
+        "not_built": skipped or {},
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def format_manifest(manifest: dict) -> str:
+    ents = manifest["kernels"]
+    ok = [e for e in ents if "error" not in e]
+    tuned = sum(e["config_source"] == "tuned" for e in ents)
+    cached = sum(bool(e.get("lower_cached")) for e in ok)
+    lines = [
+        f"kernels ({manifest['mode']}, {manifest['target']}): {len(ok)}/{len(ents)} built in "
+        f"{manifest['build_s']:.1f} s on {manifest['jobs']} processes ({cached} lowerings cached; "
+        f"configs: {tuned} tuned, {len(ents) - tuned} rule)"
+    ]
+    lines += [f"  failed: {e['name']}: {e['error']}" for e in ents if "error" in e]
+    lines += [f"  not built: {k}: {v}" for k, v in manifest.get("not_built", {}).items()]
+    return "\n".join(lines)
