@@ -173,8 +173,23 @@ def _family_hash(family: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _ascend_program(spec: KernelSpec, mod):
+    """The family's Ascend 950 formulation (its own factory: the CUDA programs use SIMT threads)."""
+    kw, cfg = spec.kwargs, spec.config
+    if spec.family == "fp8_gemm":
+        return mod.ascend_program(*spec.args, act_group=kw["act_group"], weight_block=kw["weight_block"],
+                                  cfg=mod.Config(**cfg))  # fmt: skip
+    if spec.family == "rmsnorm_quant" and not kw["quant"]:
+        return mod.ascend_program(*spec.args, eps=kw["eps"], block_m=cfg["block_m"])
+    if spec.family == "hyper_connection" and spec.program == "post_program":
+        return mod.ascend_post_program(*spec.args, block_d=cfg["block_d"])
+    raise ConfigError(f"no Ascend 950 program for {spec.family}.{spec.program}{' (quant)' if kw.get('quant') else ''}")
+
+
 def _make_program(spec: KernelSpec, target: str):
     mod = importlib.import_module(f"deepinfer.codegen.kernels.{spec.family}")
+    if target == "ascend950":
+        return _ascend_program(spec, mod)
     kw = dict(spec.kwargs)
     if spec.program == "post_program":  # takes its config as keywords
         kw.update(spec.config)
