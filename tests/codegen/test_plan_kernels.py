@@ -1,0 +1,119 @@
+"""Kernel artifacts in a plan (codegen/plan_kernels.py): compile tiny V4.1 for sm90 writes sources, cubins and a
+manifest; a tuning-database record changes the config and is marked "tuned"; a second compile hits the caches
+and never tunes; load_plan refuses a missing or altered artifact with one line.
+
+Needs TileLang and nvcc (CPU-only is fine): without them the module fails rather than skipping silently.
+"""
+
+import json
+import shutil
+import time
+
+import pytest
+
+from deepinfer.codegen import plan_kernels, tuner
+from deepinfer.compiler import compile_model
+from deepinfer.errors import SerializationError
+from deepinfer.runtime.plan import load_plan, write_plan
+
+GEMM_FAMILIES = {"fp8_gemm", "moe_grouped_gemm"}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Own codegen cache and tuning database for the module, restored afterwards."""
+    assert shutil.which("nvcc"), "nvcc must be on PATH for the plan-kernel tests"
+    root = tmp_path_factory.mktemp("plan_kernels")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DEEPINFER_CODEGEN_CACHE", str(root / "cache"))
+    mp.setenv(tuner.DB_ENV, str(root / "tuning.json"))
+    yield root
+    mp.undo()
+
+
+def _compile(root, name, **kw):
+    t0 = time.perf_counter()
+    res = compile_model(None, "sm90", kernels="bound", jobs=2, kernels_dir=root / f"stage-{name}", **kw)
+    dt = time.perf_counter() - t0
+    return write_plan(res.plan, root / name), res, dt
+
+
+@pytest.fixture(scope="module")
+def cold(env):
+    return _compile(env, "cold")
+
+
+def test_manifest_entries_exist_and_gemms_use_fp8_wgmma(cold):
+    out, res, _ = cold
+    manifest = json.loads((out / "kernels" / "manifest.json").read_text())
+    ents = manifest["kernels"]
+    assert ents and all("error" not in e for e in ents), [e.get("error") for e in ents]
+    assert {e["family"] for e in ents} >= GEMM_FAMILIES | {"rmsnorm_quant", "hyper_connection"}
+    for e in ents:
+        assert e["config_source"] == "rule"
+        for info in e["files"].values():
+            assert (out / "kernels" / info["file"]).is_file()
+        assert set(e["files"]) == {"source", "cubin"}
+        if e["family"] in GEMM_FAMILIES:
+            assert e["sass_mma"].get("QGMMA", 0) > 0, e  # FP8 wgmma on sm90
+    plan = load_plan(out)
+    assert plan.kernels["target"] == "sm90" and len(plan.kernels["kernels"]) == len(ents)
+
+
+def test_second_compile_is_cached_and_never_tunes(env, cold, monkeypatch):
+    _, _, cold_s = cold
+
+    def no_tuning(*a, **k):
+        raise AssertionError("compile must not tune")
+
+    monkeypatch.setattr(tuner, "tune", no_tuning)
+    monkeypatch.setattr(tuner, "tune_target", no_tuning)
+    out, res, warm_s = _compile(env, "warm")
+    ents = res.plan.kernels["kernels"]
+    assert all(e["lower_cached"] for e in ents)
+    assert warm_s < cold_s, (warm_s, cold_s)
+    print(f"kernels: cold compile {cold_s:.1f} s, warm {warm_s:.1f} s")
+
+
+def test_tuning_db_record_changes_the_config(env, cold, monkeypatch):
+    monkeypatch.setattr(tuner, "tune", lambda *a, **k: pytest.fail("compile must not tune"))
+    res = cold[1]
+    gemm = next(e for e in res.plan.kernels["kernels"] if e["family"] == "fp8_gemm" and e["args"][0] == 4096)
+    node = gemm["nodes"][0]
+    attrs = next(n.attrs for n in res.plan.graph.nodes if n.outputs[0].name == node)
+    shape = res.plan.graph.meta["kernels"]["nodes"][node]["buckets"]["prefill"]["shape"]
+    key_shape = {"M": shape["M"], "N": shape["N"], "K": shape["K"], "g": attrs["block"]}
+    db = tuner.TuningDB()
+    key = tuner.make_key("fp8_gemm", key_shape, dtype=plan_kernels.GEMM_DTYPE, target="sm90")
+    tuned = {**gemm["config"], "block_n": 128, "stages": 4}
+    db.put(key, tuned, 0.01)
+    db.save()
+    specs, _ = plan_kernels.kernel_specs(res.plan.graph, "sm90", "bound")
+    mine = [s for s in specs if s.family == "fp8_gemm" and s.args[0] == 4096 and s.args[2] == gemm["args"][2]]
+    picked = [s for s in mine if s.source == "tuned"]
+    assert picked and picked[0].config["block_n"] == 128 and picked[0].config["stages"] == 4
+    manifest = plan_kernels.build_kernels(picked, "sm90", env / "tuned", jobs=1)
+    (ent,) = manifest["kernels"]
+    assert ent["config_source"] == "tuned" and ent["config"]["block_n"] == 128 and "error" not in ent
+
+
+@pytest.mark.parametrize("how", ["altered", "missing"])
+def test_altered_or_missing_artifact_fails_load_in_one_line(cold, tmp_path, how):
+    out = tmp_path / "plan"
+    shutil.copytree(cold[0], out)
+    cubin = next((out / "kernels").glob("*.cubin"))
+    if how == "altered":
+        cubin.write_bytes(cubin.read_bytes() + b"\0")
+    else:
+        cubin.unlink()
+    with pytest.raises(SerializationError) as e:
+        load_plan(out)
+    msg = str(e.value)
+    assert "\n" not in msg and cubin.name in msg and how in msg
+
+
+def test_kernels_none_writes_no_kernels(env):
+    res = compile_model(None, "sm90", kernels="none")
+    assert res.plan.kernels is None and res.plan.kernels_dir is None
+    with pytest.raises(Exception, match="--kernels must be one of"):
+        plan_kernels.kernel_specs(res.plan.graph, "sm90", "some")
