@@ -130,7 +130,10 @@ def check_kernels(kdir: str | os.PathLike) -> dict:
     if kernels is None:
         raise SerializationError(f"{mf}: expected a JSON object")
     for ent in kernels:
-        for info in (ent.get("files") or {}).values():
+        files = ent.get("files") if isinstance(ent, dict) else None
+        for info in (files or {}).values():
+            if not isinstance(info, dict) or not isinstance(info.get("file"), str) or "sha256" not in info:
+                raise SerializationError(f"{mf}: kernels: entry {ent.get('name')!r} has a malformed files record")
             path = kdir / info["file"]
             if not path.is_file():
                 raise SerializationError(f"{path}: kernel artifact missing (listed in {mf})")
