@@ -216,7 +216,8 @@ class RMSNormAdapter:
         if d % group:
             raise Decline(f"D={d} is not a multiple of the group {group}")
         cfg = rmsnorm_quant.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
-        cfg = rmsnorm_quant.Config(cfg.block_m, _norm_threads(cfg.block_m * d, cfg.threads))
+        width = rmsnorm_quant.padded_width(d, group)
+        cfg = rmsnorm_quant.Config(cfg.block_m, _norm_threads(cfg.block_m * width, cfg.threads))
         rows = bucket_rows(m, max(cfg.block_m, 16))
         key = _key("rmsnorm_quant", "program", (rows, d), cfg, group=group, quant=quant, eps=float(call.attrs["eps"]))
         return key, rows, group, quant
@@ -244,10 +245,9 @@ class RMSNormAdapter:
 
 
 def _norm_threads(elems: int, threads: int) -> int:
-    """The most threads, up to the binding's, that split a block's elements evenly: TileLang cannot lay out
-    the row fragments otherwise (D=1280 on 512 threads fails to build: "Inconsistent layouts ... ReduceOp").
-    Not sufficient for D=1280 quant on the H200: 256 threads then fail in the group reduce ("XOR-butterfly
-    AllReduce requires logical_width ... power of two"); those nodes fall back to the reference, counted."""
+    """The most threads, up to the binding's, that split a block's (padded, power-of-two wide) row fragments
+    evenly. The kernel pads rows to a power-of-two group count (rmsnorm_quant.padded_width), so every
+    power-of-two thread count up to the block's elements lays out and reduces (D=1280 included)."""
     while threads > 32 and elems % threads:
         threads //= 2
     return threads

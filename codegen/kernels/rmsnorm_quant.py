@@ -31,9 +31,23 @@ class Config:
     threads: int = 128
 
 
-def config_space(M: int, D: int) -> list[Config]:
-    # the threads must split a block's bm x D elements evenly, or TileLang cannot lay out the row fragments
-    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * D // t <= 160 and bm * D % t == 0]
+def padded_width(D: int, group: int = 32) -> int:
+    """The row width the CUDA kernel holds: D rounded up to a power-of-two number of groups.
+
+    TileLang lays the row fragments out from their shapes, and its cross-thread reduces (XOR butterfly)
+    need a power-of-two number of threads per reduced row: with D/group groups not a power of two (D=1280:
+    40 groups of 32) some (block_m, threads) pairs got 40-thread reduces and failed to lower. Padding the row
+    with zeros to a power-of-two group count keeps every extent a power of two; zeros change neither the sum of
+    squares nor a group's amax, and the padded columns are never stored.
+    """
+    g = ceil_div(D, group)
+    return (1 << (g - 1).bit_length()) * group
+
+
+def config_space(M: int, D: int, group: int = 32) -> list[Config]:
+    # registers: a thread holds at most 160 fp32 elements of each row fragment
+    Dp = padded_width(D, group)
+    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * Dp // t <= 160 and bm * Dp % t == 0]
 
 
 def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config()):
@@ -45,31 +59,34 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"  # activation dtype; fp32 on CPU (numerics check)
     qdt = "float32" if mem.cpu else "float8_e4m3fn"  # = torch.float8_e4m3fn (same DLPack code)
+    Dp = padded_width(D, group)  # row fragments are Dp wide (see padded_width); columns >= D are zeros
+    Gp = Dp // group
 
     @T.macro  # inlined into both prim_funcs below
     def normalise(X, W, bx, xf, rstd):
-        """xf <- w ⊙ x · rstd, rounded to the activation dtype (then held in fp32)."""
-        sq = mem.fragment((bm, D), "float32")
+        """xf <- w ⊙ x · rstd, rounded to the activation dtype (then held in fp32); padding columns stay 0."""
+        sq = mem.fragment((bm, Dp), "float32")
         ss = mem.fragment((bm,), "float32")
-        for i, j in mem.par(bm, D):
-            xf[i, j] = T.cast(X[bx * bm + i, j], "float32")
+        for i, j in mem.par(bm, Dp):
+            xf[i, j] = T.if_then_else(j < D, T.cast(X[bx * bm + i, T.min(j, D - 1)], "float32"), 0.0)
             sq[i, j] = xf[i, j] * xf[i, j]
         T.reduce_sum(sq, ss, dim=1)
         for i in mem.par(bm):
             rstd[i] = T.rsqrt(ss[i] / D + eps)
-        for i, j in mem.par(bm, D):
-            xf[i, j] = T.cast(T.cast(xf[i, j] * rstd[i] * W[j], act), "float32")
+        for i, j in mem.par(bm, Dp):
+            xf[i, j] = T.cast(T.cast(xf[i, j] * rstd[i] * W[T.min(j, D - 1)], act), "float32")
 
     if not quant:
 
         @T.prim_func
         def rmsnorm(X: T.Tensor((M, D), act), W: T.Tensor((D,), "float32"), Y: T.Tensor((M, D), act)):
             with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
-                xf = mem.fragment((bm, D), "float32")
+                xf = mem.fragment((bm, Dp), "float32")
                 rstd = mem.fragment((bm,), "float32")
                 normalise(X, W, bx, xf, rstd)
-                for i, j in mem.par(bm, D):
-                    Y[bx * bm + i, j] = T.cast(xf[i, j], act)
+                for i, j in mem.par(bm, Dp):
+                    if j < D:
+                        Y[bx * bm + i, j] = T.cast(xf[i, j], act)
 
         return rmsnorm
 
@@ -81,21 +98,23 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
         S: T.Tensor((G, M), "float32"),
     ):
         with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
-            xf = mem.fragment((bm, D), "float32")
+            xf = mem.fragment((bm, Dp), "float32")
             rstd = mem.fragment((bm,), "float32")
             normalise(X, W, bx, xf, rstd)
-            xg = mem.fragment((bm, G, group), "float32")
-            amax = mem.fragment((bm, G), "float32")
-            for i, g, c in mem.par(bm, G, group):
+            xg = mem.fragment((bm, Gp, group), "float32")
+            amax = mem.fragment((bm, Gp), "float32")
+            for i, g, c in mem.par(bm, Gp, group):
                 xg[i, g, c] = xf[i, g * group + c]
             T.reduce_absmax(xg, amax, dim=2)
-            for i, g in mem.par(bm, G):
+            for i, g in mem.par(bm, Gp):
                 # ue8m0: power-of-two scale so dequantisation is an exponent add
                 amax[i, g] = T.exp2(T.ceil(T.log2(T.max(amax[i, g], 1e-30) / FP8_MAX)))
-                S[g, bx * bm + i] = amax[i, g]
-            for i, g, c in mem.par(bm, G, group):
-                v = T.clamp(xg[i, g, c] / amax[i, g], -FP8_MAX, FP8_MAX)
-                Q[bx * bm + i, g * group + c] = T.cast(v, qdt)
+                if g < G:
+                    S[g, bx * bm + i] = amax[i, g]
+            for i, g, c in mem.par(bm, Gp, group):
+                if g < G:
+                    v = T.clamp(xg[i, g, c] / amax[i, g], -FP8_MAX, FP8_MAX)
+                    Q[bx * bm + i, g * group + c] = T.cast(v, qdt)
 
     return rmsnorm_quant
 

@@ -144,3 +144,19 @@ def test_sm90_sparse_attention_split_builds(codegen_cache, nvcc_required):
     ops = tb.build("sparse_attn_split_sm90", part, "sm90").opcodes
     assert ops["HGMMA"] > 0 and ops["LDGSTS"] > 0
     assert tb.build("sparse_attn_combine_sm90", comb, "sm90").opcodes["EXIT"] >= 1
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+@pytest.mark.parametrize("D", [1280])  # V4.1 q_lora_rank; 5120 is built above
+@pytest.mark.parametrize("M", [16, 64])
+def test_rmsnorm_quant_builds_every_config(codegen_cache, nvcc_required, target, D, M):
+    """Non-power-of-two group counts (D=1280: 40 groups of 32) lowered to a 40-thread XOR-butterfly reduce
+    for some configs; every config of the space (and the adapter's default) must lower and compile."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    space = rmsnorm_quant.config_space(M, D)
+    assert space and all(c.threads & (c.threads - 1) == 0 for c in space)
+    for cfg in {*space, rmsnorm_quant.Config(2, 256)}:
+        func = rmsnorm_quant.program(M, D, group=32, quant=True, eps=1e-6, target=target, cfg=cfg)
+        art = tb.build(f"rmsnorm_quant_{M}x{D}_{cfg.block_m}x{cfg.threads}_{target}", func, target, sass=False)
+        assert art.cubin_path is not None and art.cubin_path.exists()
