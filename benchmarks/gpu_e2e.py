@@ -345,6 +345,108 @@ def compare(g, cpu_params, runner, outs, label: str, stable: bool = False) -> di
     return res
 
 
+# ---------------------------------------------------------------------------------------------- (formats)
+
+EQ_PROMPT_LENS = (2, 3, 5, 8, 13, 21, 34, 55)  # 8 prompts of different lengths, batched together
+EQ_TOL_REL = 0.02  # max |compiled - formats| logit difference allowed, as a fraction of the logit range
+
+
+def eq_prompts(lens=EQ_PROMPT_LENS, vocab: int = 129280) -> list[list[int]]:
+    return [[0, *[(7919 * i + 104729 * j + 13) % (vocab - 1) + 1 for j in range(1, n)]] for i, n in enumerate(lens)]
+
+
+def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
+    """Issue 7's H200 equality: greedy generation through `compile` + the sm90 engine (compiled TileLang kernels
+    on the GPU) against greedy generation from the same plan's graph interpreted at the kernels' number formats
+    (every bound node's kernel replaced by its torch emulation: the same bf16/FP8 inputs, the family's reference
+    math in fp32, the output rounded to the kernel's output dtype -- runtime/kernel_adapters.emulated_kernel; the
+    other nodes are the ops' references in both). 8 prompts of different lengths batched, n_tokens each, random
+    weights (routing and indexer selections are live).
+
+    Tolerance, and why: both paths round at exactly the same places, so they differ only by the order of fp32
+    accumulation inside each kernel (~1e-6 relative) and by the bf16/FP8 roundings those tiny differences tip
+    over (one bf16 ulp = 2^-8, one e4m3 step = 2^-3 of the element, rare: the pre-rounding values must sit within
+    ~1e-6 of a boundary). So (1) teacher-forced along the compiled path's tokens, max |logit difference| must stay
+    under EQ_TOL_REL (2%) of the logit range, and (2) the tokens must be equal at every step where the formats
+    path's top-2 margin exceeds twice that step's measured difference (elsewhere a tie may break either way; such
+    steps are counted and printed, and generation is compared up to the first one)."""
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import KernelCache
+    from deepinfer.runtime.engine import LLM
+    from deepinfer.runtime.plan import bind_weights
+    from deepinfer.runtime.sampler import SamplingParams
+
+    name = f"{model}:{preset}"
+    plan = compile_model(name, "sm90").plan
+    params, _ = bind_weights(plan)
+    vocab = int(plan.graph.outputs[0].shape[-1])
+    prompts = eq_prompts(vocab=vocab)
+    max_len = max(map(len, prompts)) + n_tokens + 8
+    log(f"{name}: compiled for sm90 ({len(plan.graph.nodes)} nodes); {len(prompts)} prompts, {n_tokens} tokens each")
+    mk = dict(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=max_len,
+              max_num_seqs=len(prompts), max_num_batched_tokens=512, overlap=False)  # fmt: skip
+    llm_k, llm_f = LLM(**mk), LLM(**mk)
+    run_k, run_f = llm_k.executor.runner, llm_f.executor.runner
+    run_f.exec.kernels = KernelCache(builder=ka.emulated_kernel)
+    run_f.exec.verify = False
+    lengths = {1} | {len(p) for p in prompts} | {len(p) + n_tokens - 1 for p in prompts}
+    keys: list = []
+    for t in sorted(lengths):
+        feeds = _teacher_inputs(plan.graph, [(7 * i) % 1000 for i in range(t)], "cuda")
+        keys += [k for k in run_k.exec.kernel_keys(feeds) if k not in keys]
+    log(f"{name}: {len(keys)} distinct kernels for lengths {sorted(lengths)}")
+    pb_err = prebuild(keys, jobs, max(20.0, 0.5 * left(deadline)))
+    sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.time()
+    outs_k = llm_k.generate(prompts, sp)
+    t_k = time.time() - t0
+    outs_f = llm_f.generate(prompts, sp)
+    t_f = time.time() - t0 - t_k
+    log(f"{name}: generated {len(prompts)} x {n_tokens} tokens: compiled {t_k:.1f} s, formats-emulated {t_f:.1f} s")
+    print(run_k.report(), flush=True)
+    row: dict = {"model": name, "prompts": len(prompts), "tokens": n_tokens, "prebuild_errors": len(pb_err),
+                 "disabled": len(run_k.exec.kernels.failed), "generate_s": t_k}  # fmt: skip
+    c, r = run_k.exec.stats.total()
+    row.update(compiled=c, reference=r, families=dict(run_k.exec.stats.compiled))
+    errs = [o.error for o in outs_k + outs_f if o.error]
+    equal_prompts = sum(a.token_ids == b.token_ids for a, b in zip(outs_k, outs_f))
+    first_div = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), n_tokens)
+                 for a, b in zip(outs_k, outs_f)]  # fmt: skip
+    # teacher-forced along the compiled path's tokens: per-step difference, the formats path's top-2 margin
+    steps = decisive = bad = 0
+    err_max = rng = 0.0
+    ties = []
+    for a, b in zip(outs_k, outs_f):
+        seq = a.prompt_token_ids + a.token_ids[:-1]
+        rows = slice(len(a.prompt_token_ids) - 1, len(seq))
+        lk = run_k.exec.run(_teacher_inputs(plan.graph, seq, "cuda"))[0].float()[rows]
+        lf = run_f.exec.run(_teacher_inputs(plan.graph, seq, "cuda"))[0].float()[rows]
+        err = (lk - lf).abs().amax(-1)
+        top2 = lf.topk(2, -1).values
+        margin = top2[:, 0] - top2[:, 1]
+        dec = margin > 2 * err
+        # both argmaxes teacher-forced (a full-sequence pass can bind other kernels than decode steps do, so
+        # it is compared with itself, not with the incremental tokens)
+        tok_k, tok_f = lk.argmax(-1), lf.argmax(-1)
+        steps += len(a.token_ids)
+        decisive += int(dec.sum())
+        bad += int((dec & (tok_k != tok_f)).sum())
+        ties += [(i, float(margin[i]), float(err[i])) for i in torch.nonzero(~dec).flatten().tolist()]
+        err_max = max(err_max, float(err.max()))
+        rng = max(rng, float(lf.amax() - lf.amin()))
+    ok = (not errs and not pb_err and row["disabled"] == 0 and bad == 0 and err_max <= EQ_TOL_REL * rng
+          and equal_prompts == len(prompts))  # fmt: skip
+    row.update(equal_prompts=equal_prompts, first_divergence=first_div, steps=steps, decisive=decisive,
+               decisive_mismatch=bad, err=err_max, range=rng, err_rel=err_max / max(rng, 1e-30),
+               near_ties=ties[:10], errors=errs[:4], pass_=ok)  # fmt: skip
+    log(f"{name}: tokens equal in {equal_prompts}/{len(prompts)} prompts (first divergence per prompt: {first_div}); "
+        f"teacher-forced max|compiled - formats| {err_max:.4f} = {row['err_rel']:.3%} of the logit range {rng:.2f} "
+        f"(limit {EQ_TOL_REL:.0%}); {decisive}/{steps} steps decisive, {bad} decisive mismatches; "
+        f"near-ties {len(ties)} {ties[:4]} -> {'PASS' if ok else 'FAIL'}")  # fmt: skip
+    return row
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -354,6 +456,11 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 16) - 2), help="kernel build processes")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_e2e_out")
     ap.add_argument("--skip-slice", action="store_true")
+    ap.add_argument("--formats", default="deepseek-v4.1-flash=tiny,deepseek-v4-flash=tiny,deepseek-v4.1-flash=small",
+                    help="model=preset list for the compiled-vs-formats equality check ('' skips it)")
+    ap.add_argument("--formats-share", type=float, default=0.6, help="fraction of the budget for that check")
+    ap.add_argument("--eq-tokens", type=int, default=64, help="greedy tokens per prompt in the equality check")
+    ap.add_argument("--fp32", action="store_true", help="also the (informative) comparison with the fp32 interpreter")
     ap.add_argument("--tokens", type=int, default=12,
                     help="greedy tokens per prompt of the random-weight check (tiny; small uses 2/3)")
     args = ap.parse_args(argv)
@@ -364,19 +471,32 @@ def main(argv=None) -> int:
         print("gpu_e2e: error: needs a CUDA device (an H200); this machine has none", file=sys.stderr)
         return 2
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, budget {args.budget_s:.0f} s")
-    rows = []
-    shares = (0.45, 0.95) if args.skip_slice else (0.22, 0.47)  # cumulative: the deadline of each preset
-    for (preset, n), share in zip((("tiny", args.tokens), ("small", max(4, args.tokens * 2 // 3))), shares):
+    eq_rows = []
+    models = [m.split("=") for m in args.formats.split(",") if m]
+    for i, (model, preset) in enumerate(models):
         if left(end) < 60:
-            log(f"{preset}: skipped (time budget)")
+            log(f"{model}:{preset}: skipped (time budget)")
             continue
-        r = guarded(f"e2e {preset}", e2e_preset, preset, n, args.jobs, T0 + share * args.budget_s)
-        rows += r or [{"preset": preset, "variant": "-", "pass": False, "error": True}]
+        share = T0 + (i + 1) / len(models) * args.formats_share * args.budget_s
+        r = guarded(f"formats {model}:{preset}", e2e_formats, model, preset, args.eq_tokens, args.jobs, share)
+        eq_rows.append(r or {"model": f"{model}:{preset}", "pass_": False, "error": True})
         torch.cuda.empty_cache()
+    rows = []
+    if args.fp32:
+        shares = (0.45, 0.95) if args.skip_slice else (0.22, 0.47)  # cumulative: the deadline of each preset
+        for (preset, n), share in zip((("tiny", args.tokens), ("small", max(4, args.tokens * 2 // 3))), shares):
+            if left(end) < 60:
+                log(f"{preset}: skipped (time budget)")
+                continue
+            r = guarded(f"e2e {preset}", e2e_preset, preset, n, args.jobs, T0 + share * args.budget_s)
+            rows += r or [{"preset": preset, "variant": "-", "pass": False, "error": True}]
+            torch.cuda.empty_cache()
     slice_rows = None
     if not args.skip_slice and left(end) > 90:
         slice_rows = guarded("bench slice", _slice, out, left(end) - 20, args.jobs)
-    (out / "gpu_e2e.json").write_text(json.dumps({"e2e": rows, "slice": slice_rows}, indent=1, default=str))
+    (out / "gpu_e2e.json").write_text(json.dumps({"formats": eq_rows, "e2e": rows, "slice": slice_rows}, indent=1,
+                                                 default=str))  # fmt: skip
+    summary_formats(eq_rows)
     summary(rows, slice_rows)
     log(f"done; files under {out}")
     return 0
@@ -395,7 +515,24 @@ def _slice(out: Path, budget: float, jobs: int):
                            torch_compile=False)  # fmt: skip
 
 
+def summary_formats(rows: list) -> None:
+    print("\n=== compiled kernels vs the same graph at the kernels' formats (greedy, teacher-forced errors) ===")
+    cols = ("model", "pass", "compiled", "ref", "disabled", "equal", "first div", "err", "err/range", "decisive",
+            "bad", "ties")  # fmt: skip
+    print(" | ".join(cols))
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['model']} | ERROR (see above)")
+            continue
+        print(" | ".join(str(v) for v in (
+            r["model"], r["pass_"], r["compiled"], r["reference"], r["disabled"],
+            f"{r['equal_prompts']}/{r['prompts']} x {r['tokens']}", r["first_divergence"], f"{r['err']:.4f}",
+            f"{r['err_rel']:.3%}", f"{r['decisive']}/{r['steps']}", r["decisive_mismatch"], len(r["near_ties"]))))
+
+
 def summary(rows: list, slice_rows) -> None:
+    if not rows and not slice_rows:
+        return
     print("\n=== summary ===")
     cols = ("preset", "weights", "pass", "compiled", "ref", "disabled", "err gpu", "err fmt", "bound", "range",
             "decisive", "bad", "tok=fp32")  # fmt: skip
