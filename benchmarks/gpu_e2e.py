@@ -417,7 +417,7 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     steps = decisive = bad = 0
     err_max = rng = 0.0
     ties = []
-    for a, b in zip(outs_k, outs_f):
+    for a in outs_k:
         seq = a.prompt_token_ids + a.token_ids[:-1]
         rows = slice(len(a.prompt_token_ids) - 1, len(seq))
         lk = run_k.exec.run(_teacher_inputs(plan.graph, seq, "cuda"))[0].float()[rows]
