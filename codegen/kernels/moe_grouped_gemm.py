@@ -17,8 +17,36 @@ iterations (its expert's weights are not read).
 
 Masked (decode) layout, sm90: every expert owns `max_rows` rows (e*max_rows ...) and Counts[e] says how
 many are real (DeepGEMM's "masked" layout); tiles past the count are skipped, so only the weights of
-experts with tokens are read. Not yet here: W4A8 experts and the fused clamped-SwiGLU epilogue.
+experts with tokens are read.
+
+Swap-AB programs (`swab_program`, issue 6). At decode an expert sees 0-16 rows, so the GEMM is a weight
+stream: the weight rows are the wgmma M side (64 per consumer warpgroup) and the few tokens the N side
+(block_t = 16/32, m64n16k32), so no MMA or promotion work is spent on padding rows. CTA (N tile, expert
+slot): slot s takes the s-th expert with a non-zero count (a scan of Counts), so the CTAs of idle experts
+sit at the end of the grid and exit without reading anything; a CTA loops over its expert's token tiles
+(one pass per block_t rows). No setmaxnreg and a min-blocks-per-SM launch bound, so 3-4 CTAs share an SM
+and keep 12-16 TMA stages of weights in flight. Weight formats:
+  * fp8: B [E, N, K] e4m3 with [E, N/wb, K/wb] fp32 block scales (as `program`);
+  * fp4 (W4A8, V4.1's routed experts, MODEL_SPEC §4.3): B [E, N, K/4] int16 = the checkpoint's packed
+    e2m1 bytes (low nibble = even column) viewed two bytes at a time, SB [E, K/32, N] uint8 = the ue8m0
+    bytes transposed (MN-major, see `w4a8_weights`). Each 32-K sub-block is dequantised in registers
+    (4 codes per PRMT table lookup, `_FP4_SRC`) straight into the wgmma A fragment (RS wgmma, no shared
+    memory round trip): code -> e4m3 bits ((c&7)<<2)|((c&8)<<4), which is the e2m1 value times 2^-6
+    exactly; the 2^6 and the weight scale 2^(byte-127) are applied in the promotion as one power of two.
+    Half the weight bytes of fp8: this is the decode win.
+The same program runs the contiguous layout (Meta = TileExpert of block_t-row tiles); that is the W4A8
+prefill path (the weights' per-row scales make the non-swapped loop's promotion twice as expensive).
+
+Fused clamped SwiGLU (`swiglu_limit` not None): B holds w1|w3 stacked ([E, 2I, K]); a CTA's weight rows are
+gate rows [c, c+h) and the matching up rows [I+c, I+c+h), and the epilogue writes
+h = silu(min(g, L)) * clamp(u, -L, L) (L = swiglu_limit, 0 = no clamp; ir/ops/moe.py `swiglu`) quantised to
+e4m3 with one ue8m0 scale per 32 columns -- exactly what the w2 grouped GEMM reads (Hq [M, I] e4m3, Hs [I/32, M]
+fp32 MN-major; scale = 2^ceil(log2(max(amax, 1e-4)/448)), the runtime's `quant_act`). The scale is computed
+with exponent-bit arithmetic (`ue8m0_exponent`), no log2/division.
 """
+
+import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -42,17 +70,33 @@ def _is_sm90_cfg(cfg: Config) -> bool:
 
 
 def program(
-    M: int, N: int, K: int, E: int, *, act_group: int, weight_block: int, target: str, cfg: Config, max_rows: int = 0
+    M: int,
+    N: int,
+    K: int,
+    E: int,
+    *,
+    act_group: int,
+    weight_block: int,
+    target: str,
+    cfg: Config,
+    max_rows: int = 0,
+    swiglu_limit: float | None = None,
 ):
     """prim_func(A, SA, B, SB, TileExpert [M/block_m] int32, C [M, N]) for target cpu | sm90 | sm100.
 
     max_rows > 0 selects the masked (decode) layout, sm90 only: A [E*max_rows, K] (expert e's rows are
     e*max_rows ...), SA [K/ag, E*max_rows], C [E*max_rows, N], and Counts [E] int32 in place of TileExpert;
     rows past an expert's count are computed only inside a tile that has at least one real row (zeros or
-    junk there, never read)."""
+    junk there, never read).
+
+    swiglu_limit (sm90 loop only): N = 2I is w1|w3 laid out by `gate_up_tiles(w, cfg.block_n // 2)` (and its
+    scales likewise), and the outputs are (Hq [M, I] e4m3, Hs [I/32, M] fp32), the clamped SwiGLU of the GEMM
+    quantised per 32 columns (module docstring) instead of C."""
     if target == "sm90" and (max_rows or _is_sm90_cfg(cfg)):
-        return _program_sm90(M, N, K, E, act_group=act_group, weight_block=weight_block, cfg=cfg, max_rows=max_rows)
+        return _program_sm90(M, N, K, E, act_group=act_group, weight_block=weight_block, cfg=cfg, max_rows=max_rows,
+                             swiglu_limit=swiglu_limit)  # fmt: skip
     assert not max_rows, "the masked layout is built for sm90 only"
+    assert swiglu_limit is None, "the fused SwiGLU epilogue is built on the sm90 loop only"
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -102,7 +146,8 @@ def program(
     return moe_grouped_gemm
 
 
-def _program_sm90(M: int, N: int, K: int, E: int, *, act_group: int, weight_block: int, cfg: Config, max_rows: int):
+def _program_sm90(M: int, N: int, K: int, E: int, *, act_group: int, weight_block: int, cfg: Config, max_rows: int,
+                  swiglu_limit: float | None = None):  # fmt: skip
     """fp8_gemm._program_sm90's main loop with the tile's expert offsetting B and its scales. A tile with
     no real row (contiguous padding tile, or past a masked expert's count) runs zero K iterations: its
     weights are never read, which is what makes the masked layout HBM-efficient at decode."""
@@ -125,16 +170,15 @@ def _program_sm90(M: int, N: int, K: int, E: int, *, act_group: int, weight_bloc
     policy = T.GemmWarpPolicy.FullRow if cfg.row_split else T.GemmWarpPolicy.Square
     fp8 = "float8_e4m3fn"
     n_meta = E if max_rows else M // bM
+    glu = swiglu_limit is not None
+    I, bNh = N // 2, bN // 2
+    if glu:  # B and SB tile-interleaved by `gate_up_tiles(..., block_n // 2)`
+        assert bNh % 32 == 0 and bNh % wb == 0, "SwiGLU: half tiles of whole 32-column groups and weight blocks"
+    epilogue = _swiglu_epilogue(bM, bNh, swiglu_limit) if glu else None
 
-    @T.prim_func
-    def moe_grouped_gemm_sm90(
-        A: T.Tensor((M, K), fp8),
-        SA: T.Tensor((kb_a, M), "float32"),
-        B: T.Tensor((E, N, K), fp8),
-        SB: T.Tensor((E, nb_w, kb_w), "float32"),
-        Meta: T.Tensor((n_meta,), "int32"),  # TileExpert (contiguous) or Counts (masked)
-        C: T.Tensor((M, N), "bfloat16"),
-    ):
+    @T.macro
+    def kernel(A, SA, B, SB, Meta, C, CS):
+        """C: bf16 output, or the SwiGLU's e4m3 codes Hq with CS its scales Hs."""
         with T.Kernel(N // bN, M // bM, threads=cfg.threads) as (bx, by):
             A_s = T.alloc_shared((bM, bK), fp8)
             B_s = T.alloc_shared((bN, bK), fp8)
@@ -143,7 +187,6 @@ def _program_sm90(M: int, N: int, K: int, E: int, *, act_group: int, weight_bloc
             p0 = T.alloc_fragment((bM, bN), "float32")
             p1 = T.alloc_fragment((bM, bN), "float32")
             acc = T.alloc_fragment((bM, bN), "float32")
-            C_s = T.alloc_shared((bM, bN), "bfloat16")
             keep = T.alloc_local((1,), "float32")
             if max_rows:
                 e = by // tpe
@@ -190,10 +233,312 @@ def _program_sm90(M: int, N: int, K: int, E: int, *, act_group: int, weight_bloc
                         for i, j in T.Parallel(bM, bN):
                             sb = SB_s[j // wb, (ko * bK + k0) // wb]
                             acc[i, j] += p0[i, j] * (SA_s[k0 // ag, i] * sb)
-            T.copy(acc, C_s)
-            T.copy(C_s, C[by * bM : (by + 1) * bM, bx * bN : (bx + 1) * bN])
+            if glu:
+                H_s = T.alloc_shared((bM, bN), "float32")
+                T.copy(acc, H_s)
+                epilogue(H_s, C, CS, by * bM, bx * bNh)
+            else:
+                C_s = T.alloc_shared((bM, bN), "bfloat16")
+                T.copy(acc, C_s)
+                T.copy(C_s, C[by * bM : (by + 1) * bM, bx * bN : (bx + 1) * bN])
+
+    if glu:
+
+        @T.prim_func
+        def moe_grouped_gemm_sm90_swiglu(
+            A: T.Tensor((M, K), fp8),
+            SA: T.Tensor((kb_a, M), "float32"),
+            B: T.Tensor((E, N, K), fp8),
+            SB: T.Tensor((E, nb_w, kb_w), "float32"),
+            Meta: T.Tensor((n_meta,), "int32"),
+            Hq: T.Tensor((M, I), fp8),
+            Hs: T.Tensor((I // 32, M), "float32"),
+        ):
+            kernel(A, SA, B, SB, Meta, Hq, Hs)
+
+        return moe_grouped_gemm_sm90_swiglu
+
+    @T.prim_func
+    def moe_grouped_gemm_sm90(
+        A: T.Tensor((M, K), fp8),
+        SA: T.Tensor((kb_a, M), "float32"),
+        B: T.Tensor((E, N, K), fp8),
+        SB: T.Tensor((E, nb_w, kb_w), "float32"),
+        Meta: T.Tensor((n_meta,), "int32"),  # TileExpert (contiguous) or Counts (masked)
+        C: T.Tensor((M, N), "bfloat16"),
+    ):
+        kernel(A, SA, B, SB, Meta, C, None)
 
     return moe_grouped_gemm_sm90
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU epilogue
+
+ACT_SCALE_FLOOR = 1e-4  # dt.pow2_scale's floor, as the runtime's quant_act uses it
+
+
+def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(max(amax, 1e-4) / 448)) from the float's bits, as the fused epilogue computes it: with
+    amax = 1.m * 2^p, the ratio amax/448 = (1.m/1.75) * 2^(p-8) and 1.m/1.75 is in (4/7, 8/7), so the
+    exponent is p-8, plus 1 when the mantissa is above 1.75 (bits > 0x600000). Exact: no log2, no division."""
+    bits = amax.float().clamp(min=ACT_SCALE_FLOOR).contiguous().view(torch.int32)
+    return (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+
+
+def _swiglu_epilogue(rows: int, half: int, limit: float):
+    """T.macro: H_s [rows, 2*half] fp32 (shared; gate columns then the matching up columns) ->
+    Hq[row0 + i, col0 + j] = e4m3(h / s), Hs[(col0 + j) // 32, row0 + i] = s, h = silu(min(g, L)) * clamp(u, ±L)."""
+    import tilelang.language as T
+
+    ng = half // 32
+    big = float(limit) if limit and limit > 0 else 3.0e38  # no clamp: min/max against the largest float
+    fp8 = "float8_e4m3fn"
+
+    @T.macro
+    def epilogue(H_s, Hq, Hs, row0, col0):
+        G_f = T.alloc_fragment((rows, ng, 32), "float32")
+        AM = T.alloc_fragment((rows, ng), "float32")
+        Q_s = T.alloc_shared((rows, half), fp8)
+        S_s = T.alloc_shared((ng, rows), "float32")
+        for i, g, c in T.Parallel(rows, ng, 32):
+            gv = T.min(H_s[i, g * 32 + c], big)
+            uv = T.max(T.min(H_s[i, half + g * 32 + c], big), -big)
+            G_f[i, g, c] = gv / (1.0 + T.exp(-gv)) * uv
+        T.reduce_absmax(G_f, AM, dim=2)
+        for i, g in T.Parallel(rows, ng):
+            bits = T.reinterpret(T.max(AM[i, g], ACT_SCALE_FLOOR), "uint32")
+            ex = T.Cast("int32", bits >> T.uint32(23)) - 135 + T.if_then_else(
+                (bits & T.uint32(0x7FFFFF)) > T.uint32(0x600000), 1, 0
+            )
+            S_s[g, i] = T.reinterpret(T.shift_left(T.Cast("uint32", ex + 127), T.uint32(23)), "float32")
+            AM[i, g] = T.reinterpret(T.shift_left(T.Cast("uint32", 127 - ex), T.uint32(23)), "float32")  # 1/s
+        for i, g, c in T.Parallel(rows, ng, 32):
+            Q_s[i, g * 32 + c] = T.Cast(fp8, T.max(T.min(G_f[i, g, c] * AM[i, g], 448.0), -448.0))
+        T.copy(Q_s, Hq[row0 : row0 + rows, col0 : col0 + half])
+        T.copy(S_s, Hs[col0 // 32 : col0 // 32 + ng, row0 : row0 + rows])
+
+    return epilogue
+
+
+# ---------------------------------------------------------------------------------------------- swap-AB programs
+
+# 4 e2m1 codes (16 bits, low nibble first) -> 4 e4m3 bytes worth code * 2^-6: magnitudes through a PRMT table
+# (bytes 0x00, 0x04, ..., 0x1C), the 4 sign bits moved to bit 7 of each byte by a second PRMT.
+_FP4_SRC = r"""
+__device__ __forceinline__ unsigned int deepinfer_fp4x4_to_e4m3(unsigned int x) {
+  unsigned int mag = __byte_perm(0x0C080400u, 0x1C181410u, x & 0x7777u);
+  unsigned int sgn = x & 0x8888u;
+  return mag | (__byte_perm(sgn << 4, sgn, 0x5140u) & 0x80808080u);
+}
+"""
+
+
+@dataclass(frozen=True)
+class SwabConfig:
+    """Swap-AB tile: block_n weight rows (wgmma M, 64 per consumer warpgroup) x block_t tokens (wgmma N)."""
+
+    block_n: int = 64
+    block_t: int = 16
+    block_k: int = 128
+    stages: int = 4
+    min_blocks: int = 3  # __launch_bounds__ min blocks per SM (registers capped; no setmaxnreg)
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.block_n // 64)
+
+    @property
+    def tag(self) -> str:
+        return f"swab{self.block_n}x{self.block_t}x{self.block_k}s{self.stages}b{self.min_blocks}"
+
+
+def swab_config(rows_per_expert: int, fmt: str = "fp8", contiguous: bool = False) -> SwabConfig:
+    """Decode (masked): 64 weight rows x 16 tokens (32 when experts see more than ~12 rows), 3-4 CTAs per SM;
+    fp4 stages 256 K (8 KiB of packed weights, the same bytes per stage as fp8's 128 K).
+    Contiguous (W4A8 prefill): 128 weight rows (2 consumer warpgroups) x 128 tokens, one CTA per SM."""
+    if contiguous:
+        return SwabConfig(128, 128, 128, 4, 1)
+    bt = 16 if rows_per_expert <= 12 else 32
+    return SwabConfig(64, bt, 256 if fmt == "fp4" else 128, 4, 4 if bt == 16 else 3)
+
+
+def swab_config_space(rows_per_expert: int, fmt: str = "fp8") -> list[SwabConfig]:
+    """Masked decode configs worth timing (what the tuner would search)."""
+    bks = (128, 256) if fmt == "fp4" else (128,)
+    bts = (16, 32) if rows_per_expert <= 16 else (32, 64)
+    out = []
+    for bt, bk, st, mb in itertools.product(bts, bks, (3, 4, 6), (2, 3, 4)):
+        smem = st * (64 * bk // (2 if fmt == "fp4" else 1) + bt * bk + 4 * bt * bk // 32) + 4 * 64 * bt
+        if smem * mb <= 220 * 1024:
+            out.append(SwabConfig(64, bt, bk, st, mb))
+    return out
+
+
+def swab_program(
+    M: int,
+    N: int,
+    K: int,
+    E: int,
+    *,
+    fmt: str = "fp8",
+    act_group: int = 32,
+    weight_block: int = 32,
+    cfg: SwabConfig | None = None,
+    max_rows: int = 0,
+    swiglu_limit: float | None = None,
+):
+    """Swap-AB grouped GEMM (module docstring), sm90.
+
+    prim_func(A [M, K] e4m3, SA [K/ag, M] fp32, B, SB, Meta, *out):
+      fmt "fp8": B [E, N, K] e4m3, SB [E, N/wb, K/wb] fp32;  fmt "fp4": B [E, N, K/4] int16, SB [E, K/32, N] uint8.
+      max_rows > 0: masked layout, M = E*max_rows, Meta = Counts [E]; else contiguous, Meta = TileExpert [M/block_t].
+      out: C [M, N] bf16, or with swiglu_limit: Hq [M, N/2] e4m3 and Hs [N/64, M] fp32.
+    Rows past an expert's count (masked) or of padding tiles hold junk / are not written; never read them."""
+    import tilelang.language as T
+
+    cfg = cfg or swab_config(4, fmt, contiguous=not max_rows)
+    bN, bT, bK, sub = cfg.block_n, cfg.block_t, cfg.block_k, 32
+    ag, wb = act_group, weight_block
+    fp4 = fmt == "fp4"
+    assert fmt in ("fp8", "fp4") and bN % 64 == 0 and K % bK == 0 and bK % sub == 0 and bK % ag == 0
+    assert fp4 or (wb % sub == 0 and (bN % wb == 0 or wb % bN == 0))
+    glu = swiglu_limit is not None
+    I, bNh = N // 2, bN // 2
+    assert N % bN == 0
+    if glu:  # B (and its scales) tile-interleaved by `gate_up_tiles(..., bN // 2)`
+        assert bNh % 32 == 0 and (fp4 or bNh % wb == 0)
+    if max_rows:
+        assert max_rows % bT == 0 and M == E * max_rows
+    else:
+        assert M % bT == 0
+    nk, sa_rows, kb_a = K // bK, bK // ag, ceil_div(K, ag)
+    units = list(range(bK // sub))
+    fp8 = "float8_e4m3fn"
+    n_meta = E if max_rows else M // bT
+    n_grid = E if max_rows else M // bT
+    epilogue = _swiglu_epilogue(bT, bNh, swiglu_limit) if glu else None
+    # fp8 weight scales of this CTA's rows, staged once: block rows [0, nsb) (gate half then up half if glu)
+    nsb = max(1, bN // wb) if not fp4 else 1
+    kb_w = ceil_div(K, wb)
+    if fp4:
+        b_shape, sb_shape, sb_dt = (E, N, K // 4), (E, K // 32, N), "uint8"
+    else:
+        b_shape, sb_shape, sb_dt = (E, N, K), (E, ceil_div(N, wb), kb_w), "float32"
+    b_dt = "int16" if fp4 else fp8
+
+    @T.macro
+    def kernel(A, SA, B, SB, Meta, C, CS):
+        with T.Kernel(N // bN, n_grid, threads=cfg.threads) as (bx, slot):
+            T.annotate_min_blocks_per_sm(cfg.min_blocks)
+            T.no_set_max_nreg()
+            if fp4:
+                T.import_source(_FP4_SRC)
+            A_s = T.alloc_shared((bT, bK), fp8)
+            SA_s = T.alloc_shared((sa_rows, bT), "float32")
+            p0 = T.alloc_fragment((bN, bT), "float32")
+            acc = T.alloc_fragment((bN, bT), "float32")
+            if fp4:
+                P_s = T.alloc_shared((bN, bK // 4), "int16")
+                W_f = T.alloc_fragment((bN, sub), fp8)
+                SG_s = T.alloc_shared((bK // 32, bN), "uint8")
+            else:
+                W_s = T.alloc_shared((bN, bK), fp8)
+                SB_s = T.alloc_shared((nsb, kb_w), "float32")
+            # -------- which expert and rows this CTA works on
+            info = T.alloc_var("int32")
+            cnt = T.alloc_var("int32")
+            info = -1
+            cnt = 0
+            if max_rows:  # slot -> the slot-th expert with tokens
+                for i in T.serial(E):
+                    if Meta[i] > 0:
+                        if cnt == slot:
+                            info = i
+                        cnt = cnt + 1
+            else:
+                info = Meta[slot]
+            e = T.max(info, 0)
+            if max_rows:
+                n_tt = T.if_then_else(info >= 0, T.min(T.ceildiv(Meta[e], bT), max_rows // bT), 0)
+            else:
+                n_tt = T.if_then_else(info >= 0, 1, 0)
+            row_g = bx * bN  # first weight row (with glu: of the gate/up tile-interleaved stack)
+            if not fp4:
+                for i, k in T.Parallel(nsb, kb_w):
+                    SB_s[i, k] = SB[e, row_g // wb + i, k]
+            for tt in T.serial(n_tt):
+                if max_rows:
+                    row0 = e * max_rows + tt * bT
+                else:
+                    row0 = slot * bT
+                T.clear(acc)
+                for ko in T.Pipelined(nk, num_stages=cfg.stages):
+                    if fp4:
+                        T.copy(B[e, row_g : row_g + bN, ko * (bK // 4) : (ko + 1) * (bK // 4)], P_s)
+                        T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), row_g : row_g + bN], SG_s)
+                    else:
+                        T.copy(B[e, row_g : row_g + bN, ko * bK : (ko + 1) * bK], W_s)
+                    T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], A_s)
+                    T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
+                    for u in units:
+                        if fp4:
+                            for j, k in T.Parallel(bN, sub):
+                                w4 = T.call_extern("uint32", "deepinfer_fp4x4_to_e4m3",
+                                                   T.Cast("uint32", P_s[j, u * (sub // 4) + k // 4]))  # fmt: skip
+                                W_f[j, k] = T.reinterpret(
+                                    T.Cast("uint8", (w4 >> T.Cast("uint32", (k % 4) * 8)) & T.uint32(255)), fp8
+                                )
+                            T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
+                            for j, t in T.Parallel(bN, bT):
+                                # 2^(byte - 127) * 2^6 (the dequant's e4m3 codes are the e2m1 values * 2^-6)
+                                sbyte = T.Cast("uint32", SG_s[u, j])
+                                sb = T.reinterpret(T.shift_left(sbyte + T.uint32(6), T.uint32(23)), "float32")
+                                acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
+                        else:
+                            T.gemm(W_s[:, u * sub : (u + 1) * sub], A_s[:, u * sub : (u + 1) * sub], p0,
+                                   transpose_B=True, clear_accum=True)  # fmt: skip
+                            for j, t in T.Parallel(bN, bT):
+                                sb = SB_s[j // wb if bN > wb else 0, (ko * bK + u * sub) // wb]
+                                acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
+                if glu:
+                    H_s = T.alloc_shared((bT, bN), "float32")
+                    for j, t in T.Parallel(bN, bT):
+                        H_s[t, j] = acc[j, t]
+                    epilogue(H_s, C, CS, row0, bx * bNh)
+                else:
+                    C_s = T.alloc_shared((bT, bN), "bfloat16")
+                    for j, t in T.Parallel(bN, bT):
+                        C_s[t, j] = acc[j, t]
+                    T.copy(C_s, C[row0 : row0 + bT, bx * bN : (bx + 1) * bN])
+
+    if glu:
+
+        @T.prim_func
+        def moe_grouped_swab_swiglu(
+            A: T.Tensor((M, K), fp8),
+            SA: T.Tensor((kb_a, M), "float32"),
+            B: T.Tensor(b_shape, b_dt),
+            SB: T.Tensor(sb_shape, sb_dt),
+            Meta: T.Tensor((n_meta,), "int32"),
+            Hq: T.Tensor((M, I), fp8),
+            Hs: T.Tensor((I // 32, M), "float32"),
+        ):
+            kernel(A, SA, B, SB, Meta, Hq, Hs)
+
+        return moe_grouped_swab_swiglu
+
+    @T.prim_func
+    def moe_grouped_swab(
+        A: T.Tensor((M, K), fp8),
+        SA: T.Tensor((kb_a, M), "float32"),
+        B: T.Tensor(b_shape, b_dt),
+        SB: T.Tensor(sb_shape, sb_dt),
+        Meta: T.Tensor((n_meta,), "int32"),
+        C: T.Tensor((M, N), "bfloat16"),
+    ):
+        kernel(A, SA, B, SB, Meta, C, None)
+
+    return moe_grouped_swab
 
 
 # ---------------------------------------------------------------------------------------------- layout + reference
