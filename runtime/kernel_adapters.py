@@ -344,7 +344,9 @@ def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
     there: almost every pair has its own expert), so the layout needs no device -> host synchronisation;
     otherwise the exact count is read back (one synchronisation) to keep padding tiles few."""
     flat = idx.reshape(-1)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # bincount's counts without its host read of the maximum (torch.bincount synchronises on CUDA)
+    ones = torch.ones_like(flat, dtype=torch.long)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat.long(), ones)
     tiles_per = (counts + block_m - 1) // block_m
     ends = torch.cumsum(tiles_per, 0)
     first_tile = ends - tiles_per
@@ -533,6 +535,9 @@ def _stacked_view(first: list, second: list | None):
 # ---------------------------------------------------------------------------------------------- rope / engram
 
 
+MAX_POSITIONS = "max_positions"  # Call.cache key: positions stay below this (set by the runner)
+
+
 class RopeAdapter:
     """rope: x [T, ..., D] as [T, H, D] bf16; cos/sin from one fp32 table per (attrs, positions bucket), built
     with the op's own frequencies (cached, so the kernel computes the reference's exact products)."""
@@ -547,7 +552,10 @@ class RopeAdapter:
         x, pos = call.args
         t, d = x.shape[0], x.shape[-1]
         h = x[0].numel() // d if t else 1
-        p = bucket_rows(int(pos.max()) + 1 if pos.numel() else 1, 1024)
+        # the table covers max_positions when the runner knows it (the engine's max_model_len: no host read of
+        # the positions, so a decode step can be a CUDA graph), else the batch's largest position (a host read)
+        bound = call.cache.get(MAX_POSITIONS)
+        p = bucket_rows(bound or (int(pos.max()) + 1 if pos.numel() else 1), 1024)
         cfg = rope.Config(**{f: call.config[f] for f in ("block_t", "threads") if f in call.config})
         rows = bucket_rows(t, cfg.block_t)
         key = _key("rope", "program", (rows, h, d, p), cfg, rope_dim=call.attrs["rope_dim"],
@@ -664,15 +672,18 @@ def adapter_for(family: str, op: str):
 
 def _factory(key: KernelKey):
     import importlib
+    import inspect
 
     mod = importlib.import_module(f"deepinfer.codegen.kernels.{key.family}")
+    fn = getattr(mod, key.program)
     kw = dict(key.kwargs)
-    if "cfg" in kw:
-        cfg_cls = getattr(mod, "Config", None)
-        if cfg_cls is None:
+    if "cfg" in kw:  # the program's own config class (its cfg default: engram has one per program)
+        default = inspect.signature(fn).parameters["cfg"].default
+        cfg_cls = type(default) if default not in (None, inspect.Parameter.empty) else getattr(mod, "Config", None)
+        if cfg_cls is None:  # moe_grouped_gemm runs fp8_gemm's main loop with its Config
             from deepinfer.codegen.kernels.fp8_gemm import Config as cfg_cls
         kw["cfg"] = cfg_cls(**dict(kw["cfg"]))
-    return getattr(mod, key.program)(*key.args, target="sm90", **kw)
+    return fn(*key.args, target="sm90", **kw)
 
 
 def build_kernel(key: KernelKey):

@@ -219,3 +219,17 @@ def test_new_adapters_with_emulated_kernels_match_the_references(sm90_tiny, monk
     assert not ex.kernels.failed and max(ex.stats.verified.values()) <= VERIFY_TOL_FP8
     assert any("no adapter" in why for why in ex.stats.reference), ex.report()
     assert torch.isfinite(out[0]).all()
+
+
+def test_every_kernel_the_tiny_plan_binds_constructs_its_program(sm90_tiny, monkeypatch):
+    """_factory turns each KernelKey back into its TileLang program with the program's own config class (engram
+    has one per program; a wrong class failed every engram build on the H200)."""
+    pytest.importorskip("tilelang")
+    plan, params = sm90_tiny
+    monkeypatch.setattr(ka, "EMULATE", True)
+    ex = GraphExecutor(plan.graph, params, kernels=KernelCache(builder=ka.emulated_kernel))
+    keys = ex.kernel_keys(_feeds(plan.graph, [3, 5, 7, 11, 13]))
+    one_per_program = {(k.family, k.program): k for k in keys}
+    assert {"engram", "fp8_gemm", "rmsnorm_quant", "rope", "hyper_connection"} <= {f for f, _ in one_per_program}
+    for key in one_per_program.values():
+        assert ka._factory(key) is not None, key.describe()
