@@ -324,11 +324,30 @@ def _swiglu_epilogue(rows: int, half: int, limit: float):
 
 # 4 e2m1 codes (16 bits, low nibble first) -> 4 e4m3 bytes worth code * 2^-6: magnitudes through a PRMT table
 # (bytes 0x00, 0x04, ..., 0x1C), the 4 sign bits moved to bit 7 of each byte by a second PRMT.
+# deepinfer_fp4_frag<NB> fills one thread's wgmma A fragment (NB m64 blocks x k32, 4 .b32 registers per block,
+# PTX's m64nNk32 8-bit A layout: row = 16*warp + lane/4 (+8 for a1/a3), k = 4*(lane%4) (+16 for a2/a3)) from
+# the packed tile p (int16 words, `stride` words a row) -- the fragment order TileLang gives a (bN x 32) fp8
+# fragment feeding an RS wgmma (checked against TileLang's own element-wise lowering in the tests).
 _FP4_SRC = r"""
 __device__ __forceinline__ unsigned int deepinfer_fp4x4_to_e4m3(unsigned int x) {
   unsigned int mag = __byte_perm(0x0C080400u, 0x1C181410u, x & 0x7777u);
   unsigned int sgn = x & 0x8888u;
   return mag | (__byte_perm(sgn << 4, sgn, 0x5140u) & 0x80808080u);
+}
+template <int NB>
+__device__ __forceinline__ void deepinfer_fp4_frag(void* frag, const void* packed, int stride) {
+  const int t = threadIdx.x & 127;
+  const int row = ((t >> 5) << 4) + ((t & 31) >> 2);
+  const unsigned short* p = reinterpret_cast<const unsigned short*>(packed) + row * stride + (t & 3);
+  unsigned int* r = reinterpret_cast<unsigned int*>(frag);
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const unsigned short* q = p + b * 64 * stride;
+    r[4 * b + 0] = deepinfer_fp4x4_to_e4m3(q[0]);
+    r[4 * b + 1] = deepinfer_fp4x4_to_e4m3(q[8 * stride]);
+    r[4 * b + 2] = deepinfer_fp4x4_to_e4m3(q[4]);
+    r[4 * b + 3] = deepinfer_fp4x4_to_e4m3(q[8 * stride + 4]);
+  }
 }
 """
 
@@ -386,6 +405,7 @@ def swab_program(
     cfg: SwabConfig | None = None,
     max_rows: int = 0,
     swiglu_limit: float | None = None,
+    fast_dequant: bool = True,
 ):
     """Swap-AB grouped GEMM (module docstring), sm90.
 
@@ -393,7 +413,8 @@ def swab_program(
       fmt "fp8": B [E, N, K] e4m3, SB [E, N/wb, K/wb] fp32;  fmt "fp4": B [E, N, K/4] int16, SB [E, K/32, N] uint8.
       max_rows > 0: masked layout, M = E*max_rows, Meta = Counts [E]; else contiguous, Meta = TileExpert [M/block_t].
       out: C [M, N] bf16, or with swiglu_limit: Hq [M, N/2] e4m3 and Hs [N/64, M] fp32.
-    Rows past an expert's count (masked) or of padding tiles hold junk / are not written; never read them."""
+    Rows past an expert's count (masked) or of padding tiles hold junk / are not written; never read them.
+    fast_dequant: fp4 fragments filled by `deepinfer_fp4_frag` (else TileLang's element-wise lowering)."""
     import tilelang.language as T
 
     cfg = cfg or swab_config(4, fmt, contiguous=not max_rows)
@@ -481,13 +502,18 @@ def swab_program(
                     T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], A_s)
                     T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
                     for u in units:
-                        if fp4:
+                        if fp4 and fast_dequant:
+                            T.evaluate(T.call_extern("handle", f"deepinfer_fp4_frag<{bN // 64}>",
+                                                     W_f.data, T.address_of(P_s[0, u * (sub // 4)]),
+                                                     bK // 4))  # fmt: skip
+                        elif fp4:  # element-wise (what TileLang lowers by itself; ~2x the integer work)
                             for j, k in T.Parallel(bN, sub):
                                 w4 = T.call_extern("uint32", "deepinfer_fp4x4_to_e4m3",
                                                    T.Cast("uint32", P_s[j, u * (sub // 4) + k // 4]))  # fmt: skip
                                 W_f[j, k] = T.reinterpret(
                                     T.Cast("uint8", (w4 >> T.Cast("uint32", (k % 4) * 8)) & T.uint32(255)), fp8
                                 )
+                        if fp4:
                             T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
                             for j, t in T.Parallel(bN, bT):
                                 # 2^(byte - 127) * 2^6 (the dequant's e4m3 codes are the e2m1 values * 2^-6)
