@@ -280,7 +280,9 @@ ACT_SCALE_FLOOR = 1e-4  # dt.pow2_scale's floor, as the runtime's quant_act uses
 def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     """ceil(log2(max(amax, 1e-4) / 448)) from the float's bits, as the fused epilogue computes it: with
     amax = 1.m * 2^p, the ratio amax/448 = (1.m/1.75) * 2^(p-8) and 1.m/1.75 is in (4/7, 8/7), so the
-    exponent is p-8, plus 1 when the mantissa is above 1.75 (bits > 0x600000). Exact: no log2, no division."""
+    exponent is p-8, plus 1 when the mantissa is above 1.75 (bits > 0x600000). Exact: no log2, no division.
+    (torch's float32 amax/448 then log2 rounds down for mantissas a few ulp above 1.75 -- about one group in a
+    million -- where this scale is 2x quant_act's; both are valid ue8m0 scales for the group.)"""
     bits = amax.float().clamp(min=ACT_SCALE_FLOOR).contiguous().view(torch.int32)
     return (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
 
@@ -643,3 +645,143 @@ def roofline(M: int, N: int, K: int, E_active: int, act_group: int, weight_block
     layout pass M = the real rows (sum of the counts), not E * max_rows."""
     w = E_active * (N * K + 4 * ceil_div(N, weight_block) * ceil_div(K, weight_block))
     return float(M * K + 4 * M * ceil_div(K, act_group) + w + 2 * M * N), 2.0 * M * N * K
+
+
+def roofline_w4a8(M: int, N: int, K: int, E_active: int, act_group: int = 32) -> tuple[float, float]:
+    """(bytes, flops) with FP4 expert weights: each active expert's packed codes (K/2 bytes a row) and its
+    ue8m0 bytes (K/32 a row) once, activations and their scales once, bf16 output once."""
+    w = E_active * (N * K // 2 + N * K // 32)
+    return float(M * K + 4 * M * ceil_div(K, act_group) + w + 2 * M * N), 2.0 * M * N * K
+
+
+def roofline_swiglu(M: int, N: int, K: int, E_active: int, fmt: str = "fp8", act_group: int = 32,
+                    weight_block: int = 32) -> tuple[float, float]:  # fmt: skip
+    """The w1|w3 GEMM with the fused SwiGLU: the output is Hq [M, N/2] e4m3 + Hs fp32 per 32, not C [M, N] bf16."""
+    if fmt == "fp4":
+        bytes_, flops = roofline_w4a8(M, N, K, E_active, act_group)
+    else:
+        bytes_, flops = roofline(M, N, K, E_active, act_group, weight_block)
+    return bytes_ - 2 * M * N + M * N // 2 + 4 * M * (N // 64), flops
+
+
+# ---------------------------------------------------------------------------------------------- W4A8 + SwiGLU host side
+
+
+def w4a8_weights(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The swap-AB program's fp4 operands from the checkpoint format (MODEL_SPEC §4.3): packed e2m1 bytes
+    [E, N, K/2] (uint8 / float4_e2m1fn_x2, low nibble = even column) -> int16 view [E, N, K/4] (no copy), and
+    ue8m0 scales [E, N, K/32] (uint8 / float8_e8m0fnu) -> uint8 [E, K/32, N] (MN-major, one copy)."""
+    b = packed.contiguous().view(torch.uint8).view(torch.int16)
+    s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
+    return b, s.transpose(1, 2).contiguous()
+
+
+def gate_up_tiles(w: torch.Tensor, half: int, dim: int = 1) -> torch.Tensor:
+    """w1|w3 stacked along `dim` ([.., 2I, ..]: gate rows then up rows) -> tiles of `half` gate rows followed by
+    the matching `half` up rows, the order a fused-SwiGLU program reads (one contiguous weight tile per CTA).
+    For block-scale tensors pass half // block (the scales of 32-row blocks move with their rows)."""
+    n = w.shape[dim]
+    assert n % (2 * half) == 0, f"{n} rows do not split into gate/up tiles of {half}"
+    shape = list(w.shape)
+    v = w.reshape(shape[:dim] + [2, n // (2 * half), half] + shape[dim + 1 :])
+    return v.transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+def row_experts(layout_meta: torch.Tensor, block: int, masked: bool) -> torch.Tensor:
+    """Expert of every row (-1: a padding row / a row past its expert's count): masked layout from Counts
+    with max_rows = block, contiguous layout from TileExpert with block = the tile rows."""
+    meta = layout_meta.cpu().long()
+    if masked:
+        e = torch.arange(meta.numel()).repeat_interleave(block)
+        return torch.where(torch.arange(e.numel()) % block < meta[e], e, torch.full_like(e, -1))
+    return meta.repeat_interleave(block)
+
+
+def dequant_fp4_experts(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, N, K/2] packed e2m1 + [E, N, K/32] ue8m0 -> float32 [E, N, K] (ir/ops/quant.py's dequant_fp4_rows)."""
+    from deepinfer.ir.ops.quant import dequant_fp4_rows
+
+    return torch.stack([dequant_fp4_rows(packed[e].view(torch.uint8), scale[e], 32) for e in range(packed.shape[0])])
+
+
+def reference_w4a8(a, sa, packed, scale, row_expert, act_group: int = 32) -> torch.Tensor:
+    """The swap-AB fp4 program's math in its order: per 32-K group an fp32 partial product of the e4m3
+    activations with the e2m1 values, then times sa[row, group] * 2^(scale byte - 127).
+    a [M, K] e4m3, sa [M, K/ag] (token-major), packed [E, N, K/2], scale [E, N, K/32], row_expert [M] (-1 = skip).
+    Rows with no expert are zero here (junk in the kernel)."""
+    from deepinfer.ir import dtypes as dt
+
+    M, K = a.shape
+    N = packed.shape[1]
+    out = torch.zeros(M, N, dtype=torch.float32, device=a.device)
+    re = row_expert.to(a.device)
+    for e in torch.unique(re[re >= 0]).tolist():
+        rows = torch.nonzero(re == e).flatten()
+        w = dt.fp4_to_float(packed[e].view(torch.uint8)).to(a.device)  # [N, K] e2m1 values, exact
+        s = dt.e8m0_to_float(scale[e]).to(a.device)  # [N, K/32]
+        af = a[rows].float()
+        acc = torch.zeros(rows.numel(), N, dtype=torch.float32, device=a.device)
+        for g in range(K // 32):
+            part = af[:, g * 32 : (g + 1) * 32] @ w[:, g * 32 : (g + 1) * 32].T
+            acc += part * (sa[rows, (g * 32) // act_group].unsqueeze(1) * s[:, g].unsqueeze(0))
+        out[rows] = acc
+    return out
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def reference_w4a8_f64(a, sa, packed, scale, row_expert, act_group: int = 32) -> torch.Tensor:
+    """Independent oracle: decodes the nibbles and the e8m0 bytes with its own table and bit operations, in
+    float64, one row at a time (small shapes only)."""
+    M, K = a.shape
+    N = packed.shape[1]
+    table = torch.tensor(_E2M1, dtype=torch.float64)
+    out = torch.zeros(M, N, dtype=torch.float64)
+    cache = {}
+    for m in range(M):
+        e = int(row_expert[m])
+        if e < 0:
+            continue
+        if e not in cache:
+            byte = packed[e].view(torch.uint8).cpu().long()  # [N, K/2]
+            codes = torch.stack([byte & 0xF, byte >> 4], dim=-1).reshape(N, K)  # low nibble = even column
+            val = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+            sc = torch.pow(2.0, scale[e].view(torch.uint8).cpu().double() - 127.0)  # [N, K/32]
+            cache[e] = val * sc.repeat_interleave(32, dim=1)
+        x = a[m].cpu().double() * sa[m].cpu().double().repeat_interleave(act_group)[:K]
+        out[m] = cache[e] @ x
+    return out
+
+
+def swiglu_quant_reference(h: torch.Tensor, limit: float, group: int = 32):
+    """What the fused epilogue writes, from the fp32 GEMM output h [M, 2I] (gate columns, then up): the clamped
+    SwiGLU (ir/ops/moe.py `swiglu`) quantised per `group` columns as the runtime's quant_act does.
+    Returns (q e4m3 [M, I], scales fp32 [M, I/group])."""
+    from deepinfer.ir import dtypes as dt
+    from deepinfer.ir.ops.moe import swiglu
+
+    inter = h.shape[1] // 2
+    y = swiglu(h[:, :inter], h[:, inter:], limit).unflatten(-1, (-1, group))
+    s = dt.pow2_scale(y.abs().amax(-1, keepdim=True), dt.FP8_MAX, floor=ACT_SCALE_FLOOR)
+    q = (y / s).clamp(-dt.FP8_MAX, dt.FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s.squeeze(-1)
+
+
+def fp4x4_to_e4m3_bits(x: int) -> int:
+    """Python mirror of the kernel's deepinfer_fp4x4_to_e4m3 (PRMT semantics spelled out): for the tests."""
+
+    def byte_perm(a: int, b: int, sel: int) -> int:
+        src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+        out = 0
+        for i in range(4):
+            nib = (sel >> (4 * i)) & 0xF
+            byte = (src >> (8 * (nib & 7))) & 0xFF
+            if nib & 8:  # sign-replicate mode
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * i)
+        return out
+
+    mag = byte_perm(0x0C080400, 0x1C181410, x & 0x7777)
+    sgn = x & 0x8888
+    return mag | (byte_perm((sgn << 4) & 0xFFFFFFFF, sgn, 0x5140) & 0x80808080)
