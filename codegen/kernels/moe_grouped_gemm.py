@@ -287,39 +287,66 @@ def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     return (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
 
 
-def _swiglu_epilogue(rows: int, half: int, limit: float):
-    """T.macro: H_s [rows, 2*half] fp32 (shared; gate columns then the matching up columns) ->
-    Hq[row0 + i, col0 + j] = e4m3(h / s), Hs[(col0 + j) // 32, row0 + i] = s, h = silu(min(g, L)) * clamp(u, ±L)."""
+def _swiglu_epilogue(rows: int, half: int, limit: float, target: str = "sm90"):
+    """T.macro: H_s [rows, 2*half] fp32 (gate columns then the matching up columns) ->
+    Hq[row0 + i, col0 + j] = e4m3(h / s), Hs[(col0 + j) // 32, row0 + i] = s, h = silu(min(g, L)) * clamp(u, ±L).
+    target "cpu": TileLang's `c` target (local buffers, serial loops; Hq stays fp32, unrounded)."""
     import tilelang.language as T
 
+    mem = Mem(target)
     ng = half // 32
     big = float(limit) if limit and limit > 0 else 3.0e38  # no clamp: min/max against the largest float
-    fp8 = "float8_e4m3fn"
+    qdt = "float32" if mem.cpu else "float8_e4m3fn"
 
     @T.macro
     def epilogue(H_s, Hq, Hs, row0, col0):
-        G_f = T.alloc_fragment((rows, ng, 32), "float32")
-        AM = T.alloc_fragment((rows, ng), "float32")
-        Q_s = T.alloc_shared((rows, half), fp8)
-        S_s = T.alloc_shared((ng, rows), "float32")
-        for i, g, c in T.Parallel(rows, ng, 32):
+        G_f = mem.fragment((rows, ng, 32), "float32")
+        AM = mem.fragment((rows, ng), "float32")
+        Q_s = mem.shared((rows, half), qdt)
+        S_s = mem.shared((ng, rows), "float32")
+        for i, g, c in mem.par(rows, ng, 32):
             gv = T.min(H_s[i, g * 32 + c], big)
             uv = T.max(T.min(H_s[i, half + g * 32 + c], big), -big)
             G_f[i, g, c] = gv / (1.0 + T.exp(-gv)) * uv
         T.reduce_absmax(G_f, AM, dim=2)
-        for i, g in T.Parallel(rows, ng):
+        for i, g in mem.par(rows, ng):
             bits = T.reinterpret(T.max(AM[i, g], ACT_SCALE_FLOOR), "uint32")
             ex = T.Cast("int32", bits >> T.uint32(23)) - 135 + T.if_then_else(
                 (bits & T.uint32(0x7FFFFF)) > T.uint32(0x600000), 1, 0
             )
             S_s[g, i] = T.reinterpret(T.shift_left(T.Cast("uint32", ex + 127), T.uint32(23)), "float32")
             AM[i, g] = T.reinterpret(T.shift_left(T.Cast("uint32", 127 - ex), T.uint32(23)), "float32")  # 1/s
-        for i, g, c in T.Parallel(rows, ng, 32):
-            Q_s[i, g * 32 + c] = T.Cast(fp8, T.max(T.min(G_f[i, g, c] * AM[i, g], 448.0), -448.0))
+        for i, g, c in mem.par(rows, ng, 32):
+            Q_s[i, g * 32 + c] = T.Cast(qdt, T.max(T.min(G_f[i, g, c] * AM[i, g], 448.0), -448.0))
         T.copy(Q_s, Hq[row0 : row0 + rows, col0 : col0 + half])
         T.copy(S_s, Hs[col0 // 32 : col0 // 32 + ng, row0 : row0 + rows])
 
     return epilogue
+
+
+def swiglu_quant_program(M: int, inter: int, limit: float, *, target: str, block_m: int = 16, block_i: int = 64):
+    """The fused epilogue as a stand-alone program: H [M, 2I] fp32 (gate, up) -> Hq [M, I], Hs [I/32, M].
+    Exists so the epilogue's numerics run on TileLang's `c` target (Hq fp32 there, before the e4m3 cast)."""
+    import tilelang.language as T
+
+    mem = Mem(target)
+    qdt = "float32" if mem.cpu else "float8_e4m3fn"
+    assert M % block_m == 0 and inter % block_i == 0 and block_i % 32 == 0
+    epilogue = _swiglu_epilogue(block_m, block_i, limit, target)
+
+    @T.prim_func
+    def swiglu_quant(
+        H: T.Tensor((M, 2 * inter), "float32"),
+        Hq: T.Tensor((M, inter), qdt),
+        Hs: T.Tensor((inter // 32, M), "float32"),
+    ):
+        with T.Kernel(inter // block_i, M // block_m, threads=128) as (bx, by):
+            H_s = mem.shared((block_m, 2 * block_i), "float32")
+            for i, j in mem.par(block_m, 2 * block_i):
+                H_s[i, j] = H[by * block_m + i, T.if_then_else(j < block_i, 0, inter - block_i) + bx * block_i + j]
+            epilogue(H_s, Hq, Hs, by * block_m, bx * block_i)
+
+    return swiglu_quant
 
 
 # ---------------------------------------------------------------------------------------------- swap-AB programs
