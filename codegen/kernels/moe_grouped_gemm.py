@@ -393,7 +393,7 @@ class SwabConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * (self.block_n // 64)
+        return 128 * max(1, self.block_n // 64)
 
     @property
     def tag(self) -> str:
@@ -422,6 +422,35 @@ def swab_config_space(rows_per_expert: int, fmt: str = "fp8") -> list[SwabConfig
     return out
 
 
+# the `c` target's stand-in for the dequant: the same bit trick (portable byte_perm), decoded to float
+_FP4_SRC_CPU = r"""
+static inline unsigned int deepinfer_byte_perm(unsigned int a, unsigned int b, unsigned int s) {
+  unsigned long long src = (unsigned long long)a | ((unsigned long long)b << 32);
+  unsigned int out = 0;
+  for (int i = 0; i < 4; ++i) {
+    unsigned int nib = (s >> (4 * i)) & 0xF;
+    unsigned int byte = (unsigned int)(src >> (8 * (nib & 7))) & 0xFF;
+    if (nib & 8) byte = (byte & 0x80) ? 0xFF : 0;
+    out |= byte << (8 * i);
+  }
+  return out;
+}
+#ifdef __cplusplus
+extern "C"
+#endif
+float deepinfer_fp4_value(int16_t packed, int32_t which) {
+  unsigned int x = (unsigned int)(unsigned short)packed;
+  unsigned int mag = deepinfer_byte_perm(0x0C080400u, 0x1C181410u, x & 0x7777u);
+  unsigned int sgn = x & 0x8888u;
+  unsigned int w = mag | (deepinfer_byte_perm(sgn << 4, sgn, 0x5140u) & 0x80808080u);
+  unsigned int b = (w >> (8 * which)) & 0xFF;  /* e4m3 bits: exponent 0..3, so subnormal or small normal */
+  unsigned int e = (b >> 3) & 0xF, m = b & 7;
+  float v = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 512.0f;
+  return (b & 0x80) ? -v : v;
+}
+"""
+
+
 def swab_program(
     M: int,
     N: int,
@@ -435,13 +464,16 @@ def swab_program(
     max_rows: int = 0,
     swiglu_limit: float | None = None,
     fast_dequant: bool = True,
+    target: str = "sm90",
 ):
-    """Swap-AB grouped GEMM (module docstring), sm90.
+    """Swap-AB grouped GEMM (module docstring), sm90 (target "cpu": the same program on TileLang's `c` target,
+    fp32 activations/fp8 weights as float32 and Hq unrounded, for numerics checks).
 
     prim_func(A [M, K] e4m3, SA [K/ag, M] fp32, B, SB, Meta, *out):
       fmt "fp8": B [E, N, K] e4m3, SB [E, N/wb, K/wb] fp32;  fmt "fp4": B [E, N, K/4] int16, SB [E, K/32, N] uint8.
       max_rows > 0: masked layout, M = E*max_rows, Meta = Counts [E]; else contiguous, Meta = TileExpert [M/block_t].
-      out: C [M, N] bf16, or with swiglu_limit: Hq [M, N/2] e4m3 and Hs [N/64, M] fp32.
+      out: C [M, N] bf16, or with swiglu_limit: Hq [M, N/2] e4m3 and Hs [N/64, M] fp32 (B and its scales then
+      tile-interleaved by `gate_up_tiles(..., block_n // 2)`).
     Rows past an expert's count (masked) or of padding tiles hold junk / are not written; never read them.
     fast_dequant: fp4 fragments filled by `deepinfer_fp4_frag` (else TileLang's element-wise lowering)."""
     import tilelang.language as T
@@ -450,7 +482,10 @@ def swab_program(
     bN, bT, bK, sub = cfg.block_n, cfg.block_t, cfg.block_k, 32
     ag, wb = act_group, weight_block
     fp4 = fmt == "fp4"
-    assert fmt in ("fp8", "fp4") and bN % 64 == 0 and K % bK == 0 and bK % sub == 0 and bK % ag == 0
+    mem = Mem(target)
+    cpu = mem.cpu
+    assert fmt in ("fp8", "fp4") and K % bK == 0 and bK % sub == 0 and bK % ag == 0
+    assert cpu or bN % 64 == 0
     assert fp4 or (wb % sub == 0 and (bN % wb == 0 or wb % bN == 0))
     glu = swiglu_limit is not None
     I, bNh = N // 2, bN // 2
@@ -463,11 +498,11 @@ def swab_program(
         assert M % bT == 0
     nk, sa_rows, kb_a = K // bK, bK // ag, ceil_div(K, ag)
     units = list(range(bK // sub))
-    fp8 = "float8_e4m3fn"
+    fp8 = "float32" if cpu else "float8_e4m3fn"
     n_meta = E if max_rows else M // bT
     n_grid = E if max_rows else M // bT
-    epilogue = _swiglu_epilogue(bT, bNh, swiglu_limit) if glu else None
-    # fp8 weight scales of this CTA's rows, staged once: block rows [0, nsb) (gate half then up half if glu)
+    epilogue = _swiglu_epilogue(bT, bNh, swiglu_limit, target) if glu else None
+    # fp8 weight scales of this CTA's rows, staged once
     nsb = max(1, bN // wb) if not fp4 else 1
     kb_w = ceil_div(K, wb)
     if fp4:
@@ -475,25 +510,27 @@ def swab_program(
     else:
         b_shape, sb_shape, sb_dt = (E, N, K), (E, ceil_div(N, wb), kb_w), "float32"
     b_dt = "int16" if fp4 else fp8
+    out_dt = "float32" if cpu else "bfloat16"
 
     @T.macro
     def kernel(A, SA, B, SB, Meta, C, CS):
         with T.Kernel(N // bN, n_grid, threads=cfg.threads) as (bx, slot):
-            T.annotate_min_blocks_per_sm(cfg.min_blocks)
-            T.no_set_max_nreg()
+            if not cpu:
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
+                T.no_set_max_nreg()
             if fp4:
-                T.import_source(_FP4_SRC)
-            A_s = T.alloc_shared((bT, bK), fp8)
-            SA_s = T.alloc_shared((sa_rows, bT), "float32")
-            p0 = T.alloc_fragment((bN, bT), "float32")
-            acc = T.alloc_fragment((bN, bT), "float32")
+                T.import_source(_FP4_SRC_CPU if cpu else _FP4_SRC)
+            A_s = mem.shared((bT, bK), fp8)
+            SA_s = mem.shared((sa_rows, bT), "float32")
+            p0 = mem.fragment((bN, bT), "float32")
+            acc = mem.fragment((bN, bT), "float32")
             if fp4:
-                P_s = T.alloc_shared((bN, bK // 4), "int16")
-                W_f = T.alloc_fragment((bN, sub), fp8)
-                SG_s = T.alloc_shared((bK // 32, bN), "uint8")
+                P_s = mem.shared((bN, bK // 4), "int16")
+                W_f = mem.fragment((bN, sub), fp8)
+                SG_s = mem.shared((bK // 32, bN), "uint8")
             else:
-                W_s = T.alloc_shared((bN, bK), fp8)
-                SB_s = T.alloc_shared((nsb, kb_w), "float32")
+                W_s = mem.shared((bN, bK), fp8)
+                SB_s = mem.shared((nsb, kb_w), "float32")
             # -------- which expert and rows this CTA works on
             info = T.alloc_var("int32")
             cnt = T.alloc_var("int32")
@@ -514,7 +551,7 @@ def swab_program(
                 n_tt = T.if_then_else(info >= 0, 1, 0)
             row_g = bx * bN  # first weight row (with glu: of the gate/up tile-interleaved stack)
             if not fp4:
-                for i, k in T.Parallel(nsb, kb_w):
+                for i, k in mem.par(nsb, kb_w):
                     SB_s[i, k] = SB[e, row_g // wb + i, k]
             for tt in T.serial(n_tt):
                 if max_rows:
@@ -531,10 +568,23 @@ def swab_program(
                     T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], A_s)
                     T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
                     for u in units:
-                        if fp4 and fast_dequant:
+                        if cpu:  # plain loops: the dequantised value (e2m1 * 2^-6) and the partial product
+                            if fp4:
+                                for j, k in T.grid(bN, sub):
+                                    W_f[j, k] = T.call_extern("float32", "deepinfer_fp4_value",
+                                                              P_s[j, u * (sub // 4) + k // 4], k % 4)  # fmt: skip
+                            for j, t in T.grid(bN, bT):
+                                p0[j, t] = 0.0
+                                for k in T.serial(sub):
+                                    if fp4:
+                                        p0[j, t] += W_f[j, k] * A_s[t, u * sub + k]
+                                    else:
+                                        p0[j, t] += W_s[j, u * sub + k] * A_s[t, u * sub + k]
+                        elif fp4 and fast_dequant:
                             T.evaluate(T.call_extern("handle", f"deepinfer_fp4_frag<{bN // 64}>",
                                                      W_f.data, T.address_of(P_s[0, u * (sub // 4)]),
                                                      bK // 4))  # fmt: skip
+                            T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
                         elif fp4:  # element-wise (what TileLang lowers by itself; ~2x the integer work)
                             for j, k in T.Parallel(bN, sub):
                                 w4 = T.call_extern("uint32", "deepinfer_fp4x4_to_e4m3",
@@ -542,30 +592,30 @@ def swab_program(
                                 W_f[j, k] = T.reinterpret(
                                     T.Cast("uint8", (w4 >> T.Cast("uint32", (k % 4) * 8)) & T.uint32(255)), fp8
                                 )
-                        if fp4:
                             T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
-                            for j, t in T.Parallel(bN, bT):
-                                # 2^(byte - 127) * 2^6 (the dequant's e4m3 codes are the e2m1 values * 2^-6)
-                                sbyte = T.Cast("uint32", SG_s[u, j])
-                                sb = T.reinterpret(T.shift_left(sbyte + T.uint32(6), T.uint32(23)), "float32")
-                                acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
                         else:
                             T.gemm(W_s[:, u * sub : (u + 1) * sub], A_s[:, u * sub : (u + 1) * sub], p0,
                                    transpose_B=True, clear_accum=True)  # fmt: skip
-                            for j, t in T.Parallel(bN, bT):
+                        for j, t in mem.par(bN, bT):
+                            if fp4:
+                                # 2^(byte - 127) * 2^6 (the dequantised codes are the e2m1 values * 2^-6)
+                                sbyte = T.Cast("uint32", SG_s[u, j])
+                                sb = T.reinterpret(T.shift_left(sbyte + T.uint32(6), T.uint32(23)), "float32")
+                            else:
                                 sb = SB_s[j // wb if bN > wb else 0, (ko * bK + u * sub) // wb]
-                                acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
+                            acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
                 if glu:
-                    H_s = T.alloc_shared((bT, bN), "float32")
-                    for j, t in T.Parallel(bN, bT):
+                    H_s = mem.shared((bT, bN), "float32")
+                    for j, t in mem.par(bN, bT):
                         H_s[t, j] = acc[j, t]
                     epilogue(H_s, C, CS, row0, bx * bNh)
                 else:
-                    C_s = T.alloc_shared((bT, bN), "bfloat16")
-                    for j, t in T.Parallel(bN, bT):
+                    C_s = mem.shared((bT, bN), out_dt)
+                    for j, t in mem.par(bN, bT):
                         C_s[t, j] = acc[j, t]
                     T.copy(C_s, C[row0 : row0 + bT, bx * bN : (bx + 1) * bN])
 
+    q_dt = "float32" if cpu else "float8_e4m3fn"
     if glu:
 
         @T.prim_func
@@ -575,7 +625,7 @@ def swab_program(
             B: T.Tensor(b_shape, b_dt),
             SB: T.Tensor(sb_shape, sb_dt),
             Meta: T.Tensor((n_meta,), "int32"),
-            Hq: T.Tensor((M, I), fp8),
+            Hq: T.Tensor((M, I), q_dt),
             Hs: T.Tensor((I // 32, M), "float32"),
         ):
             kernel(A, SA, B, SB, Meta, Hq, Hs)
@@ -589,7 +639,7 @@ def swab_program(
         B: T.Tensor(b_shape, b_dt),
         SB: T.Tensor(sb_shape, sb_dt),
         Meta: T.Tensor((n_meta,), "int32"),
-        C: T.Tensor((M, N), "bfloat16"),
+        C: T.Tensor((M, N), out_dt),
     ):
         kernel(A, SA, B, SB, Meta, C, None)
 
