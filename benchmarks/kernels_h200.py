@@ -14,6 +14,7 @@ time, so 100% means at the roofline. A failing kernel prints its error in its ro
 """
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -178,82 +179,186 @@ def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dr
     row.eager_ms = bench(eager, quick)
 
 
-def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool, cfg=None):
+SWIGLU_LIMIT = 10.0  # V4.1 swiglu_limit
+
+
+def _grouped_fp4_weights(E: int, N: int, K: int):
+    """Random FP4 experts in the checkpoint format: packed e2m1 bytes [E, N, K/2] and ue8m0 bytes [E, N, K/32]
+    (2^-9 .. 2^-4: weights of magnitude ~0.01-0.1)."""
+    packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda")
+    scale = torch.randint(118, 124, (E, N, K // 32), dtype=torch.uint8, device="cuda")
+    return packed, scale
+
+
+def _grouped_check_swiglu(hq, hs, h_ref, real) -> str:
+    """Fused SwiGLU + quant output vs the clamped SwiGLU of the fp32 reference GEMM: every dequantised value within
+    1/12 of its group's full scale (448 * s: one e4m3 step at the top binade is 1/14; a value on a rounding
+    boundary may round the other way after the kernel's different summation order), scales equal almost everywhere."""
+    rq, rs = moe_grouped_gemm.swiglu_quant_reference(h_ref[real].float(), SWIGLU_LIMIT)
+    from deepinfer.ir.ops.moe import swiglu
+
+    inter = hq.shape[1]
+    want = swiglu(h_ref[real][:, :inter], h_ref[real][:, inter:], SWIGLU_LIMIT)
+    s = hs.T[real]
+    got = hq[real].float() * s.repeat_interleave(32, 1)
+    err = ((got - want).abs() / (448.0 * rs.repeat_interleave(32, 1))).max().item()
+    same = (s == rs).float().mean().item()
+    if err > 1 / 12 or same < 0.99:
+        raise AssertionError(f"swiglu mismatch: {err:.2e} of the group scale, {100 * same:.2f}% scales equal")
+    return f"{err:.1e}g"
+
+
+def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool, cfg=None, fmt="fp8", swiglu=False):
     """EP8 slice of V4.1 prefill: `tokens` x top-6 rows spread over E local experts, w1|w3 fused (N = 2x2304).
-    cfg None: moe_grouped_gemm.sm90_config (fp8_gemm's improved main loop)."""
+    fmt "fp8": cfg None = moe_grouped_gemm.sm90_config (fp8_gemm's improved main loop); "fp4" (W4A8): the swap-AB
+    program on the contiguous layout (swab_config(contiguous=True)). swiglu: the clamped SwiGLU + FP8 quant epilogue
+    (outputs Hq [M, 2304] e4m3 + Hs; weights tile-interleaved gate/up)."""
     N, K, g = 2 * MOE_INTER, HIDDEN, 32
-    cfg = cfg or moe_grouped_gemm.sm90_config(tokens * TOPK, N)
+    fp4 = fmt == "fp4"
+    cfg = cfg or (moe_grouped_gemm.swab_config(0, "fp4", contiguous=True) if fp4 else
+                  moe_grouped_gemm.sm90_config(tokens * TOPK, N))  # fmt: skip
+    block = cfg.block_t if fp4 else cfg.block_m
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, E, (tokens * TOPK,), generator=gen)
-    rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, cfg.block_m)
+    rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, block)
     M = rows.numel()
     row.shape = f"{M}x{N}x{K} E{E}"
-    kernel = build(moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg))
-    row.bytes_, row.flops = moe_grouped_gemm.roofline(M, N, K, E, g, g)
+    lim = SWIGLU_LIMIT if swiglu else None
+    if fp4:
+        func = moe_grouped_gemm.swab_program(M, N, K, E, fmt="fp4", cfg=cfg, swiglu_limit=lim)
+        row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(M, N, K, E, "fp4") if swiglu else
+                                 moe_grouped_gemm.roofline_w4a8(M, N, K, E))  # fmt: skip
+    else:
+        func = moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg,
+                                        swiglu_limit=lim)  # fmt: skip
+        row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(M, N, K, E) if swiglu else
+                                 moe_grouped_gemm.roofline(M, N, K, E, g, g))  # fmt: skip
+    kernel = build(func)
     if dry:
         return
     rows, tiles = rows.cuda(), tiles.cuda()
     x = torch.randn(tokens * TOPK, K, device="cuda")
     a, sa = quant_fp8_groups(torch.where(rows[:, None] >= 0, x[rows.clamp_min(0)], 0.0), g)
-    quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
-    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
-    del quant
-    sa_t, c = sa.T.contiguous(), torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    kernel(a, sa_t, b, sb, tiles, c)
+    sa_t = sa.T.contiguous()
     real = rows >= 0
-    ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles.cpu(), cfg.block_m, g, g)
-    row.check = expect(rel_err(c[real], ref[real]), 2e-2)
-    row.ms = bench(lambda: kernel(a, sa_t, b, sb, tiles, c), quick)
+    half = (cfg.block_n // 2)
+    if fp4:
+        packed, scale = _grouped_fp4_weights(E, N, K)
+        pk, sc = packed, scale
+        if swiglu:
+            pk, sc = moe_grouped_gemm.gate_up_tiles(packed, half), moe_grouped_gemm.gate_up_tiles(scale, half)
+        b, sb = moe_grouped_gemm.w4a8_weights(pk, sc)
+        ref = moe_grouped_gemm.reference_w4a8(a, sa, packed, scale, moe_grouped_gemm.row_experts(tiles, block, False))
+    else:
+        quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
+        b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+        del quant
+        ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles.cpu(), cfg.block_m, g, g)
+        if swiglu:
+            b, sb = moe_grouped_gemm.gate_up_tiles(b, half), moe_grouped_gemm.gate_up_tiles(sb, half // g)
+    if swiglu:
+        hq = torch.empty(M, N // 2, device="cuda", dtype=torch.float8_e4m3fn)
+        hs = torch.empty(N // 64, M, device="cuda", dtype=torch.float32)
+        outs = (hq, hs)
+        kernel(a, sa_t, b, sb, tiles, *outs)
+        row.check = _grouped_check_swiglu(hq, hs, ref, real)
+    else:
+        outs = (torch.empty(M, N, device="cuda", dtype=torch.bfloat16),)
+        kernel(a, sa_t, b, sb, tiles, *outs)
+        row.check = expect(rel_err(outs[0][real], ref[real]), 2e-2)
+    del ref
+    row.ms = bench(lambda: kernel(a, sa_t, b, sb, tiles, *outs), quick)
 
     def eager():  # per expert: dequantise its rows and weights to bf16, one matmul each
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         a16 = (a.float() * sa.repeat_interleave(g, 1)).bfloat16()
         for e in range(E):
-            sel = (tiles == e).repeat_interleave(cfg.block_m)
-            w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
+            sel = (tiles == e).repeat_interleave(block)
+            if fp4:
+                w16 = moe_grouped_gemm.dequant_fp4_experts(packed[e : e + 1], scale[e : e + 1])[0].bfloat16()
+            else:
+                w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
             out[sel] = a16[sel] @ w16.T
         return out
 
     row.eager_ms = bench(eager, quick)
 
 
-def case_grouped_gemm_masked(row: Row, tokens: int, E: int, max_rows: int, quick: bool, dry: bool, cfg=None):
+def case_grouped_gemm_masked(row: Row, tokens: int, E: int, max_rows: int, quick: bool, dry: bool, cfg=None,
+                             fmt="fp8", swiglu=False, old=False):  # fmt: skip
     """Decode, EP8 slice: `tokens` x top-6 over 384 experts, the pairs of the E local ones in the masked layout
-    (max_rows rows per expert, Counts[e] real), w1|w3 fused. HBM-bound: only active experts' weights count."""
+    (max_rows rows per expert, Counts[e] real), w1|w3 fused. HBM-bound: only active experts' weights count (FP4
+    bytes for W4A8). Default: the swap-AB program (moe_grouped_gemm.swab_program); old=True: the previous masked
+    program (64-row tiles on the 1-warpgroup overlapped loop), for the same-run comparison."""
     N, K, g = 2 * MOE_INTER, HIDDEN, 32
-    cfg = cfg or moe_grouped_gemm.sm90_config(tokens * TOPK, N, masked=True)
+    fp4 = fmt == "fp4"
     gen = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).flatten()
     ids = ids[ids < E]  # the local experts' pairs
     dest, counts = moe_grouped_gemm.masked_layout(ids, E, max_rows)
     M, active, real_rows = E * max_rows, int((counts > 0).sum()), int(counts.sum())
     row.shape = f"{real_rows}r/{active}e x{N}x{K}"
-    kernel = build(
-        moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg, max_rows=max_rows)
-    )
-    row.bytes_, row.flops = moe_grouped_gemm.roofline(real_rows, N, K, active, g, g)
+    lim = SWIGLU_LIMIT if swiglu else None
+    if old:
+        cfg = cfg or moe_grouped_gemm.sm90_config(tokens * TOPK, N, masked=True)
+        func = moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg,
+                                        max_rows=max_rows)  # fmt: skip
+    else:
+        cfg = cfg or moe_grouped_gemm.swab_config(int(counts.max()), fmt)
+        func = moe_grouped_gemm.swab_program(M, N, K, E, fmt=fmt, cfg=cfg, max_rows=max_rows, swiglu_limit=lim)
+        row.shape += f" {cfg.tag}"
+    if swiglu:
+        row.bytes_, row.flops = moe_grouped_gemm.roofline_swiglu(real_rows, N, K, active, fmt)
+    elif fp4:
+        row.bytes_, row.flops = moe_grouped_gemm.roofline_w4a8(real_rows, N, K, active)
+    else:
+        row.bytes_, row.flops = moe_grouped_gemm.roofline(real_rows, N, K, active, g, g)
+    kernel = build(func)
     if dry:
         return
     x = torch.zeros(M, K, device="cuda")
     x[dest.cuda()] = torch.randn(ids.numel(), K, device="cuda")
     a, sa = quant_fp8_groups(x, g)
-    quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
-    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
-    del quant
     counts_d, sa_t = counts.cuda(), sa.T.contiguous()
-    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    kernel(a, sa_t, b, sb, counts_d, c)
-    tiles = moe_grouped_gemm.masked_tile_expert(counts, max_rows, cfg.block_m)
-    ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles, cfg.block_m, g, g)
     real = dest.cuda()
-    row.check = expect(rel_err(c[real], ref[real]), 2e-2)
-    row.ms = bench(lambda: kernel(a, sa_t, b, sb, counts_d, c), quick)
+    re_ = moe_grouped_gemm.row_experts(counts, max_rows, masked=True)
+    half = getattr(cfg, "block_n", 128) // 2
+    if fp4:
+        packed, scale = _grouped_fp4_weights(E, N, K)
+        pk, sc = packed, scale
+        if swiglu:
+            pk, sc = moe_grouped_gemm.gate_up_tiles(packed, half), moe_grouped_gemm.gate_up_tiles(scale, half)
+        b, sb = moe_grouped_gemm.w4a8_weights(pk, sc)
+        ref = moe_grouped_gemm.reference_w4a8(a, sa, packed, scale, re_)
+    else:
+        quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
+        b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+        del quant
+        ref = moe_grouped_gemm.reference(a, sa, b, sb, moe_grouped_gemm.masked_tile_expert(counts, max_rows, 1), 1,
+                                         g, g)  # fmt: skip
+        if swiglu:
+            b, sb = moe_grouped_gemm.gate_up_tiles(b, half), moe_grouped_gemm.gate_up_tiles(sb, half // g)
+    if swiglu:
+        hq = torch.empty(M, N // 2, device="cuda", dtype=torch.float8_e4m3fn)
+        hs = torch.empty(N // 64, M, device="cuda", dtype=torch.float32)
+        outs = (hq, hs)
+        kernel(a, sa_t, b, sb, counts_d, *outs)
+        row.check = _grouped_check_swiglu(hq, hs, ref, real)
+    else:
+        outs = (torch.empty(M, N, device="cuda", dtype=torch.bfloat16),)
+        kernel(a, sa_t, b, sb, counts_d, *outs)
+        row.check = expect(rel_err(outs[0][real], ref[real]), 2e-2)
+    row.ms = bench(lambda: kernel(a, sa_t, b, sb, counts_d, *outs), quick)
     act_e = [e for e in range(E) if counts[e] > 0]
 
     def eager():  # per active expert: dequantise its weights to bf16, one matmul over its real rows
+        c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         a16 = (a.float() * sa.repeat_interleave(g, 1)).bfloat16()
         for e in act_e:
-            w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
+            if fp4:
+                w16 = moe_grouped_gemm.dequant_fp4_experts(packed[e : e + 1], scale[e : e + 1])[0].bfloat16()
+            else:
+                w16 = (b[e].float() * sb[e].repeat_interleave(g, 0).repeat_interleave(g, 1)).bfloat16()
             c[e * max_rows : e * max_rows + int(counts[e])] = a16[e * max_rows : e * max_rows + int(counts[e])] @ w16.T
         return c
 
@@ -593,6 +698,48 @@ def new_family_cases(quick: bool):
 # ---------------------------------------------------------------------------------------------- plan
 
 
+def grouped_cases(quick: bool):
+    """MoE grouped GEMM rows (issue 6): contiguous prefill at 4096/8192 tokens with and without the SwiGLU
+    epilogue (fp8) plus W4A8; masked decode at 16/64/256 tokens, fp8 and W4A8 on the swap-AB program, the fused
+    SwiGLU at 64 tokens, and the previous masked program as the same-run "before"."""
+    mcfg = moe_grouped_gemm.sm90_config(4096 * TOPK, 2 * MOE_INTER)
+    scfg = moe_grouped_gemm.swab_config(0, "fp4", contiguous=True)
+    out = []
+    for T_ in (4096, 8192) if not quick else (4096,):
+        out += [
+            (f"moe_grouped_gemm g32 {mcfg.tag}", f"EP8 {T_} tok",
+             lambda r, q, d, T_=T_: case_grouped_gemm(r, T_, 48, q, d)),
+            (f"moe_grouped_gemm +swiglu g32 {mcfg.tag}", f"EP8 {T_} tok",
+             lambda r, q, d, T_=T_: case_grouped_gemm(r, T_, 48, q, d, swiglu=True)),
+        ]  # fmt: skip
+    out += [
+        (f"moe_grouped_gemm w4a8 {scfg.tag}", "EP8 4096 tok",
+         lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, fmt="fp4")),
+        (f"moe_grouped_gemm w4a8 +swiglu {scfg.tag}", "EP8 4096 tok",
+         lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, fmt="fp4", swiglu=True)),
+    ]  # fmt: skip
+    if not quick:
+        old = fp8_gemm.default_config(32)  # the plain single-warpgroup loop, for the same-run comparison
+        out.append((f"moe_grouped_gemm g32 {old.tag} (old loop)", "EP8 4096 tok",
+                    lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, old)))  # fmt: skip
+    for T_ in (16, 64, 256):
+        for fmt in ("fp8", "fp4"):
+            name = "w4a8" if fmt == "fp4" else "g32"
+            run = functools.partial(case_grouped_gemm_masked, tokens=T_, E=48, max_rows=64, fmt=fmt)
+            out.append((f"moe_grouped_gemm masked {name} swab", f"EP8 decode {T_} tok",
+                        lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    for fmt in ("fp8", "fp4"):
+        name = "w4a8" if fmt == "fp4" else "g32"
+        run = functools.partial(case_grouped_gemm_masked, tokens=64, E=48, max_rows=64, fmt=fmt, swiglu=True)
+        out.append((f"moe_grouped_gemm masked {name} swab +swiglu", "EP8 decode 64 tok",
+                    lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    dcfg = moe_grouped_gemm.sm90_config(64 * TOPK, 2 * MOE_INTER, masked=True)
+    for T_ in (64, 16):
+        out.append((f"moe_grouped_gemm masked g32 {dcfg.tag} (old)", f"EP8 decode {T_} tok",
+                    lambda r, q, d, T_=T_: case_grouped_gemm_masked(r, T_, 48, 64, q, d, old=True)))  # fmt: skip
+    return out
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -616,27 +763,7 @@ def cases(quick: bool):
             lambda r, q, d: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 128, g128, q, d),
         )
     )
-    mcfg = moe_grouped_gemm.sm90_config(4096 * TOPK, 2 * MOE_INTER)
-    out.append(
-        (f"moe_grouped_gemm g32 {mcfg.tag}", "EP8 4096 tok", lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d))
-    )
-    old = fp8_gemm.default_config(32)  # the plain single-warpgroup loop, for the same-run comparison
-    out.append(
-        (
-            f"moe_grouped_gemm g32 {old.tag} (old loop)",
-            "EP8 4096 tok",
-            lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, old),
-        )
-    )
-    dcfg = moe_grouped_gemm.sm90_config(64 * TOPK, 2 * MOE_INTER, masked=True)
-    for T_ in (64, 16):
-        out.append(
-            (
-                f"moe_grouped_gemm masked g32 {dcfg.tag}",
-                f"EP8 decode {T_} tok",
-                lambda r, q, d, T_=T_: case_grouped_gemm_masked(r, T_, 48, 64, q, d),
-            )
-        )
+    out += grouped_cases(quick)
     if not quick:  # a small sweep: what the autotuner would search
         for cfg in fp8_gemm.config_space(4096, 32768, 1280, 32)[::6][:8]:
             out.append(
