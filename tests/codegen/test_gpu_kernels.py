@@ -51,9 +51,27 @@ def test_moe_grouped_gemm_contiguous_portable_config(kb, run_case):
     run_case(functools.partial(kb.case_grouped_gemm, cfg=fp8_gemm.default_config(32)), 512, 48)  # plain loop
 
 
-@pytest.mark.parametrize("T_", [64, 16])
-def test_moe_grouped_gemm_masked(kb, run_case, T_):
-    run_case(kb.case_grouped_gemm_masked, T_, 48, 64)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_moe_grouped_gemm_contiguous_epilogue_and_w4a8(kb, run_case, fmt, swiglu):
+    if fmt == "fp8" and not swiglu:
+        pytest.skip("test_moe_grouped_gemm_contiguous")
+    run_case(functools.partial(kb.case_grouped_gemm, fmt=fmt, swiglu=swiglu), 1024, 48)
+
+
+@pytest.mark.parametrize("T_", [256, 64, 16])
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_moe_grouped_gemm_masked(kb, run_case, T_, fmt):
+    run_case(functools.partial(kb.case_grouped_gemm_masked, fmt=fmt), T_, 48, 64)  # swap-AB program
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_moe_grouped_gemm_masked_swiglu(kb, run_case, fmt):
+    run_case(functools.partial(kb.case_grouped_gemm_masked, fmt=fmt, swiglu=True), 64, 48, 64)
+
+
+def test_moe_grouped_gemm_masked_old_program(kb, run_case):
+    run_case(functools.partial(kb.case_grouped_gemm_masked, old=True), 16, 48, 64)
 
 
 @pytest.mark.parametrize("T_", [4096, 64])
