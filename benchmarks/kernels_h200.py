@@ -733,6 +733,15 @@ def grouped_cases(quick: bool):
         run = functools.partial(case_grouped_gemm_masked, tokens=64, E=48, max_rows=64, fmt=fmt, swiglu=True)
         out.append((f"moe_grouped_gemm masked {name} swab +swiglu", "EP8 decode 64 tok",
                     lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    if not quick:  # a few swap-AB configs at the smallest batch (what the tuner would search)
+        for fmt, cfg in (("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
+                         ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 256, 4, 3)),
+                         ("fp4", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
+                         ("fp4", moe_grouped_gemm.SwabConfig(64, 16, 256, 5, 3))):  # fmt: skip
+            run = functools.partial(case_grouped_gemm_masked, tokens=16, E=48, max_rows=64, fmt=fmt, cfg=cfg)
+            name = "w4a8" if fmt == "fp4" else "g32"
+            out.append((f"moe_grouped_gemm masked {name} swab (sweep)", "EP8 decode 16 tok",
+                        lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
     dcfg = moe_grouped_gemm.sm90_config(64 * TOPK, 2 * MOE_INTER, masked=True)
     for T_ in (64, 16):
         out.append((f"moe_grouped_gemm masked g32 {dcfg.tag} (old)", f"EP8 decode {T_} tok",
