@@ -348,7 +348,12 @@ def compare(g, cpu_params, runner, outs, label: str, stable: bool = False) -> di
 # ---------------------------------------------------------------------------------------------- (formats)
 
 EQ_PROMPT_LENS = (2, 3, 5, 8, 13, 21, 34, 55)  # 8 prompts of different lengths, batched together
-EQ_TOL_REL = 0.02  # max |compiled - formats| logit difference allowed, as a fraction of the logit range
+EQ_TOL_REL = 0.02
+DIRECT_PROMPTS = 8  # prompts also decoded straight through the runner (--direct-prompts)
+
+
+def args_direct_prompts(n: int) -> int:
+    return min(n, DIRECT_PROMPTS)  # max |compiled - formats| logit difference allowed, as a fraction of the logit range
 
 
 def eq_prompts(lens=EQ_PROMPT_LENS, vocab: int = 129280) -> list[list[int]]:
@@ -400,6 +405,24 @@ class PairedKernels:
         lines = ["kernel vs its emulation on identical operands: max rel err | rel L2 | FP8 codes differing"]
         lines += [f"  {k:<36} {v[0]:.2e} | {v[1]:.2e} | {v[2]:.2%}" for k, v in sorted(self.err.items())]
         return "\n".join(lines)
+
+
+def direct_greedy(runner, g, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of one sequence straight through the runner (no engine: no scheduler, block pools,
+    batching or CUDA graphs): the prompt in one call, then one token per call, dense caches sized like the
+    engine's (prompt + n tokens)."""
+    from deepinfer.runtime.session import allocate_caches
+
+    caches = allocate_caches(g, len(prompt) + n, device="cpu")
+    out, fed = [], list(prompt)
+    start = 0
+    for _ in range(n):
+        tokens = torch.tensor(fed[start:], dtype=torch.long)
+        logits, caches = runner.forward(tokens, torch.arange(start, len(fed)), caches)
+        start = len(fed)
+        out.append(int(logits[-1].argmax()))
+        fed.append(out[-1])
+    return out
 
 
 def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
@@ -460,6 +483,12 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
                  "disabled": len(run_k.exec.kernels.failed), "generate_s": t_k}  # fmt: skip
     c, r = run_k.exec.stats.total()
     row.update(compiled=c, reference=r, families=dict(run_k.exec.stats.compiled))
+    t0 = time.time()
+    direct = [direct_greedy(run_k, plan.graph, p, n_tokens) for p in prompts[: args_direct_prompts(len(prompts))]]
+    row["runtime_equal"] = sum(d == o.token_ids for d, o in zip(direct, outs_k))
+    row["runtime_checked"] = len(direct)
+    log(f"{name}: engine tokens == the same kernels driven directly, one sequence at a time: "
+        f"{row['runtime_equal']}/{len(direct)} prompts x {n_tokens} tokens ({time.time() - t0:.1f} s)")  # fmt: skip
     errs = [o.error for o in outs_k + outs_f if o.error]
     equal_prompts = sum(a.token_ids == b.token_ids for a, b in zip(outs_k, outs_f))
     first_div = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), n_tokens)
@@ -487,7 +516,7 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
         err_max = max(err_max, float(err.max()))
         rng = max(rng, float(lf.amax() - lf.amin()))
     ok = (not errs and not pb_err and row["disabled"] == 0 and bad == 0 and err_max <= EQ_TOL_REL * rng
-          and equal_prompts == len(prompts))  # fmt: skip
+          and equal_prompts == len(prompts) and row["runtime_equal"] == row["runtime_checked"])  # fmt: skip
     row.update(equal_prompts=equal_prompts, first_divergence=first_div, steps=steps, decisive=decisive,
                decisive_mismatch=bad, err=err_max, range=rng, err_rel=err_max / max(rng, 1e-30),
                near_ties=ties[:10], errors=errs[:4], pass_=ok)  # fmt: skip
@@ -511,10 +540,13 @@ def main(argv=None) -> int:
                     help="model=preset list for the compiled-vs-formats equality check ('' skips it)")
     ap.add_argument("--formats-share", type=float, default=0.6, help="fraction of the budget for that check")
     ap.add_argument("--eq-tokens", type=int, default=64, help="greedy tokens per prompt in the equality check")
+    ap.add_argument("--direct-prompts", type=int, default=8, help="prompts also decoded without the engine")
     ap.add_argument("--fp32", action="store_true", help="also the (informative) comparison with the fp32 interpreter")
     ap.add_argument("--tokens", type=int, default=12,
                     help="greedy tokens per prompt of the random-weight check (tiny; small uses 2/3)")
     args = ap.parse_args(argv)
+    global DIRECT_PROMPTS
+    DIRECT_PROMPTS = args.direct_prompts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     end = T0 + args.budget_s
@@ -568,15 +600,16 @@ def _slice(out: Path, budget: float, jobs: int):
 
 def summary_formats(rows: list) -> None:
     print("\n=== compiled kernels vs the same graph at the kernels' formats (greedy, teacher-forced errors) ===")
-    cols = ("model", "pass", "compiled", "ref", "disabled", "equal", "first div", "err", "err/range", "decisive",
-            "bad", "ties")  # fmt: skip
+    cols = ("model", "engine==direct", "pass", "compiled", "ref", "disabled", "equal", "first div", "err",
+            "err/range", "decisive", "bad", "ties")  # fmt: skip
     print(" | ".join(cols))
     for r in rows:
         if r.get("error"):
             print(f"{r['model']} | ERROR (see above)")
             continue
         print(" | ".join(str(v) for v in (
-            r["model"], r["pass_"], r["compiled"], r["reference"], r["disabled"],
+            r["model"], f"{r['runtime_equal']}/{r['runtime_checked']}", r["pass_"], r["compiled"], r["reference"],
+            r["disabled"],
             f"{r['equal_prompts']}/{r['prompts']} x {r['tokens']}", r["first_divergence"], f"{r['err']:.4f}",
             f"{r['err_rel']:.3%}", f"{r['decisive']}/{r['steps']}", r["decisive_mismatch"], len(r["near_ties"]))))
 
