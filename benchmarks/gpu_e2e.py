@@ -407,6 +407,28 @@ class PairedKernels:
         return "\n".join(lines)
 
 
+def noisy_emulated_kernel(key, eps: float = 1e-6):
+    """emulated_kernel whose FP8 GEMM results (dense and grouped) carry a relative N(0, eps) perturbation before
+    the output rounding: the size of an accumulation-order difference, to measure how much the model itself
+    amplifies one."""
+    from deepinfer.codegen.kernels import fp8_gemm
+    from deepinfer.runtime import kernel_adapters as ka
+
+    fn = ka.emulated_kernel(key)
+    if key.family not in ("fp8_gemm", "moe_grouped_gemm"):
+        return fn
+    exact = fp8_gemm.reference
+
+    def noisy(*args):
+        fp8_gemm.reference = lambda *a: (lambda r: r * (1 + eps * torch.randn_like(r)))(exact(*a))
+        try:
+            fn(*args)
+        finally:
+            fp8_gemm.reference = exact
+
+    return noisy
+
+
 def direct_greedy(runner, g, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding of one sequence straight through the runner (no engine: no scheduler, block pools,
     batching or CUDA graphs): the prompt in one call, then one token per call, dense caches sized like the
@@ -434,15 +456,20 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     weights (routing and indexer selections are live).
 
     Tolerance, and why: both paths round at exactly the same places, so they differ only by the order of fp32
-    accumulation inside each kernel (~1e-6 relative) and by the bf16/FP8 roundings those tiny differences tip
-    over (one bf16 ulp = 2^-8, one e4m3 step = 2^-3 of the element, rare: the pre-rounding values must sit within
-    ~1e-6 of a boundary). So (1) teacher-forced along the compiled path's tokens, max |logit difference| must stay
-    under EQ_TOL_REL (2%) of the logit range, and (2) the tokens must be equal at every step where the formats
-    path's top-2 margin exceeds twice that step's measured difference (elsewhere a tie may break either way; such
-    steps are counted and printed, and generation is compared up to the first one)."""
+    accumulation inside each kernel (~1e-6 relative; Hopper's FP8 wgmma also keeps fewer accumulator bits within
+    a K group) and by the bf16/FP8 roundings those tiny differences tip over (one bf16 ulp = 2^-8, one e4m3
+    step = 2^-3 of the element). In a random-weight model with FP8 activations one tipped e4m3 code perturbs the
+    next layer by ~1e-2 and tips more codes: the difference can cascade to the size of the format error itself.
+    So the run measures that sensitivity (the formats path against itself with a 1e-6 relative perturbation of
+    every FP8 GEMM result) and the checks are: (1) teacher-forced along the compiled path's tokens, max |logit
+    difference| <= max(EQ_TOL_REL of the logit range, 2x the perturbed-formats difference); (2) tokens equal at
+    every step where the formats path's top-2 margin exceeds twice that step's difference; (3) free-running
+    greedy tokens equal for every prompt, required where the model is not chaotic (the 1e-6 perturbation moves
+    it by less than EQ_TOL_REL), reported otherwise; (4) the engine's tokens equal the same kernels driven
+    directly one sequence at a time (runtime_equal: same kernels, so bit-exact)."""
     from deepinfer.compiler import compile_model
     from deepinfer.runtime import kernel_adapters as ka
-    from deepinfer.runtime.cuda_executor import KernelCache
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
     from deepinfer.runtime.engine import LLM
     from deepinfer.runtime.plan import bind_weights
     from deepinfer.runtime.sampler import SamplingParams
@@ -493,15 +520,21 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     equal_prompts = sum(a.token_ids == b.token_ids for a, b in zip(outs_k, outs_f))
     first_div = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), n_tokens)
                  for a, b in zip(outs_k, outs_f)]  # fmt: skip
-    # teacher-forced along the compiled path's tokens: per-step difference, the formats path's top-2 margin
+    # teacher-forced along the compiled path's tokens: per-step difference, the formats path's top-2 margin, and
+    # the model's own sensitivity: the formats path with a 1e-6 relative perturbation of every GEMM output
+    ex_n = GraphExecutor(plan.graph, run_f.exec.params, kernels=KernelCache(builder=noisy_emulated_kernel),
+                         verify=False)  # fmt: skip
+    torch.manual_seed(0)
     steps = decisive = bad = 0
-    err_max = rng = 0.0
+    err_max = rng = err_noise = 0.0
     ties = []
     for a in outs_k:
         seq = a.prompt_token_ids + a.token_ids[:-1]
         rows = slice(len(a.prompt_token_ids) - 1, len(seq))
         lk = run_k.exec.run(_teacher_inputs(plan.graph, seq, "cuda"))[0].float()[rows]
         lf = run_f.exec.run(_teacher_inputs(plan.graph, seq, "cuda"))[0].float()[rows]
+        ln = ex_n.run(_teacher_inputs(plan.graph, seq, "cuda"))[0].float()[rows]
+        err_noise = max(err_noise, float((ln - lf).abs().max()))
         err = (lk - lf).abs().amax(-1)
         top2 = lf.topk(2, -1).values
         margin = top2[:, 0] - top2[:, 1]
@@ -515,14 +548,22 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
         ties += [(i, float(margin[i]), float(err[i])) for i in torch.nonzero(~dec).flatten().tolist()]
         err_max = max(err_max, float(err.max()))
         rng = max(rng, float(lf.amax() - lf.amin()))
-    ok = (not errs and not pb_err and row["disabled"] == 0 and bad == 0 and err_max <= EQ_TOL_REL * rng
-          and equal_prompts == len(prompts) and row["runtime_equal"] == row["runtime_checked"])  # fmt: skip
+    # the limit: EQ_TOL_REL of the range, or twice what a 1e-6 perturbation of the GEMMs does to this model
+    # (a chaotic model -- random weights, FP8 activations -- cannot be held closer by any implementation); free-
+    # running token equality is required only where the model is not chaotic
+    chaotic = err_noise > EQ_TOL_REL * rng
+    limit = max(EQ_TOL_REL * rng, 2 * err_noise)
+    runtime_ok = row["runtime_equal"] == row["runtime_checked"]
+    ok = (not errs and not pb_err and row["disabled"] == 0 and bad == 0 and err_max <= limit
+          and (chaotic or equal_prompts == len(prompts)) and runtime_ok)  # fmt: skip
+    row.update(err_noise=err_noise, chaotic=chaotic, limit=limit)
     row.update(equal_prompts=equal_prompts, first_divergence=first_div, steps=steps, decisive=decisive,
                decisive_mismatch=bad, err=err_max, range=rng, err_rel=err_max / max(rng, 1e-30),
                near_ties=ties[:10], errors=errs[:4], pass_=ok)  # fmt: skip
     log(f"{name}: tokens equal in {equal_prompts}/{len(prompts)} prompts (first divergence per prompt: {first_div}); "
         f"teacher-forced max|compiled - formats| {err_max:.4f} = {row['err_rel']:.3%} of the logit range {rng:.2f} "
-        f"(limit {EQ_TOL_REL:.0%}); {decisive}/{steps} steps decisive, {bad} decisive mismatches; "
+        f"(limit {limit:.4f}; a 1e-6 GEMM perturbation alone moves the formats path by {err_noise:.4f}"
+        f"{': chaotic' if chaotic else ''}); {decisive}/{steps} steps decisive, {bad} decisive mismatches; "
         f"near-ties {len(ties)} {ties[:4]} -> {'PASS' if ok else 'FAIL'}")  # fmt: skip
     return row
 
@@ -601,7 +642,7 @@ def _slice(out: Path, budget: float, jobs: int):
 def summary_formats(rows: list) -> None:
     print("\n=== compiled kernels vs the same graph at the kernels' formats (greedy, teacher-forced errors) ===")
     cols = ("model", "engine==direct", "pass", "compiled", "ref", "disabled", "equal", "first div", "err",
-            "err/range", "decisive", "bad", "ties")  # fmt: skip
+            "err/range", "1e-6 perturbed", "limit", "decisive", "bad", "ties")  # fmt: skip
     print(" | ".join(cols))
     for r in rows:
         if r.get("error"):
@@ -611,7 +652,8 @@ def summary_formats(rows: list) -> None:
             r["model"], f"{r['runtime_equal']}/{r['runtime_checked']}", r["pass_"], r["compiled"], r["reference"],
             r["disabled"],
             f"{r['equal_prompts']}/{r['prompts']} x {r['tokens']}", r["first_divergence"], f"{r['err']:.4f}",
-            f"{r['err_rel']:.3%}", f"{r['decisive']}/{r['steps']}", r["decisive_mismatch"], len(r["near_ties"]))))
+            f"{r['err_rel']:.3%}", f"{r['err_noise']:.4f}{' chaotic' if r['chaotic'] else ''}", f"{r['limit']:.4f}",
+            f"{r['decisive']}/{r['steps']}", r["decisive_mismatch"], len(r["near_ties"]))))
 
 
 def summary(rows: list, slice_rows) -> None:
