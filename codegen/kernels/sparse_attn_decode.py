@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.codegen.kernels._common import Mem
+from deepinfer.codegen.kernels._common import Mem, quant_fp8_groups
 
 FAMILY = "sparse_attn_decode"
 
@@ -31,22 +31,67 @@ class Config:
     threads: int = 256
     num_split: int = 1  # split-K: the request's entries are cut into this many chunks, one CTA each
     stages: int = 1  # software pipeline depth of the KV gather (2: the next block's rows load during the math)
+    ws: bool = False  # warp-specialised sm90 program (3 warpgroups, mbarrier ring of `stages` KV blocks)
+    lookahead: bool = False  # ws: QK^T of the next block is issued before this block's softmax
+
+    def __post_init__(self):
+        if self.ws and self.threads != WS_THREADS:
+            object.__setattr__(self, "threads", WS_THREADS)
 
     @property
     def tag(self) -> str:
-        return f"n{self.block_n}t{self.threads}s{self.stages}" + (f"x{self.num_split}" if self.num_split > 1 else "")
+        if self.ws:
+            head = f"ws{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
+        else:
+            head = f"n{self.block_n}t{self.threads}s{self.stages}"
+        return head + (f"x{self.num_split}" if self.num_split > 1 else "")
+
+
+WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
+WS_HEADS = 64  # the ws program's head block: one wgmma M tile (V4.1-Flash has 64 heads)
+# Every shared-memory hand-off of the ws program is ordered by its own mbarriers; TileLang's automatic
+# thread syncs would only add named barriers (and could reuse a barrier id across warpgroups). The ws
+# prim_funcs carry this as a function attribute, which tilelang.compile applies; callers of
+# tilelang.lower must open `tvm.transform.PassContext(config=WS_PASS_CONFIGS)` themselves.
+WS_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+
+
+def ws_supported(H: int, D: int, target: str) -> bool:
+    """The ws program: sm90 (its CPU mirror on "cpu"), 64 heads, D a multiple of 128. Elsewhere program()
+    runs a ws config's chunking (block_n, num_split) on the portable program."""
+    return H == WS_HEADS and D % 128 == 0 and target in ("sm90", "cpu")
 
 
 def config_space(B: int, topk: int) -> list[Config]:
+    """The portable single-program configs (every target): the non-sm90 binding picks from these."""
     out = [Config(bn, t) for bn in (32, 64) for t in (128, 256) if topk % bn == 0]
     for ns in (1, 2, 4, 5, 10):
         out += [Config(bn, 256, ns, 2) for bn in (32, 64) if topk % (ns * bn) == 0]
     return out
 
 
-def sm90_config(B: int, topk: int, num_sms: int = 132) -> Config:
-    """The fewest splits with B x num_split CTAs covering ~90% of the SMs (chunks of at least 32 entries):
-    each split adds B x H x D fp32 of scratch written and read back by the combine."""
+SPLITS = (1, 2, 4, 5, 8, 10, 16, 20)
+
+
+def ws_configs(topk: int, num_split: int, *, fp8: bool = False) -> list[Config]:
+    """The warp-specialised configs for one split count: 64-row blocks in 2 stages, 32-row blocks in 4
+    (bf16; FP8 KV: 32-row blocks in 2 stages, its raw staging takes the rest of shared memory)."""
+    out = []
+    for bn, stages in ((32, 2),) if fp8 else ((64, 2), (32, 4)):
+        if topk % (num_split * bn) == 0:
+            out += [Config(bn, WS_THREADS, num_split, stages, True, la) for la in (False, True)]
+    return out
+
+
+def sm90_config_space(B: int, topk: int, *, fp8: bool = False) -> list[Config]:
+    """What the sm90 tuner searches: the ws configs at every split count, plus the portable split configs."""
+    out = [c for ns in SPLITS for c in ws_configs(topk, ns, fp8=fp8)]
+    return out + ([] if fp8 else [c for c in config_space(B, topk) if c.stages == 2])
+
+
+def portable_split_config(B: int, topk: int, num_sms: int = 132) -> Config:
+    """The previous sm90 choice (single program, 32-row blocks, 2 stages, split-K to fill the SMs): kept for
+    same-run comparisons (benchmarks) and for targets without the ws program."""
     bn = 32
     ns = 1
     for cand in (1, 2, 4, 5, 10, 20):
@@ -57,15 +102,40 @@ def sm90_config(B: int, topk: int, num_sms: int = 132) -> Config:
     return Config(bn, 256, ns, 2)
 
 
-def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config = Config()):
+def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False) -> Config:
+    """The ws program with the fewest splits whose B x num_split CTAs cover ~90% of the SMs. A split adds
+    B x H x D fp32 of partial output written and read back by the combine, so large batches use none."""
+    best = None
+    for ns in SPLITS:
+        cands = ws_configs(topk, ns, fp8=fp8)
+        if not cands:
+            continue
+        best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
+        if B * ns >= 0.9 * num_sms:
+            break
+    return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
+
+
+def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config = Config(), kv_fp8: bool = False):
     """prim_func(Q [B, H, D] act, KV [S, D] act, Idx [B, topk] int32, Sink [H] f32, O [B, H, D] act).
 
     With cfg.num_split > 1 this is the first of two kernels (`split_programs`), and its signature is
     (Q, KV, Idx, Op [B, ns, H, D] f32, Mp [B, ns, H] f32, Lp [B, ns, H] f32): each CTA writes its chunk's
     unnormalised output, running max and sum; `combine_program` folds the chunks and the sink.
+
+    cfg.ws selects the warp-specialised sm90 program (`_program_ws`); kv_fp8 (ws only) takes the FP8 KV
+    cache instead: KV [S, D] float8_e4m3fn and KVs [S, D/32] uint8 ue8m0 exponents follow Q in the signature.
     """
     import tilelang.language as T
 
+    if cfg.ws and ws_supported(H, D, target):
+        if Mem(target).cpu:
+            return _program_ws_cpu(B, H, D, S, topk, cfg=cfg, kv_fp8=kv_fp8)
+        func = _program_ws(B, H, D, S, topk, cfg=cfg, kv_fp8=kv_fp8)
+        return func.with_attr("tilelang_pass_configs", WS_PASS_CONFIGS)
+    if cfg.ws:  # same chunking (block_n, num_split: the reduction order) on the portable program
+        cfg = Config(cfg.block_n, 256, cfg.num_split, 2)
+    assert not kv_fp8, "FP8 KV: the ws program only"
     bn, ns = cfg.block_n, cfg.num_split
     assert topk % (bn * ns) == 0
     chunk = topk // ns
@@ -155,6 +225,613 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     return sparse_attn_decode_split
 
 
+# ---------------------------------------------------------------------------------------------- ws (sm90)
+
+
+LOG2E = 1.4426950408889634
+
+
+class _WsGeom:
+    """Sizes of the ws program and the data each loader thread (t in 0..127 of a PV warpgroup) moves;
+    shared with its CPU mirror (`_program_ws_cpu`), which checks this index arithmetic on TileLang's c target.
+
+    bf16 KV: a block's half-rows are copied 16 B (8 elements) a thread: row r * 16 + t // 8 (r < bn/16),
+    column u * 64 + t % 8 * 8 of the half (u < D/128). FP8 KV: tpr = D/32 threads per half-row, 16 e4m3
+    bytes each: row r * RS + t // tpr (RS = 128 / tpr), column t % tpr * 16; the thread also copies the
+    4-byte word of ue8m0 exponents that holds its 16 values' group (32 values a group)."""
+
+    def __init__(self, H: int, D: int, topk: int, cfg: Config, kv_fp8: bool):
+        self.bn, self.ns, self.NS = cfg.block_n, cfg.num_split, cfg.stages
+        self.chunk = topk // self.ns
+        self.nb = self.chunk // self.bn  # blocks per CTA
+        self.D2 = D // 2
+        self.tpr = self.D2 // 16 if kv_fp8 else 8  # threads sharing a half-row (FP8) or a 64-column group (bf16)
+        self.RS = 128 // self.tpr if kv_fp8 else 16  # block rows covered by one pass of the 128 loader threads
+        self.R = self.bn // self.RS  # rows a loader thread copies per block
+        self.QC = H * self.D2 // 8 // 128  # Q half: 16 B copies a thread
+        assert self.R >= 1 and self.bn % self.RS == 0 and self.QC * 1024 == H * self.D2 and self.D2 % 64 == 0
+
+    def row(self, r, t):
+        return r * self.RS + t // self.tpr
+
+    def col(self, u, t):  # bf16: first of the 8 elements a copy moves (u-th 64-column group of the half)
+        return u * 64 + t % 8 * 8
+
+    def col8(self, t):  # FP8: first of the 16 bytes a copy moves
+        return t % self.tpr * 16
+
+    def scale_word(self, hf: int, t):  # FP8: first of the 4 exponent bytes this thread copies
+        return (hf * self.D2 + self.col8(t)) // 128 * 4
+
+    def scale_byte(self, hf: int, t):  # FP8: this thread's group among those 4 bytes
+        return (hf * self.D2 + self.col8(t)) // 32 % 4
+
+    def q_row(self, k, t):
+        return (k * 128 + t) // (self.D2 // 8)
+
+    def q_col(self, k, t):
+        return (k * 128 + t) % (self.D2 // 8) * 8
+
+
+def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool):
+    """The warp-specialised sm90 program (FlashMLA-style). One CTA per (chunk, request), 3 warpgroups:
+
+      WG0 (QK)    waits for block i's KV rows, S = Q K^T (wgmma, fp32), online softmax in base 2, writes
+                  P (bf16) and the rescale factor alpha of block i to shared memory. With `lookahead` the
+                  QK^T of block i+1 is issued (async wgmma) before the softmax of block i.
+      WG1 / WG2   O[:, half] = alpha * O[:, half] + P V[:, half] (V = K) for the two D halves (64 x 256 fp32
+                  accumulators: 128 registers a thread), then refill the stage they just freed with their
+                  half of block i + stages: bf16 rows by cp.async (16 B a thread, rows clamped to >= 0);
+                  FP8 KV: raw e4m3 bytes and ue8m0 exponent words were cp.async'd a ring earlier into a
+                  staging buffer and are dequantised to bf16 (exact) into the freed stage by the thread that
+                  loaded them (so only that thread's cp.async groups need to have landed).
+
+    mbarriers: full[half, stage] (the half's 128 loaders: cp.async.mbarrier.arrive.noinc for bf16; a release
+    arrive after the dequant stores and a proxy fence for FP8), p_full[stage] (WG0), p_empty[stage] (WG1 +
+    WG2), bar_q (Q loaded), fin (WG0's final max and sum). Parity of block i: (i // stages) & 1.
+    Base-2 softmax: s2 = (q.k) * d^-0.5 * log2(e); invalid entries are -inf before the max (weight exactly
+    0); the running max starts at a finite -1e30, so a chunk of only invalid entries has l = 0, o = 0.
+    Registers: ptxas caps every thread at 65536 / 384 = 168 (setmaxnreg does not raise the compile cap).
+    """
+    import tilelang.language as T
+
+    g = _WsGeom(H, D, topk, cfg, kv_fp8)
+    bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
+    assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
+    assert topk % (bn * ns) == 0
+    assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
+    if kv_fp8:
+        assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
+    chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
+    rounds, tail = divmod(nb, NS)
+    bf, f32, i32 = "bfloat16", "float32", "int32"
+    scale = D**-0.5
+    c2 = scale * LOG2E
+    NEG = -1.0e30
+    split = ns > 1
+    pre = min(NS, nb)  # blocks loaded before the loop
+    SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
+    # Python lists: these loops unroll at trace time, so stage indices and branches are static
+    ring, tail_blocks, pre_blocks = list(range(NS)), list(range(tail)), list(range(pre))
+    la_rounds, la_tail = (nb - 1) // NS, list(range((nb - 1) % NS))  # lookahead: the blocks that issue a next
+
+    @T.macro
+    def wait_kv(full, st, ph):
+        T.barrier_wait(full[st], ph)
+        T.barrier_wait(full[NS + st], ph)
+        T.fence_proxy_async()  # rows written by other threads (cp.async / st.shared), read by wgmma
+
+    @T.macro
+    def qk(q_l, q_r, kv_l, kv_r, Sacc, idx_s, full, st, ph, sync: bool):
+        wait_kv(full, st, ph)
+        for h, j in T.Parallel(H, bn):
+            Sacc[h, j] = T.if_then_else(idx_s[st, j] >= 0, T.float32(0), -T.infinity(f32))
+        T.wgmma_gemm(q_l, kv_l[st, :, :], Sacc, transpose_B=True)  # both halves back to back, one wait
+        T.wgmma_gemm(q_r, kv_r[st, :, :], Sacc, transpose_B=True)
+        if sync:
+            T.wait_wgmma(0)
+
+    @T.macro
+    def softmax(Sacc, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph):
+        T.copy(m, m_prev)
+        T.reduce_max(Sacc, m, dim=1, clear=False)
+        for h in T.Parallel(H):
+            alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
+        for h, j in T.Parallel(H, bn):
+            Sacc[h, j] = T.exp2(Sacc[h, j] * c2 - m[h] * c2)
+        T.reduce_sum(Sacc, lblk, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * alpha[h] + lblk[h]
+        T.barrier_wait(p_empty[st], ph ^ 1)
+        T.copy(Sacc, p_s[st, :, :])
+        for h in T.Parallel(H):
+            alpha_s[st, h] = alpha[h]
+        T.fence_proxy_async()  # P is read by the PV warpgroups' wgmma (async proxy)
+        T.barrier_arrive(p_full[st])
+
+    @T.macro
+    def load_rid(Idx, b, base, blk, t, rid, k):
+        for r in T.unroll(R, explicit=True):
+            rid[k, r] = Idx[b, base + blk * bn + g.row(r, t)]
+
+    @T.macro
+    def gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, blk, st, hf: int, t, rid, k):
+        """bf16: cp.async this half of block blk's rows into stage st and arm full[hf, st].
+        FP8: cp.async the raw bytes and scale words into staging slot st (completion: cp.async groups)."""
+        for r in T.unroll(R, explicit=True):
+            if kv_fp8:
+                T.ptx_cp_async(
+                    T.access_ptr(raw[st, g.row(r, t), g.col8(t)], "w", 16),
+                    T.access_ptr(KV[T.max(rid[k, r], 0), hf * D2 + g.col8(t)], "r", 16),
+                    16,
+                )
+                T.ptx_cp_async(  # the aligned 4 exponent bytes holding this chunk's group
+                    T.access_ptr(sc[st, g.row(r, t), t % g.tpr * 4], "w", 4),
+                    T.access_ptr(KVs[T.max(rid[k, r], 0), g.scale_word(hf, t)], "r", 4),
+                    4,
+                )
+            else:
+                for u in T.unroll(D2 // 64, explicit=True):
+                    T.ptx_cp_async(
+                        T.access_ptr(kvh[st, g.row(r, t), g.col(u, t)], "w", 8),
+                        T.access_ptr(KV[T.max(rid[k, r], 0), hf * D2 + g.col(u, t)], "r", 8),
+                        8,
+                    )
+        if hf == 0:
+            if t < bn // 4:  # the block's row ids, for WG0's mask
+                T.ptx_cp_async(
+                    T.access_ptr(stg_idx[st, t * 4], "w", 4), T.access_ptr(Idx[b, base + blk * bn + t * 4], "r", 4), 4
+                )
+        if not kv_fp8:
+            T.cp_async_barrier_noinc(full[hf * NS + st])
+
+    @T.macro
+    def dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf: int, t, buf, obuf):
+        """FP8: staging slot st -> bf16 stage st (e4m3 x 2^(e - 127) is exact in bf16); arm full[hf, st]."""
+        T.ptx_wait_group(NS - 1)  # this thread's copies of the block (NS groups in flight, oldest done)
+        for r in T.unroll(R, explicit=True):
+            for v in T.vectorized(16):
+                buf[v] = raw[st, g.row(r, t), g.col8(t) + v]
+            for v in T.unroll(16, explicit=True):
+                obuf[v] = T.cast(
+                    T.cast(buf[v], f32)
+                    * T.exp2(T.cast(sc[st, g.row(r, t), t % g.tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0),
+                    bf,
+                )
+            for v in T.vectorized(16):
+                kvh[st, g.row(r, t), g.col8(t) + v] = obuf[v]
+        if hf == 0:
+            if t < bn // 4:
+                for v in T.vectorized(4):
+                    idx_s[st, t * 4 + v] = stg_idx[st, t * 4 + v]
+        T.fence_proxy_async()  # generic stores read by wgmma
+        T.barrier_arrive(full[hf * NS + st])
+
+    @T.macro
+    def refill(KV, KVs, Idx, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
+        """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
+        ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
+        if kv_fp8:
+            dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf, t, buf, obuf)
+            if blk + NS < nb:
+                gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, blk + NS, st, hf, t, rid, 0)
+            T.ptx_commit_group()  # always: keeps NS groups in flight for wait_group
+            if blk + NS + 1 < nb:
+                load_rid(Idx, b, base, blk + NS + 1, t, rid, 0)
+        else:
+            gather(KV, KVs, Idx, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
+            if blk + 1 < nb:
+                load_rid(Idx, b, base, blk + 1, t, rid, 0)
+
+    @T.macro
+    def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
+        T.barrier_wait(p_full[st], ph)
+        T.barrier_wait(full[hf * NS + st], ph)
+        T.fence_proxy_async()
+        for h, d in T.Parallel(H, D2):
+            o[h, d] = o[h, d] * alpha_s[st, h]
+        T.gemm(p_s[st, :, :], kvh[st, :, :], o)
+        T.barrier_arrive(p_empty[st])
+        # wgmma.wait_group is per warp: before any thread of this warpgroup refills the stage, all four warps'
+        # MMAs (which all read the whole stage) must be done. Named barrier 1 + hf, 128 threads.
+        T.sync_threads(1 + hf, 128)
+
+    @T.macro
+    def pv_role(
+        Q,
+        KV,
+        KVs,
+        Idx,
+        O,
+        Op,
+        b,
+        sp,
+        base,
+        hf: int,
+        t,
+        o,
+        q_h,
+        kvh,
+        raw,
+        sc,
+        stg_idx,
+        idx_s,
+        p_s,
+        alpha_s,
+        fin_s,
+        full,
+        p_full,
+        p_empty,
+        bar_q,
+        fin,
+        rid,
+        buf,
+        obuf,
+    ):
+        T.fill(o, 0.0)
+        for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
+            T.ptx_cp_async(
+                T.access_ptr(q_h[g.q_row(k, t), g.q_col(k, t)], "w", 8),
+                T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
+                8,
+            )
+        T.cp_async_barrier_noinc(bar_q)
+        for j in pre_blocks:
+            load_rid(Idx, b, base, j, t, rid, j)
+        if kv_fp8:
+            for j in ring:
+                if j < nb:
+                    gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, j, j, hf, t, rid, j)
+                T.ptx_commit_group()
+            if NS < nb:
+                load_rid(Idx, b, base, NS, t, rid, 0)
+            for j in pre_blocks:
+                dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf)
+                if j + NS < nb:
+                    gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, j + NS, j, hf, t, rid, 0)
+                T.ptx_commit_group()
+                if j + NS + 1 < nb:
+                    load_rid(Idx, b, base, j + NS + 1, t, rid, 0)
+        else:
+            for j in pre_blocks:
+                gather(KV, KVs, Idx, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
+            if NS < nb:
+                load_rid(Idx, b, base, NS, t, rid, 0)
+        for it in T.serial(rounds):
+            for st in ring:
+                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
+                if (it + 1) * NS + st < nb:
+                    refill(KV, KVs, Idx, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
+                           t, rid, buf, obuf)  # fmt: skip
+        for st in tail_blocks:
+            pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
+        T.barrier_wait(fin, 0)
+        if split:
+            for h, d in T.Parallel(H, D2):
+                Op[b, sp, h, hf * D2 + d] = o[h, d]
+        else:
+            for h, d in T.Parallel(H, D2):
+                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+
+    @T.macro
+    def body(Q, KV, KVs, Idx, Sink, O, Op, Mp, Lp, sp, b):
+        q_l = T.alloc_shared((H, D2), bf)
+        q_r = T.alloc_shared((H, D2), bf)
+        kv_l = T.alloc_shared((NS, bn, D2), bf)
+        kv_r = T.alloc_shared((NS, bn, D2), bf)
+        p_s = T.alloc_shared((NS, H, bn), bf)
+        alpha_s = T.alloc_shared((NS, H), f32)
+        idx_s = T.alloc_shared((NS, bn), i32)
+        fin_s = T.alloc_shared((H,), f32)
+        raw_l = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
+        raw_r = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
+        sc_l = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
+        sc_r = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
+        stg_idx = T.alloc_shared((SL, bn), i32)
+        s0 = T.alloc_fragment((H, bn), f32)
+        s1 = T.alloc_fragment((H, bn), f32)
+        o_l = T.alloc_fragment((H, D2), f32)
+        o_r = T.alloc_fragment((H, D2), f32)
+        m = T.alloc_fragment((H,), f32)
+        m_prev = T.alloc_fragment((H,), f32)
+        l = T.alloc_fragment((H,), f32)
+        lblk = T.alloc_fragment((H,), f32)
+        alpha = T.alloc_fragment((H,), f32)
+        rid = T.alloc_local((NS, R), i32)
+        buf = T.alloc_local((16,), "float8_e4m3fn")
+        obuf = T.alloc_local((16,), bf)
+        bar_q = T.alloc_barrier(256)
+        full = T.alloc_barrier([128] * (2 * NS))
+        p_full = T.alloc_barrier([128] * NS)
+        p_empty = T.alloc_barrier([256] * NS)
+        fin = T.alloc_barrier(128)
+        base = sp * chunk
+        tx = T.get_thread_binding()
+        if tx < 128:  # ------------------------------------------------------ WG0: QK^T + softmax
+            T.fill(m, NEG)
+            T.fill(l, 0.0)
+            T.barrier_wait(bar_q, 0)
+            if la:
+                # blocks 0 .. nb-2 issue the next block's QK^T before their softmax (unconditionally: a
+                # wgmma under a data-dependent branch makes ptxas serialise every wgmma, C7518); S[i % 2]
+                qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, 0, 0, False)
+                for it in T.serial(la_rounds):
+                    for st in ring:
+                        T.wait_wgmma(0)
+                        nst, nph = (st + 1, it & 1) if st + 1 < NS else (0, (it + 1) & 1)
+                        if st % 2 == 0:
+                            qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, nst, nph, False)
+                            softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
+                        else:
+                            qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, nst, nph, False)
+                            softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
+                for st in la_tail:
+                    T.wait_wgmma(0)
+                    if st % 2 == 0:
+                        qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, st + 1, la_rounds & 1, False)
+                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds & 1)
+                    else:
+                        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st + 1, la_rounds & 1, False)
+                        softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds & 1)
+                T.wait_wgmma(0)  # the last block, nb - 1 = la_rounds * NS + len(la_tail)
+                if len(la_tail) % 2 == 0:
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, len(la_tail), la_rounds & 1)
+                else:
+                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, len(la_tail), la_rounds & 1)
+            else:
+                for it in T.serial(rounds):
+                    for st in ring:
+                        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, it & 1, True)
+                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
+                for st in tail_blocks:
+                    qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, rounds & 1, True)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rounds & 1)
+            if split:
+                for h in T.Parallel(H):
+                    Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
+                    Lp[b, sp, h] = l[h]
+            else:
+                for h in T.Parallel(H):  # the sink joins the denominator only
+                    fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
+            T.barrier_arrive(fin)
+        elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
+            pv_role(Q, KV, KVs, Idx, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
+        else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
+            pv_role(Q, KV, KVs, Idx, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
+
+    # The batch and the pool size are symbolic: one build serves every batch size and KV pool (the tuner
+    # still keys on the B bucket; the code does not depend on it).
+    Bd, Sd = T.dynamic("B"), T.dynamic("S")
+    kvt = "float8_e4m3fn" if kv_fp8 else bf
+    if kv_fp8 and split:
+
+        @T.prim_func
+        def sparse_attn_decode_ws_fp8_split(
+            Q: T.Tensor((Bd, H, D), bf),
+            KV: T.Tensor((Sd, D), kvt),
+            KVs: T.Tensor((Sd, D // 32), "uint8"),
+            Idx: T.Tensor((Bd, topk), i32),
+            Op: T.Tensor((Bd, ns, H, D), f32),
+            Mp: T.Tensor((Bd, ns, H), f32),
+            Lp: T.Tensor((Bd, ns, H), f32),
+        ):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+                body(Q, KV, KVs, Idx, None, None, Op, Mp, Lp, sp, b)
+
+        return sparse_attn_decode_ws_fp8_split
+    if kv_fp8:
+
+        @T.prim_func
+        def sparse_attn_decode_ws_fp8(
+            Q: T.Tensor((Bd, H, D), bf),
+            KV: T.Tensor((Sd, D), kvt),
+            KVs: T.Tensor((Sd, D // 32), "uint8"),
+            Idx: T.Tensor((Bd, topk), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((Bd, H, D), bf),
+        ):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+                body(Q, KV, KVs, Idx, Sink, O, None, None, None, sp, b)
+
+        return sparse_attn_decode_ws_fp8
+    if split:
+
+        @T.prim_func
+        def sparse_attn_decode_ws_split(
+            Q: T.Tensor((Bd, H, D), bf),
+            KV: T.Tensor((Sd, D), kvt),
+            Idx: T.Tensor((Bd, topk), i32),
+            Op: T.Tensor((Bd, ns, H, D), f32),
+            Mp: T.Tensor((Bd, ns, H), f32),
+            Lp: T.Tensor((Bd, ns, H), f32),
+        ):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+                body(Q, KV, None, Idx, None, None, Op, Mp, Lp, sp, b)
+
+        return sparse_attn_decode_ws_split
+
+    @T.prim_func
+    def sparse_attn_decode_ws(
+        Q: T.Tensor((Bd, H, D), bf),
+        KV: T.Tensor((Sd, D), kvt),
+        Idx: T.Tensor((Bd, topk), i32),
+        Sink: T.Tensor((H,), f32),
+        O: T.Tensor((Bd, H, D), bf),
+    ):
+        with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            body(Q, KV, None, Idx, Sink, O, None, None, None, sp, b)
+
+    return sparse_attn_decode_ws
+
+
+def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool):
+    """CPU mirror of `_program_ws` for TileLang's c target (fp32 data): the same geometry and per-thread
+    index arithmetic (`_WsGeom`) for the Q, KV-row, FP8-exponent-word and row-id copies, the same stage
+    ring and chunking, the mask (-inf before the max, finite -1e30 start), the base-2 online softmax with
+    alpha applied to O before P V, the split outputs and the sink. The warpgroups run one after another
+    for each block and each thread's copies are a serial loop over t; the barriers' ordering is program
+    order here. It checks the index arithmetic and the math, not the synchronisation."""
+    import tilelang.language as T
+
+    g = _WsGeom(H, D, topk, cfg, kv_fp8)
+    bn, ns, NS = cfg.block_n, cfg.num_split, cfg.stages
+    assert topk % (bn * ns) == 0
+    chunk, nb, D2, R, tpr = g.chunk, g.nb, g.D2, g.R, g.tpr
+    f32, i32 = "float32", "int32"
+    scale = D**-0.5
+    c2 = scale * LOG2E
+    NEG = -1.0e30
+    split = ns > 1
+
+    @T.macro
+    def body(Q, KV, KVs, Idx, Sink, O, Op, Mp, Lp, sp, b):
+        q = T.alloc_local((2, H, D2), f32)
+        kv = T.alloc_local((2, NS, bn, D2), f32)  # [half, stage, row, column]
+        raw = T.alloc_local((2, NS, bn, D2), f32)
+        sc = T.alloc_local((2, NS, bn, tpr * 4), "uint8")
+        idx_s = T.alloc_local((NS, bn), i32)
+        p = T.alloc_local((NS, H, bn), f32)
+        alpha_s = T.alloc_local((NS, H), f32)
+        sacc = T.alloc_local((H, bn), f32)
+        o = T.alloc_local((2, H, D2), f32)
+        m = T.alloc_local((H,), f32)
+        m_prev = T.alloc_local((H,), f32)
+        l = T.alloc_local((H,), f32)
+        acc = T.alloc_local((1,), f32)
+        rid = T.alloc_local((R,), i32)
+        base = sp * chunk
+        for hf in T.serial(2):
+            for t in T.serial(128):
+                for k in T.serial(g.QC):
+                    for v in T.serial(8):
+                        q[hf, g.q_row(k, t), g.q_col(k, t) + v] = Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v]
+        for h in T.serial(H):
+            m[h] = NEG
+            l[h] = 0.0
+            for hf in T.serial(2):
+                for d in T.serial(D2):
+                    o[hf, h, d] = 0.0
+        for i in T.serial(nb):
+            st = i % NS
+            for hf in T.serial(2):  # the PV warpgroups' loaders fill block i into stage st
+                for t in T.serial(128):
+                    for r in T.serial(R):
+                        rid[r] = Idx[b, base + i * bn + g.row(r, t)]
+                    for r in T.serial(R):
+                        row, src = g.row(r, t), T.max(rid[r], 0)
+                        if kv_fp8:
+                            for v in T.serial(16):
+                                raw[hf, st, row, g.col8(t) + v] = KV[src, hf * D2 + g.col8(t) + v]
+                            for v in T.serial(4):
+                                sc[hf, st, row, t % tpr * 4 + v] = KVs[src, g.scale_word(hf, t) + v]
+                            for v in T.serial(16):  # the dequant, by the same thread
+                                kv[hf, st, row, g.col8(t) + v] = raw[hf, st, row, g.col8(t) + v] * T.exp2(
+                                    T.cast(sc[hf, st, row, t % tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0
+                                )
+                        else:
+                            for u in T.serial(D2 // 64):
+                                for v in T.serial(8):
+                                    kv[hf, st, row, g.col(u, t) + v] = KV[src, hf * D2 + g.col(u, t) + v]
+                    if hf == 0:
+                        if t < bn // 4:
+                            for v in T.serial(4):
+                                idx_s[st, t * 4 + v] = Idx[b, base + i * bn + t * 4 + v]
+            for h in T.serial(H):  # WG0
+                m_prev[h] = m[h]
+                for j in T.serial(bn):
+                    sacc[h, j] = T.if_then_else(idx_s[st, j] >= 0, T.float32(0), -T.infinity(f32))
+                    for hf in T.serial(2):
+                        for d in T.serial(D2):
+                            sacc[h, j] = sacc[h, j] + q[hf, h, d] * kv[hf, st, j, d]
+                    m[h] = T.max(m[h], sacc[h, j])
+                alpha_s[st, h] = T.exp2((m_prev[h] - m[h]) * c2)
+                acc[0] = 0.0
+                for j in T.serial(bn):
+                    p[st, h, j] = T.exp2(sacc[h, j] * c2 - m[h] * c2)
+                    acc[0] = acc[0] + p[st, h, j]
+                l[h] = l[h] * alpha_s[st, h] + acc[0]
+            for hf in T.serial(2):  # WG1 / WG2
+                for h in T.serial(H):
+                    for d in T.serial(D2):
+                        o[hf, h, d] = o[hf, h, d] * alpha_s[st, h]
+                        for j in T.serial(bn):
+                            o[hf, h, d] = o[hf, h, d] + p[st, h, j] * kv[hf, st, j, d]
+        for h in T.serial(H):
+            if split:
+                Mp[b, sp, h] = m[h] * scale
+                Lp[b, sp, h] = l[h]
+                for hf in T.serial(2):
+                    for d in T.serial(D2):
+                        Op[b, sp, h, hf * D2 + d] = o[hf, h, d]
+            else:
+                acc[0] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
+                for hf in T.serial(2):
+                    for d in T.serial(D2):
+                        O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
+
+    if kv_fp8 and split:
+
+        @T.prim_func
+        def ws_cpu_fp8_split(
+            Q: T.Tensor((B, H, D), f32),
+            KV: T.Tensor((S, D), f32),
+            KVs: T.Tensor((S, D // 32), "uint8"),
+            Idx: T.Tensor((B, topk), i32),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+        ):
+            with T.Kernel(ns, B) as (sp, b):
+                body(Q, KV, KVs, Idx, None, None, Op, Mp, Lp, sp, b)
+
+        return ws_cpu_fp8_split
+    if kv_fp8:
+
+        @T.prim_func
+        def ws_cpu_fp8(
+            Q: T.Tensor((B, H, D), f32),
+            KV: T.Tensor((S, D), f32),
+            KVs: T.Tensor((S, D // 32), "uint8"),
+            Idx: T.Tensor((B, topk), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), f32),
+        ):
+            with T.Kernel(ns, B) as (sp, b):
+                body(Q, KV, KVs, Idx, Sink, O, None, None, None, sp, b)
+
+        return ws_cpu_fp8
+    if split:
+
+        @T.prim_func
+        def ws_cpu_split(
+            Q: T.Tensor((B, H, D), f32),
+            KV: T.Tensor((S, D), f32),
+            Idx: T.Tensor((B, topk), i32),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+        ):
+            with T.Kernel(ns, B) as (sp, b):
+                body(Q, KV, None, Idx, None, None, Op, Mp, Lp, sp, b)
+
+        return ws_cpu_split
+
+    @T.prim_func
+    def ws_cpu(
+        Q: T.Tensor((B, H, D), f32),
+        KV: T.Tensor((S, D), f32),
+        Idx: T.Tensor((B, topk), i32),
+        Sink: T.Tensor((H,), f32),
+        O: T.Tensor((B, H, D), f32),
+    ):
+        with T.Kernel(ns, B) as (sp, b):
+            body(Q, KV, None, Idx, Sink, O, None, None, None, sp, b)
+
+    return ws_cpu
+
+
 def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, threads: int = 128):
     """prim_func(Op, Mp, Lp, Sink, O): O[b, h] = Σ_s e^(m_s − M) o_s / (Σ_s e^(m_s − M) l_s + e^(sink − M)),
     M = max(max_s m_s, sink). A chunk with no valid entry has m_s = NEG, l_s = 0, o_s = 0: weight exactly 0."""
@@ -193,17 +870,18 @@ def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, thre
     return sparse_attn_combine
 
 
-def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config):
+def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False):
     """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
     assert cfg.num_split > 1
     return (
-        program(B, H, D, S, topk, target=target, cfg=cfg),
+        program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8),
         combine_program(B, H, D, cfg.num_split, target=target),
     )
 
 
 def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
-    """Launch the split pair; `scratch` (Op, Mp, Lp) can be passed to skip the allocations."""
+    """Launch the split pair; `scratch` (Op, Mp, Lp) can be passed to skip the allocations. kv is the
+    bf16 pool, or (codes, exponents) for the FP8-KV program."""
     B, H, D = q.shape
     if scratch is None:
         scratch = (
@@ -212,7 +890,7 @@ def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
             torch.empty(B, num_split, H, device=q.device, dtype=torch.float32),
         )
     op, mp, lp = scratch
-    kernels[0](q, kv, idx, op, mp, lp)
+    kernels[0](q, *(kv if isinstance(kv, tuple) else (kv,)), idx, op, mp, lp)
     kernels[1](op, mp, lp, sink, out)
     return out
 
@@ -246,6 +924,23 @@ def reference_f64_loops(q, kv, idx, sink) -> torch.Tensor:
     return out
 
 
-def roofline(B: int, H: int, D: int, topk: int, kv_bytes: int = 2, act_bytes: int = 2) -> tuple[float, float]:
-    """(bytes, flops): each selected KV row once per request, q and o once; QKᵀ + PV."""
-    return float(B * (topk * (D * kv_bytes + 4) + 2 * H * D * act_bytes)), float(4 * B * H * topk * D)
+def quant_kv_fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, D] -> (e4m3 codes [S, D], uint8 ue8m0 exponents [S, D/32]): the V4.1 window-KV cache layout
+    (MODEL_SPEC §3: 512 fp8 + 16 ue8m0 bytes a token), i.e. the values the model's fake_quant_fp8(kv, 32)
+    leaves, stored as codes and power-of-two scales 2^(e - 127)."""
+    codes, scale = quant_fp8_groups(kv.float(), 32)
+    return codes, (torch.log2(scale).round() + 127).to(torch.uint8)
+
+
+def dequant_kv_fp8(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """fp32 [S, D] from quant_kv_fp8's pair (what the FP8-KV kernel computes with, exactly, in bf16)."""
+    s = torch.exp2(exps.float() - 127.0).repeat_interleave(32, dim=1)
+    return codes.float() * s
+
+
+def roofline(B: int, H: int, D: int, topk: int, kv_bytes: int = 2, act_bytes: int = 2, *, kv_fp8: bool = False
+             ) -> tuple[float, float]:  # fmt: skip
+    """(bytes, flops): each selected KV row once per request (plus its int32 index), q and o once; QKᵀ + PV.
+    kv_fp8: a row is D e4m3 bytes + D/32 ue8m0 exponent bytes."""
+    row = D + D // 32 if kv_fp8 else D * kv_bytes
+    return float(B * (topk * (row + 4) + 2 * H * D * act_bytes)), float(4 * B * H * topk * D)

@@ -1,0 +1,150 @@
+"""The warp-specialised sm90 sparse-attention decode program (sparse_attn_decode._program_ws) on the CPU:
+
+- its per-thread data mapping (`_WsGeom`) covers every KV element, Q element and exponent byte exactly once;
+- its CPU mirror on TileLang's c target (same geometry and index arithmetic, same ring, mask, base-2 online
+  softmax, split outputs and sink; warpgroups serialised, no barriers) matches the references, bf16 and
+  FP8 KV, single pass and split-K with an all-invalid chunk;
+- the sm90 programs lower (with their pass config), compile to sm_90a cubins with bf16 wgmma (HGMMA),
+  cp.async gathers (LDGSTS), mbarrier synchronisation, no register spills and only its own named barriers.
+
+The synchronisation itself (barrier parities, the producer/consumer ring) only runs on the H200
+(tests/codegen/test_gpu_kernels.py, benchmarks/kernels_h200.py --only sparse_attn).
+"""
+
+import re
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+
+@pytest.mark.parametrize("fp8,bn", [(False, 64), (False, 32), (True, 32)])
+def test_ws_loader_mapping_covers_each_element_once(fp8, bn):
+    H, D = 64, 512
+    cfg = sad.Config(bn, 384, 1, 2 if bn == 64 or fp8 else 4, True)
+    g = sad._WsGeom(H, D, 640, cfg, fp8)
+    for hf in (0, 1):
+        seen = torch.zeros(bn, D, dtype=torch.int32)
+        groups = torch.full((bn, g.D2), -1)
+        for t in range(128):
+            for r in range(g.R):
+                row = g.row(r, t)
+                if fp8:
+                    c0 = hf * g.D2 + g.col8(t)
+                    seen[row, c0 : c0 + 16] += 1
+                    group = g.scale_word(hf, t) + g.scale_byte(hf, t)  # the exponent byte the thread applies
+                    assert group == c0 // 32 and (c0 + 15) // 32 == group  # 16 values, one group
+                    assert g.scale_word(hf, t) % 4 == 0 and g.scale_word(hf, t) + 4 <= D // 32
+                    groups[row, g.col8(t) : g.col8(t) + 16] = group
+                else:
+                    for u in range(g.D2 // 64):
+                        c0 = hf * g.D2 + g.col(u, t)
+                        seen[row, c0 : c0 + 8] += 1
+        half = seen[:, hf * g.D2 : (hf + 1) * g.D2]
+        assert bool((half == 1).all()), "every element of the half copied exactly once"
+        assert int(seen.sum()) == bn * g.D2
+    qseen = torch.zeros(H, g.D2, dtype=torch.int32)
+    for t in range(128):
+        for k in range(g.QC):
+            qseen[g.q_row(k, t), g.q_col(k, t) : g.q_col(k, t) + 8] += 1
+    assert bool((qseen == 1).all())
+
+
+def test_ws_smem_fits_and_configs_are_coherent():
+    for B in (1, 16, 64, 128, 256):
+        for fp8 in (False, True):
+            cfg = sad.sm90_config(B, 640, fp8=fp8)
+            assert cfg.ws and cfg.threads == sad.WS_THREADS and 640 % (cfg.block_n * cfg.num_split) == 0
+            assert B * cfg.num_split >= 0.9 * 132 or cfg.num_split == max(sad.SPLITS)
+    assert sad.sm90_config(128, 640).num_split == 1 and sad.sm90_config(64, 640).num_split == 2
+    assert sad.sm90_config(1, 640).num_split != sad.sm90_config(64, 640).num_split  # batch invariance test
+    for c in sad.sm90_config_space(64, 640) + sad.sm90_config_space(64, 640, fp8=True):
+        assert 640 % (c.block_n * c.num_split) == 0
+    # ws program off its supported shapes: the same chunking on the portable program
+    assert not sad.ws_supported(8, 64, "sm90") and not sad.ws_supported(64, 512, "sm100")
+
+
+def _inputs(B, H, D, S, K, seed):
+    torch.manual_seed(seed)
+    q, kv = torch.randn(B, H, D), torch.randn(S, D)
+    idx = torch.randint(0, S, (B, K), dtype=torch.int32)
+    idx[:, -5:] = -1  # invalid slots, in the last block
+    idx[0, K // 2 :] = -1  # request 0: the second half (a whole split chunk) invalid
+    return q, kv, idx, torch.randn(H) * 2
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ws_cpu_mirror_c_target(tilelang_required, fp8):
+    """D = 256 gives two exponent words a row (FP8); 4 blocks of 32 in a 2-stage ring (rounds + no tail)
+    single pass, and 2 chunks of 2 blocks with request 0's second chunk all -1 (split + combine)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, S, K = 2, 64, 256, 300, 128
+    q, kv, idx, sink = _inputs(B, H, D, S, K, seed=11)
+    if fp8:
+        codes, exps = sad.quant_kv_fp8(kv)
+        kv_args, kv_ref = (codes.float(), exps), sad.dequant_kv_fp8(codes, exps)
+    else:
+        kv_args, kv_ref = (kv,), kv
+    ref = sad.reference(q, kv_ref, idx, sink)
+    f64 = sad.reference_f64_loops(q, kv_ref, idx, sink)
+    assert (ref - f64).abs().max() < 1e-5
+    one = compile_cpu(sad.program(B, H, D, S, K, target="cpu", cfg=sad.Config(32, 384, 1, 2, True), kv_fp8=fp8))
+    out = torch.empty(B, H, D)
+    one(q, *kv_args, idx, sink, out)
+    assert (out - f64).abs().max() < 1e-5
+    cfg = sad.Config(32, 384, 2, 2, True)
+    part, comb = (compile_cpu(f) for f in sad.split_programs(B, H, D, S, K, target="cpu", cfg=cfg, kv_fp8=fp8))
+    out2 = torch.empty(B, H, D)
+    sad.run_split((part, comb), q, kv_args if fp8 else kv, idx, sink, out2, 2)
+    assert (out2 - f64).abs().max() < 1e-5
+
+
+def test_ws_cpu_mirror_odd_blocks_64_rows(tilelang_required):
+    """64-row blocks, 3 of them in a 2-stage ring: one full round + a tail block."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, S, K = 2, 64, 128, 500, 192
+    q, kv, idx, sink = _inputs(B, H, D, S, K, seed=12)
+    kernel = compile_cpu(sad.program(B, H, D, S, K, target="cpu", cfg=sad.Config(64, 384, 1, 2, True)))
+    out = torch.empty(B, H, D)
+    kernel(q, kv, idx, sink, out)
+    assert (out - sad.reference_f64_loops(q, kv, idx, sink)).abs().max() < 1e-5
+
+
+def _build_ws(name, func):
+    import tvm
+
+    from deepinfer.codegen import tilelang_backend as tb
+
+    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):  # what tilelang.compile applies from the attr
+        return tb.build(name, func, "sm90")
+
+
+@pytest.mark.parametrize(
+    "cfg,fp8",
+    [
+        # B64 default: split 2, 5 blocks (a ring tail), 2 stages of 64 rows
+        (sad.Config(64, 384, 2, 2, True), False),
+        # FP8 KV: staging + dequant, 20 blocks (the other configs: benchmarks/kernels_h200.py --dry-run)
+        (sad.Config(32, 384, 1, 2, True), True),
+    ],
+    ids=["bf16_n64s2x2", "fp8_n32s2"],
+)
+def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8):
+    func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8)
+    assert dict(func.attrs["tilelang_pass_configs"]) == sad.WS_PASS_CONFIGS
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_{int(fp8)}", func)
+    ops = art.opcodes
+    assert ops["HGMMA"] > 0, "bf16 wgmma (HGMMA) for QK^T and PV"
+    assert ops["LDGSTS"] > 0, "cp.async gathers"
+    assert ops["SYNCS"] > 0, "mbarrier waits / arrives"
+    # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes)
+    assert ops["LDL"] + ops["STL"] <= 2, "register spills"
+    # named barriers: only the PV warpgroups' own (ids 1, 2: all four warps' MMAs done before a refill);
+    # none inserted automatically (they could share an id across warpgroups)
+    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
+    assert "__launch_bounds__(384, 1)" in art.source and "setmaxnreg" not in art.source
+    if fp8:
+        assert "cp_async_wait<1>" in art.source and "fence_proxy_async" in art.source
