@@ -480,40 +480,125 @@ def case_hc_post(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: hyper_connection.post_reference(x, y, post, c), quick)
 
 
-def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None):
-    """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
-    cfg None: sparse_attn_decode.sm90_config (split-K over the entries when B is small)."""
-    S = 1 << 18
-    cfg = cfg or sparse_attn_decode.sm90_config(B, topk)
-    if cfg.num_split > 1:
-        part, comb = (build(f) for f in sparse_attn_decode.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90",
-                                                                          cfg=cfg))  # fmt: skip
-        scratch = (
-            torch.empty(B, cfg.num_split, HEADS, HEAD_DIM, device="cuda"),
-            torch.empty(B, cfg.num_split, HEADS, device="cuda"),
-            torch.empty(B, cfg.num_split, HEADS, device="cuda"),
-        ) if not dry else None  # fmt: skip
+ATTN_POOL = 1 << 18  # KV pool rows the decode attention cases gather from (256K)
+ATTN_BATCHES = (1, 16, 64, 128, 256)
+_ATTN_PREBUILT = [False]
 
-        def kernel(q, kv, idx, sink, out):
-            sparse_attn_decode.run_split((part, comb), q, kv, idx, sink, out, cfg.num_split, scratch)
-    else:
-        kernel = build(sparse_attn_decode.program(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg))
-    row.bytes_, row.flops = sparse_attn_decode.roofline(B, HEADS, HEAD_DIM, topk)
+
+def _attn_prebuild(quick: bool) -> None:
+    """Build every sparse-attention case of the table in parallel processes (once; not in the GPU tests):
+    `--only sparse_attn` skips main()'s -j prebuild, and the sweep has ~20 kernels. Workers: the CPU count
+    (at most 16), DEEPINFER_BENCH_ATTN_JOBS to override (0: off)."""
+    import multiprocessing as mp
+
+    _ATTN_PREBUILT[0] = True
+    jobs = int(os.environ.get("DEEPINFER_BENCH_ATTN_JOBS", min(16, os.cpu_count() or 1)))
+    todo = [(False, quick, i) for i, (name, _, _) in enumerate(cases(quick)) if name.startswith("sparse_attn")]
+    if CHECK_ONLY or jobs <= 1 or len(todo) <= 1:
+        return
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
+        errs = [e for e in pool.map(_prebuild, todo) if e]
+    print(f"pre-built {len(todo)} sparse-attention cases in {time.time() - t0:.0f} s; {len(errs)} failed", flush=True)
+
+
+def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool):
+    """Build one sparse-attention variant: launch(q, kv, idx, sink, out), kv the bf16 pool or (codes, exps)."""
+    sad = sparse_attn_decode
+    if cfg.num_split > 1:
+        progs = sad.split_programs(B, HEADS, HEAD_DIM, ATTN_POOL, topk, target="sm90", cfg=cfg, kv_fp8=fp8)
+        part, comb = (build(f) for f in progs)
+        ns = cfg.num_split
+        scratch = None if dry else (
+            torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda"),
+            torch.empty(B, ns, HEADS, device="cuda"),
+            torch.empty(B, ns, HEADS, device="cuda"),
+        )  # fmt: skip
+
+        def launch(q, kv, idx, sink, out):
+            sad.run_split((part, comb), q, kv, idx, sink, out, ns, scratch)
+
+        return launch
+    k = build(sad.program(B, HEADS, HEAD_DIM, ATTN_POOL, topk, target="sm90", cfg=cfg, kv_fp8=fp8))
+
+    def launch(q, kv, idx, sink, out):
+        k(q, *(kv if isinstance(kv, tuple) else (kv,)), idx, sink, out)
+
+    return launch
+
+
+def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False):
+    """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
+    cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
+    fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
+    528 bytes a row, the check is against the dequantised rows (exact in bf16)."""
+    sad = sparse_attn_decode
+    if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
+        _attn_prebuild(quick)
+    cfg = cfg or sad.sm90_config(B, topk, fp8=fp8)
+    kernel = _attn_kernel(B, topk, cfg, fp8, dry)
+    row.bytes_, row.flops = sad.roofline(B, HEADS, HEAD_DIM, topk, kv_fp8=fp8)
     row.peak = "bf16"
     if dry:
         return
     q = torch.randn(B, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(S, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randint(0, S, (B, topk), device="cuda", dtype=torch.int32)
+    kv = torch.randn(ATTN_POOL, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, ATTN_POOL, (B, topk), device="cuda", dtype=torch.int32)
     idx[:, -7:] = -1  # a few invalid slots, as a partly filled selection has
     if B > 1:
         idx[0, topk // 2 :] = -1  # request 0: half its selection unfilled (whole split chunks of -1)
     sink = torch.randn(HEADS, device="cuda")
     out = torch.empty_like(q)
-    kernel(q, kv, idx, sink, out)
-    row.check = expect(rel_err(out, sparse_attn_decode.reference(q, kv, idx, sink)), 2e-2)
-    row.ms = bench(lambda: kernel(q, kv, idx, sink, out), quick)
-    row.eager_ms = bench(lambda: sparse_attn_decode.reference(q, kv, idx, sink), quick)
+    if fp8:
+        codes, exps = sad.quant_kv_fp8(kv)
+        del kv
+        kv_in = (codes, exps)
+
+        def eager():  # gather the rows, dequantise them, attend
+            sel = idx.clamp_min(0).long().flatten()
+            rows = sad.dequant_kv_fp8(codes[sel], exps[sel])
+            local = torch.arange(B * topk, device="cuda", dtype=torch.int32).view(B, topk)
+            return sad.reference(q, rows, torch.where(idx < 0, -1, local), sink)
+    else:
+        kv_in = kv
+
+        def eager():
+            return sad.reference(q, kv, idx, sink)
+
+    kernel(q, kv_in, idx, sink, out)
+    row.check = expect(rel_err(out, eager()), 2e-2)
+    row.ms = bench(lambda: kernel(q, kv_in, idx, sink, out), quick)
+    row.eager_ms = bench(eager, quick)
+
+
+def attn_cases(quick: bool):
+    """Sparse-attention rows: at each batch the default (sm90_config: the ws program), its FP8-KV twin and
+    the previous default (portable program, split-K); not quick: the ws alternatives at B 64 and 128."""
+    sad = sparse_attn_decode
+    out = []
+
+    def add(name, B, cfg=None, fp8=False):
+        shape = f"B{B} H64 k640"
+        out.append((name, shape, lambda r, q, d, B=B, cfg=cfg, fp8=fp8: case_attn_decode(r, B, 640, q, d, cfg, fp8)))
+
+    for B in ATTN_BATCHES if not quick else (64, 128):
+        add(f"sparse_attn_decode {sad.sm90_config(B, 640).tag}", B)
+        add(f"sparse_attn_decode fp8 {sad.sm90_config(B, 640, fp8=True).tag}", B, fp8=True)
+        if not quick:
+            old = sad.portable_split_config(B, 640)
+            add(f"sparse_attn_decode {old.tag} (old)", B, old)
+    if not quick:
+        for B in (64, 128):
+            base, fbase = sad.sm90_config(B, 640), sad.sm90_config(B, 640, fp8=True)
+            alts = [(c, False) for c in sad.ws_configs(640, base.num_split)]
+            alts += [(c, True) for c in sad.ws_configs(640, fbase.num_split, fp8=True)]
+            alts.append((sad.Config(32, 384, fbase.num_split, 2, True), False))  # the FP8 blocking on bf16 KV
+            alts.append((sad.ws_configs(640, 2 if base.num_split == 1 else 1)[0], False))  # the split trade-off
+            for cfg, fp8 in alts:
+                if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
+                    continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
+                add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
+    return out
 
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
@@ -798,23 +883,7 @@ def cases(quick: bool):
         ]
     for T_ in (4096, 64) if not quick else (4096,):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
-    for B in (1, 16, 64, 128) if not quick else (64,):
-        acfg = sparse_attn_decode.sm90_config(B, 640)
-        out.append(
-            (
-                f"sparse_attn_decode {acfg.tag}",
-                f"B{B} H64 k640",
-                lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d),
-            )
-        )
-    for B in (1, 64) if not quick else ():
-        out.append(
-            (
-                "sparse_attn_decode n64t256s1 (old)",
-                f"B{B} H64 k640",
-                lambda r, q, d, B=B: case_attn_decode(r, B, 640, q, d, sparse_attn_decode.Config()),
-            )
-        )
+    out += attn_cases(quick)
     out += new_family_cases(quick)
     return out
 

@@ -102,9 +102,28 @@ def test_hc_post(kb, run_case, T_):
     run_case(kb.case_hc_post, T_)
 
 
-@pytest.mark.parametrize("B", [1, 16, 64, 128])
+@pytest.mark.parametrize("B", [1, 16, 64, 128, 256])
 def test_sparse_attn_decode(kb, run_case, B):
-    run_case(kb.case_attn_decode, B, 640)  # sm90_config: split-K + combine below 119 requests
+    run_case(kb.case_attn_decode, B, 640)  # sm90_config: the ws program, split-K + combine below 119 requests
+
+
+@pytest.mark.parametrize("B", [1, 64, 128])
+def test_sparse_attn_decode_fp8_kv(kb, run_case, B):
+    run_case(functools.partial(kb.case_attn_decode, fp8=True), B, 640)  # e4m3 + ue8m0 KV, dequant in smem
+
+
+@pytest.mark.parametrize("name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split"])
+def test_sparse_attn_decode_other_configs(kb, run_case, name):
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    cfg, fp8 = {
+        "lookahead": (sad.Config(64, 384, 2, 2, True, True), False),  # 5 blocks: the lookahead's ring tail
+        "lookahead_fp8": (sad.Config(32, 384, 1, 2, True, True), True),
+        "n32s4": (sad.Config(32, 384, 2, 4, True), False),  # 10 blocks in a 4-stage ring: 2 rounds + 2 tail
+        "n64_nosplit": (sad.Config(64, 384, 1, 2, True), False),
+        "portable_split": (sad.portable_split_config(64, 640), False),  # the previous default
+    }[name]
+    run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8), 64, 640)
 
 
 def test_sparse_attn_decode_single_pass_config(kb, run_case):
