@@ -334,8 +334,8 @@ def case_grouped_gemm_masked(row: Row, tokens: int, E: int, max_rows: int, quick
         quant = [quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.05, g) for _ in range(E)]
         b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
         del quant
-        ref = moe_grouped_gemm.reference(a, sa, b, sb, moe_grouped_gemm.masked_tile_expert(counts, max_rows, 1), 1,
-                                         g, g)  # fmt: skip
+        tiles = moe_grouped_gemm.masked_tile_expert(counts, max_rows, max_rows)  # one tile per expert
+        ref = moe_grouped_gemm.reference(a, sa, b, sb, tiles, max_rows, g, g)
         if swiglu:
             b, sb = moe_grouped_gemm.gate_up_tiles(b, half), moe_grouped_gemm.gate_up_tiles(sb, half // g)
     if swiglu:
