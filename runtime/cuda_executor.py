@@ -12,9 +12,13 @@ that is explicit and counted, with the reason. A kernel that fails to build, rai
 reference on its first call (checked once per kernel set: a wrong kernel must not poison the results) is
 disabled and its nodes fall back, also counted.
 
-The graph is one sequence per call (as the interpreter); the engine's KV cache manager keeps the dense caches
-on the host, so ``forward`` moves them to the device and back. Batched paged kernels and CUDA graphs replace
-this later without changing the seam (runtime/executor.py's ModelRunner).
+The graph is one sequence per call (as the interpreter). The engine's KV cache manager keeps its pools on the
+runner's device, so ``forward`` copies nothing between host and device but the tokens, the positions and the
+logits rows that are sampled. Decode steps (T=1) go through ``decode``: static slots replayed as CUDA graphs
+per batch-size bucket (runtime/cuda_graphs.py), eager where capture is off or failed (the report says why).
+T=1 steps run the sync-free references (GraphExecutor(sync_free=True)); the rope tables are sized by
+max_model_len instead of the positions' maximum. Batched paged kernels replace the per-sequence graph later
+without changing the seam (runtime/executor.py's ModelRunner).
 
 ``device="cpu"`` runs the same dispatch with references only (the adapters decline CPU tensors), which is
 how the accounting is tested without a GPU.
@@ -33,6 +37,7 @@ from deepinfer.errors import DeepInferError, IRError
 from deepinfer.ir.graph import Graph, Node
 from deepinfer.ir.interpreter import bind_symbols, concrete_attrs
 from deepinfer.ir.registry import get_op
+from deepinfer.runtime import cuda_graphs as cg
 from deepinfer.runtime import kernel_adapters as ka
 
 # First-call check (catches wrong layouts and wrong operands, not ulps): max |kernel - reference| / max |reference|
@@ -138,12 +143,18 @@ class Stats:
 
 class GraphExecutor:
     """Node-by-node execution with per-node dispatch; ``compiled=False`` runs every node's reference (the
-    torch eager baseline of the same graph)."""
+    torch eager baseline of the same graph).
+
+    ``sync_free``: single-token steps (T=1) run the references that read device values on the host through
+    their sync-free equivalents (same numbers; runtime/cuda_graphs.py), so a decode step can be captured.
+    ``max_positions``: every position stays below it (rope tables are sized by it, not by a host read)."""
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], *, compiled: bool = True,
-                 kernels: KernelCache | None = None, verify: bool = True):  # fmt: skip
+                 kernels: KernelCache | None = None, verify: bool = True, sync_free: bool = False,
+                 max_positions: int | None = None):  # fmt: skip
         self.graph, self.params = g, params
-        self.compiled, self.verify = compiled, verify
+        self.compiled, self.verify, self.sync_free = compiled, verify, sync_free
+        self._sync_free_now = False
         self.kernels = kernels or KernelCache()
         self.steps = plan_steps(g)
         meta = g.meta.get("kernels") or {}
@@ -151,6 +162,8 @@ class GraphExecutor:
         self.buckets = sorted(((b.get("T", 0), name) for name, b in meta.get("buckets", {}).items()))
         self.stats = Stats()
         self.prep_cache: dict = {}
+        if max_positions:
+            self.prep_cache[ka.MAX_POSITIONS] = int(max_positions)
         self.layer_times: dict[str, float] | None = None  # filled by run(timed=True), milliseconds
         self._attrs_cache: dict = {}
 
@@ -170,8 +183,18 @@ class GraphExecutor:
 
     # -- running ---------------------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, torch.Tensor], *, timed: bool = False) -> list[torch.Tensor]:
-        env = bind_symbols(self.graph, inputs)
         t = int(inputs["tokens"].shape[0]) if "tokens" in inputs else 1
+        if not (self.sync_free and t == 1):
+            return self._run(inputs, t, timed)
+        with cg.sync_free_references():
+            self._sync_free_now = True
+            try:
+                return self._run(inputs, t, timed)
+            finally:
+                self._sync_free_now = False
+
+    def _run(self, inputs: Mapping[str, torch.Tensor], t: int, timed: bool) -> list[torch.Tensor]:
+        env = bind_symbols(self.graph, inputs)  # shapes only
         vals: dict = dict(inputs)
         vals.update({p.name: self.params[p.name] for p in self.graph.params})
         marks = [] if timed else None
@@ -236,6 +259,9 @@ class GraphExecutor:
         self.stats.reference[reason] += 1
         self.stats.per_node[name] = f"reference: {reason}"
         try:
+            if self._sync_free_now and node.op in cg.SYNC_FREE_OPS:
+                out = cg.SYNC_FREE_OPS[node.op](*args, **attrs)
+                return list(out) if isinstance(out, tuple | list) else [out]
             return get_op(node.op).run(args, attrs)
         except (RuntimeError, ValueError, IndexError) as e:
             raise IRError(f"node {node.label} failed: {e}") from e
@@ -365,25 +391,51 @@ def restack_experts(g: Graph, params: dict[str, torch.Tensor]) -> int:
 
 
 class CudaRunner:
-    """ModelRunner for ``sm90`` plans (runtime/executor.py's seam)."""
+    """ModelRunner for ``sm90`` plans (runtime/executor.py's seam).
+
+    ``max_model_len`` (the engine passes it): every sequence's dense caches are sized by it (prefill and decode
+    alike, so a decode step has one shape and graphs on / off compute the same numbers), the rope tables too,
+    and ``decode`` is available (static slots, CUDA graphs per bucket when ``cuda_graphs``)."""
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], device: str = "cuda", *,
-                 kernels: KernelCache | None = None, verify: bool = True):  # fmt: skip
+                 kernels: KernelCache | None = None, verify: bool = True, max_model_len: int | None = None,
+                 cuda_graphs: bool = True, buckets=cg.BUCKETS, graph_backend=None):  # fmt: skip
         if str(device).startswith("cuda"):
             require_cuda("running an sm90 plan")
         self.device = torch.device(device)
         dev_params = to_device(params, self.device)
         restack_experts(g, dev_params)
-        self.exec = GraphExecutor(g, dev_params, kernels=kernels, verify=verify)
+        self.exec = GraphExecutor(g, dev_params, kernels=kernels, verify=verify, sync_free=True,
+                                  max_positions=max_model_len)  # fmt: skip
         self.cache_names = [e["name"] for e in g.meta.get("caches", [])]
+        self.cache_len = max_model_len  # the executor sizes every dense cache by it
+        self.graphs = None
+        if max_model_len:
+            self.graphs = cg.DecodeGraphs(self.exec, g, max_model_len, self.device, enabled=cuda_graphs,
+                                          buckets=buckets, backend=graph_backend)  # fmt: skip
 
-    def forward(self, tokens, positions, caches):
+    @property
+    def decode_batch_max(self) -> int:
+        """The most single-token steps one ``decode`` call takes (0: no decode path, use ``forward``)."""
+        return self.graphs.max_bucket if self.graphs is not None else 0
+
+    def forward_device(self, tokens, positions, caches):
+        """(logits on the device, new caches on the device); caches already there are not copied."""
         dev = self.device
         feeds = {"tokens": tokens.to(dev), "positions": positions.to(dev)}
         feeds.update({k: v.to(dev) for k, v in caches.items()})
         outs = self.exec.run(feeds)
         new = {n: t.to(caches[n].device) for n, t in zip(self.cache_names, outs[1 : 1 + len(self.cache_names)])}
-        return outs[0].float().cpu(), new
+        return outs[0], new
+
+    def forward(self, tokens, positions, caches):
+        logits, new = self.forward_device(tokens, positions, caches)
+        return logits.float().cpu(), new
+
+    def decode(self, tokens: list[int], positions: list[int], fill):
+        """len(tokens) single-token steps (see cuda_graphs.DecodeGraphs.run)."""
+        return self.graphs.run(tokens, positions, fill)
 
     def report(self) -> str:
-        return self.exec.report()
+        text = self.exec.report()
+        return text + ("\n" + self.graphs.report() if self.graphs is not None else "")

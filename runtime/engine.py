@@ -43,6 +43,8 @@ class EngineConfig:
     chunked_prefill: bool = True
     overlap: bool = True  # schedule step N+1 on a thread while step N runs
     seed: int = 0  # draws the seeds of requests that bring none
+    cuda_graphs: bool = True  # sm90: decode steps replay CUDA graphs per batch-size bucket (runtime/cuda_graphs.py)
+    kv_cache_device: str | None = None  # None: the runner's device (cuda for sm90); "cpu": host-resident pools
 
 
 @dataclass
@@ -110,9 +112,11 @@ class LLM:
         compact = graph.meta.get("mode") == "compact"
         block_size = self.config.block_size or default_block_size(cache_specs(graph))
         num_blocks = self.config.num_blocks or self._default_num_blocks(cache_specs(graph), block_size)
+        runner = _runner(self.plan, params, self.config, self.max_model_len)
         self.kv = KVCacheManager(
             graph, num_blocks, self.config.max_num_seqs, block_size,
             enable_prefix_caching=self.config.enable_prefix_caching and not compact,
+            device=self.config.kv_cache_device or getattr(runner, "device", "cpu"),
         )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -121,7 +125,7 @@ class LLM:
             ),
             self.kv,
         )  # fmt: skip
-        self.executor = Executor(_runner(self.plan, params), self.kv)
+        self.executor = Executor(runner, self.kv)
         self._seed_rng = random.Random(self.config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []  # rejected at submission, reported on the next step
@@ -344,13 +348,14 @@ class LLM:
             pool.shutdown(wait=False)
 
 
-def _runner(plan: Plan, params: dict):
+def _runner(plan: Plan, params: dict, config: EngineConfig | None = None, max_model_len: int | None = None):
     """The plan's ModelRunner: the interpreter on cpu, compiled kernels (with counted fallbacks) on sm90."""
     if plan.target == "cpu":
         return InterpreterRunner(plan.graph, params)
     from deepinfer.runtime.cuda_executor import CudaRunner
 
-    return CudaRunner(plan.graph, params)
+    graphs = config.cuda_graphs if config is not None else True
+    return CudaRunner(plan.graph, params, max_model_len=max_model_len, cuda_graphs=graphs)
 
 
 def _load_tokenizer():

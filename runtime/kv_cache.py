@@ -20,9 +20,10 @@ Not reused: a block that is not full (its rows are still being written), and any
 bounded replay (splitting a prompt changes which rows the late layers see; the scheduler turns reuse off).
 
 The executor runs one sequence at a time through the graph, which takes dense per-sequence caches; so
-``gather`` copies a request's blocks and slot into dense tensors and ``scatter`` writes the step's updates
-back. That is simple and correct on CPU (the copies are small next to the interpreter); a paged attention
-kernel would read the pools through the block table instead.
+``gather`` copies a request's blocks and slot into dense tensors (``gather_into``: into given ones, the
+static buffers of a CUDA-graph decode slot) and ``scatter`` writes the step's updates back. The pools, slots
+and snapshots live on ``device`` (the runner's: cuda for sm90 plans, cpu by default), so these copies never
+cross the host-device boundary; a paged attention kernel would read the pools through the block table instead.
 
 Rows and slots are initialised when read, not when allocated: ``gather`` resets every row the request has not
 computed yet and takes the state from its initial value or snapshot on a request's first step. So a block or
@@ -121,8 +122,10 @@ class KVCacheManager:
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
         max_snapshots: int = 256,
+        device: str | torch.device = "cpu",
     ):
         self.specs = cache_specs(graph)
+        self.device = torch.device(device)
         self.block_size = block_size or default_block_size(self.specs)
         for s in self.specs:
             if s.growing and self.block_size % s.ratio:
@@ -130,13 +133,16 @@ class KVCacheManager:
         self.num_blocks, self.max_seqs = num_blocks, max_seqs
         self.enable_prefix_caching = enable_prefix_caching
         self.max_snapshots = max_snapshots
+        dev = self.device
         self.pools = {
-            s.name: torch.full((num_blocks, self.block_size // s.ratio, *s.shape), s.init, dtype=s.dtype)
+            s.name: torch.full((num_blocks, self.block_size // s.ratio, *s.shape), s.init, dtype=s.dtype, device=dev)
             for s in self.specs
             if s.growing
         }
         self.slots = {
-            s.name: torch.full((max_seqs, *s.shape), s.init, dtype=s.dtype) for s in self.specs if not s.growing
+            s.name: torch.full((max_seqs, *s.shape), s.init, dtype=s.dtype, device=dev)
+            for s in self.specs
+            if not s.growing
         }
         self.blocks = [Block(i) for i in range(num_blocks)]
         # free blocks in LRU order; a free block may still hold a published prefix (evicted when handed out)
@@ -284,19 +290,30 @@ class KVCacheManager:
         """Dense caches for one sequence, as the graph takes them, sized for max_len tokens (like Session)."""
         out = {}
         for s in self.specs:
+            shape = (math.ceil(max_len / s.ratio), *s.shape) if s.growing else s.shape
+            out[s.name] = torch.empty(shape, dtype=s.dtype, device=self.device)
+        return self.gather_into(out, block_ids, slot, computed, initial_state)
+
+    def gather_into(self, out: dict, block_ids: list[int], slot: int, computed: int, initial_state) -> dict:
+        """gather() into the given dense tensors (any row count; on this manager's device): the computed rows
+        from the blocks, every later row reset, the state from the slot, the initial value or a snapshot."""
+        idx = None
+        for s in self.specs:
+            dense = out[s.name]
             if s.growing:
-                rows = math.ceil(max_len / s.ratio)
-                dense = torch.full((rows, *s.shape), s.init, dtype=s.dtype)
-                have = self.pools[s.name][block_ids].reshape(-1, *s.shape)
-                valid = min(computed // s.ratio, rows)  # rows past the computed tokens may hold old data
-                dense[:valid] = have[:valid]
-                out[s.name] = dense
+                valid = min(computed // s.ratio, dense.shape[0])  # rows past the computed tokens may hold old data
+                if valid:
+                    if idx is None:
+                        idx = torch.as_tensor(block_ids[: self.blocks_for(computed)], device=self.device)
+                    have = self.pools[s.name][idx].reshape(-1, *s.shape)
+                    dense[:valid].copy_(have[:valid])
+                dense[valid:].fill_(s.init)
             elif initial_state is INIT:
-                out[s.name] = torch.full(s.shape, s.init, dtype=s.dtype)
+                dense.fill_(s.init)
             elif initial_state is not None:
-                out[s.name] = initial_state[s.name].clone()
+                dense.copy_(initial_state[s.name])
             else:
-                out[s.name] = self.slots[s.name][slot].clone()
+                dense.copy_(self.slots[s.name][slot])
         return out
 
     def scatter(self, block_ids: list[int], slot: int, caches: dict, start: int, end: int) -> None:

@@ -163,9 +163,10 @@ def compressor_reference(kv, score, ape, norm_w, state_kv, state_score, position
     m, rows = ratio, state_kv.shape[0]
     d = kv.shape[-1] // (2 if overlap else 1)
     pos = positions.long()
-    start, t = int(pos[0]), pos.shape[0]
+    # start stays a [1] tensor on the positions' device (no host read: a decode step can be a CUDA graph)
+    start, t = pos[:1], pos.shape[0]
     # The history ring holds positions start-rows .. start-1; their score already includes ape.
-    hist_pos = torch.arange(start - rows, start, device=kv.device)
+    hist_pos = start - rows + torch.arange(rows, device=kv.device)
     hist_kv, hist_score = state_kv.float()[hist_pos % rows], state_score.float()[hist_pos % rows]
     hist_score = hist_score.masked_fill((hist_pos < 0).unsqueeze(-1), float("-inf"))
     new_score = score.float() + ape.float()[pos % m]
@@ -190,12 +191,12 @@ def compressor_reference(kv, score, ape, norm_w, state_kv, state_score, position
     pooled = torch.where(valid.unsqueeze(-1), pooled, torch.zeros_like(pooled)).to(kv.dtype)
     entry_idx = torch.where(valid, w, torch.full_like(w, -1))
 
+    # the last R tokens go to their ring slots; older ones (slot -1) to a spare row R that is dropped
     slots = last_rows_slots(pos, rows)
-    keep = slots >= 0
-    new_state_kv, new_state_score = state_kv.clone(), state_score.clone()
-    new_state_kv[slots[keep]] = kv[keep].to(state_kv.dtype)
-    new_state_score[slots[keep]] = new_score[keep].to(state_score.dtype)
-    return pooled, entry_idx, new_state_kv, new_state_score
+    dest = torch.where(slots >= 0, slots, rows)
+    new_state_kv = torch.cat([state_kv, state_kv[:1]]).index_put_((dest,), kv.to(state_kv.dtype))
+    new_state_score = torch.cat([state_score, state_score[:1]]).index_put_((dest,), new_score.to(state_score.dtype))
+    return pooled, entry_idx, new_state_kv[:rows], new_state_score[:rows]
 
 
 @register_op(

@@ -74,7 +74,7 @@ class HCCollapse:
 
 def pair_pool_reference(kv, score, state_kv, state_score, positions):
     pos = positions.long()
-    start, t = int(pos[0]), pos.shape[0]
+    start, t = pos[:1], pos.shape[0]  # a [1] tensor: no host read (a decode step can be a CUDA graph)
     d = kv.shape[-1]
     # seq row r holds position start - 1 + r (row 0 = the pending even token, only meaningful when start is odd)
     seq_kv = torch.cat([state_kv.float(), kv.float()])
@@ -90,11 +90,10 @@ def pair_pool_reference(kv, score, state_kv, state_score, positions):
     pooled = torch.where(valid.unsqueeze(-1), pooled, torch.zeros_like(pooled)).to(kv.dtype)
     idx = torch.where(valid, j, torch.full_like(j, -1))
     entry_pos = torch.where(valid, 2 * j, torch.zeros_like(j))
-    new_kv, new_score = state_kv.clone(), state_score.clone()
-    last = start + t - 1
-    if last % 2 == 0:  # the batch ends on the first token of a pair: it becomes the pending row
-        new_kv[0] = kv[-1].to(state_kv.dtype)
-        new_score[0] = score[-1].to(state_score.dtype)
+    # the batch ends on the first token of a pair (last position even): it becomes the pending row
+    pending = (start + t - 1) % 2 == 0  # [1]
+    new_kv = torch.where(pending, kv[-1:].to(state_kv.dtype), state_kv)
+    new_score = torch.where(pending, score[-1:].to(state_score.dtype), state_score)
     del d
     return pooled, entry_pos, idx, new_kv, new_score
 

@@ -1,0 +1,292 @@
+"""The H200 check of the GPU runtime (issue 7): device-resident KV caches and CUDA-graph decode.
+
+    python3 benchmarks/gpu_runtime_check.py [--budget-s 230] [--jobs 14] [--presets tiny,small]
+
+Per preset (tiny, then small V4.1 compiled for sm90, seeded random weights), with timestamps:
+  1. pre-build the kernels the runs need (TileLang, in --jobs processes; the rest build lazily or fall back);
+  2. generate greedily through the engine (LLM(target="sm90")) in three modes on one kernel cache:
+       graphs  KV pools on the GPU, decode steps replayed as CUDA graphs (the default)
+       eager   KV pools on the GPU, decode steps run eagerly (cuda_graphs=False)
+       host    KV pools on the host (kv_cache_device="cpu"): caches copied host -> device -> host every step
+     each at two shapes: a batch of 8 requests (decode bucket 8) and a single request (bucket 1); every mode
+     runs once to warm up (kernel builds, first-call checks, graph capture) and once timed;
+  3. checks: the three modes give identical tokens and identical logits rows (bitwise) at every sampled step,
+     the graphs mode replayed graphs and no bucket fell back to eager (the runner report is printed);
+then a table: decode tokens/s and ms per decode step per mode and batch, the speed-ups, and PASS/FAIL.
+Decode time is the executor's time on batches whose every item runs one token (the GPU is synchronised at
+the end of each step: the sampled logits rows come back to the host). Results go to $OUT/gpu_runtime.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-tilelang-cache"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-triton-cache"))
+
+_ROOT = Path(__file__).resolve().parents[1]
+try:
+    import deepinfer  # noqa: F401
+except ImportError:  # a checkout without `pip install -e .`: the repo root is the package
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deepinfer", _ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(_ROOT)])  # fmt: skip
+    sys.modules["deepinfer"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["deepinfer"])
+
+import torch  # noqa: E402
+
+T0 = time.time()
+MODES = (("graphs", {}), ("eager", {"cuda_graphs": False}), ("host", {"kv_cache_device": "cpu"}))
+MAX_MODEL_LEN = 128
+DEVICE = "cuda"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    return [[0, *[(97 * seed + 31 * i + 7 * j + 5) % 120000 for j in range(1, 6 + (i % 8))]] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def prebuild(keys: list, jobs: int, timeout_s: float) -> int:
+    """Build kernels in `jobs` processes (TileLang's disk cache); returns the number that failed."""
+    import multiprocessing as mp
+
+    from deepinfer.runtime.kernel_adapters import prebuild_one
+
+    if not keys or jobs <= 0:
+        return 0
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(jobs, len(keys))) as pool:
+        res = pool.map_async(prebuild_one, keys)
+        try:
+            out = res.get(timeout=max(5.0, timeout_s))
+        except mp.TimeoutError:
+            log(f"prebuild: timed out after {timeout_s:.0f} s; the rest compile lazily or fall back")
+            pool.terminate()
+            return -1
+    failed = [(k, e) for k, e in zip(keys, out) if e]
+    log(f"prebuilt {len(keys)} kernels in {time.time() - t0:.0f} s, {len(failed)} failed")
+    for k, e in failed:
+        log(f"  build error: {k.describe()}: {e}")
+    return len(failed)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+class StepTimer:
+    """Wraps the executor: time of every batch (GPU synchronised), decode batches counted apart."""
+
+    def __init__(self, llm):
+        self.inner = llm.executor.execute
+        llm.executor.execute = self
+        self.reset()
+
+    def reset(self) -> None:
+        self.decode_s = self.other_s = 0.0
+        self.decode_tokens = self.decode_steps = 0
+
+    def __call__(self, batch):
+        t0 = time.perf_counter()
+        out = self.inner(batch)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        live = [i for i in batch.items if not i.stale]
+        if live and all(i.end - i.start == 1 for i in live):
+            self.decode_s += dt
+            self.decode_steps += 1
+            self.decode_tokens += len(live)
+        else:
+            self.other_s += dt
+        return out
+
+
+def generate(llm, reqs: list[list[int]], n_tokens: int, record: dict | None):
+    import deepinfer.runtime.executor as ex_mod
+    from deepinfer.runtime.sampler import SamplingParams
+
+    orig = ex_mod.sample_row
+
+    def spy(row, params, seed, position, prompt, output):
+        record[(tuple(prompt), position)] = row.clone()
+        return orig(row, params, seed, position, prompt, output)
+
+    if record is not None:
+        ex_mod.sample_row = spy
+    try:
+        outs = llm.generate(reqs, SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))
+    finally:
+        ex_mod.sample_row = orig
+    return [o.token_ids for o in outs], [o.error for o in outs if o.error]
+
+
+def run_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime.engine import LLM
+    from deepinfer.runtime.plan import bind_weights
+    from deepinfer.runtime.session import allocate_caches
+
+    t0 = time.time()
+    plan = compile_model(f"deepseek-v4.1-flash:{preset}", "sm90").plan
+    params, _ = bind_weights(plan)
+    g = plan.graph
+    log(f"{preset}: compiled for sm90 ({len(g.nodes)} nodes) in {time.time() - t0:.1f} s")
+    llms = {}
+    for name, kw in MODES:
+        llms[name] = LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=8, overlap=False, **kw)  # fmt: skip
+    kernels = llms["graphs"].executor.runner.exec.kernels
+    for llm in llms.values():
+        llm.executor.runner.exec.kernels = kernels  # one kernel cache: same shapes, built once
+    batches = {"B=8": prompts(8, 1), "B=1": prompts(1, 2)}
+    lengths = {1} | {len(p) for ps in batches.values() for p in ps}
+    runner = llms["graphs"].executor.runner
+    keys: list = []
+    for t in sorted(lengths):
+        feeds = {"tokens": torch.arange(3, 3 + t, device=DEVICE), "positions": torch.arange(t, device=DEVICE),
+                 **allocate_caches(g, MAX_MODEL_LEN, device=DEVICE)}  # fmt: skip
+        keys += [k for k in runner.exec.kernel_keys(feeds) if k not in keys]
+    pb_s = max(20.0, 0.45 * (deadline - time.time()))
+    log(f"{preset}: {len(keys)} distinct kernels (token counts {sorted(lengths)}), pre-build budget {pb_s:.0f} s")
+    prebuild(keys, jobs, pb_s)
+    kernels.budget_s = max(10.0, deadline - time.time() - 30)
+
+    timers = {name: StepTimer(llm) for name, llm in llms.items()}
+    res: dict = {"preset": preset, "tokens": n_tokens, "rows": []}
+    results: dict = {}
+    for label, reqs in batches.items():
+        for name, llm in llms.items():
+            if time.time() > deadline:
+                log(f"{preset} {label} {name}: skipped (time budget)")
+                continue
+            tw = time.time()
+            generate(llm, reqs, n_tokens, None)  # warm-up: kernel builds, first-call checks, graph capture
+            timers[name].reset()
+            rec: dict = {}
+            tt = time.time()
+            toks, errors = generate(llm, reqs, n_tokens, rec)
+            wall = time.time() - tt
+            tm = timers[name]
+            tok_s = tm.decode_tokens / tm.decode_s if tm.decode_s else 0.0
+            ms = 1e3 * tm.decode_s / max(tm.decode_steps, 1)
+            results[(label, name)] = (toks, rec)
+            row = {"batch": label, "mode": name, "decode_tok_s": tok_s, "ms_per_step": ms, "steps": tm.decode_steps,
+                   "decode_tokens": tm.decode_tokens, "other_s": tm.other_s, "wall_s": wall, "errors": errors,
+                   "warmup_s": tt - tw}  # fmt: skip
+            res["rows"].append(row)
+            log(f"{preset} {label} {name:>6}: {tok_s:8.1f} decode tok/s, {ms:7.2f} ms/step over {tm.decode_steps} "
+                f"decode steps ({tm.decode_tokens} tokens); prefill {tm.other_s:.2f} s; warm-up {tt - tw:.1f} s"
+                + (f"; ERRORS {errors[:2]}" if errors else ""))  # fmt: skip
+    # checks
+    checks = []
+    for label in batches:
+        base = results.get((label, "graphs"))
+        for name in ("eager", "host"):
+            other = results.get((label, name))
+            if base is None or other is None:
+                checks.append((f"{label} graphs == {name}", None, "not run"))
+                continue
+            same_tok = base[0] == other[0]
+            ka, kb = base[1].keys(), other[1].keys()
+            diffs = [float((base[1][k] - other[1][k]).abs().max()) for k in ka & kb]
+            same_rows = ka == kb and all(torch.equal(base[1][k], other[1][k]) for k in ka)
+            rows = ("identical" if same_rows else f"differ (max abs {max(diffs, default=0):.3g})" if ka == kb
+                    else f"sampled at different steps ({len(ka)} vs {len(kb)})")  # fmt: skip
+            detail = f"tokens {'equal' if same_tok else 'DIFFER'}, logits rows {rows} at {len(ka)} sampled steps"
+            checks.append((f"{label} graphs == {name}", same_tok and same_rows, detail))
+    report = runner.report()
+    print(report, flush=True)
+    dg = runner.graphs
+    replayed = sum(dg.replays.values())
+    checks.append(("graphs replayed, no bucket eager", bool(replayed and not dg.failed and not dg.blocked),
+                   f"{replayed} replays; captured buckets {sorted(dg.graphs)}; failed {dg.failed or '-'}; "
+                   f"blocked {dg.blocked or '-'}"))  # fmt: skip
+    checks.append(("kv pools on the GPU", all(t.is_cuda for t in llms["graphs"].kv.pools.values()),
+                   f"graphs/eager pools on {llms['graphs'].kv.device}, host mode on {llms['host'].kv.device}"))
+    c, r = runner.exec.stats.total()
+    res.update(compiled=c, reference=r, disabled=len(kernels.failed), report=report,
+               checks=[{"check": n, "pass": ok, "detail": d} for n, ok, d in checks])  # fmt: skip
+    for n, ok, d in checks:
+        log(f"{preset}: {'PASS' if ok else 'FAIL' if ok is False else 'SKIP'} {n}: {d}")
+    for llm in llms.values():
+        llm.close()
+    return res
+
+
+def summary(all_res: list[dict]) -> None:
+    print("\n=== decode throughput (tokens/s; ms per decode step) ===")
+    print(f"{'preset':>7} {'batch':>5} {'graphs':>16} {'eager':>16} {'host KV':>16} {'graphs/eager':>12} "
+          f"{'graphs/host':>11}")  # fmt: skip
+    for res in all_res:
+        for label in ("B=8", "B=1"):
+            by = {r["mode"]: r for r in res.get("rows", []) if r["batch"] == label}
+            if not by:
+                continue
+            cells = [f"{by[m]['decode_tok_s']:7.1f} ({by[m]['ms_per_step']:5.1f})" if m in by else f"{'-':>16}"
+                     for m in ("graphs", "eager", "host")]  # fmt: skip
+            sp = [f"{by['graphs']['decode_tok_s'] / by[m]['decode_tok_s']:.2f}x"
+                  if "graphs" in by and m in by and by[m]["decode_tok_s"] else "-" for m in ("eager", "host")]
+            print(f"{res['preset']:>7} {label:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {sp[0]:>12} {sp[1]:>11}")
+    print("\n=== checks ===")
+    for res in all_res:
+        for c in res.get("checks", []):
+            verdict = "PASS" if c["pass"] else "FAIL" if c["pass"] is False else "SKIP"
+            print(f"{res['preset']:>7} {verdict:>4}  {c['check']}: {c['detail']}")
+        if res.get("error"):
+            print(f"{res['preset']:>7} FAIL  error: {res['error']}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=230.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 16) - 2), help="kernel build processes")
+    ap.add_argument("--presets", default="tiny,small")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per request (small uses 3/4)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_runtime_out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_runtime_check: error: needs a CUDA device (an H200); this machine has none", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    end = T0 + args.budget_s
+    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, budget {args.budget_s:.0f} s")
+    presets = [p for p in args.presets.split(",") if p]
+    shares = {"tiny": 0.42, "small": 1.0} if len(presets) > 1 else {p: 1.0 for p in presets}
+    all_res = []
+    for preset in presets:
+        if end - time.time() < 45:
+            log(f"{preset}: skipped (time budget)")
+            continue
+        n = args.tokens if preset == "tiny" else max(8, args.tokens * 3 // 4)
+        deadline = min(end, T0 + shares.get(preset, 1.0) * args.budget_s) - 5
+        try:
+            all_res.append(run_preset(preset, n, args.jobs, deadline))
+        except Exception as e:
+            log(f"{preset}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(limit=6)
+            all_res.append({"preset": preset, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        torch.cuda.empty_cache()
+    (out / "gpu_runtime.json").write_text(json.dumps(all_res, indent=1, default=str))
+    summary(all_res)
+    ok = all(c["pass"] for r in all_res for c in r.get("checks", [])) and not any(r.get("error") for r in all_res)
+    log(f"done ({'all checks pass' if ok else 'some checks FAIL'}); {out / 'gpu_runtime.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
