@@ -13,7 +13,14 @@ Small batches leave most SMs idle with one CTA per request, so `num_split` > 1 c
 into chunks (split-K): one CTA per (chunk, request) writes its unnormalised fp32 output with its running
 max and sum, and a second kernel folds the chunks together with the sink (exactly: a chunk of only -1
 entries has weight 0). `stages` = 2 pipelines the KV gather of the next block under the math.
-Not yet here: FP8 KV, fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
+
+Two programs: the portable single program (every target, `config_space`), and on sm90 the
+warp-specialised one (`Config.ws`, `_program_ws`, chosen by `sm90_config`): a QK^T/softmax warpgroup
+and two PV warpgroups (one per D half) that also gather their half of the rows into an mbarrier ring of
+stages, so the gather, QK^T, the softmax and PV of consecutive blocks overlap. It also reads the FP8 KV
+cache (`kv_fp8`: e4m3 codes + ue8m0 exponents per 32, MODEL_SPEC §3), dequantised to bf16 (exactly) in
+shared memory. `_program_ws_cpu` mirrors it on TileLang's c target (fp32) for the CPU tests.
+Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
 from dataclasses import dataclass
