@@ -429,13 +429,13 @@ def noisy_emulated_kernel(key, eps: float = 1e-6):
     return noisy
 
 
-def direct_greedy(runner, g, prompt: list[int], n: int) -> list[int]:
+def direct_greedy(runner, g, prompt: list[int], n: int, max_len: int) -> list[int]:
     """Greedy decoding of one sequence straight through the runner (no engine: no scheduler, block pools,
     batching or CUDA graphs): the prompt in one call, then one token per call, dense caches sized like the
-    engine's (prompt + n tokens)."""
+    engine's on sm90 (max_model_len rows, so the kernels see the same shapes)."""
     from deepinfer.runtime.session import allocate_caches
 
-    caches = allocate_caches(g, len(prompt) + n, device="cpu")
+    caches = allocate_caches(g, max_len, device=runner.device)
     out, fed = [], list(prompt)
     start = 0
     for _ in range(n):
@@ -511,7 +511,8 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     c, r = run_k.exec.stats.total()
     row.update(compiled=c, reference=r, families=dict(run_k.exec.stats.compiled))
     t0 = time.time()
-    direct = [direct_greedy(run_k, plan.graph, p, n_tokens) for p in prompts[: args_direct_prompts(len(prompts))]]
+    n_direct = args_direct_prompts(len(prompts))
+    direct = [direct_greedy(run_k, plan.graph, p, n_tokens, llm_k.max_model_len) for p in prompts[:n_direct]]
     row["runtime_equal"] = sum(d == o.token_ids for d, o in zip(direct, outs_k))
     row["runtime_checked"] = len(direct)
     log(f"{name}: engine tokens == the same kernels driven directly, one sequence at a time: "
