@@ -9,7 +9,7 @@ time, so 100% means at the roofline. A failing kernel prints its error in its ro
     python3 benchmarks/kernels_h200.py --quick          # a few shapes, ~2-3 minutes incl. compiles
     python3 benchmarks/kernels_h200.py                  # all shapes, plus a small FP8 GEMM config sweep
     python3 benchmarks/kernels_h200.py --dry-run        # no GPU: only build (lower + nvcc) every kernel
-    python3 benchmarks/kernels_h200.py --gemm-sweep     # FP8 GEMM formulations at V4.1 prefill shapes
+    python3 benchmarks/kernels_h200.py --gemm-sweep     # FP8 GEMM formulations at V4/V4.1 prefill shapes
     ... -j 12                                           # pre-build every kernel in 12 processes first
 """
 
@@ -155,7 +155,7 @@ def expect(err: float, tol: float) -> str:
 # Each case builds, checks and times one kernel at one shape and fills a Row.
 
 
-def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dry: bool):
+def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dry: bool, with_eager: bool = True):
     func = fp8_gemm.program(M, N, K, act_group=g, weight_block=g, target="sm90", cfg=cfg)
     kernel = build(func)
     row.bytes_, row.flops = fp8_gemm.roofline(M, N, K, g, g)
@@ -169,6 +169,8 @@ def case_fp8_gemm(row: Row, M: int, N: int, K: int, g: int, cfg, quick: bool, dr
     kernel(a, sa_t, b, sb, c)
     row.check = expect(rel_err(c, fp8_gemm.reference_dequant_f64(a, sa, b, sb, g, g).float()), 2e-2)
     row.ms = bench(lambda: kernel(a, sa_t, b, sb, c), quick)
+    if not with_eager:  # the sweep skips it (time)
+        return
 
     # eager baseline: what a plain torch implementation does -- dequantise to bf16, then one matmul
     def eager():
@@ -888,47 +890,107 @@ def cases(quick: bool):
     return out
 
 
-# FP8 GEMM formulations (fp8_gemm.py's docstring explains them). Tag: MxNxK stages threads, o = async
-# wgmma overlapped with the promotion, r = warpgroups split by rows (64 x block_n each).
-SWEEP_CONFIGS = {
-    "base": fp8_gemm.default_config(32),  # the first run's kernel: 1 warpgroup, sync, spills
-    "2wg k64 ovl": fp8_gemm.Config(128, 128, 64, 4, 256, True, True),
-    "2wg k128 ovl s3": fp8_gemm.Config(128, 128, 128, 3, 256, True, True),
-    "2wg k128 ovl s4": fp8_gemm.Config(128, 128, 128, 4, 256, True, True),
-    "2wg 128x256 k64": fp8_gemm.Config(128, 256, 64, 4, 256, False, True, 2),
-    "2wg 128x256 k128": fp8_gemm.Config(128, 256, 128, 3, 256, False, True, 2),
+# FP8 GEMM formulations at prefill shapes (fp8_gemm.py's docstring explains them). Tag: MxNxK tile, s stages,
+# t consumer threads (256 = 2 warpgroups), o = async wgmma overlapped with the promotion, r = warpgroups split
+# by rows, n2 = N tile MMA'd in 2 column slices, pG = persistent warp-specialised kernel (132 CTAs, a TMA
+# producer warpgroup, tiles visited in panels of G M tiles), c2 = CTA pairs sharing B by TMA multicast,
+# pp = the two consumer warpgroups issue their wgmmas in strict turns (one promotes while the other's MMAs
+# run). Each shape also gets cuBLAS rows measured in the same run: `_scaled_mm` with per-tensor scales (the
+# MMA-only ceiling at that shape) and, for g128, cuBLAS's own block-scaled FP8 (1x128 activations x 128x128
+# weights, torch.nn.functional.scaled_mm, CUDA >= 12.9).
+SWEEP_SHAPES = {
+    128: [  # V4-Flash (hidden 4096): wq_b, wo_b, wq_a, shared expert w1|w3; V4.1's wq_b dims; the peak's shape
+        (4096, 32768, 1024),
+        (4096, 4096, 8192),
+        (4096, 1024, 4096),
+        (4096, 4096, 4096),
+        (4096, HEADS * HEAD_DIM, Q_LORA),
+        (8192, 8192, 8192),
+    ],
+    32: [  # V4.1-Flash (hidden 5120): wq_b, wo_b, wq_a, shared expert; the peak's shape
+        (4096, HEADS * HEAD_DIM, Q_LORA),
+        (4096, HIDDEN, 8192),
+        (4096, Q_LORA, HIDDEN),
+        (4096, MOE_INTER, HIDDEN),
+        (8192, 8192, 8192),
+    ],
 }
-SWEEP_SHAPES = [
-    (4096, HEADS * HEAD_DIM, Q_LORA),
-    (4096, HIDDEN, 8192),
-    (4096, Q_LORA, HIDDEN),
-    (4096, MOE_INTER, HIDDEN),
-]
+
+
+def sweep_configs(g: int, M: int, N: int, cluster: int = 1) -> dict:
+    """sm90_config (the current default) next to the persistent warp-specialised variants; cluster=2: the
+    variants whose CTA pairs share B through TMA multicast (no sm90_config row)."""
+    ws = functools.partial(fp8_gemm.Config, persistent=True, cluster=cluster)
+    out = {} if cluster > 1 else {"sm90_config": fp8_gemm.sm90_config(M, N, g)}
+    out["ws 128x256"] = ws(128, 256, 128, 3, 256, False, True, 2)
+    out["ws 128x256 pp"] = ws(128, 256, 128, 3, 256, False, True, 2, pingpong=True)
+    if cluster == 1:
+        out["ws 128x128"] = ws(128, 128, 128, 5, 256, False, True, 1)
+    out["ws 128x128 ovl"] = ws(128, 128, 128, 5, 256, True, True, 1)
+    if g == 128 and cluster == 1:  # L2 panel width (rows of tiles sharing B): 8 and 32 (= all M tiles at M=4096)
+        out["ws 128x256 r8"] = ws(128, 256, 128, 3, 256, False, True, 2, raster=8)
+        out["ws 128x256 r32"] = ws(128, 256, 128, 3, 256, False, True, 2, raster=32)
+    return {name: c for name, c in out.items() if N % c.block_n == 0 and M % (c.block_m * c.cluster) == 0}
+
+
+def case_cublas_fp8(row: Row, M: int, N: int, K: int, g: int, quick: bool, dry: bool):
+    """cuBLAS at this shape: per-tensor `_scaled_mm` (g=0), or block-scaled 1x128 x 128x128 (g=128). A
+    missing block-scaled path is reported in the row (not counted as a failure)."""
+    row.bytes_, row.flops = fp8_gemm.roofline(M, N, K, max(g, 128), max(g, 128))
+    if dry:
+        return
+    x, w = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda") * 0.05
+    if g == 0:
+        a, b, one = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), torch.ones((), device="cuda")
+        out = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+        ref = a.float() @ b.float().T
+        row.check = expect(rel_err(out, ref), 2e-2)
+        row.ms = bench(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), quick)
+        return
+    import torch.nn.functional as F
+
+    a, sa = quant_fp8_groups(x, g)
+    b, sb = quant_fp8_blocks(w, g)
+    l4 = -(-(K // g) // 4) * 4  # cuBLAS wants the weight scales' K extent padded to a multiple of 4
+    sbp = torch.zeros(N // g, l4, device="cuda")
+    sbp[:, : K // g] = sb
+    sa_mn, sb_t = sa.T.contiguous().T, sbp.T  # activation scales M-major, weight scales K-major
+
+    def run():
+        return F.scaled_mm(a, b.t(), sa_mn, F.ScalingType.BlockWise1x128, sb_t, F.ScalingType.BlockWise128x128)
+
+    try:
+        out = run()
+    except Exception as e:  # older torch / cuBLAS: no block-scaled FP8 on sm90
+        row.error = f"n/a here: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        return
+    row.check = expect(rel_err(out, fp8_gemm.reference_dequant_f64(a, sa, b, sb, g, g).float()), 2e-2)
+    row.ms = bench(run, quick)
 
 
 def sweep_cases():
     out = []
-    for M, N, K in SWEEP_SHAPES:
-        for name, cfg in SWEEP_CONFIGS.items():
-            out.append(
-                (
-                    f"g32 {name} {cfg.tag}",
-                    f"{M}x{N}x{K}",
-                    lambda r, q, d, M=M, N=N, K=K, cfg=cfg: case_fp8_gemm(r, M, N, K, 32, cfg, q, d),
-                )
-            )
-    for name, cfg in (
-        ("base", fp8_gemm.default_config(128)),
-        ("2wg", fp8_gemm.Config(128, 128, 128, 4, 256, False, True)),
-        ("2wg 128x256", fp8_gemm.Config(128, 256, 128, 3, 256, False, True, 2)),
-    ):
-        out.append(
-            (
-                f"g128 {name} {cfg.tag}",
-                "4096x32768x1280",
-                lambda r, q, d, cfg=cfg: case_fp8_gemm(r, 4096, HEADS * HEAD_DIM, Q_LORA, 128, cfg, q, d),
-            )
-        )
+    for cluster in (1, 2):  # the multicast (cluster) variants last: a hang there loses no other row
+        for g, shapes in SWEEP_SHAPES.items():
+            for M, N, K in shapes:
+                shape = f"{M}x{N}x{K}"
+                refs = ((0, "cublas per-tensor"), (128, "cublas block-scaled"))[: 2 if g == 128 else 1]
+                for ref_g, ref_name in refs if cluster == 1 else ():
+                    out.append(
+                        (
+                            f"g{g} {ref_name}",
+                            shape,
+                            lambda r, q, d, M=M, N=N, K=K, ref_g=ref_g: case_cublas_fp8(r, M, N, K, ref_g, q, d),
+                        )
+                    )
+                for name, cfg in sweep_configs(g, M, N, cluster).items():
+                    out.append(
+                        (
+                            f"g{g} {name}{' c2' if cluster > 1 else ''} {cfg.tag}",
+                            shape,
+                            lambda r, q, d, M=M, N=N, K=K, g=g, cfg=cfg: case_fp8_gemm(r, M, N, K, g, cfg, q, d, False),
+                        )
+                    )
     return out
 
 
@@ -974,7 +1036,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--dry-run", action="store_true", help="only build every kernel (works without a GPU)")
     ap.add_argument("--only", default="", help="substring filter on kernel names")
-    ap.add_argument("--gemm-sweep", action="store_true", help="FP8 GEMM formulations at V4.1 prefill shapes")
+    ap.add_argument("--gemm-sweep", action="store_true", help="FP8 GEMM formulations at V4/V4.1 prefill shapes")
     ap.add_argument("-j", "--jobs", type=int, default=0, help="pre-build all kernels in this many processes")
     args = ap.parse_args(argv)
     todo = sweep_cases() if args.gemm_sweep else cases(args.quick)

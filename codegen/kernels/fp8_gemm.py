@@ -30,6 +30,19 @@ The sm90 program therefore (BENCHMARKS.md has the measured variants):
     acc + 2 partials fit in registers without spills, and the two warpgroups overlap each other;
   * keeps the weight scales of the whole N tile in shared memory (one bulk copy), and the activation
     scales ride the TMA pipeline (MN-major rows).
+That program is one CTA per output tile: every tile pays its pipeline fill and its epilogue with the tensor
+cores idle (about a quarter of the time at K = 1024-1280, where a tile has only 8-10 K blocks).
+
+`persistent=True` selects `_program_sm90_ws`, the DeepGEMM recipe written in TileLang: 132 persistent
+CTAs, one TMA producer warpgroup (setmaxnreg 40) and two consumer warpgroups (setmaxnreg 232) with
+explicit full/empty mbarrier rings. The producer walks the CTA's tiles in L2-friendly panels
+(`tile_coords`) and runs ahead across tile boundaries, so the next tile's first stages are loaded while
+the consumers run the epilogue (stmatrix + TMA store). Options: `n_split` (N tile MMA'd in column slices
+through one partial: 128x256 tiles in 192 accumulator registers), `overlap` (two partials, one wgmma
+always in flight, also across K blocks), `cluster=2` (M-adjacent CTA pairs share the B tile through TMA
+multicast: a third less L2->SM traffic at 128x256). The scale math and the promotion order are the same
+as above, so the result is the same to fp32 rounding. `WSPlan` holds the sizes and scale indexing that
+the sm90 program and its CPU twin (`_program_ws_cpu`, c-target numerics) share.
 SM100's native block-scaled MMA (ue8m0 per 32 in TMEM) removes the promotion and is the next step here.
 """
 
@@ -53,11 +66,19 @@ class Config:
     overlap: bool = False  # sm90: async wgmma per 32-K sub-block, promoted while the next one runs
     row_split: bool = False  # sm90: warpgroups split M (each 64 rows x block_n) instead of "square"
     n_split: int = 1  # sm90: MMA the N tile in n_split column slices through one partial (fewer registers)
+    persistent: bool = False  # sm90: persistent warp-specialised kernel (_program_sm90_ws)
+    raster: int = 16  # persistent: tiles are visited in panels of `raster` M tiles (L2 reuse)
+    sms: int = 132  # persistent: CTAs launched, one per SM (H100/H200 SXM)
+    cluster: int = 1  # persistent: CTAs per cluster along M; 2 = the pair shares its B tile (TMA multicast)
+    pingpong: bool = False  # persistent, no overlap: the 2 consumer warpgroups issue their wgmmas in turn
 
     @property
     def tag(self) -> str:
         extra = ("o" if self.overlap else "") + ("r" if self.row_split else "")
         extra += f"n{self.n_split}" if self.n_split > 1 else ""
+        extra += f"p{self.raster}" if self.persistent else ""
+        extra += f"c{self.cluster}" if self.persistent and self.cluster > 1 else ""
+        extra += "pp" if self.persistent and self.pingpong else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}t{self.threads}{extra}"
 
 
@@ -101,6 +122,9 @@ def program(M: int, N: int, K: int, *, act_group: int, weight_block: int, target
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
+    if cfg.persistent and target in ("sm90", "cpu"):  # sm100 keeps the portable program below
+        build = _program_sm90_ws if target == "sm90" else _program_ws_cpu
+        return build(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg)
     if target == "sm90" and (
         cfg.overlap or cfg.row_split or cfg.n_split > 1 or cfg.block_k > min(act_group, weight_block)
     ):
@@ -260,6 +284,392 @@ def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, 
             T.copy(C_s, C[by * bM, bx * bN])
 
     return fp8_gemm_sm90
+
+
+# ---------------------------------------------------------------------------------------------- persistent
+
+
+@dataclass(frozen=True)
+class WSPlan:
+    """Sizes and scale indexing of the persistent kernel, shared by its sm90 and cpu builds (so the CPU
+    numerics test checks the tile order and every scale index the GPU kernel uses)."""
+
+    M: int
+    N: int
+    K: int
+    ag: int  # activation group along K
+    wb: int  # weight block (N and K)
+    cfg: Config
+
+    @property
+    def sub(self) -> int:  # promotion step: the finer of the two K scale grids
+        return min(self.ag, self.wb)
+
+    @property
+    def bns(self) -> int:  # columns per N slice
+        return self.cfg.block_n // self.cfg.n_split
+
+    @property
+    def units(self) -> list[tuple[int, int]]:  # (K sub-block, N slice), MMA'd and promoted in this order
+        return [(s, h) for s in range(self.cfg.block_k // self.sub) for h in range(self.cfg.n_split)]
+
+    @property
+    def sa_rows(self) -> int:  # activation-scale rows (K groups) per stage
+        return max(1, self.cfg.block_k // self.ag)
+
+    @property
+    def sb_box(self) -> bool:  # weight scales change inside a stage: a [bN/wb, bK/wb] box per stage (TMA)
+        return self.wb < self.cfg.block_k
+
+    @property
+    def sb_shape(self) -> tuple[int, int]:  # per-stage weight-scale slot: the box, or one per N slice
+        c = self.cfg
+        return (c.block_n // self.wb, c.block_k // self.wb) if self.sb_box else (c.n_split, 1)
+
+    @property
+    def m_tiles(self) -> int:
+        return self.M // self.cfg.block_m
+
+    @property
+    def n_tiles(self) -> int:
+        return self.N // self.cfg.block_n
+
+    @property
+    def k_blocks(self) -> int:
+        return self.K // self.cfg.block_k
+
+    @property
+    def cluster_tiles(self) -> int:  # tile groups of `cluster` M-adjacent tiles (one per cluster at a time)
+        return self.m_tiles // self.cfg.cluster * self.n_tiles
+
+    @property
+    def waves(self) -> int:  # tiles per CTA, rounded up
+        return ceil_div(self.cluster_tiles, self.cfg.sms // self.cfg.cluster)
+
+    def tile_of(self, w, bid, tmin=min):
+        """(valid, m tile, n tile) of CTA `bid` in wave w: clusters walk `tile_coords` over groups of
+        `cluster` M-adjacent tiles, and the CTA of cluster rank r takes the group's r-th M tile."""
+        cl = self.cfg.cluster
+        t = w * (self.cfg.sms // cl) + bid // cl
+        mg, ni = tile_coords(t, self.m_tiles // cl, self.n_tiles, max(1, self.cfg.raster // cl), tmin)
+        return t < self.cluster_tiles, mg * cl + bid % cl, ni
+
+    def sa_at(self, s: int) -> int:
+        """Row of the stage's activation-scale slot for K sub-block s."""
+        return s * self.sub // self.ag if self.ag < self.cfg.block_k else 0
+
+    def sb_at(self, h: int, j, s: int):
+        """(row, col) of the stage's weight-scale slot for column j of N slice h, K sub-block s."""
+        return ((h * self.bns + j) // self.wb, s * self.sub // self.wb) if self.sb_box else (h, 0)
+
+    def sb_src(self, ni, h: int, k):
+        """Global weight-scale index of N slice h in K block k (one scale per slice: not sb_box)."""
+        return (ni * self.cfg.block_n + h * self.bns) // self.wb, k * self.cfg.block_k // self.wb
+
+    def check(self) -> None:
+        c, bns = self.cfg, self.bns
+        assert c.threads == 2 * c.block_m and c.block_m in (64, 128), "one consumer warpgroup per 64 rows"
+        assert self.M % c.block_m == 0 and self.N % c.block_n == 0 and self.K % c.block_k == 0, (
+            f"persistent kernel needs whole tiles: {self.M}x{self.N}x{self.K} by {c.tag}"
+        )
+        assert c.block_k % self.sub == 0 and (self.ag % c.block_k == 0 or c.block_k % self.ag == 0)
+        assert c.n_split in (1, 2) and bns % 8 == 0 and bns <= 256 and c.stages >= 2
+        if self.sb_box:  # TMA box of fp32 rows >= 16 bytes, global rows 16-byte aligned
+            assert c.block_n % self.wb == 0 and c.block_k // self.wb >= 4 and (self.K // self.wb) % 4 == 0
+        else:  # an N slice lies in one weight block, and a K block in one weight block
+            assert self.wb % c.block_k == 0 and self.wb % bns == 0
+        assert c.cluster in (1, 2) and c.sms % c.cluster == 0 and self.m_tiles % c.cluster == 0
+        regs = c.block_n // 2 + bns // 2 * (2 if c.overlap else 1)  # acc + partial(s) per consumer thread
+        assert regs <= 208, f"{c.tag}: {regs} accumulator registers per thread would spill"
+        assert not c.pingpong or (c.threads == 256 and not c.overlap), "pingpong: 2 warpgroups, sync units"
+        if c.overlap and len(self.units) % 2:
+            assert self.k_blocks % 2 == 0, "overlap with one unit per stage pairs K blocks: an even K block count"
+
+
+def tile_coords(t, m_tiles: int, n_tiles: int, raster: int, tmin=min):
+    """Persistent tile order: panels of `raster` M tiles; inside a panel M runs fastest, then N.
+
+    132 CTAs then work on about raster x (132 / raster) tiles at a time, so both operands stay in L2.
+    `t` is an int (tests) or a TIR expression (pass T.min as `tmin`)."""
+    g = max(1, min(raster, m_tiles))
+    panel = t // (g * n_tiles)
+    first = panel * g
+    rows = g if m_tiles % g == 0 else tmin(m_tiles - first, g)  # the last panel may be narrower
+    r = t - panel * (g * n_tiles)
+    return first + r % rows, r // rows
+
+
+PP_BAR = 12  # pingpong: named barriers 12 (warpgroup 0's turn) and 13 (warpgroup 1's); TileLang uses low ids
+
+
+def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config):
+    """Persistent warp-specialised sm90 program (the DeepGEMM recipe, written in TileLang).
+
+    `sms` CTAs of 128 + `threads` threads. The last warpgroup is the producer (setmaxnreg 40): it walks the
+    CTA's tiles in `tile_coords` order and streams A, B and the scales of every K block through a
+    `stages`-deep ring of shared-memory slots (TMA into full/empty mbarrier pairs). The consumer warpgroups
+    (setmaxnreg 232) own 64 rows x block_n each: per K block they wait for the slot, MMA each (K sub-block,
+    N slice) unit into an fp32 partial (wgmma), promote it into the accumulator with sa[row] * sb, and
+    release the slot. The producer runs ahead across tile boundaries, so the next tile's first stages load
+    while the consumers run the epilogue (bf16 into shared memory, TMA store). `overlap` keeps one wgmma in
+    flight while the previous unit is promoted (two partials), also across K blocks.
+    """
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    plan = WSPlan(M, N, K, act_group, weight_block, cfg)
+    plan.check()
+    bM, bN, bK, S = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    ag, wb, sub, ns, bNs = act_group, weight_block, plan.sub, cfg.n_split, plan.bns
+    units, n_units = plan.units, len(plan.units)
+    unit_ids, slices = list(range(n_units)), list(range(ns))  # Python lists: unrolled at trace time
+    # overlap alternates two partials: with an odd unit count per stage, the loop body covers 2 K blocks
+    reps = 2 if cfg.overlap and n_units % 2 else 1
+    rep_ids = list(range(reps))
+    kb, NS, waves, cl = plan.k_blocks, cfg.sms, plan.waves, cfg.cluster
+    sa_rows, sb_box, (sb_rows, sb_cols) = plan.sa_rows, plan.sb_box, plan.sb_shape
+    kb_a, nb_w, kb_w = ceil_div(K, ag), ceil_div(N, wb), ceil_div(K, wb)
+    consumers = cfg.threads
+    policy = T.GemmWarpPolicy.FullRow
+    fp8 = "float8_e4m3fn"
+
+    def kernel_frame():
+        if cl == 1:
+            return T.Kernel(NS, threads=consumers + 128)
+        return T.ClusterKernel(NS, cluster_dims=cl, threads=consumers + 128)
+
+    @T.prim_func
+    def fp8_gemm_sm90_ws(
+        A: T.Tensor((M, K), fp8),
+        SA: T.Tensor((kb_a, M), "float32"),
+        B: T.Tensor((N, K), fp8),
+        SB: T.Tensor((nb_w, kb_w), "float32"),
+        C: T.Tensor((M, N), "bfloat16"),
+    ):
+        with kernel_frame() as bid:
+            A_s = T.alloc_shared((S, bM, bK), fp8)
+            B_s = T.alloc_shared((S, bN, bK), fp8)
+            SA_s = T.alloc_shared((S, sa_rows, bM), "float32")
+            SB_s = T.alloc_shared((S, sb_rows, sb_cols), "float32")
+            C_s0 = T.alloc_shared((bM, bNs), "bfloat16")  # one output buffer per N slice: stmatrix stores
+            C_s1 = T.alloc_shared((bM, bNs), "bfloat16")
+            p0 = T.alloc_fragment((bM, bNs), "float32")
+            p1 = T.alloc_fragment((bM, bNs), "float32")
+            acc0 = T.alloc_fragment((bM, bNs), "float32")
+            acc1 = T.alloc_fragment((bM, bNs), "float32")
+            sbr = T.alloc_local((1,), "float32")
+            full = T.alloc_barrier([128] * S)
+            if cl == 1:
+                empty = T.alloc_barrier([consumers] * S)
+            else:  # released by one lane per consumer warp of every CTA of the cluster
+                empty = T.alloc_cluster_barrier([cl * consumers // 32] * S)
+            parts, accs, outs = [p0, p1], [acc0, acc1], [C_s0, C_s1]
+            tx = T.get_thread_binding()
+            if tx >= consumers:  # producer warpgroup
+                T.set_max_nreg(40, 0)
+                for w in T.serial(waves):
+                    valid, mi, ni = plan.tile_of(w, bid, T.min)
+                    if valid:
+                        for k in T.serial(kb):
+                            it = w * kb + k
+                            st = it % S
+                            if not sb_box:  # one weight scale per N slice: loaded before the wait (latency)
+                                for h in slices:
+                                    if tx == consumers + h:
+                                        sbr[0] = SB[plan.sb_src(ni, h, k)]
+                            T.mbarrier_wait_parity(empty[st], ((it // S) & 1) ^ 1)
+                            kk = k * bK
+                            T.tma_copy(A[mi * bM : (mi + 1) * bM, kk : kk + bK], A_s[st, :, :], barrier=full[st])
+                            if cl == 1:
+                                T.tma_copy(B[ni * bN : (ni + 1) * bN, kk : kk + bK], B_s[st, :, :], barrier=full[st])
+                            else:  # rank 0 multicasts the shared B tile to the whole cluster
+                                T.tma_copy(
+                                    B[ni * bN : (ni + 1) * bN, kk : kk + bK],
+                                    B_s[st, :, :],
+                                    barrier=full[st],
+                                    cluster_mask=(1 << cl) - 1,
+                                )
+                            ka = k * bK // ag
+                            T.tma_copy(SA[ka : ka + sa_rows, mi * bM : (mi + 1) * bM], SA_s[st, :, :], barrier=full[st])
+                            if sb_box:
+                                nw, kw = ni * sb_rows, k * sb_cols
+                                T.tma_copy(SB[nw : nw + sb_rows, kw : kw + sb_cols], SB_s[st, :, :], barrier=full[st])
+                            else:  # published to the consumers by the arrive (release semantics)
+                                for h in slices:
+                                    if tx == consumers + h:
+                                        SB_s[st, h, 0] = sbr[0]
+                            T.mbarrier_arrive(full[st])
+            else:  # consumer warpgroups
+                T.set_max_nreg(232, 1)
+                wg = tx // 128
+                if cfg.pingpong and wg == 1:  # warpgroup 0 takes the first turn
+                    T.named_barrier_arrive(PP_BAR, 256)
+                for w in T.serial(waves):
+                    valid, mi, ni = plan.tile_of(w, bid, T.min)
+                    if valid:
+                        for a in accs[:ns]:
+                            T.clear(a)
+                        if cfg.overlap:  # the tile's first unit, issued ahead of the K loop
+                            it0 = w * kb
+                            T.mbarrier_wait_parity(full[it0 % S], (it0 // S) & 1)
+                            TC.wgmma_gemm(
+                                A_s[it0 % S, :, 0:sub],
+                                B_s[it0 % S, 0:bNs, 0:sub],
+                                p0,
+                                transpose_B=True,
+                                clear_accum=True,
+                                policy=policy,
+                            )
+                        for k2 in T.serial(kb // reps):
+                            for rep in rep_ids:
+                                k = k2 * reps + rep
+                                it = w * kb + k
+                                st = it % S
+                                if not cfg.overlap:
+                                    T.mbarrier_wait_parity(full[st], (it // S) & 1)
+                                for u in unit_ids:
+                                    s, h = units[u]
+                                    g = rep * n_units + u  # unit count in the loop body: its partial is g % 2
+                                    if cfg.overlap:
+                                        if u + 1 < n_units:
+                                            s1, h1 = units[u + 1]
+                                            TC.wgmma_gemm(
+                                                A_s[st, :, s1 * sub : (s1 + 1) * sub],
+                                                B_s[st, h1 * bNs : (h1 + 1) * bNs, s1 * sub : (s1 + 1) * sub],
+                                                parts[(g + 1) % 2],
+                                                transpose_B=True,
+                                                clear_accum=True,
+                                                policy=policy,
+                                            )
+                                            T.wait_wgmma(1)
+                                        elif rep + 1 < reps or k + 1 < kb:  # the next K block's first unit
+                                            T.mbarrier_wait_parity(full[(it + 1) % S], ((it + 1) // S) & 1)
+                                            TC.wgmma_gemm(
+                                                A_s[(it + 1) % S, :, 0:sub],
+                                                B_s[(it + 1) % S, 0:bNs, 0:sub],
+                                                parts[(g + 1) % 2],
+                                                transpose_B=True,
+                                                clear_accum=True,
+                                                policy=policy,
+                                            )
+                                            T.wait_wgmma(1)
+                                        else:
+                                            T.wait_wgmma(0)
+                                        part = parts[g % 2]
+                                    elif cfg.pingpong:  # wait for my turn, issue, pass the turn, then wait
+                                        if wg == 0:
+                                            T.sync_threads(PP_BAR, 256)
+                                        else:
+                                            T.sync_threads(PP_BAR + 1, 256)
+                                        TC.wgmma_gemm(
+                                            A_s[st, :, s * sub : (s + 1) * sub],
+                                            B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
+                                            p0,
+                                            transpose_B=True,
+                                            clear_accum=True,
+                                            policy=policy,
+                                        )
+                                        if wg == 0:
+                                            T.named_barrier_arrive(PP_BAR + 1, 256)
+                                        else:
+                                            T.named_barrier_arrive(PP_BAR, 256)
+                                        T.wait_wgmma(0)
+                                        part = p0
+                                    else:
+                                        T.gemm(
+                                            A_s[st, :, s * sub : (s + 1) * sub],
+                                            B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
+                                            p0,
+                                            transpose_B=True,
+                                            clear_accum=True,
+                                            policy=policy,
+                                        )
+                                        part = p0
+                                    ra = plan.sa_at(s)
+                                    for i, j in T.Parallel(bM, bNs):
+                                        rb, cb = plan.sb_at(h, j, s)
+                                        accs[h][i, j] += part[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
+                                if cl == 1:
+                                    T.mbarrier_arrive(empty[st])
+                                else:  # lane r of every warp releases the slot in cluster CTA r
+                                    T.sync_warp()
+                                    if tx % 32 < cl:
+                                        T.mbarrier_arrive(empty[st], tx % 32)
+                        for h in slices:
+                            T.copy(accs[h], outs[h])
+                        for h in slices:
+                            T.copy(outs[h], C[mi * bM, ni * bN + h * bNs])
+                if cfg.pingpong and wg == 0:  # takes warpgroup 1's last turn hand-over (balances the barrier)
+                    T.sync_threads(PP_BAR, 256)
+            if cl > 1:  # no CTA exits while its partner may still multicast to it or arrive on its barriers
+                T.cluster_sync()
+
+    return fp8_gemm_sm90_ws
+
+
+def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config):
+    """The persistent kernel's schedule on TileLang's `c` target (fp32, numerics only): the same CTA count,
+    tile order, per-stage operand and scale slices, units and promotion indices as `_program_sm90_ws`,
+    with the producer/consumer hand-off replaced by program order."""
+    import tilelang.language as T
+
+    plan = WSPlan(M, N, K, act_group, weight_block, cfg)
+    plan.check()
+    bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
+    ag, wb, sub, bNs = act_group, weight_block, plan.sub, plan.bns
+    units, slices = plan.units, list(range(cfg.n_split))
+    kb, NS, waves = plan.k_blocks, cfg.sms, plan.waves
+    sa_rows, sb_box, (sb_rows, sb_cols) = plan.sa_rows, plan.sb_box, plan.sb_shape
+    kb_a, nb_w, kb_w = ceil_div(K, ag), ceil_div(N, wb), ceil_div(K, wb)
+    f32 = "float32"
+
+    @T.prim_func
+    def fp8_gemm_ws_cpu(
+        A: T.Tensor((M, K), f32),
+        SA: T.Tensor((kb_a, M), f32),
+        B: T.Tensor((N, K), f32),
+        SB: T.Tensor((nb_w, kb_w), f32),
+        C: T.Tensor((M, N), f32),
+    ):
+        with T.Kernel(NS) as bid:
+            A_s = T.alloc_local((bM, bK), f32)
+            B_s = T.alloc_local((bN, bK), f32)
+            SA_s = T.alloc_local((sa_rows, bM), f32)
+            SB_s = T.alloc_local((sb_rows, sb_cols), f32)
+            part = T.alloc_local((bM, bNs), f32)
+            acc = T.alloc_local((bM, bN), f32)
+            for w in T.serial(waves):
+                valid, mi, ni = plan.tile_of(w, bid, T.min)
+                if valid:
+                    for i, j in T.grid(bM, bN):
+                        acc[i, j] = 0.0
+                    for k in T.serial(kb):
+                        T.copy(A[mi * bM, k * bK], A_s)
+                        T.copy(B[ni * bN, k * bK], B_s)
+                        ka = k * bK // ag
+                        for r, i in T.grid(sa_rows, bM):
+                            SA_s[r, i] = SA[ka + r, mi * bM + i]
+                        if sb_box:
+                            for r, c in T.grid(sb_rows, sb_cols):
+                                SB_s[r, c] = SB[ni * sb_rows + r, k * sb_cols + c]
+                        else:
+                            for h in slices:
+                                SB_s[h, 0] = SB[plan.sb_src(ni, h, k)]
+                        for s, h in units:
+                            T.gemm(
+                                A_s[:, s * sub : (s + 1) * sub],
+                                B_s[h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
+                                part,
+                                transpose_B=True,
+                                clear_accum=True,
+                            )
+                            ra = plan.sa_at(s)
+                            for i, j in T.grid(bM, bNs):
+                                rb, cb = plan.sb_at(h, j, s)
+                                acc[i, h * bNs + j] += part[i, j] * (SA_s[ra, i] * SB_s[rb, cb])
+                    T.copy(acc, C[mi * bM, ni * bN])
+
+    return fp8_gemm_ws_cpu
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -41,6 +41,18 @@ def test_fp8_gemm_v4_groups_of_128(kb, run_case):
     run_case(kb.case_fp8_gemm, 4096, HEADS * HD, QL, 128, fp8_gemm.sm90_config(4096, HEADS * HD, 128))
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("name", ["ws 128x256", "ws 128x256 pp", "ws 128x128", "ws 128x128 ovl"])
+@pytest.mark.parametrize("g", [128, 32])
+def test_fp8_gemm_persistent(kb, run_case, g, name, cluster):
+    """The sweep's persistent warp-specialised configs: 20 M tiles (a narrower last L2 panel), several
+    waves with a partial last one, 10 K blocks (overlap pairs them), 2-CTA clusters multicasting B."""
+    cfg = kb.sweep_configs(g, 2560, 4096, cluster).get(name)
+    if cfg is None:
+        pytest.skip(f"{name} is not swept with cluster={cluster}")
+    run_case(kb.case_fp8_gemm, 2560, 4096, 1280, g, cfg)
+
+
 def test_moe_grouped_gemm_contiguous(kb, run_case):
     run_case(kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
 
