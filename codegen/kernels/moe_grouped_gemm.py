@@ -1,4 +1,4 @@
-"""MoE grouped FP8 GEMM, contiguous (prefill) layout: one launch for all experts.
+"""MoE grouped GEMM (FP8 and W4A8 experts), contiguous (prefill) and masked (decode) layouts, one launch.
 
 Tokens routed to the experts are sorted by expert and each expert's segment is padded to a multiple
 of block_m, so every M tile belongs to exactly one expert (DeepGEMM's "contiguous" layout):
@@ -33,16 +33,28 @@ and keep 12-16 TMA stages of weights in flight. Weight formats:
     (4 codes per PRMT table lookup, `_FP4_SRC`) straight into the wgmma A fragment (RS wgmma, no shared
     memory round trip): code -> e4m3 bits ((c&7)<<2)|((c&8)<<4), which is the e2m1 value times 2^-6
     exactly; the 2^6 and the weight scale 2^(byte-127) are applied in the promotion as one power of two.
-    Half the weight bytes of fp8: this is the decode win.
+    Half the weight bytes of fp8: this is the decode win. (The fragment is filled by `deepinfer_fp4_frag`,
+    one word = 4 codes per PRMT pair, ~1.5 integer ops a weight; TileLang's own element-wise lowering of
+    the same fill costs ~4, which at full HBM rate would exceed the SM's integer issue rate.)
 The same program runs the contiguous layout (Meta = TileExpert of block_t-row tiles); that is the W4A8
-prefill path (the weights' per-row scales make the non-swapped loop's promotion twice as expensive).
+prefill path. There the promotion multiplies a per-row weight scale by a per-token activation scale for
+every element (one FMUL + one FFMA per element per 32 K, against fp8's 32x32 blocks where the products are
+hoisted), so W4A8 prefill is expected at roughly half the fp8 contiguous rate.
 
-Fused clamped SwiGLU (`swiglu_limit` not None): B holds w1|w3 stacked ([E, 2I, K]); a CTA's weight rows are
-gate rows [c, c+h) and the matching up rows [I+c, I+c+h), and the epilogue writes
-h = silu(min(g, L)) * clamp(u, -L, L) (L = swiglu_limit, 0 = no clamp; ir/ops/moe.py `swiglu`) quantised to
-e4m3 with one ue8m0 scale per 32 columns -- exactly what the w2 grouped GEMM reads (Hq [M, I] e4m3, Hs [I/32, M]
-fp32 MN-major; scale = 2^ceil(log2(max(amax, 1e-4)/448)), the runtime's `quant_act`). The scale is computed
-with exponent-bit arithmetic (`ue8m0_exponent`), no log2/division.
+Fused clamped SwiGLU (`swiglu_limit` not None): B holds w1|w3 tile-interleaved by `gate_up_tiles` (per CTA
+tile of block_n weight rows: h gate rows [c, c+h) then the matching up rows [I+c, I+c+h), h = block_n/2),
+and the epilogue writes h = silu(min(g, L)) * clamp(u, -L, L) (L = swiglu_limit, 0 = no clamp; ir/ops/moe.py
+`swiglu`) quantised to e4m3 with one ue8m0 scale per 32 columns -- what the w2 grouped GEMM reads (Hq [M, I]
+e4m3, Hs [I/32, M] fp32 MN-major; scale = 2^ceil(log2(max(amax, 1e-4)/448)), the runtime's `quant_act`),
+so the bf16 [M, 2I] intermediate and the separate SwiGLU and quant passes disappear. The scale is computed
+with exponent-bit arithmetic (`ue8m0_exponent`), no log2/division. Available on the contiguous fp8 loop
+(`program(..., swiglu_limit=)`) and on every swap-AB variant.
+
+Limits (sm90, exact per-32 promotion). V4.1's scales are per 32 K (activations 1x32, weights 32x32 or per-row
+1x32), and wgmma has no per-K-block scale, so every 32 K each accumulator element takes one FFMA: at 128 FP32
+lanes vs 4096 FP8 MACs per SM-clock that is as many issue cycles as the MMA itself (fp8_gemm.py docstring). The
+contiguous fp8 loop therefore stays near the dense FP8 GEMM's ~44% of the measured FP8 peak; 65% needs fewer
+promotions than the format allows (SM100's block-scaled MMA, or coarser activation groups).
 """
 
 import itertools
