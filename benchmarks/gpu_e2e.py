@@ -407,26 +407,50 @@ class PairedKernels:
         return "\n".join(lines)
 
 
-def noisy_emulated_kernel(key, eps: float = 1e-6):
-    """emulated_kernel whose FP8 GEMM results (dense and grouped) carry a relative N(0, eps) perturbation before
-    the output rounding: the size of an accumulation-order difference, to measure how much the model itself
-    amplifies one."""
-    from deepinfer.codegen.kernels import fp8_gemm
+def perturbed_executor(g, params, eps: float = 1e-6):
+    """The formats path (emulated kernels) with every floating node output multiplied by (1 + eps N(0, 1))
+    before it is stored in its dtype: an accumulation-order-sized difference everywhere, to measure how much the
+    model itself amplifies one (bf16/FP8 outputs change only where the perturbation tips a rounding)."""
     from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
 
-    fn = ka.emulated_kernel(key)
-    if key.family not in ("fp8_gemm", "moe_grouped_gemm"):
-        return fn
-    exact = fp8_gemm.reference
+    class Perturbed(GraphExecutor):
+        def _run_node(self, step, args, attrs, t):
+            outs = super()._run_node(step, args, attrs, t)
+            floats = (torch.float32, torch.bfloat16)
+            return [o.float().mul(1 + eps * torch.randn_like(o, dtype=torch.float32)).to(o.dtype)
+                    if torch.is_tensor(o) and o.dtype in floats else o for o in outs]  # fmt: skip
 
-    def noisy(*args):
-        fp8_gemm.reference = lambda *a: (lambda r: r * (1 + eps * torch.randn_like(r)))(exact(*a))
+    return Perturbed(g, params, kernels=KernelCache(builder=ka.emulated_kernel), verify=False)
+
+
+def first_difference(ex_a, ex_b, feeds) -> str:
+    """Run both executors on the same feeds, recording every node's outputs; the first node (graph order) whose
+    outputs differ, with how each side ran it -- where two paths part."""
+    recs = []
+    for ex in (ex_a, ex_b):
+        rec: dict = {}
+        orig = ex._run_node
+
+        def hook(step, args, attrs, t, rec=rec, orig=orig):
+            outs = orig(step, args, attrs, t)
+            rec[step.outputs[0]] = [o.detach().clone() if torch.is_tensor(o) else o for o in outs]
+            return outs
+
+        ex._run_node = hook
         try:
-            fn(*args)
+            ex.run({k: v.clone() for k, v in feeds.items()})
         finally:
-            fp8_gemm.reference = exact
-
-    return noisy
+            del ex._run_node
+        recs.append(rec)
+    for step in ex_a.steps:
+        name = step.outputs[0]
+        for x, y in zip(recs[0].get(name, []), recs[1].get(name, [])):
+            if torch.is_tensor(x) and (x.shape != y.shape or not torch.equal(x, y)):
+                d = (x.float() - y.float()).abs().max() if x.shape == y.shape else float("nan")
+                return (f"{step.node.label} ({step.node.op}): max diff {float(d):.3g}; a: "
+                        f"{ex_a.stats.per_node.get(name)}; b: {ex_b.stats.per_node.get(name)}")  # fmt: skip
+    return "none: identical"
 
 
 def direct_greedy(runner, g, prompt: list[int], n: int, max_len: int) -> list[int]:
@@ -461,7 +485,8 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     step = 2^-3 of the element). In a random-weight model with FP8 activations one tipped e4m3 code perturbs the
     next layer by ~1e-2 and tips more codes: the difference can cascade to the size of the format error itself.
     So the run measures that sensitivity (the formats path against itself with a 1e-6 relative perturbation of
-    every FP8 GEMM result) and the checks are: (1) teacher-forced along the compiled path's tokens, max |logit
+    every node's output, perturbed_executor) and the checks are: (1) teacher-forced along the compiled path's
+    tokens, max |logit
     difference| <= max(EQ_TOL_REL of the logit range, 2x the perturbed-formats difference); (2) tokens equal at
     every step where the formats path's top-2 margin exceeds twice that step's difference; (3) free-running
     greedy tokens equal for every prompt, required where the model is not chaotic (the 1e-6 perturbation moves
@@ -469,7 +494,7 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     directly one sequence at a time (runtime_equal: same kernels, so bit-exact)."""
     from deepinfer.compiler import compile_model
     from deepinfer.runtime import kernel_adapters as ka
-    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
+    from deepinfer.runtime.cuda_executor import KernelCache
     from deepinfer.runtime.engine import LLM
     from deepinfer.runtime.plan import bind_weights
     from deepinfer.runtime.sampler import SamplingParams
@@ -523,9 +548,14 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
                  for a, b in zip(outs_k, outs_f)]  # fmt: skip
     # teacher-forced along the compiled path's tokens: per-step difference, the formats path's top-2 margin, and
     # the model's own sensitivity: the formats path with a 1e-6 relative perturbation of every GEMM output
-    ex_n = GraphExecutor(plan.graph, run_f.exec.params, kernels=KernelCache(builder=noisy_emulated_kernel),
-                         verify=False)  # fmt: skip
+    ex_n = perturbed_executor(plan.graph, run_f.exec.params)
     torch.manual_seed(0)
+    probe = _teacher_inputs(plan.graph, outs_k[-1].prompt_token_ids + outs_k[-1].token_ids[:-1], "cuda")
+    row["repeat_k"] = first_difference(run_k.exec, run_k.exec, probe)  # each path against itself: determinism
+    row["repeat_f"] = first_difference(run_f.exec, run_f.exec, probe)
+    row["first_difference"] = first_difference(run_k.exec, run_f.exec, probe)
+    log(f"{name}: compiled vs itself: {row['repeat_k']}; formats vs itself: {row['repeat_f']}; compiled vs "
+        f"formats, first differing node: {row['first_difference']}")  # fmt: skip
     steps = decisive = bad = 0
     err_max = rng = err_noise = 0.0
     ties = []
@@ -563,7 +593,7 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
                near_ties=ties[:10], errors=errs[:4], pass_=ok)  # fmt: skip
     log(f"{name}: tokens equal in {equal_prompts}/{len(prompts)} prompts (first divergence per prompt: {first_div}); "
         f"teacher-forced max|compiled - formats| {err_max:.4f} = {row['err_rel']:.3%} of the logit range {rng:.2f} "
-        f"(limit {limit:.4f}; a 1e-6 GEMM perturbation alone moves the formats path by {err_noise:.4f}"
+        f"(limit {limit:.4f}; 1e-6 perturbations of every node output move the formats path by {err_noise:.4f}"
         f"{': chaotic' if chaotic else ''}); {decisive}/{steps} steps decisive, {bad} decisive mismatches; "
         f"near-ties {len(ties)} {ties[:4]} -> {'PASS' if ok else 'FAIL'}")  # fmt: skip
     return row
