@@ -65,13 +65,16 @@ def embed_program(T_: int, K: int, R: int, *, hd: int = HEAD_DIM, target: str, c
         M: T.Tensor((T_, K * hd), "float32"),
     ):
         with T.Kernel(ceil_div(T_, bt), threads=cfg.threads) as bx:
-            for t, k, c in mem.par(bt, K, hd):
-                tok = bx * bt + t
-                if tok < T_:
-                    row = Ids[tok, k]
-                    # 2^(s-127) exactly: exp2 of an integer-valued float
-                    scale = T.exp2(T.cast(S[row, c // SCALE_GROUP], "float32") - 127.0)
-                    M[tok, k * hd + c] = T.cast(E[row, c], "float32") * scale
+            # tokens serially, (k, c) across the threads: a parallel nest over (bt, K, hd) fails TileLang 0.1.15's
+            # layout inference for many (bt, threads) pairs at K*hd < 4096 (tiny/small presets)
+            for t in T.serial(bt):
+                for k, c in mem.par(K, hd):
+                    tok = bx * bt + t
+                    if tok < T_:
+                        row = Ids[tok, k]
+                        # 2^(s-127) exactly: exp2 of an integer-valued float
+                        scale = T.exp2(T.cast(S[row, c // SCALE_GROUP], "float32") - 127.0)
+                        M[tok, k * hd + c] = T.cast(E[row, c], "float32") * scale
 
     return engram_embed
 
