@@ -103,15 +103,16 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     """
     x = x.float()
     mag = x.abs().clamp(max=FP4_MAX)
-    code = torch.searchsorted(_FP4_MIDPOINTS, mag.contiguous(), right=False)  # round half down
-    tie = (code < 7) & (mag == _FP4_MIDPOINTS[code.clamp(max=6)])
+    mids = _FP4_MIDPOINTS.to(mag.device)
+    code = torch.searchsorted(mids, mag.contiguous(), right=False)  # round half down
+    tie = (code < 7) & (mag == mids[code.clamp(max=6)])
     code = torch.where(tie & (code % 2 == 1), code + 1, code)
     sign = torch.signbit(x)
     return (code + sign.long() * 8).to(torch.uint8)
 
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
-    return FP4_VALUES[codes.long()]
+    return FP4_VALUES.to(codes.device)[codes.long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
