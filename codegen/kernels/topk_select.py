@@ -1,0 +1,860 @@
+"""Exact row-wise top-k of fp32 scores (the V4.1 indexer's `topk_entries`, MODEL_SPEC §2.13).
+
+    Idx[t] = the k largest S[t, j] over the visible j (j < lim_t; -inf = not visible), ties to the LOWER j,
+             as a SET in ascending j order, int32, -1 padding at the end (fewer than k visible)
+
+`lim_t = min((pos_t + 1) // ratio, C)` when positions are given: the columns past it are -inf by the op's
+definition and are not read at all. Without positions every column is read and -inf marks what is not
+visible. NaN scores are not supported (the reference sorts them first; the scores kernel never makes one).
+
+TileLang program (`program`), one kernel, every score read from HBM once into registers:
+* a CTA owns `seg` columns of one row (grid: segments x rows) and streams them in chunks of
+  threads x per_thread scores held in registers (float4 loads, coalesced).
+* `filter=True` (long rows, k << chunk): the maxima of groups of `group` scores of a chunk bound its k-th
+  largest score from below for free -- the k-th largest group maximum L (each of the k groups at or above it
+  holds one score >= L). Running L = max over chunks is a lower bound of the row's k-th largest score, so
+  only scores >= L go to a candidate buffer in shared memory (about 1.4k of 8k for k=512 on smooth data).
+  A chunk with more than `cap` candidates (heavy ties) hands on its exact top-k instead; a full buffer is
+  cut to its exact top-k. Both keep every score that can still be in the row's top-k, ties included.
+* `filter=False` (short rows): the chunk in registers is the candidate set.
+* exact selection (`_make_select`): adaptive radix select on the order-preserving int32 keys -- each
+  round histograms (shared-memory atomics) the candidates inside the current key range into 256 bins of equal
+  width, keeps the bin holding the wanted rank, and stops when that bin is taken whole or one key is left
+  (<= 4 rounds); ties at the k-th key take the lowest column ids (a second radix pass over -id).
+* output: selected columns are set in a shared bitmap of the row and written in ascending order
+  (popcounts, a prefix sum over threads, then each thread's words).
+* several segments per row (decode: few rows, long rows): each segment writes its exact local top-k to a
+  scratch slot; the last CTA of a row to arrive (an acq_rel counter per row, reset by it: no second launch,
+  no co-residency needed) selects from the union. The global top-k is the top-k of that union because
+  (score desc, column asc) is a strict total order.
+
+Threads are written as `for i in T.Parallel(threads)` phases with per-thread unrolled loops and shared-memory
+communication between phases, so the same program also runs serially on TileLang's `c` target (atomics
+become plain read-modify-writes): the CPU tests check exact selection, ties included, on it.
+
+A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
+Triton interpreter) is kept for comparison.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # optional; the jit functions are module globals so the interpreter (TRITON_INTERPRET=1) can run them
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = tl = None
+
+FAMILY = "topk_select"
+NONE = -(2**31) + 1  # key of "not a candidate": below every real key (-inf is 0x807fffff; NaN unsupported)
+INT_MAX = 2**31 - 1
+NB = 256  # histogram bins per radix round (8 bits)
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int = 128
+    per_thread: int = 16  # scores a thread holds per chunk (multiple of 4: float4 loads)
+    seg: int = 2048  # columns per CTA (a multiple of the chunk = threads * per_thread)
+    filter: bool = False  # group-max candidate filter + shared candidate buffer (needs chunk / group >= 2k)
+    group: int = 8
+    cap: int = 2048  # candidates one chunk may add before it falls back to its exact top-k
+
+    @property
+    def chunk(self) -> int:
+        return self.threads * self.per_thread
+
+    @property
+    def tag(self) -> str:
+        f = f"f{self.group}c{self.cap}" if self.filter else "x"
+        return f"t{self.threads}e{self.per_thread}s{self.seg}{f}"
+
+
+def n_segments(C: int, cfg: Config) -> int:
+    return -(-C // cfg.seg)
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def check_config(C: int, k: int, cfg: Config) -> None:
+    nt, e = cfg.threads, cfg.per_thread
+    assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
+    assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
+    assert not cfg.filter or (e % cfg.group == 0 and cfg.chunk // cfg.group >= 2 * k and cfg.cap >= k), cfg
+
+
+def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config:
+    """Short rows (C <= 4096): one CTA per row, the row in registers. Long rows: the filter over chunks of
+    4096 (256 threads x 16, groups of 4), a segment per CTA, segments per row chosen so that the grid covers
+    the GPU twice."""
+    if C <= 4096 or 4096 // 4 < 2 * k:
+        chunk = max(1 << max(C - 1, 1).bit_length(), 512)
+        nt = min(max(chunk // 16, 32), 512)
+        return Config(nt, chunk // nt, chunk, False, 8, 2048)
+    nt, e = 256, 16
+    chunk = nt * e
+    nchunks = -(-C // chunk)
+    nseg = 1
+    while nseg < nchunks and T_ * nseg < 2 * sms and nchunks % (2 * nseg) == 0:
+        nseg *= 2
+    return Config(nt, e, chunk * (nchunks // nseg), True, 4, 2048)
+
+
+def config_space(T_: int, C: int, k: int = 512) -> list[Config]:
+    out = []
+    for nt, e in ((64, 32), (128, 16), (128, 32), (256, 16), (256, 32), (512, 16)):
+        chunk = nt * e
+        for filt in (False, True):
+            for nch in (1, 2, 4, 8, 16):
+                cfg = Config(nt, e, chunk * nch, filt, 8, 2048)
+                if cfg.seg > _round_up(C, chunk):
+                    continue
+                try:
+                    check_config(C, k, cfg)
+                except AssertionError:
+                    continue
+                out.append(cfg)
+    return out
+
+
+def scratch_shapes(T_: int, C: int, k: int, cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Shapes of the program's scratch arguments (candidate keys/ids/counts and arrival counters); a single
+    element each when there is one segment per row (unused then)."""
+    nseg = n_segments(C, cfg)
+    if nseg == 1:
+        return {"CKey": (1,), "CIdx": (1,), "CCnt": (1,), "Arrive": (1,)}
+    return {"CKey": (T_ * nseg * k,), "CIdx": (T_ * nseg * k,), "CCnt": (T_ * nseg,), "Arrive": (T_,)}
+
+
+def make_scratch(T_: int, C: int, k: int, cfg: Config, device) -> list[torch.Tensor]:
+    """[CKey, CIdx, CCnt, Arrive] for `program` (zeroed: the arrival counters must start at 0)."""
+    return [torch.zeros(s, dtype=torch.int32, device=device) for s in scratch_shapes(T_, C, k, cfg).values()]
+
+
+# ---------------------------------------------------------------------------------------------- TileLang
+
+
+class _Ops:
+    """Target-dependent pieces: the `c` target runs every thread loop serially, so atomics are plain
+    read-modify-writes, barriers vanish, and the bit intrinsics are the gcc builtins."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+
+    def sh(self, shape, dtype):
+        import tilelang.language as T
+
+        return T.alloc_local(shape, dtype) if self.cpu else T.alloc_shared(shape, dtype)
+
+    def fr(self, shape, dtype):
+        import tilelang.language as T
+
+        return T.alloc_local(shape, dtype) if self.cpu else T.alloc_fragment(shape, dtype)
+
+    def par(self, *ext):
+        import tilelang.language as T
+
+        return T.grid(*ext) if self.cpu else T.Parallel(*ext)
+
+    def unroll(self, n):
+        """Per-thread loop over a register array: unrolled on CUDA (constant indices keep it in registers),
+        a plain loop on the `c` target (keeps its IR small)."""
+        import tilelang.language as T
+
+        return T.serial(n) if self.cpu else T.unroll(n)
+
+    def sync(self):
+        import tilelang.language as T
+
+        if not self.cpu:
+            T.sync_threads()
+
+    def popc_add(self, acc, x):
+        """acc + the set bits of the int32 x (GPU: __popc; the `c` target adds the bits one by one)."""
+        import tilelang.language as T
+
+        if not self.cpu:
+            return acc + T.call_extern("int32", "__popc", x)
+        for b in range(32):
+            acc = acc + T.bitwise_and(T.shift_right(x, b), 1)
+        return acc
+
+    def bitlen64(self, x):
+        """Bits needed for 0 < x < 2^33 (int64) (GPU: __clzll; the `c` target compares powers of two)."""
+        import tilelang.language as T
+
+        x = T.cast(x, "int64")
+        if not self.cpu:
+            return 64 - T.call_extern("int32", "__clzll", x)
+        n = T.int32(0)
+        for b in range(33):
+            n = n + T.if_then_else(x >= T.int64(1 << b), 1, 0)
+        return n
+
+
+def _tl_key(f):
+    import tilelang.language as T
+
+    b = T.reinterpret(T.if_then_else(f == T.float32(0.0), T.float32(0.0), f), "int32")
+    return T.if_then_else(b >= 0, b, T.bitwise_xor(b, 0x7FFFFFFF))
+
+
+def _tl_unkey(k):
+    import tilelang.language as T
+
+    return T.reinterpret(T.if_then_else(k >= 0, k, T.bitwise_xor(k, 0x7FFFFFFF)), "float32")
+
+
+def _make_radix(ops: _Ops, NT: int, Q: int):
+    """Macro: exact threshold of the `kk_req` largest of a per-thread set of int32 keys, keyf(i, q) for thread
+    i's q-th (NONE = not a member). Adaptive radix select: each round histograms the members inside the current
+    key range [lo, hi] into NB bins of equal key width (shared-memory atomics), keeps the bin holding the wanted
+    rank, and stops when that bin is taken whole or one key is left: at most ceil(32 / 8) = 4 rounds.
+    Out: st[0] = threshold key lo; st[1] = 1 when every member >= lo is taken, else 0 (lo is the kk-th key and
+    only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members)."""
+    import tilelang.language as T
+
+    @T.macro
+    def radix(keyf, kk_req, st, hist, cum, bc, ra, rb, rc, r1):
+        lo = T.alloc_var("int32")
+        hi = T.alloc_var("int32")
+        r = T.alloc_var("int32")
+        done = T.alloc_var("int32")
+        kk = T.alloc_var("int32")
+        for i in ops.par(NT):
+            ra[i] = INT_MAX
+            rb[i] = NONE
+            rc[i] = 0
+            for q in ops.unroll(Q):
+                kq = keyf(i, q)
+                if kq != NONE:
+                    ra[i] = T.min(ra[i], kq)
+                    rb[i] = T.max(rb[i], kq)
+                    rc[i] = rc[i] + 1
+        T.reduce_sum(rc, r1, dim=0)
+        kk = T.min(kk_req, r1[0])
+        done = T.if_then_else(kk == r1[0], 1, 0)  # every member is taken: lo = the smallest
+        T.reduce_min(ra, r1, dim=0)
+        lo = T.if_then_else(kk == 0, INT_MAX, r1[0])
+        T.reduce_max(rb, r1, dim=0)
+        hi = r1[0]
+        r = kk
+        for _rd in T.serial(5):
+            if T.And(done == 0, lo < hi):
+                shift = T.alloc_var("int32", init=0)
+                shift = T.max(ops.bitlen64(T.cast(hi, "int64") - T.cast(lo, "int64")) - 8, 0)
+                for b in ops.par(NB):
+                    hist[b] = 0
+                ops.sync()
+                for i in ops.par(NT):
+                    for q in ops.unroll(Q):
+                        kq = keyf(i, q)
+                        if T.And(kq != NONE, T.And(kq >= lo, kq <= hi)):
+                            bn = T.cast(T.shift_right(T.cast(kq, "int64") - T.cast(lo, "int64"), shift), "int32")
+                            if ops.cpu:
+                                hist[bn] = hist[bn] + 1
+                            else:
+                                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist[bn]), 1))
+                ops.sync()
+                if ops.cpu:
+                    acc = T.alloc_var("int32", init=0)
+                    for bb in T.serial(NB):
+                        acc = acc + hist[NB - 1 - bb]
+                        cum[NB - 1 - bb] = acc
+                else:
+                    T.cumsum(src=hist, dst=cum, dim=0, reverse=True)
+                ops.sync()
+                for b in ops.par(NB):
+                    above = T.if_then_else(b < NB - 1, cum[T.min(b + 1, NB - 1)], 0)
+                    if T.And(cum[b] >= r, above < r):
+                        bc[0] = b
+                ops.sync()
+                bs = bc[0]
+                r = r - T.if_then_else(bs < NB - 1, cum[T.min(bs + 1, NB - 1)], 0)
+                lo_new = T.cast(lo, "int64") + T.shift_left(T.cast(bs, "int64"), shift)
+                hi = T.cast(T.min(T.cast(hi, "int64"), lo_new + T.shift_left(T.int64(1), shift) - 1), "int32")
+                lo = T.cast(lo_new, "int32")
+                if hist[bs] == r:
+                    done = 1
+                ops.sync()
+        if done == 0:  # one key left (lo == hi): it is the kk-th; are all its copies taken?
+            for i in ops.par(NT):
+                rc[i] = 0
+                for q in ops.unroll(Q):
+                    if keyf(i, q) == lo:
+                        rc[i] = rc[i] + 1
+            T.reduce_sum(rc, r1, dim=0)
+            done = T.if_then_else(r1[0] == r, 1, 0)
+        st[0] = lo
+        st[1] = done
+        st[2] = r
+        st[3] = kk
+
+    return radix
+
+
+def _taken(key, idx, st, st2):
+    """Whether a (key, id) of the set `_make_select` ran on is among its selection (st, st2 its results)."""
+    import tilelang.language as T
+
+    tie_ok = T.Or(st[1] == 1, -idx >= st2[0])
+    return T.And(T.And(st[3] > 0, key != NONE), T.Or(key > st[0], T.And(key == st[0], tie_ok)))
+
+
+def _make_select(ops: _Ops, NT: int, Q: int):
+    """Macro: the kk = min(kk_req, members) largest keys of a per-thread set (keyf, idf callables), ties to the
+    LOWER id (ids unique); `_taken(key, id, st, st2)` then tells the selected ones. Pass 0 runs the radix select
+    on the keys; pass 1 (only when the kk-th key is tied) on -id of the tied keys, to take their lowest `need`
+    ids. One radix expansion serves both passes (smaller programs); nothing is stored per element."""
+    import tilelang.language as T
+
+    radix = _make_radix(ops, NT, Q)
+
+    @T.macro
+    def select(keyf, idf, kk_req, st, st2, hist, cum, bc, ra, rb, rc, r1):
+        stw = T.alloc_local((4,), "int32")
+        st2[0] = NONE
+        st[1] = 1
+        for ps in T.serial(2):
+            if T.Or(ps == 0, st[1] == 0):
+                radix(
+                    lambda i, q, ps=ps: T.if_then_else(  # ps: this pass (the radix expands right here)
+                        ps == 0, keyf(i, q), T.if_then_else(keyf(i, q) == st[0], -idf(i, q), NONE)
+                    ),
+                    T.if_then_else(ps == 0, kk_req, st[2]), stw, hist, cum, bc, ra, rb, rc, r1,
+                )  # fmt: skip
+                for u in T.serial(4):
+                    if ps == 0:
+                        st[u] = stw[u]
+                    else:
+                        st2[u] = stw[u]
+
+    return select
+
+
+def _make_emit(ops: _Ops, NT: int, C: int, K: int):
+    """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after."""
+    import tilelang.language as T
+
+    NW = -(-C // 32)
+    WPT = -(-NW // NT)
+
+    @T.macro
+    def emit(bitmap, wcnt, wbase, Idx, t, kk):
+        for i in ops.par(NT):
+            c = T.alloc_var("int32", init=0)
+            for u in T.serial(WPT):
+                if i * WPT + u < NW:
+                    c = ops.popc_add(c, bitmap[T.min(i * WPT + u, NW - 1)])
+            wcnt[i] = c
+        if ops.cpu:
+            acc = T.alloc_var("int32", init=0)
+            for i in T.serial(NT):
+                wbase[i] = acc
+                acc = acc + wcnt[i]
+        else:
+            T.cumsum(src=wcnt, dst=wbase, dim=0)
+        ops.sync()
+        for i in ops.par(NT):
+            p = T.alloc_var("int32", init=wbase[i] if ops.cpu else wbase[i] - wcnt[i])
+            for u in T.serial(WPT):
+                w = i * WPT + u
+                if w < NW:
+                    word = bitmap[T.min(w, NW - 1)]
+                    if word != 0:
+                        for b in T.serial(32):
+                            if T.bitwise_and(T.shift_right(word, b), 1) == 1:
+                                Idx[t, p] = w * 32 + b
+                                p = p + 1
+        for p in ops.par(K):
+            if p >= kk:
+                Idx[t, p] = -1
+
+    return emit
+
+
+def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str, has_pos: bool = True):
+    """prim_func(S [T, C] f32, Pos [T] i32, Idx [T, k] i32, CKey, CIdx, CCnt, Arrive (int32 scratch, see
+    `scratch_shapes`; Arrive zeroed once, the kernel leaves it zeroed)), grid (segments, T)."""
+    import tilelang.language as T
+
+    check_config(C, k, cfg)
+    ops = _Ops(target == "cpu")
+    NT, E, G, SEG = cfg.threads, cfg.per_thread, cfg.group, cfg.seg
+    CH, NSEG, FILTER = cfg.chunk, n_segments(C, cfg), cfg.filter
+    NCH, EG = SEG // CH, E // G
+    # the shared candidate buffer, also held in registers (EB per thread) when it is cut to its top-k: the filter's
+    # (the exact top-k plus one chunk's candidates) or the last CTA's (the top-k so far plus one segment's set)
+    STREAM = FILTER or NSEG > 1 or NCH > 1  # chunks / segment sets stream through a shared candidate buffer
+    BUF = _round_up(max(k + (cfg.cap if FILTER else k), NT), NT)
+    EB = BUF // NT
+    NW = -(-C // 32)
+    sh = scratch_shapes(T_, C, k, cfg)
+    NEG = -T.infinity("float32")
+
+    select_c = _make_select(ops, NT, E)
+    radix_g = _make_radix(ops, NT, max(EG, 1))
+    select_b = _make_select(ops, NT, EB)
+    emit = _make_emit(ops, NT, C, k)
+
+    def ld_cg(buf, idx):  # a global int32 another CTA wrote during this kernel: read it at L2 (no stale L1 line)
+        return buf[idx] if ops.cpu else T.call_extern("int32", "__ldcg", T.address_of(buf[idx]))
+
+    @T.macro
+    def atomic_add_ret(buf, idx, val, out):
+        if ops.cpu:
+            out[0] = buf[idx]
+            buf[idx] = buf[idx] + val
+        else:
+            out[0] = T.call_extern("int32", "atomicAdd", T.address_of(buf[idx]), val)
+
+    @T.macro
+    def mark(bitmap, idf, takef, Q):
+        for w in ops.par(NW):
+            bitmap[w] = 0
+        ops.sync()
+        for i in ops.par(NT):
+            for q in ops.unroll(Q):
+                if takef(i, q):
+                    c = idf(i, q)
+                    if ops.cpu:
+                        bitmap[c // 32] = T.bitwise_or(bitmap[c // 32], T.shift_left(1, c % 32))
+                    else:
+                        T.evaluate(T.call_extern("int32", "atomicOr", T.address_of(bitmap[c // 32]),
+                                                 T.shift_left(1, c % 32)))  # fmt: skip
+        ops.sync()
+
+    @T.macro
+    def push(dst_k, dst_i, base, ctl, slot, keyf, idf, takef, Q, cnt, tmp):
+        """Append the taken (key, id) pairs of every thread at dst[base + ...] (slot order is free); the running
+        count is ctl[slot]."""
+        for i in ops.par(NT):
+            cnt[i] = 0
+            for q in ops.unroll(Q):
+                cnt[i] = cnt[i] + T.if_then_else(takef(i, q), 1, 0)
+        for i in ops.par(NT):
+            atomic_add_ret(ctl, slot, cnt[i], tmp)
+            p = T.alloc_var("int32", init=tmp[0])
+            for q in ops.unroll(Q):
+                if takef(i, q):
+                    dst_k[base + p] = keyf(i, q)
+                    dst_i[base + p] = idf(i, q)
+                    p = p + 1
+        ops.sync()
+
+    def col_of(c0, i, j):  # thread i's j-th score of the chunk at c0: float4 j // 4, strided by the threads
+        return c0 + ((j // 4) * NT + i) * 4 + j % 4
+
+    # per-element accessors of the two candidate sets (chunk registers kc; buffer/union registers bk, bi)
+    def key_c(kc):
+        return lambda i, j: kc[i, j]
+
+    def id_c(c0):
+        return lambda i, j: col_of(c0, i, j)
+
+    def take_c(kc, c0, st, st2):
+        return lambda i, j: _taken(kc[i, j], col_of(c0, i, j), st, st2)
+
+    def key_b(bk):
+        return lambda i, q: bk[i, q]
+
+    def id_b(bi):
+        return lambda i, q: bi[i, q]
+
+    def take_b(bk, bi, st, st2):
+        return lambda i, q: _taken(bk[i, q], bi[i, q], st, st2)
+
+    def cand(kc, c0, lower, fb, st, st2):
+        """A chunk candidate: at least the running bound, and in the chunk's exact top-k after a fallback."""
+        in_c = lambda i, j: T.Or(fb == 0, _taken(kc[i, j], col_of(c0, i, j), st, st2))  # noqa: E731
+        return lambda i, j: T.And(T.And(kc[i, j] != NONE, kc[i, j] >= lower), in_c(i, j))
+
+    @T.macro
+    def load_chunk(S, t, c0, lim, xr, kc):
+        for i in ops.par(NT):
+            for j in ops.unroll(E):  # float4 loads; a float4 wholly past the limit is not read
+                xr[i, j] = T.if_then_else(col_of(c0, i, j - j % 4) < lim, S[t, col_of(c0, i, j)], NEG)
+        for i in ops.par(NT):
+            for j in ops.unroll(E):
+                b = T.alloc_var("int32")
+                b = T.reinterpret(T.if_then_else(xr[i, j] == T.float32(0.0), T.float32(0.0), xr[i, j]), "int32")
+                kc[i, j] = T.if_then_else(T.And(col_of(c0, i, j) < lim, xr[i, j] > NEG),
+                                          T.if_then_else(b >= 0, b, T.bitwise_xor(b, 0x7FFFFFFF)), NONE)  # fmt: skip
+
+    @T.macro
+    def load_buffer(bufk, bufi, nb, bk, bi):
+        for i in ops.par(NT):
+            for q in ops.unroll(EB):
+                bk[i, q] = T.if_then_else(q * NT + i < nb, bufk[q * NT + i], NONE)
+                bi[i, q] = bufi[q * NT + i]
+
+    @T.prim_func
+    def topk_select(
+        S: T.Tensor((T_, C), "float32"),
+        Pos: T.Tensor((T_,), "int32"),
+        Idx: T.Tensor((T_, k), "int32"),
+        CKey: T.Tensor(sh["CKey"], "int32"),
+        CIdx: T.Tensor(sh["CIdx"], "int32"),
+        CCnt: T.Tensor(sh["CCnt"], "int32"),
+        Arrive: T.Tensor(sh["Arrive"], "int32"),
+    ):
+        with T.Kernel(NSEG, T_, threads=NT) as (sg, t):
+            hist = ops.sh((NB,), "int32")
+            cum = ops.sh((NB,), "int32")
+            bc = ops.sh((4,), "int32")
+            ctl = ops.sh((4,), "int32")
+            bitmap = ops.sh((NW,), "int32")
+            wcnt = ops.sh((NT,), "int32")
+            wbase = ops.sh((NT,), "int32")
+            ra = ops.fr((NT,), "int32")
+            rb = ops.fr((NT,), "int32")
+            rc = ops.fr((NT,), "int32")
+            r1 = ops.fr((1,), "int32")
+            stc = T.alloc_local((4,), "int32")  # the chunk's selection
+            stc2 = T.alloc_local((4,), "int32")
+            stb = T.alloc_local((4,), "int32")  # the buffer's / the union's selection
+            stb2 = T.alloc_local((4,), "int32")
+            tmp = T.alloc_local((1,), "int32")
+            xr = ops.fr((NT, E), "float32")
+            kc = ops.fr((NT, E), "int32")
+            bk = ops.fr((NT, EB), "int32")
+            bi = ops.fr((NT, EB), "int32")
+            lim = T.alloc_var("int32", init=C)
+            if has_pos:
+                lim = T.min((Pos[t] + 1) // ratio, C)
+            c0 = T.alloc_var("int32", init=sg * SEG)
+            for u in T.serial(4):
+                stc[u] = 0
+                stc2[u] = NONE
+            if not STREAM:  # one chunk, no buffer: select straight from the registers
+                load_chunk(S, t, c0, lim, xr, kc)
+                select_c(key_c(kc), id_c(c0), k, stc, stc2, hist, cum, bc, ra, rb, rc, r1)
+                mark(bitmap, id_c(c0), take_c(kc, c0, stc, stc2), E)
+                emit(bitmap, wcnt, wbase, Idx, t, stc[3])
+            else:
+                bufk = ops.sh((BUF,), "int32")
+                bufi = ops.sh((BUF,), "int32")
+                gk = ops.fr((NT, max(EG, 1)), "int32")
+                lower = T.alloc_var("int32", init=NONE)  # running lower bound of the segment's k-th key
+                fb = T.alloc_var("int32", init=0)  # 1: the chunk hands on its exact top-k
+                m = T.alloc_var("int32", init=0)  # candidates of this iteration's source
+                last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
+                for _z in ops.par(1):
+                    ctl[0] = 0
+                ops.sync()
+                # iterations: this segment's chunks, then (the last CTA of the row) the segments' top-k sets
+                for it in T.serial(NCH + (NSEG if NSEG > 1 else 0)):
+                    m = 0
+                    if it < NCH:
+                        c0 = sg * SEG + it * CH
+                        if c0 < lim:
+                            load_chunk(S, t, c0, lim, xr, kc)
+                            fb = 1
+                            if FILTER:  # candidates: at least the running bound (tightened first if too many)
+                                fb = 0
+                                for ps in T.serial(2):
+                                    if T.Or(ps == 0, m > cfg.cap):
+                                        if ps == 1:  # the k-th largest group maximum bounds the chunk's k-th
+                                            for i in ops.par(NT):
+                                                for g in ops.unroll(EG):
+                                                    gm = T.alloc_var("int32", init=NONE)
+                                                    for u in ops.unroll(G):
+                                                        gm = T.max(gm, kc[i, g * G + u])
+                                                    gk[i, g] = gm
+                                            radix_g(lambda i, g: gk[i, g], k, stb, hist, cum, bc, ra, rb, rc, r1)
+                                            if stb[3] == k:
+                                                lower = T.max(lower, stb[0])
+                                        for i in ops.par(NT):
+                                            rc[i] = 0
+                                            for j in ops.unroll(E):
+                                                rc[i] = rc[i] + T.if_then_else(
+                                                    cand(kc, c0, lower, fb, stc, stc2)(i, j), 1, 0)  # fmt: skip
+                                        T.reduce_sum(rc, r1, dim=0)
+                                        m = r1[0]
+                                if m > cfg.cap:  # still too many (heavy ties): the chunk's exact top-k instead
+                                    fb = 1
+                            if fb == 1:
+                                select_c(key_c(kc), id_c(c0), k, stc, stc2, hist, cum, bc, ra, rb, rc, r1)
+                                m = stc[3]
+                                if stc[3] == k:  # k scores >= the chunk's k-th: it bounds the segment's k-th
+                                    lower = T.max(lower, stc[0])
+                    elif T.And(it > NCH, last == 1):
+                        m = ld_cg(CCnt, t * NSEG + it - NCH)
+                    if T.Or(ctl[0] + m > BUF, it == NCH):  # full, or the segment is done: cut to the top-k
+                        load_buffer(bufk, bufi, ctl[0], bk, bi)
+                        select_b(key_b(bk), id_b(bi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                        ops.sync()
+                        for _z in ops.par(1):
+                            ctl[0] = 0
+                        ops.sync()
+                        push(bufk, bufi, 0, ctl, 0, key_b(bk), id_b(bi), take_b(bk, bi, stb, stb2), EB, rc, tmp)
+                        if stb[3] == k:  # the buffer's k-th key: a (much) tighter bound from now on
+                            lower = T.max(lower, stb[0])
+                    if it == NCH:  # (several segments) hand the segment's top-k on; the last CTA goes on
+                        nb = ctl[0]
+                        for e in ops.par(BUF):
+                            if e < nb:
+                                CKey[(t * NSEG + sg) * k + e] = bufk[e]
+                                CIdx[(t * NSEG + sg) * k + e] = bufi[e]
+                        ops.sync()
+                        for _z in ops.par(1):
+                            CCnt[t * NSEG + sg] = nb
+                            if ops.cpu:
+                                bc[2] = Arrive[t]
+                                Arrive[t] = Arrive[t] + 1
+                            else:
+                                T.evaluate(T.call_extern("handle", "__threadfence"))
+                                bc[2] = T.atomic_add(Arrive[t], 1, memory_order="acq_rel", return_prev=True)
+                        ops.sync()
+                        if bc[2] == NSEG - 1:
+                            last = 1
+                            for _z in ops.par(1):
+                                ctl[0] = 0
+                                Arrive[t] = 0  # ready for the next call
+                            ops.sync()
+                            m = ld_cg(CCnt, t * NSEG)
+                    if it < NCH:
+                        if m > 0:
+                            push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0), cand(kc, c0, lower, fb, stc, stc2), E,
+                                 rc, tmp)  # fmt: skip
+                    elif last == 1:  # the segments' sets: L2 reads (other CTAs wrote them during this kernel)
+                        nb = ctl[0]
+                        src = (t * NSEG + it - NCH) * k
+                        for e in ops.par(k):
+                            if e < m:
+                                bufk[nb + e] = ld_cg(CKey, src + e)
+                                bufi[nb + e] = ld_cg(CIdx, src + e)
+                        ops.sync()
+                        for _z in ops.par(1):
+                            ctl[0] = nb + m
+                        ops.sync()
+                if last == 1:
+                    load_buffer(bufk, bufi, ctl[0], bk, bi)
+                    select_b(key_b(bk), id_b(bi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                    mark(bitmap, id_b(bi), take_b(bk, bi, stb, stb2), EB)
+                    emit(bitmap, wcnt, wbase, Idx, t, stb[3])
+
+    return topk_select
+
+
+# ---------------------------------------------------------------------------------------------- triton
+
+TRITON_MAX_BLOCK = 16384  # scores one Triton program holds in registers
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Triton variant: `seg` columns per program (power of two), group-max filter with `group`, up to `cap`
+    candidates per segment (power of two, >= k), `warps` warps."""
+
+    seg: int = 16384
+    filter: bool = True
+    group: int = 16
+    cap: int = 2048
+    warps: int = 16
+
+    @property
+    def tag(self) -> str:
+        return f"s{self.seg}{'f' + str(self.group) if self.filter else 'x'}c{self.cap}w{self.warps}"
+
+
+def triton_check_config(C: int, k: int, cfg: TritonConfig) -> None:
+    nseg = -(-C // cfg.seg)
+    assert cfg.seg & (cfg.seg - 1) == 0 and cfg.cap & (cfg.cap - 1) == 0, "seg and cap must be powers of two"
+    assert cfg.seg <= TRITON_MAX_BLOCK and k <= cfg.cap, (cfg, k)
+    assert not cfg.filter or cfg.seg // cfg.group >= 2 * k, "filter needs at least 2k groups per segment"
+    assert nseg == 1 or nseg * cfg.cap <= TRITON_MAX_BLOCK, "the last program holds nseg * cap candidates"
+
+
+def triton_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> TritonConfig:
+    """One program per row when the row fits and there are enough rows; else segments covering the GPU."""
+    seg = min(TRITON_MAX_BLOCK, max(1 << (C - 1).bit_length(), 1024))
+    while seg > 2048 and T_ * -(-C // seg) < 2 * sms:
+        seg //= 2
+    nseg = -(-C // seg)
+    cap = 1 << max(k - 1, 1).bit_length()
+    filt = seg // 16 >= 2 * k
+    if filt:
+        cap = max(cap, 2048)
+    while nseg > 1 and nseg * cap > TRITON_MAX_BLOCK and cap > k:
+        cap //= 2
+    while nseg > 1 and nseg * cap > TRITON_MAX_BLOCK:  # too many segments for one merge: longer segments
+        seg *= 2
+        nseg = -(-C // seg)
+        filt = seg // 16 >= 2 * k
+    return TritonConfig(seg, filt, 16, cap, 16 if seg >= 8192 else (8 if seg >= 4096 else 4))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _key(x):
+        """Order-preserving int32 image of an fp32 (-0.0 and +0.0 map to the same key)."""
+        b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+        return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+    @triton.jit
+    def _unkey(k):
+        b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _threshold(x, keff, nvalid):
+        """Largest t with #(x >= t) >= keff (t is then the keff-th largest x), found by bisection on the int32
+        key between the smallest valid and the largest x; stops early when exactly keff scores are >= t.
+        Returns (t, #(x >= t)). Needs 1 <= keff <= nvalid; -inf entries are never counted."""
+        lo = _key(tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
+        hi = _key(tl.max(x, axis=0))
+        cnt = nvalid
+        while (lo < hi) & (cnt > keff):
+            mid = ((lo.to(tl.int64) + hi.to(tl.int64) + 1) >> 1).to(tl.int32)
+            c = tl.sum((x >= _unkey(mid)).to(tl.int32), axis=0)
+            take = c >= keff
+            hi = tl.where(take, hi, mid - 1)
+            lo = tl.where(take, mid, lo)
+            cnt = tl.where(take, c, cnt)
+        return _unkey(lo), cnt
+
+    @triton.jit
+    def _select(x, keff, nvalid):
+        """(sel, pos): the keff largest x (ties to the lower position) and their exclusive rank in position
+        order. Positions past the selection are meaningless. keff may be 0 (nothing selected)."""
+        t, cnt = _threshold(x, tl.maximum(keff, 1), nvalid)
+        t = tl.where(keff == 0, float("inf"), t)
+        gt = x > t
+        eq = x == t
+        need = keff - tl.sum(gt.to(tl.int32), axis=0)
+        packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts < 2^15 (<= TRITON_MAX_BLOCK)
+        before = tl.cumsum(packed, axis=0) - packed
+        ties_before = before >> 16
+        sel = gt | (eq & (ties_before < need))
+        pos = (before & 0xFFFF) + tl.minimum(ties_before, need)
+        return sel, pos
+
+    @triton.jit
+    def _write(x, ids, out_row, K: tl.constexpr):
+        """Select the top-K of x (carrying ids) into out_row[0:K] in position order, -1 padding."""
+        nvalid = tl.sum((x > float("-inf")).to(tl.int32), axis=0)
+        keff = tl.minimum(nvalid, K)
+        sel, pos = _select(x, keff, nvalid)
+        tl.store(out_row + pos, ids, mask=sel)
+        p = tl.arange(0, K)
+        tl.store(out_row + p, tl.full([K], -1, tl.int32), mask=p >= keff)
+
+    @triton.jit
+    def _topk_kernel(
+        S, stride_s, Pos, Out, CKey, CIdx, CCnt, Count, n_cols, ratio,
+        K: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr, HAS_POS: tl.constexpr, FILTER: tl.constexpr,
+        G: tl.constexpr, CAP: tl.constexpr, MB: tl.constexpr,
+    ):  # fmt: skip
+        seg = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        lim = n_cols
+        if HAS_POS:
+            lim = tl.minimum((tl.load(Pos + row) + 1) // ratio, n_cols)
+        offs = seg * SEG + tl.arange(0, SEG)
+        x = tl.load(S + row * stride_s + offs, mask=offs < lim, other=float("-inf"), eviction_policy="evict_first")
+        if NSEG == 1 and not FILTER:
+            _write(x, offs, Out + row * K, K)
+        else:
+            nvalid = tl.sum((x > float("-inf")).to(tl.int32), axis=0)
+            if FILTER:
+                gmax = tl.max(tl.reshape(x, (SEG // G, G)), axis=1)
+                nvg = tl.sum((gmax > float("-inf")).to(tl.int32), axis=0)
+                if nvg >= K:  # L = the K-th largest group maximum
+                    lower, _ = _threshold(gmax, K, nvg)
+                    cand = x >= lower
+                else:
+                    cand = x > float("-inf")
+                m = tl.sum(cand.to(tl.int32), axis=0)
+                if m <= CAP:
+                    pos = tl.cumsum(cand.to(tl.int32), axis=0) - cand.to(tl.int32)
+                else:  # too many candidates: hand on the exact local top-k instead
+                    m = tl.minimum(nvalid, K)
+                    cand, pos = _select(x, m, nvalid)
+            else:
+                m = tl.minimum(nvalid, K)
+                cand, pos = _select(x, m, nvalid)
+            slot = (row * NSEG + seg) * CAP
+            tl.store(CKey + slot + pos, x, mask=cand)
+            tl.store(CIdx + slot + pos, offs, mask=cand)
+            tl.store(CCnt + row * NSEG + seg, m)
+            tl.debug_barrier()  # every thread's candidates are written before the arrival below
+            if NSEG == 1:
+                last = True
+            else:
+                last = tl.atomic_add(Count + row, 1, sem="acq_rel", scope="gpu") == NSEG - 1
+            if last:
+                j = tl.arange(0, MB)
+                s = j // CAP
+                ok = (s < NSEG) & ((j % CAP) < tl.load(CCnt + row * NSEG + s, mask=s < NSEG, other=0))
+                base = row * NSEG * CAP
+                ck = tl.load(CKey + base + j, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                ci = tl.load(CIdx + base + j, mask=ok, other=-1, cache_modifier=".cg")
+                _write(ck, ci, Out + row * K, K)
+                if NSEG > 1:
+                    tl.store(Count + row, 0)  # ready for the next call
+
+
+class TritonWorkspace:
+    """Scratch for one (T, C, k, config): candidate slots, counts, and the per-row arrival counters (zeroed
+    once; the last program of a row resets its counter, so a workspace is reusable call after call)."""
+
+    def __init__(self, T_: int, C: int, k: int, cfg: TritonConfig, device):
+        nseg = -(-C // cfg.seg)
+        self.key = torch.empty(T_ * nseg * cfg.cap, dtype=torch.float32, device=device)
+        self.idx = torch.empty(T_ * nseg * cfg.cap, dtype=torch.int32, device=device)
+        self.cnt = torch.empty(T_ * nseg, dtype=torch.int32, device=device)
+        self.arrive = torch.zeros(T_, dtype=torch.int32, device=device)
+
+
+def triton_topk(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1,
+                cfg: TritonConfig | None = None, out: torch.Tensor | None = None,
+                ws: TritonWorkspace | None = None) -> torch.Tensor:  # fmt: skip
+    """Triton variant: int32 [T, k], the top-k set of each row in ascending column order, -1 padding."""
+    assert triton is not None, "triton is not installed"
+    T_, C = scores.shape
+    assert scores.dtype == torch.float32 and scores.stride(1) == 1
+    cfg = cfg or triton_default_config(T_, C, k)
+    triton_check_config(C, k, cfg)
+    nseg = -(-C // cfg.seg)
+    ws = ws or TritonWorkspace(T_, C, k, cfg, scores.device)
+    out = out if out is not None else torch.empty(T_, k, dtype=torch.int32, device=scores.device)
+    pos = positions if positions is not None else ws.cnt  # (unused when HAS_POS is false)
+    _topk_kernel[(nseg, T_)](
+        scores, scores.stride(0), pos, out, ws.key, ws.idx, ws.cnt, ws.arrive, C, ratio,
+        K=k, SEG=cfg.seg, NSEG=nseg, HAS_POS=positions is not None, FILTER=cfg.filter, G=cfg.group, CAP=cfg.cap,
+        MB=1 << (nseg * cfg.cap - 1).bit_length(), num_warps=cfg.warps,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def visible_limit(positions: torch.Tensor, ratio: int, C: int) -> torch.Tensor:
+    return ((positions.long() + 1) // ratio).clamp(max=C)
+
+
+def reference(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
+    """Torch: the top-k set (stable descending sort: ties to the lower column; -inf never taken) in ascending
+    column order, int64 [T, k], -1 padding -- `topk_entries`' selection in the kernel's output order."""
+    s = scores.float()
+    T_, C = s.shape
+    if positions is not None:
+        vis = torch.arange(C, device=s.device) < visible_limit(positions, ratio, C).unsqueeze(-1)
+        s = s.masked_fill(~vis, float("-inf"))
+    kk = min(k, C)
+    idx = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :kk]
+    idx = torch.where(torch.gather(s, 1, idx) > float("-inf"), idx, C).sort(-1).values
+    idx = torch.where(idx == C, -1, idx)
+    return torch.nn.functional.pad(idx, (0, k - kk), value=-1)
+
+
+def roofline(T_: int, C: int, k: int = 512, visible: float | None = None) -> tuple[float, float]:
+    """(bytes, flops): the visible scores read once (fp32) and the indices written once (int32)."""
+    vis = T_ * C if visible is None else visible
+    return float(4 * vis + 4 * T_ * k), 0.0
