@@ -1,4 +1,4 @@
-"""V4.1 lightning indexer: scores fused with an exact top-k that reads every score once (MODEL_SPEC §2.9, §2.13).
+"""V4.1 lightning indexer: scores and an exact top-k (MODEL_SPEC §2.9, §2.13), split or fused.
 
     S(t, j) = scale * ks_j * sum_h w[t, h] * ReLU(q[t, h] . k_j)        32 heads x 128 dims
     visible j < min((pos_t + 1) // ratio, C)                             (ratio 1: j <= t)
@@ -8,7 +8,12 @@ FP8: q and k may be float8_e4m3 (wgmma with fp32 accumulation). The per-(token, 
 into w by the caller (ReLU(s x) = s ReLU(x) for s > 0), the per-row k scale is `KS` and multiplies after the
 head sum for the same reason; for bf16 inputs pass KS = 1.
 
-Two kernels, and the scores never go to HBM:
+Split (the default path): `scores_program` is a GEMM-shaped FP8 wgmma kernel that writes the fp32 scores [T, C]
+(exactly `index_scores`; ReLU, head weights and head sum in the epilogue), then `topk_select.program` selects
+the exact top-k reading every score once (`topk_entries`). Each part is bound by its own roofline: the scores
+by max(bytes / HBM BW, flops / FP8 peak), the top-k by the bytes of the visible scores + the indices.
+
+Fused (kept as a config for comparison), two kernels, and the scores never go to HBM:
 1. `score_program`, grid (chunks, T): a CTA scores one query against one chunk of `chunk` entries (K tiles of
    `block_c` rows x 128 through shared memory, one GEMM [block_c, 128] x [128, 32] per tile, ReLU, weighted
    head sum in registers), turns each score into an order-preserving int32 key (`-0.0` folded to `+0.0`;
@@ -199,6 +204,112 @@ def score_program(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 51
             select(keys, ids, flag, rank, ind, cnt, OutIdx, OutKey, t, c * k)
 
     return indexer_score_topk
+
+
+# ---------------------------------------------------------------------------------------------- split: scores
+
+
+@dataclass(frozen=True)
+class ScoresConfig:
+    block_c: int = 128  # index keys per tile (GEMM M; two m64 wgmma rows)
+    block_t: int = 4  # queries per tile: GEMM N = block_t * heads
+    inner: int = 4  # key tiles one CTA walks (pipelined K loads; the q tile stays in shared memory)
+    threads: int = 256
+    stages: int = 2
+
+    @property
+    def tag(self) -> str:
+        return f"c{self.block_c}t{self.block_t}i{self.inner}w{self.threads}s{self.stages}"
+
+
+def scores_config(T_: int, C: int, H: int = 32, sms: int = 132) -> ScoresConfig:
+    """block_t * H = 256 columns (the wgmma N limit) when there are queries for it; few queries keep narrower
+    tiles. `inner` walks several key tiles per CTA while the grid still gives every SM two CTAs or more."""
+    bt = 1
+    while bt * 2 * H <= 256 and T_ % (bt * 2) == 0:
+        bt *= 2
+    inner = 8
+    while inner > 1 and ((C % (128 * inner)) or (C // (128 * inner)) * (T_ // bt) < 2 * sms):
+        inner //= 2
+    return ScoresConfig(128, bt, inner, 256, 2)
+
+
+def scores_program(T_: int, C: int, *, H: int = 32, di: int = 128, ratio: int, scale: float,
+                   dtype: str = "float8_e4m3", target: str, cfg: ScoresConfig = ScoresConfig()):  # fmt: skip
+    """prim_func(Q [T*H, di], W [T, H] f32, K [C, di], KS [C] f32, Pos [T] int32, S [T, C] f32):
+    S(t, j) = scale * KS[j] * sum_h W[t, h] * ReLU(Q[t*H + h] . K[j]) for visible j, -inf past the limit --
+    `index_scores` (with KS = 1 and unquantised q, k). One GEMM-shaped kernel: a CTA holds block_t queries'
+    q tile [block_t * H, di] and walks `inner` key tiles [block_c, di] (T.Pipelined), each one wgmma
+    [block_c, di] x [di, block_t * H] with fp32 accumulation, then ReLU, the per-head weights and the head sum in
+    registers (thread-local adds + a 4-lane shuffle) and one fp32 row segment per query out through shared
+    memory. Key tiles no query of the CTA can see skip the GEMM (causal prefill: about half the tiles)."""
+    import tilelang.language as T
+
+    mem = Mem(target)
+    in_dt = "float32" if mem.cpu else dtype
+    bc, bt, inner = cfg.block_c, cfg.block_t, cfg.inner
+    N = bt * H
+    assert T_ % bt == 0 and C % (bc * inner) == 0, (T_, C, cfg)
+    NEG = -T.infinity("float32")
+
+    @T.prim_func
+    def indexer_scores(
+        Q: T.Tensor((T_ * H, di), in_dt),
+        W: T.Tensor((T_, H), "float32"),
+        K: T.Tensor((C, di), in_dt),
+        KS: T.Tensor((C,), "float32"),
+        Pos: T.Tensor((T_,), "int32"),
+        S: T.Tensor((T_, C), "float32"),
+    ):
+        with T.Kernel(C // (bc * inner), T_ // bt, threads=cfg.threads) as (cb, tb):
+            q_s = mem.shared((N, di), in_dt)
+            k_s = mem.shared((bc, di), in_dt)
+            w_s = mem.shared((N,), "float32")
+            nv = mem.shared((bt,), "int32")
+            acc = mem.fragment((bc, N), "float32")
+            acc3 = mem.fragment((bc, bt, H), "float32")
+            sc = mem.fragment((bc, bt), "float32")
+            o_s = mem.shared((bt, bc), "float32")
+            T.copy(Q[tb * N, 0], q_s)
+            for i in mem.par(N):
+                w_s[i] = W[tb * bt + i // H, i % H] * scale
+            for b in mem.par(bt):
+                nv[b] = T.min((Pos[tb * bt + b] + 1) // ratio, C)
+            vmax = T.alloc_var("int32", init=0)  # the CTA's furthest visible entry
+            for b in T.serial(bt):
+                vmax = T.max(vmax, T.min((Pos[tb * bt + b] + 1) // ratio, C))
+            # key tiles some query of the CTA sees go through the GEMM; the rest are only -inf
+            n_vis = T.alloc_var("int32", init=T.max(T.min(T.ceildiv(vmax - cb * inner * bc, bc), inner), 0))
+            for it in T.Pipelined(n_vis, num_stages=cfg.stages):
+                T.copy(K[(cb * inner + it) * bc, 0], k_s)
+                T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True)
+                for j, b, h in mem.par(bc, bt, H):
+                    acc3[j, b, h] = T.max(acc[j, b * H + h], 0.0) * w_s[b * H + h]
+                T.reduce_sum(acc3, sc, dim=2)
+                for j, b in mem.par(bc, bt):
+                    e = (cb * inner + it) * bc + j
+                    o_s[b, j] = T.if_then_else(e < nv[b], sc[j, b] * KS[e], NEG)
+                T.copy(o_s, S[tb * bt, (cb * inner + it) * bc])
+            for it in T.serial(inner):
+                if it >= n_vis:
+                    for b, j in mem.par(bt, bc):
+                        S[tb * bt + b, (cb * inner + it) * bc + j] = NEG
+
+    return indexer_scores
+
+
+def scores_roofline(T_: int, C: int, *, H: int = 32, di: int = 128, elem_bytes: int = 1,
+                    visible: float | None = None) -> tuple[float, float]:  # fmt: skip
+    """(bytes, flops) of `scores_program`: keys (+ their scale) and q, w read once, the fp32 scores written
+    once; 2*H*di flops (+ the ReLU/weight/head-sum epilogue) per visible (query, entry)."""
+    vis = T_ * C if visible is None else visible
+    bytes_ = C * (di * elem_bytes + 4) + T_ * (H * di * elem_bytes + 4 * H + 4) + 4 * T_ * C
+    return float(bytes_), float(vis * (2 * H * di + 3 * H))
+
+
+def visible_entries(positions, ratio: int, C: int) -> float:
+    """Sum over the queries of the entries each one sees (the work a causal prefill really has)."""
+    return float(sum(min((int(p) + 1) // ratio, C) for p in positions))
 
 
 def merge_plan(n_chunks: int, topk: int = 512, max_merge: int = MAX_MERGE) -> list[int]:
