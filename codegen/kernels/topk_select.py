@@ -599,7 +599,9 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                             if e < nb:
                                 CKey[(t * NSEG + sg) * k + e] = bufk[e]
                                 CIdx[(t * NSEG + sg) * k + e] = bufi[e]
-                        ops.sync()
+                        if not ops.cpu:  # every thread's scratch writes are visible GPU-wide before the arrival
+                            T.evaluate(T.call_extern("handle", "__threadfence"))
+                            T.evaluate(T.call_extern("handle", "__syncthreads"))  # (opaque: never elided)
                         for _z in ops.par(1):
                             CCnt[t * NSEG + sg] = nb
                             if ops.cpu:
