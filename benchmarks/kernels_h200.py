@@ -628,13 +628,14 @@ IDX_HEADS, IDX_DIM, IDX_TOPK = 32, 128, 512
 
 
 def _topk_check(idx, key, scores, k: int) -> str:
-    """The kernel's set against fp32 reference scores: right count, no repeats, its own scores agree, and
-    nothing it left out beats what it took (up to accumulation-order rounding; exact ties may go either way)."""
+    """The kernel's set against fp32 reference scores: right count, no repeats, its own scores agree (when the
+    kernel returns them: `key`, else None), and nothing it left out beats what it took (up to accumulation-order
+    rounding; exact ties may go either way)."""
     from deepinfer.codegen.kernels import indexer_topk
 
     worst = 0.0
     span = scores[scores > float("-inf")].abs().max().clamp_min(1e-30)
-    got_s = indexer_topk.keys_to_scores(key.cpu()).to(scores.device)
+    got_s = indexer_topk.keys_to_scores(key.cpu()).to(scores.device) if key is not None else None
     for t in range(scores.shape[0]):
         nvis = int((scores[t] > float("-inf")).sum())
         sel = idx[t][idx[t] >= 0].long()
@@ -644,7 +645,8 @@ def _topk_check(idx, key, scores, k: int) -> str:
             continue
         kth = torch.topk(scores[t], sel.numel()).values[-1]
         worst = max(worst, ((kth - scores[t, sel].min()) / span).item())
-        worst = max(worst, ((got_s[t, : sel.numel()] - scores[t, sel]).abs().max() / span).item())
+        if got_s is not None:
+            worst = max(worst, ((got_s[t, : sel.numel()] - scores[t, sel]).abs().max() / span).item())
     return expect(worst, 1e-3)
 
 
@@ -695,6 +697,146 @@ def case_indexer_topk(row: Row, T_: int, C: int, prefill: bool, fp8: bool, quick
         return torch.topk(s.masked_fill(~vis, float("-inf")), IDX_TOPK, dim=-1).indices
 
     row.eager_ms = bench(eager, quick) if T_ * C <= (1 << 24) else float("nan")
+
+
+def _idx_positions(T_: int, C: int):
+    """Decode (T <= 64): every entry visible. Prefill (T = 4096): the last T tokens of a 2C-token context at
+    ratio 2 -- pure causal when C = T / 2 (each query sees (p + 1) // 2 entries)."""
+    if T_ <= 64:
+        return torch.full((T_,), 2 * C - 1, dtype=torch.int32)
+    return (2 * C - T_ + torch.arange(T_)).clamp(min=0).to(torch.int32)
+
+
+def _idx_inputs(T_: int, C: int):
+    """FP8 q [T*32, 128], keys [C, 128] (+ fp32 per-key scale), head weights (q scale folded in), positions."""
+    q = (torch.randn(T_ * IDX_HEADS, IDX_DIM, device="cuda") * 2).to(torch.float8_e4m3fn)
+    k = (torch.randn(C, IDX_DIM, device="cuda") * 2).to(torch.float8_e4m3fn)
+    w = torch.randn(T_, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
+    ks = torch.rand(C, device="cuda") + 0.5
+    return q, w, k, ks, _idx_positions(T_, C).cuda()
+
+
+def _idx_ref_scores(q, w, k, ks, pos, scale: float):
+    from deepinfer.codegen.kernels import indexer_topk as it
+
+    T_ = w.shape[0]
+    qf = q.float().view(T_, IDX_HEADS, IDX_DIM)
+    return torch.cat([it.reference_scores(qf[i : i + 128], w[i : i + 128], k.float(), ks, pos[i : i + 128],
+                                          ratio=2, scale=scale) for i in range(0, T_, 128)])  # fmt: skip
+
+
+def _idx_topk_exact(got, scores, pos) -> str:
+    """The top-k kernel against `topk_entries` on the SAME scores: the identical set (ties included)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    want = torch.cat([ts.reference(scores[i : i + 256], IDX_TOPK, pos[i : i + 256], 2)
+                      for i in range(0, scores.shape[0], 256)])  # fmt: skip
+    bad = (got.long() != want).any(1)
+    if bad.any():
+        first = int(bad.nonzero()[0])
+        raise AssertionError(f"top-k differs from topk_entries in {int(bad.sum())} rows (first: row {first})")
+    return "exact"
+
+
+def case_indexer_scores(row: Row, T_: int, C: int, quick: bool, dry: bool):
+    """Split indexer, part 1: FP8 wgmma scores [T, C] fp32 (ReLU, head weights, head sum in the epilogue)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+
+    cfg = it.scores_config(T_, C, IDX_HEADS)
+    row.kernel += f" {cfg.tag}"
+    kern = build(it.scores_program(T_, C, ratio=2, scale=IDX_DIM**-0.5, target="sm90", cfg=cfg))
+    pos = _idx_positions(T_, C)
+    row.bytes_, row.flops = it.scores_roofline(T_, C, visible=it.visible_entries(pos, 2, C))
+    if dry:
+        return
+    q, w, k, ks, pos = _idx_inputs(T_, C)
+    s = torch.empty(T_, C, device="cuda")
+    kern(q, w, k, ks, pos, s)
+    ref = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
+    vis = ref > float("-inf")
+    if not torch.equal(vis, s > float("-inf")):
+        raise AssertionError("visibility (-inf) pattern differs")
+    row.check = expect(rel_err(s[vis], ref[vis]), 1e-4)
+    row.ms = bench(lambda: kern(q, w, k, ks, pos, s), quick)
+    if T_ * C <= (1 << 24):
+        row.eager_ms = bench(lambda: _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5), quick)
+
+
+def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, variant: str = "tilelang"):
+    """Split indexer, part 2: exact top-512 of fp32 scores [T, C] (visible columns only), every score read once.
+    Scores are the fp32 reference of real-shaped FP8 inputs (the scores kernel's output distribution)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    pos = _idx_positions(T_, C)
+    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
+    row.peak = "fp8"
+    if variant == "tilelang":
+        cfg = ts.default_config(T_, C, IDX_TOPK)
+        row.kernel += f" {cfg.tag}"
+        kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
+    else:
+        cfg = ts.triton_default_config(T_, C, IDX_TOPK)
+        row.kernel += f" {cfg.tag}"
+    if dry:
+        return
+    q, w, k, ks, pos = _idx_inputs(T_, C)
+    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
+    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    if variant == "tilelang":
+        scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
+
+        def run():
+            kern(s, pos, out, *scratch)
+    else:
+        ws = ts.TritonWorkspace(T_, C, IDX_TOPK, cfg, "cuda")
+
+        def run():
+            ts.triton_topk(s, IDX_TOPK, pos, 2, cfg=cfg, out=out, ws=ws)
+
+    run()
+    row.check = _idx_topk_exact(out, s, pos)
+    run()  # again: the multi-CTA rows' arrival counters must have been left at zero
+    row.check = _idx_topk_exact(out, s, pos)
+    row.ms = bench(run, quick)
+
+    def eager():
+        vis = torch.arange(C, device="cuda") < ((pos.long() + 1) // 2).unsqueeze(-1)
+        return torch.topk(s.masked_fill(~vis, float("-inf")), IDX_TOPK, dim=-1).indices
+
+    row.eager_ms = bench(eager, quick) if T_ * C <= (1 << 26) else float("nan")
+
+
+def case_indexer_split(row: Row, T_: int, C: int, quick: bool, dry: bool):
+    """Split indexer end to end: scores kernel then top-k kernel (the scores make one HBM round trip). The
+    limit is the sum of both parts' bytes and flops."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    scfg, tcfg = it.scores_config(T_, C, IDX_HEADS), ts.default_config(T_, C, IDX_TOPK)
+    row.kernel += f" {scfg.tag}+{tcfg.tag}"
+    score = build(it.scores_program(T_, C, ratio=2, scale=IDX_DIM**-0.5, target="sm90", cfg=scfg))
+    topk = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=tcfg, target="sm90"))
+    pos = _idx_positions(T_, C)
+    vis = it.visible_entries(pos, 2, C)
+    (b1, f1), (b2, f2) = it.scores_roofline(T_, C, visible=vis), ts.roofline(T_, C, IDX_TOPK, visible=vis)
+    row.bytes_, row.flops = b1 + b2, f1 + f2
+    if dry:
+        return
+    q, w, k, ks, pos = _idx_inputs(T_, C)
+    s = torch.empty(T_, C, device="cuda")
+    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    scratch = ts.make_scratch(T_, C, IDX_TOPK, tcfg, "cuda")
+
+    def run():
+        score(q, w, k, ks, pos, s)
+        topk(s, pos, out, *scratch)
+
+    run()
+    _idx_topk_exact(out, s, pos)  # exact on the kernel's own scores
+    ref = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
+    row.check = _topk_check(out, None, ref, IDX_TOPK)  # and right against fp32 reference scores
+    row.ms = bench(run, quick)
 
 
 def case_compressor(row: Row, T_: int, ratio: int, quick: bool, dry: bool):
@@ -759,21 +901,48 @@ def case_engram_gate(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: eg.gate_reference(x, kv, qk, tok, eps=EPS, clamp=1e-6, image_token_id=img), quick)
 
 
+def _indexer_cases(quick: bool):
+    """Split indexer rows (scores, top-k, end to end) over T in {1, 64, 4096} x C in {2048, 16384, 65536}
+    (scores of at most 1 GiB), the Triton top-k for comparison, and the fused kernel as before."""
+    shapes = [(64, 65536), (4096, 2048)] if quick else [(t, c) for t in (1, 64, 4096) for c in (2048, 16384, 65536)]
+    out = []
+    for T_, C in shapes:
+        if T_ * C * 4 > (1 << 32):
+            continue
+        shape = f"T{T_} C{C} k{IDX_TOPK}"
+        out += [
+            ("indexer_scores fp8", shape, lambda r, q, d, T_=T_, C=C: case_indexer_scores(r, T_, C, q, d)),
+            ("indexer_topk_select", shape, lambda r, q, d, T_=T_, C=C: case_indexer_topk_select(r, T_, C, q, d)),
+            ("indexer_split e2e", shape, lambda r, q, d, T_=T_, C=C: case_indexer_split(r, T_, C, q, d)),
+        ]
+        if not quick:
+            out.append(("indexer_topk_select triton", shape,
+                        lambda r, q, d, T_=T_, C=C: case_indexer_topk_select(r, T_, C, q, d, "triton")))  # fmt: skip
+    out += [
+        ("indexer_topk fp8 (fused)", "T64 C65536 k512",
+         lambda r, q, d: case_indexer_topk(r, 64, 65536, False, True, q, d)),
+        ("indexer_topk fp8 prefill (fused)", "T4096 C2048 k512",
+         lambda r, q, d: case_indexer_topk(r, 4096, 2048, True, True, q, d)),
+    ]  # fmt: skip
+    if not quick:
+        out += [
+            ("indexer_topk fp8 (fused)", "T1 C65536 k512",
+             lambda r, q, d: case_indexer_topk(r, 1, 65536, False, True, q, d)),
+            ("indexer_topk bf16 (fused)", "T64 C65536 k512",
+             lambda r, q, d: case_indexer_topk(r, 64, 65536, False, False, q, d)),
+        ]  # fmt: skip
+    return out
+
+
 def new_family_cases(quick: bool):
     """Rows for indexer_topk, compressor and engram (appended to `cases`)."""
-    out = [
-        ("indexer_topk fp8", "T64 C65536 k512", lambda r, q, d: case_indexer_topk(r, 64, 65536, False, True, q, d)),
-        ("indexer_topk fp8 prefill", "T4096 C2048 k512",
-         lambda r, q, d: case_indexer_topk(r, 4096, 2048, True, True, q, d)),
+    out = _indexer_cases(quick) + [
         ("compressor r2", "4096x512", lambda r, q, d: case_compressor(r, 4096, 2, q, d)),
         ("engram_embed", "4096x24x256 fp8", lambda r, q, d: case_engram_embed(r, 4096, q, d)),
         ("engram_gate", f"4096x4x{HIDDEN}", lambda r, q, d: case_engram_gate(r, 4096, q, d)),
     ]  # fmt: skip
     if not quick:
         out += [
-            ("indexer_topk fp8", "T1 C65536 k512", lambda r, q, d: case_indexer_topk(r, 1, 65536, False, True, q, d)),
-            ("indexer_topk bf16", "T64 C65536 k512",
-             lambda r, q, d: case_indexer_topk(r, 64, 65536, False, False, q, d)),
             ("compressor r2", "64x512", lambda r, q, d: case_compressor(r, 64, 2, q, d)),
             ("compressor r1", "4096x512", lambda r, q, d: case_compressor(r, 4096, 1, q, d)),
             ("engram_embed", "64x24x256 fp8", lambda r, q, d: case_engram_embed(r, 64, q, d)),
