@@ -90,6 +90,10 @@ def default_config(k_group: int) -> Config:
 def sm90_config(M: int, N: int, k_group: int) -> Config:
     """Best measured sm90 formulation (H200 sweeps, BENCHMARKS.md): 128x256 tiles where M and N give
     enough tiles to fill 132 SMs, else 128x128 with async wgmma overlapped with the promotion."""
+    if k_group >= 128 and M >= 1024 and M % 256 == 0 and N % 256 == 0:
+        # persistent, warp-specialised, ping-pong consumers, CTA pairs sharing B by TMA multicast: 74-88% of the
+        # same run's _scaled_mm peak at the V4 prefill shapes (H200, BENCHMARKS.md, 2026-11-29 session 2)
+        return Config(128, 256, 128, 3, 256, False, True, 2, persistent=True, cluster=2, pingpong=True)
     if M >= 1024 and N % 256 == 0 and N >= 4096:
         return Config(128, 256, 128, 3, 256, False, True, 2)
     return Config(128, 128, 128, 4, 256, k_group < 128, True)
