@@ -23,6 +23,26 @@ def test_indexer_topk(kb, run_case, T_, C, prefill, fp8):
     run_case(kb.case_indexer_topk, T_, C, prefill, fp8)
 
 
+_SPLIT = [(1, 2048), (1, 65536), (64, 16384), (64, 65536), (4096, 2048), (4096, 65536)]
+
+
+@pytest.mark.parametrize("T_,C", _SPLIT)
+def test_indexer_split_scores(kb, run_case, T_, C):
+    run_case(kb.case_indexer_scores, T_, C)
+
+
+@pytest.mark.parametrize("T_,C", _SPLIT)
+@pytest.mark.parametrize("variant", ["tilelang", "triton"])
+def test_indexer_split_topk_exact(kb, T_, C, variant):
+    """Exact equality with topk_entries on the same scores (ties included), and again (arrival counters)."""
+    kb.case_indexer_topk_select(kb.Row("test", ""), T_, C, True, False, variant)
+
+
+@pytest.mark.parametrize("T_,C", _SPLIT)
+def test_indexer_split_end_to_end(kb, run_case, T_, C):
+    run_case(kb.case_indexer_split, T_, C)
+
+
 @pytest.mark.parametrize("T_,ratio", [(4096, 2), (64, 2), (4096, 1)])
 def test_compressor(kb, run_case, T_, ratio):
     run_case(kb.case_compressor, T_, ratio)

@@ -161,3 +161,59 @@ def test_roofline_and_configs():
     assert all(g * 512 <= it.MAX_MERGE for n in (2, 8, 16, 32, 64, 128) for g in it.merge_plan(n))
     assert it.default_config(64, 65536).chunk == 8192
     assert it.default_config(4, 65536, target="sm100").block_c == 128
+
+
+# ---------------------------------------------------------------------------------------------- split: scores
+
+
+def test_c_target_scores_and_split_pipeline(tilelang_required):
+    """`scores_program` on the `c` target equals `index_scores` (KS = 1) up to fp32 rounding, with the exact -inf
+    pattern (a whole key tile past every query's limit skips the GEMM; partial tiles mask); then topk_select on
+    the kernel's scores picks the reference set: the split indexer end to end."""
+    from deepinfer.codegen.kernels import topk_select as ts
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    T_, H, di, C, k = 8, 4, 16, 256, 16
+    cfg = it.ScoresConfig(32, 2, 4, 128, 2)
+    scores = compile_cpu(it.scores_program(T_, C, H=H, di=di, ratio=2, scale=0.5, target="cpu", cfg=cfg))
+    tcfg = ts.Config(32, 8, 256, False)
+    topk = compile_cpu(ts.program(T_, C, k=k, ratio=2, cfg=tcfg, target="cpu"))
+    torch.manual_seed(4)
+    q, w, keys = torch.randn(T_, H, di), torch.randn(T_, H), torch.randn(C, di)
+    pos = torch.tensor([0, 3, 40, 63, 250, 300, 511, 2000])  # ratio 2: 0 .. 256 entries visible
+    for ks in (torch.ones(C), torch.rand(C) + 0.5):
+        s = torch.full((T_, C), 7.0)
+        scores(q.reshape(-1, di).contiguous(), w, keys, ks, pos.int(), s)
+        ref = it.reference_scores(q, w, keys, ks, pos, ratio=2, scale=0.5)
+        vis = ref > float("-inf")
+        assert torch.equal(vis, s > float("-inf"))
+        assert (s[vis] - ref[vis]).abs().max() <= 1e-5 * ref[vis].abs().max()
+        if ks[0] == 1:
+            assert torch.allclose(s, IndexScores.reference(q, w, keys, pos, ratio=2, scale=0.5), atol=1e-5)
+        idx = torch.full((T_, k), 7, dtype=torch.int32)
+        topk(s, pos.int(), idx, *ts.make_scratch(T_, C, k, tcfg, "cpu"))
+        assert torch.equal(idx.long(), ts.reference(s, k, pos, 2))
+        assert torch.equal(idx.long(), it.reference_f64(q, w, keys, ks, pos, ratio=2, scale=0.5, topk=k))
+
+
+def test_sm90_scores_use_fp8_wgmma_with_tma(codegen_cache, nvcc_required):
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = it.scores_config(4096, 65536)
+    art = tb.build("indexer_scores_sm90", it.scores_program(4096, 65536, ratio=2, scale=1.0, target="sm90", cfg=cfg),
+                   "sm90")  # fmt: skip
+    assert art.opcodes["QGMMA"] > 0, "FP8 scores must use fp8 wgmma"
+    assert art.opcodes["UTMALDG"] > 0 and art.opcodes["UTMASTG"] > 0, "TMA key loads and score stores"
+    assert art.opcodes["LDL"] == 0 and art.opcodes["STL"] == 0
+
+
+def test_scores_configs_and_roofline():
+    assert it.scores_config(4096, 65536).block_t * 32 == 256  # the widest wgmma N
+    assert it.scores_config(1, 65536).block_t == 1
+    for T_, C in ((1, 2048), (64, 16384), (4096, 2048), (4096, 65536)):
+        cfg = it.scores_config(T_, C)
+        assert T_ % cfg.block_t == 0 and C % (cfg.block_c * cfg.inner) == 0
+    b, f = it.scores_roofline(4096, 65536)
+    assert b == 65536 * 132 + 4096 * (32 * 128 + 132) + 4 * 4096 * 65536 and f == 4096 * 65536 * (2 * 32 * 128 + 96)
+    pos = torch.arange(4096)
+    assert it.visible_entries(pos, 2, 2048) == sum((p + 1) // 2 for p in range(4096))  # causal: about half

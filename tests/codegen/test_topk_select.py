@@ -1,0 +1,166 @@
+"""topk_select (the split indexer's exact top-k): reference vs the IR op, exact selection on TileLang's `c` target
+(ties, -0.0, invisible columns, fewer than k visible, the candidate filter's fallbacks, several CTAs per row with
+the last-arrival merge), the Triton variant in its interpreter, sm90 builds and configs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import topk_select as ts
+from deepinfer.ir.ops.v41 import TopKEntries
+
+
+def _scores(kind: str, T_: int, C: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "rand":
+        return torch.randn(T_, C, generator=g)
+    if kind == "ints":  # few distinct values: exact ties everywhere, -0.0 next to +0.0
+        s = torch.randint(-3, 4, (T_, C), generator=g).float()
+        s[:, ::5] = torch.where(s[:, ::5] == 0, -0.0, s[:, ::5])
+        return s
+    if kind == "const":  # one value: every chunk overflows the candidate filter
+        return torch.zeros(T_, C)
+    if kind == "ramp":  # increasing: the group maxima bound is loose, later chunks beat earlier ones
+        return torch.arange(C).float().repeat(T_, 1) * 0.5 - 7.0
+    raise ValueError(kind)
+
+
+def _as_set(idx: torch.Tensor, C: int) -> torch.Tensor:
+    """IR-op output (listed by score) -> the kernels' convention (the set by column, -1 padding)."""
+    srt = torch.where(idx >= 0, idx, C).sort(-1).values
+    return torch.where(srt == C, -1, srt)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_reference_is_topk_entries(ratio):
+    T_, C, k = 5, 300, 40
+    s = _scores("ints", T_, C)
+    pos = torch.tensor([0, 7, 70, 299, 900])
+    vis = torch.arange(C) < ((pos + 1) // ratio).unsqueeze(-1)
+    want = _as_set(TopKEntries.reference(s.masked_fill(~vis, float("-inf")), None, topk=k, block=1), C)
+    assert torch.equal(ts.reference(s, k, pos, ratio), want)
+    # without positions, -inf marks what is not visible
+    assert torch.equal(ts.reference(s.masked_fill(~vis, float("-inf")), k), want)
+    assert (ts.reference(s, k, pos, ratio)[0] == -1).all() if ratio == 2 else (want[0, 1:] == -1).all()
+
+
+def _run_c(kernel, s, k, pos, cfg):
+    T_, C = s.shape
+    out = torch.full((T_, k), 7, dtype=torch.int32)
+    scratch = ts.make_scratch(T_, C, k, cfg, "cpu")
+    p = pos.int() if pos is not None else torch.zeros(T_, dtype=torch.int32)
+    kernel(s.contiguous(), p, out, *scratch)
+    assert int(scratch[-1].abs().sum()) == 0, "the arrival counters must be left at zero"
+    return out.long()
+
+
+@pytest.fixture(scope="module")
+def c_kernels(tilelang_required):
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    k = 16
+    direct = ts.Config(32, 8, 256, False)  # one CTA per row, the row in registers
+    multi = ts.Config(32, 8, 512, True, 4, 32)  # 2 segments x 2 chunks, filter, cap 32 (falls back often)
+    return {
+        "direct": (compile_cpu(ts.program(4, 256, k=k, ratio=2, cfg=direct, target="cpu")), direct),
+        "multi": (compile_cpu(ts.program(3, 1024, k=k, ratio=1, cfg=multi, target="cpu")), multi),
+    }
+
+
+@pytest.mark.parametrize("kind", ["rand", "ints", "const"])
+def test_c_target_one_cta_per_row(c_kernels, kind):
+    """Ties (incl. -0.0 vs +0.0) go to the lower column; rows with 0, 1, fewer than k and all visible."""
+    kernel, cfg = c_kernels["direct"]
+    s = _scores(kind, 4, 256)
+    pos = torch.tensor([0, 2, 40, 600])  # ratio 2: 0, 1, 20 and 256 visible
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), ts.reference(s, 16, pos, 2))
+
+
+@pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp"])
+def test_c_target_filter_and_multi_cta_rows(c_kernels, kind):
+    """Candidate filter (group maxima, running bound), its fallback to a chunk's exact top-k, the buffer cut to
+    its top-k when full, and the last-arriving CTA's merge; run twice (the arrival counters reset)."""
+    kernel, cfg = c_kernels["multi"]
+    s = _scores(kind, 3, 1024, seed=1)
+    pos = torch.tensor([5, 700, 5000])  # ratio 1: 6, 701 (the 2nd segment half visible) and 1024 visible
+    want = ts.reference(s, 16, pos, 1)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+
+
+@pytest.fixture
+def interpret():
+    pytest.importorskip("triton", reason="triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not 1 (a GPU is present); interpreter tests are for CPU CI")
+
+
+@pytest.mark.parametrize(
+    "C,cfg",
+    [(2048, None), (4096, ts.TritonConfig(1024, True, 8, 256, 4)), (4096, ts.TritonConfig(1024, False, 8, 128, 4))],
+)
+def test_triton_variant_interpreter(interpret, C, cfg):
+    for kind in ("rand", "ints"):
+        s = _scores(kind, 2, C, seed=2)
+        pos = torch.tensor([700, 9000], dtype=torch.int32)
+        assert torch.equal(ts.triton_topk(s, 64, pos, 2, cfg=cfg).long(), ts.reference(s, 64, pos, 2))
+
+
+def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
+    """The decode config (T=64 rows of 64k scores: 8 CTAs per row) builds for sm90 without local memory, with
+    shared atomics, fenced arrivals and L2 reads of the other CTAs' candidates, and fits two CTAs per SM."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.default_config(64, 65536)
+    assert ts.n_segments(65536, cfg) > 1 and cfg.filter
+    art = tb.build("topk_select_sm90", ts.program(64, 65536, k=512, ratio=2, cfg=cfg, target="sm90"), "sm90")
+    assert art.opcodes["LDL"] == 0 and art.opcodes["STL"] == 0, "no local-memory spills"
+    assert art.opcodes["ATOMS"] > 0 and art.opcodes["LDG"] > 0 and art.opcodes["STG"] > 0
+    assert "__threadfence" in art.source and "__ldcg" in art.source and "atomicOr" in art.source
+    usage = subprocess.run([tb.cuobjdump_path(), "--dump-resource-usage", str(art.cubin_path)],
+                           capture_output=True, text=True).stdout  # fmt: skip
+    regs = int(usage.split("REG:")[1].split()[0])
+    assert regs <= 128, f"{regs} registers: fewer than two 256-thread CTAs per SM"
+
+
+_AOT = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer.codegen.kernels import topk_select as ts
+sig = {"S": "*fp32", "stride_s": "i32", "Pos": "*i32", "Out": "*i32", "CKey": "*fp32", "CIdx": "*i32",
+       "CCnt": "*i32", "Count": "*i32", "n_cols": "i32", "ratio": "i32", "K": "constexpr", "SEG": "constexpr",
+       "NSEG": "constexpr", "HAS_POS": "constexpr", "FILTER": "constexpr", "G": "constexpr", "CAP": "constexpr",
+       "MB": "constexpr"}
+consts = dict(K=512, SEG=16384, NSEG=4, HAS_POS=True, FILTER=True, G=16, CAP=2048, MB=8192)
+k = triton.compile(ASTSource(fn=ts._topk_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 16})
+print(k.asm["ptx"])
+"""
+
+
+def test_triton_variant_compiles_for_hopper():
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ".target sm_90a" in proc.stdout and "atom.global.gpu.acq_rel.add" in proc.stdout
+
+
+def test_configs_and_roofline():
+    for T_, C in ((1, 2048), (4096, 2048), (1, 65536), (64, 65536), (4096, 16384), (4096, 65536)):
+        cfg = ts.default_config(T_, C)
+        ts.check_config(C, 512, cfg)
+        assert cfg.seg * ts.n_segments(C, cfg) >= C
+    assert not ts.default_config(4096, 2048).filter  # short rows: the row in registers, one CTA per row
+    assert ts.n_segments(65536, ts.default_config(4096, 65536)) == 1  # many rows: one CTA streams each row
+    assert ts.n_segments(65536, ts.default_config(64, 65536)) * 64 >= 264  # few rows: the GPU still fills
+    assert ts.roofline(64, 65536, 512) == (4.0 * 64 * 65536 + 4 * 64 * 512, 0.0)
+    assert ts.roofline(2, 100, 8, visible=150)[0] == 4 * 150 + 4 * 2 * 8
+    for cfg in ts.config_space(4096, 65536):
+        ts.check_config(65536, 512, cfg)
+    with pytest.raises(AssertionError):
+        ts.check_config(4096, 512, ts.Config(128, 16, 2048, True, 8, 2048))  # 256 groups < 2k: no filter
