@@ -453,15 +453,21 @@ def first_difference(ex_a, ex_b, feeds) -> str:
     return "none: identical"
 
 
-def direct_greedy(runner, g, prompt: list[int], n: int, max_len: int) -> list[int]:
+def direct_greedy(runner, g, prompt: list[int], n: int, max_len: int, block_size: int = 0) -> list[int]:
     """Greedy decoding of one sequence straight through the runner (no engine: no scheduler, block pools,
-    batching or CUDA graphs): the prompt in one call, then one token per call, dense caches sized like the
-    engine's on sm90 (max_model_len rows, so the kernels see the same shapes)."""
+    batching or CUDA graphs): the prompt, then one token per call, dense caches sized like the engine's on sm90
+    (max_model_len rows, so the kernels see the same shapes). With prefix caching the scheduler ends the first
+    prompt chunk at the last full block (a snapshot point): block_size > 0 splits the prompt there too, since a
+    different split binds kernels of other row buckets (same math, other roundings)."""
     from deepinfer.runtime.session import allocate_caches
 
     caches = allocate_caches(g, max_len, device=runner.device)
     out, fed = [], list(prompt)
     start = 0
+    split = (len(prompt) - 1) // block_size * block_size if block_size else 0
+    if split:
+        _, caches = runner.forward(torch.tensor(fed[:split], dtype=torch.long), torch.arange(split), caches)
+        start = split
     for _ in range(n):
         tokens = torch.tensor(fed[start:], dtype=torch.long)
         logits, caches = runner.forward(tokens, torch.arange(start, len(fed)), caches)
@@ -537,7 +543,8 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     row.update(compiled=c, reference=r, families=dict(run_k.exec.stats.compiled))
     t0 = time.time()
     n_direct = args_direct_prompts(len(prompts))
-    direct = [direct_greedy(run_k, plan.graph, p, n_tokens, llm_k.max_model_len) for p in prompts[:n_direct]]
+    bs = llm_k.kv.block_size if llm_k.kv.enable_prefix_caching else 0
+    direct = [direct_greedy(run_k, plan.graph, p, n_tokens, llm_k.max_model_len, bs) for p in prompts[:n_direct]]
     row["runtime_equal"] = sum(d == o.token_ids for d, o in zip(direct, outs_k))
     row["runtime_checked"] = len(direct)
     log(f"{name}: engine tokens == the same kernels driven directly, one sequence at a time: "
