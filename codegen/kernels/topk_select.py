@@ -448,6 +448,9 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     def col_of(c0, i, j):  # thread i's j-th score of the chunk at c0: float4 j // 4, strided by the threads
         return c0 + ((j // 4) * NT + i) * 4 + j % 4
 
+    def c0_of(sg, it):  # first column of chunk `it` of segment `sg` (an expression: keeps float4 alignment)
+        return sg * SEG + it * CH
+
     # per-element accessors of the two candidate sets (chunk registers kc; buffer/union registers bk, bi)
     def key_c(kc):
         return lambda i, j: kc[i, j]
@@ -525,14 +528,13 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
             lim = T.alloc_var("int32", init=C)
             if has_pos:
                 lim = T.min((Pos[t] + 1) // ratio, C)
-            c0 = T.alloc_var("int32", init=sg * SEG)
             for u in T.serial(4):
                 stc[u] = 0
                 stc2[u] = NONE
             if not STREAM:  # one chunk, no buffer: select straight from the registers
-                load_chunk(S, t, c0, lim, xr, kc)
-                select_c(key_c(kc), id_c(c0), k, stc, stc2, hist, cum, bc, ra, rb, rc, r1)
-                mark(bitmap, id_c(c0), take_c(kc, c0, stc, stc2), E)
+                load_chunk(S, t, sg * SEG, lim, xr, kc)
+                select_c(key_c(kc), id_c(sg * SEG), k, stc, stc2, hist, cum, bc, ra, rb, rc, r1)
+                mark(bitmap, id_c(sg * SEG), take_c(kc, sg * SEG, stc, stc2), E)
                 emit(bitmap, wcnt, wbase, Idx, t, stc[3])
             else:
                 bufk = ops.sh((BUF,), "int32")
@@ -549,9 +551,8 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                 for it in T.serial(NCH + (NSEG if NSEG > 1 else 0)):
                     m = 0
                     if it < NCH:
-                        c0 = sg * SEG + it * CH
-                        if c0 < lim:
-                            load_chunk(S, t, c0, lim, xr, kc)
+                        if c0_of(sg, it) < lim:
+                            load_chunk(S, t, c0_of(sg, it), lim, xr, kc)
                             fb = 1
                             if FILTER:  # candidates: at least the running bound (tightened first if too many)
                                 fb = 0
@@ -570,14 +571,15 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                                         for i in ops.par(NT):
                                             rc[i] = 0
                                             for j in ops.unroll(E):
-                                                rc[i] = rc[i] + T.if_then_else(
-                                                    cand(kc, c0, lower, fb, stc, stc2)(i, j), 1, 0)  # fmt: skip
+                                                is_c = cand(kc, c0_of(sg, it), lower, fb, stc, stc2)(i, j)
+                                                rc[i] = rc[i] + T.if_then_else(is_c, 1, 0)
                                         T.reduce_sum(rc, r1, dim=0)
                                         m = r1[0]
                                 if m > cfg.cap:  # still too many (heavy ties): the chunk's exact top-k instead
                                     fb = 1
                             if fb == 1:
-                                select_c(key_c(kc), id_c(c0), k, stc, stc2, hist, cum, bc, ra, rb, rc, r1)
+                                select_c(key_c(kc), id_c(c0_of(sg, it)), k, stc, stc2,
+                                         hist, cum, bc, ra, rb, rc, r1)  # fmt: skip
                                 m = stc[3]
                                 if stc[3] == k:  # k scores >= the chunk's k-th: it bounds the segment's k-th
                                     lower = T.max(lower, stc[0])
@@ -620,8 +622,8 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                             m = ld_cg(CCnt, t * NSEG)
                     if it < NCH:
                         if m > 0:
-                            push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0), cand(kc, c0, lower, fb, stc, stc2), E,
-                                 rc, tmp)  # fmt: skip
+                            push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                                 cand(kc, c0_of(sg, it), lower, fb, stc, stc2), E, rc, tmp)  # fmt: skip
                     elif last == 1:  # the segments' sets: L2 reads (other CTAs wrote them during this kernel)
                         nb = ctl[0]
                         src = (t * NSEG + it - NCH) * k
