@@ -738,11 +738,11 @@ def _idx_topk_exact(got, scores, pos) -> str:
     return "exact"
 
 
-def case_indexer_scores(row: Row, T_: int, C: int, quick: bool, dry: bool):
+def case_indexer_scores(row: Row, T_: int, C: int, quick: bool, dry: bool, cfg=None):
     """Split indexer, part 1: FP8 wgmma scores [T, C] fp32 (ReLU, head weights, head sum in the epilogue)."""
     from deepinfer.codegen.kernels import indexer_topk as it
 
-    cfg = it.scores_config(T_, C, IDX_HEADS)
+    cfg = cfg or it.scores_config(T_, C, IDX_HEADS)
     row.kernel += f" {cfg.tag}"
     kern = build(it.scores_program(T_, C, ratio=2, scale=IDX_DIM**-0.5, target="sm90", cfg=cfg))
     pos = _idx_positions(T_, C)
@@ -762,7 +762,7 @@ def case_indexer_scores(row: Row, T_: int, C: int, quick: bool, dry: bool):
         row.eager_ms = bench(lambda: _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5), quick)
 
 
-def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, variant: str = "tilelang"):
+def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, variant: str = "tilelang", cfg=None):
     """Split indexer, part 2: exact top-512 of fp32 scores [T, C] (visible columns only), every score read once.
     Scores are the fp32 reference of real-shaped FP8 inputs (the scores kernel's output distribution)."""
     from deepinfer.codegen.kernels import indexer_topk as it
@@ -772,11 +772,11 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
     row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
     row.peak = "fp8"
     if variant == "tilelang":
-        cfg = ts.default_config(T_, C, IDX_TOPK)
+        cfg = cfg or ts.default_config(T_, C, IDX_TOPK)
         row.kernel += f" {cfg.tag}"
         kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
     else:
-        cfg = ts.triton_default_config(T_, C, IDX_TOPK)
+        cfg = cfg or ts.triton_default_config(T_, C, IDX_TOPK)
         row.kernel += f" {cfg.tag}"
     if dry:
         return
@@ -918,6 +918,31 @@ def _indexer_cases(quick: bool):
         if not quick:
             out.append(("indexer_topk_select triton", shape,
                         lambda r, q, d, T_=T_, C=C: case_indexer_topk_select(r, T_, C, q, d, "triton")))  # fmt: skip
+    if not quick:  # a few other configs at the decode / prefill shapes that matter, for the same-run comparison
+        from deepinfer.codegen.kernels import indexer_topk as it
+        from deepinfer.codegen.kernels import topk_select as ts
+
+        topk_sweep = [
+            (4096, 2048, ts.Config(64, 32, 2048)),
+            (4096, 2048, ts.Config(256, 8, 2048)),
+            (64, 65536, ts.Config(256, 16, 16384, True, 4, 2048)),
+            (64, 65536, ts.Config(128, 32, 4096, True, 4, 2048)),
+            (4096, 65536, ts.Config(128, 32, 65536, True, 4, 2048)),
+            (4096, 65536, ts.Config(512, 8, 65536, True, 2, 2048)),
+            (4096, 65536, ts.Config(256, 16, 32768, True, 4, 2048)),
+        ]
+        for T_, C, cfg in topk_sweep:
+            out.append(("indexer_topk_select sweep", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
+        scores_sweep = [
+            (4096, 65536, it.ScoresConfig(128, 4, 8, 256, 2)),
+            (4096, 65536, it.ScoresConfig(128, 8, 8, 256, 3)),
+            (64, 65536, it.ScoresConfig(128, 4, 4, 256, 2)),
+            (64, 65536, it.ScoresConfig(128, 2, 8, 256, 2)),
+        ]
+        for T_, C, cfg in scores_sweep:
+            out.append(("indexer_scores fp8 sweep", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_scores(r, T_, C, q, d, cfg=cfg)))
     out += [
         ("indexer_topk fp8 (fused)", "T64 C65536 k512",
          lambda r, q, d: case_indexer_topk(r, 64, 65536, False, True, q, d)),
