@@ -50,6 +50,7 @@ FAMILY = "topk_select"
 NONE = -(2**31) + 1  # key of "not a candidate": below every real key (-inf is 0x807fffff; NaN unsupported)
 INT_MAX = 2**31 - 1
 NB = 256  # histogram bins per radix round (8 bits)
+MAX_SEGMENTS = 4  # default CTAs per row: the last one selects from segments x k candidates (its serial tail)
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def check_config(C: int, k: int, cfg: Config) -> None:
 
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config:
     """Short rows (C <= 4096): one CTA per row, the row in registers. Long rows: the filter over chunks of
-    4096 (256 threads x 16, groups of 4), a segment per CTA, segments per row chosen so that the grid covers
-    the GPU twice."""
+    4096 (256 threads x 16, groups of 4), a segment per CTA, up to MAX_SEGMENTS segments per row while the grid
+    does not yet cover the GPU twice (decode: few rows)."""
     if C <= 4096 or 4096 // 4 < 2 * k:
         chunk = max(1 << max(C - 1, 1).bit_length(), 512)
         nt = min(max(chunk // 16, 32), 512)
@@ -98,7 +99,7 @@ def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config:
     chunk = nt * e
     nchunks = -(-C // chunk)
     nseg = 1
-    while nseg < nchunks and T_ * nseg < 2 * sms and nchunks % (2 * nseg) == 0:
+    while nseg < min(nchunks, MAX_SEGMENTS) and T_ * nseg < 2 * sms and nchunks % (2 * nseg) == 0:
         nseg *= 2
     return Config(nt, e, chunk * (nchunks // nseg), True, 4, 2048)
 
