@@ -809,7 +809,8 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
 
 def case_indexer_split(row: Row, T_: int, C: int, quick: bool, dry: bool):
     """Split indexer end to end: scores kernel then top-k kernel (the scores make one HBM round trip). The
-    limit is the sum of both parts' bytes and flops."""
+    limit is max(bytes of both / BW, flops / FP8 peak); the kernels run back to back, so where the scores are
+    compute-bound (prefill) the top-k's memory time comes on top and the % reads low by that much."""
     from deepinfer.codegen.kernels import indexer_topk as it
     from deepinfer.codegen.kernels import topk_select as ts
 
