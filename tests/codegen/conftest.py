@@ -29,6 +29,15 @@ def _enable_triton_interpreter():
 _enable_triton_interpreter()
 
 
+@pytest.fixture
+def interpret():
+    """Triton kernels run in the interpreter (CPU CI); with a GPU present the interpreter is off, and the GPU
+    tests cover the compiled kernels instead (the reason is printed)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer[codegen])")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not 1 (a GPU is present); interpreter tests are for CPU CI")
+
+
 @pytest.fixture(scope="session")
 def tilelang_required():
     """Skip (with the reason printed) when tilelang is not installed."""

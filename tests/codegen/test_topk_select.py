@@ -91,13 +91,6 @@ def test_c_target_filter_and_multi_cta_rows(c_kernels, kind):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
-@pytest.fixture
-def interpret():
-    pytest.importorskip("triton", reason="triton is not installed")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET is not 1 (a GPU is present); interpreter tests are for CPU CI")
-
-
 @pytest.mark.parametrize(
     "C,cfg",
     [(2048, None), (4096, ts.TritonConfig(1024, True, 8, 256, 4)), (4096, ts.TritonConfig(1024, False, 8, 128, 4))],

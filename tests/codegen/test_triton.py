@@ -12,13 +12,6 @@ import torch
 from deepinfer.codegen.kernels import moe_routing, rmsnorm_quant
 
 
-@pytest.fixture
-def interpret():
-    pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer[codegen])")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET is not 1 (a GPU is present); interpreter tests are for CPU CI")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_quant_interpreter(interpret, dtype):
     torch.manual_seed(0)
