@@ -309,10 +309,9 @@ def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compi
         feeds = _inputs(g, t, ctx)
         if jobs:
             keys = [k for k in comp.kernel_keys(feeds) if k not in comp.kernels.kernels]
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from gpu_e2e import prebuild
+            from deepinfer.runtime.kernel_adapters import prebuild
 
-            prebuild(keys, jobs, max(10.0, (end - time.time()) * 0.5))
+            prebuild(keys, jobs, max(10.0, (end - time.time()) * 0.5), log)
         t0 = time.time()
         comp.run(feeds)  # builds (from the cache) and checks every kernel once
         torch.cuda.synchronize()

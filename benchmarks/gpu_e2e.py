@@ -85,31 +85,9 @@ def guarded(name: str, fn, *args, **kw):
 
 
 def prebuild(keys: list, jobs: int, timeout_s: float) -> dict:
-    """Build kernels in `jobs` processes so the main process finds them in TileLang's disk cache."""
-    import multiprocessing as mp
+    from deepinfer.runtime.kernel_adapters import prebuild as build_in_processes
 
-    from deepinfer.runtime.kernel_adapters import prebuild_one
-
-    if not keys or jobs <= 0:
-        return {}
-    t0 = time.time()
-    errors: dict = {}
-    with mp.get_context("spawn").Pool(min(jobs, len(keys))) as pool:
-        res = pool.map_async(prebuild_one, keys)
-        try:
-            out = res.get(timeout=max(5.0, timeout_s))
-        except mp.TimeoutError:
-            log(f"prebuild: timed out after {timeout_s:.0f} s; the rest compile lazily or fall back")
-            pool.terminate()
-            return {"timeout": True}
-    for k, e in zip(keys, out):
-        if e:
-            errors[k.describe()] = e
-    log(f"prebuilt {len(keys)} kernels in {time.time() - t0:.0f} s with {min(jobs, len(keys))} processes, "
-        f"{len(errors)} failed")  # fmt: skip
-    for k, e in errors.items():
-        log(f"  build error: {k}: {e}")
-    return errors
+    return build_in_processes(keys, jobs, timeout_s, log)
 
 
 # ---------------------------------------------------------------------------------------------- (a)

@@ -63,26 +63,9 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def prebuild(keys: list, jobs: int, timeout_s: float) -> int:
     """Build kernels in `jobs` processes (TileLang's disk cache); returns the number that failed."""
-    import multiprocessing as mp
+    from deepinfer.runtime.kernel_adapters import prebuild as build_in_processes
 
-    from deepinfer.runtime.kernel_adapters import prebuild_one
-
-    if not keys or jobs <= 0:
-        return 0
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(min(jobs, len(keys))) as pool:
-        res = pool.map_async(prebuild_one, keys)
-        try:
-            out = res.get(timeout=max(5.0, timeout_s))
-        except mp.TimeoutError:
-            log(f"prebuild: timed out after {timeout_s:.0f} s; the rest compile lazily or fall back")
-            pool.terminate()
-            return -1
-    failed = [(k, e) for k, e in zip(keys, out) if e]
-    log(f"prebuilt {len(keys)} kernels in {time.time() - t0:.0f} s, {len(failed)} failed")
-    for k, e in failed:
-        log(f"  build error: {k.describe()}: {e}")
-    return len(failed)
+    return len(build_in_processes(keys, jobs, timeout_s, log))
 
 
 # ---------------------------------------------------------------------------------------------- runs

@@ -702,6 +702,32 @@ def prebuild_one(key: KernelKey) -> str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
+def prebuild(keys: list, jobs: int, timeout_s: float, log: Callable = print) -> dict:
+    """Build kernels in `jobs` spawned processes so this process finds them in TileLang's disk cache.
+    Returns {kernel: error} for the ones that failed ({"timeout": ...} when the pool ran out of time; the rest
+    then compile lazily, or fall back to their references)."""
+    import multiprocessing as mp
+    import time
+
+    if not keys or jobs <= 0:
+        return {}
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(jobs, len(keys))) as pool:
+        res = pool.map_async(prebuild_one, keys)
+        try:
+            out = res.get(timeout=max(5.0, timeout_s))
+        except mp.TimeoutError:
+            log(f"prebuild: timed out after {timeout_s:.0f} s; the rest compile lazily or fall back")
+            pool.terminate()
+            return {"timeout": f"after {timeout_s:.0f} s"}
+    errors = {k.describe(): e for k, e in zip(keys, out) if e}
+    log(f"prebuilt {len(keys)} kernels in {time.time() - t0:.0f} s with {min(jobs, len(keys))} processes, "
+        f"{len(errors)} failed")  # fmt: skip
+    for k, e in errors.items():
+        log(f"  build error: {k}: {e}")
+    return errors
+
+
 def emulated_kernel(key: KernelKey) -> Callable:
     """A torch stand-in with the compiled kernel's signature (outputs written in place), from the family's
     reference: for CPU tests of the adapters."""
