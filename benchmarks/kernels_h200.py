@@ -1201,13 +1201,13 @@ def _prebuild(job):
         return f"{name}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def prebuild(sweep: bool, quick: bool, n_cases: int, jobs: int) -> None:
+def prebuild(sweep: bool, quick: bool, indices: list[int], jobs: int) -> None:
     import multiprocessing as mp
 
     t0 = time.time()
     with mp.get_context("spawn").Pool(jobs) as pool:
-        errs = [e for e in pool.map(_prebuild, [(sweep, quick, i) for i in range(n_cases)]) if e]
-    print(f"pre-built {n_cases} kernels in {time.time() - t0:.0f} s with {jobs} processes; {len(errs)} failed")
+        errs = [e for e in pool.map(_prebuild, [(sweep, quick, i) for i in indices]) if e]
+    print(f"pre-built {len(indices)} kernels in {time.time() - t0:.0f} s with {jobs} processes; {len(errs)} failed")
     for e in errs:
         print("  build error:", e)
 
@@ -1236,8 +1236,8 @@ def main(argv=None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=0, help="pre-build all kernels in this many processes")
     args = ap.parse_args(argv)
     todo = sweep_cases() if args.gemm_sweep else cases(args.quick)
-    if args.jobs > 0 and not args.only:
-        prebuild(args.gemm_sweep, args.quick, len(todo), args.jobs)
+    if args.jobs > 0:  # only the rows --only selects
+        prebuild(args.gemm_sweep, args.quick, [i for i, c in enumerate(todo) if args.only in c[0]], args.jobs)
     dry = args.dry_run or not torch.cuda.is_available()
     if dry and not args.dry_run:
         print("no CUDA device: building only (--dry-run)")
