@@ -293,6 +293,9 @@ def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, 
 # ---------------------------------------------------------------------------------------------- persistent
 
 
+TMA_SMEM_ALIGN = 128  # bytes: a cp.async.bulk.tensor shared-memory destination must be this aligned
+
+
 @dataclass(frozen=True)
 class WSPlan:
     """Sizes and scale indexing of the persistent kernel, shared by its sm90 and cpu builds (so the CPU
@@ -329,6 +332,22 @@ class WSPlan:
     def sb_shape(self) -> tuple[int, int]:  # per-stage weight-scale slot: the box, or one per N slice
         c = self.cfg
         return (c.block_n // self.wb, c.block_k // self.wb) if self.sb_box else (c.n_split, 1)
+
+    @property
+    def sb_slot_rows(self) -> int:
+        """Rows of a stage's weight-scale slot in shared memory: sb_shape's rows padded so that every slot
+        starts 128-byte aligned, which a TMA destination must be (a 4x4 fp32 box at block_n 128 is 64
+        bytes: unpadded, every odd stage's TMA faulted with "misaligned address" on the H200)."""
+        rows, cols = self.sb_shape
+        return ceil_div(rows * cols * 4, TMA_SMEM_ALIGN) * TMA_SMEM_ALIGN // (cols * 4) if self.sb_box else rows
+
+    def tma_slot_bytes(self) -> dict[str, int]:
+        """Bytes per stage of each shared-memory ring that TMA fills (the slots follow each other)."""
+        c = self.cfg
+        out = {"A": c.block_m * c.block_k, "B": c.block_n * c.block_k, "SA": 4 * self.sa_rows * c.block_m}
+        if self.sb_box:
+            out["SB"] = 4 * self.sb_slot_rows * self.sb_shape[1]
+        return out
 
     @property
     def m_tiles(self) -> int:
@@ -382,6 +401,8 @@ class WSPlan:
             assert c.block_n % self.wb == 0 and c.block_k // self.wb >= 4 and (self.K // self.wb) % 4 == 0
         else:  # an N slice lies in one weight block, and a K block in one weight block
             assert self.wb % c.block_k == 0 and self.wb % bns == 0
+        for ring, size in self.tma_slot_bytes().items():  # every stage's TMA destination 128-byte aligned
+            assert size % TMA_SMEM_ALIGN == 0, f"{c.tag}: {ring} slot of {size} bytes misaligns the next stage"
         assert c.cluster in (1, 2) and c.sms % c.cluster == 0 and self.m_tiles % c.cluster == 0
         regs = c.block_n // 2 + bns // 2 * (2 if c.overlap else 1)  # acc + partial(s) per consumer thread
         assert regs <= 208, f"{c.tag}: {regs} accumulator registers per thread would spill"
@@ -454,7 +475,7 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
             A_s = T.alloc_shared((S, bM, bK), fp8)
             B_s = T.alloc_shared((S, bN, bK), fp8)
             SA_s = T.alloc_shared((S, sa_rows, bM), "float32")
-            SB_s = T.alloc_shared((S, sb_rows, sb_cols), "float32")
+            SB_s = T.alloc_shared((S, plan.sb_slot_rows, sb_cols), "float32")  # padded: aligned slots
             C_s0 = T.alloc_shared((bM, bNs), "bfloat16")  # one output buffer per N slice: stmatrix stores
             C_s1 = T.alloc_shared((bM, bNs), "bfloat16")
             p0 = T.alloc_fragment((bM, bNs), "float32")
@@ -497,7 +518,9 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                             T.tma_copy(SA[ka : ka + sa_rows, mi * bM : (mi + 1) * bM], SA_s[st, :, :], barrier=full[st])
                             if sb_box:
                                 nw, kw = ni * sb_rows, k * sb_cols
-                                T.tma_copy(SB[nw : nw + sb_rows, kw : kw + sb_cols], SB_s[st, :, :], barrier=full[st])
+                                T.tma_copy(
+                                    SB[nw : nw + sb_rows, kw : kw + sb_cols], SB_s[st, 0:sb_rows, :], barrier=full[st]
+                                )
                             else:  # published to the consumers by the arrive (release semantics)
                                 for h in slices:
                                     if tx == consumers + h:

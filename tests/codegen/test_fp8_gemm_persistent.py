@@ -6,11 +6,16 @@ checked without a GPU:
 * numerics: the same schedule (CTA count, tile order, per-stage operand and scale slices, units, promotion
   indices) on TileLang's `c` target in fp32, against the torch reference, for V4's 128 groups, V4.1's 32
   groups and the mixed format, with several waves, a partial last wave and a narrower last panel;
+* shared-memory alignment of every TMA transfer in the generated CUDA (each stage's slot 128-byte aligned: a
+  64-byte weight-scale slot faulted with "misaligned address" on the H200);
 * sm_90a builds of each code path (lower + nvcc + SASS): FP8 wgmma (QGMMA), TMA loads and stores,
   setmaxnreg in both roles, no local-memory spills; the cluster variant multicasts B.
 
 The GPU run of the same configs is tests/codegen/test_gpu_kernels.py::test_fp8_gemm_persistent.
 """
+
+import itertools
+import re
 
 import pytest
 import torch
@@ -125,3 +130,56 @@ def test_persistent_sm90_build(codegen_cache, nvcc_required, g, cfg, shape):
     if cfg.pingpong:  # turns: bar.sync on one named barrier, bar.arrive on the other
         assert "__named_barrier_arrive(13, 256)" in art.source and "__sync_thread_partial(12, 256)" in art.source
     assert f"__launch_bounds__({cfg.threads + 128}, 1)" in art.source
+
+
+# ------------------------------------------------------------------------------ TMA shared-memory alignment
+
+_ELEM_BYTES = {"fp8_e4_t": 1, "uchar": 1, "signed char": 1, "half_t": 2, "bfloat16_t": 2, "float": 4, "int": 4}
+_SMEM_BASE = re.compile(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);")
+_TMA_CALL = re.compile(r"tl::tma_(?:load|store)\w*\((.*)\);")
+_SMEM_ARG = re.compile(r"&\(\(\((\w+(?: \w+)?)\*\)(\w+)\)\[([^\]]*)\]\)")
+
+
+def tma_smem_misalignments(source: str, align: int = fp8_gemm.TMA_SMEM_ALIGN, values=range(6)) -> list[str]:
+    """Every TMA load/store of the generated CUDA whose shared-memory address is not `align`-byte aligned for
+    some value of its loop variables (each in `values`): base offset of the dynamic-smem buffer + index x
+    element size. The index expressions are C integer arithmetic on non-negative values, evaluated as Python."""
+    bases = {name: int(off) for name, off in _SMEM_BASE.findall(source)}
+    bad = []
+    for call in _TMA_CALL.findall(source):
+        for ctype, buf, index in _SMEM_ARG.findall(call):
+            assert buf in bases, f"TMA on {buf}, not a dynamic shared-memory buffer"
+            expr = index.replace("((int)blockIdx.x)", "bx").replace("((int)threadIdx.x)", "tx").replace("/", "//")
+            names = sorted(set(re.findall(r"[A-Za-z_]\w*", expr)))
+            for vals in itertools.product(values, repeat=len(names)):
+                addr = bases[buf] + eval(expr, {}, dict(zip(names, vals))) * _ELEM_BYTES[ctype]  # noqa: S307
+                if addr % align:
+                    bad.append(f"{buf}[{index}] at {dict(zip(names, vals))}: byte {addr}")
+                    break
+    return bad
+
+
+def test_tma_alignment_check_finds_a_64_byte_slot():
+    # the unpadded weight-scale ring of the crashing g32 128x128 kernel: 16 floats per stage at offset 206848
+    src = """  void* SB_s = ((void*)((char*)buf_dyn_shmem + 206848));
+            tl::tma_load(SB_desc, full[(k % 5)], (&(((float*)SB_s)[((k % 5) * 16)])), (k * 4), 0);"""
+    assert tma_smem_misalignments(src) == ["SB_s[((k % 5) * 16)] at {'k': 1}: byte 206912"]
+    assert tma_smem_misalignments(src.replace("* 16)", "* 32)")) == []
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        fp8_gemm.Config(128, 128, 128, 5, 256, False, True, 1, persistent=True),  # "ws 128x128" (crashed)
+        fp8_gemm.Config(128, 128, 128, 5, 256, True, True, 1, persistent=True),  # "ws 128x128 ovl" (crashed)
+        fp8_gemm.Config(128, 256, 128, 3, 256, False, True, 2, persistent=True, cluster=2, pingpong=True),
+    ],
+    ids=["128x128", "128x128-ovl", "128x256-pp-c2"],
+)
+def test_persistent_g32_tma_destinations_aligned(tilelang_required, cfg):
+    from deepinfer.codegen import tilelang_backend as tb
+
+    func = fp8_gemm.program(1024, 1024, 1280, act_group=32, weight_block=32, target="sm90", cfg=cfg)
+    source = tb.lower(func, "sm90")
+    assert source.count("tl::tma_load") >= 4, "A, B and both scale rings by TMA"
+    assert tma_smem_misalignments(source) == []
