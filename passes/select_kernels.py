@@ -87,15 +87,32 @@ GEMM_REDUCE = ("block_k", "split_k")
 
 def bind_moe(c: _Ctx):
     a = c.node.attrs
-    if a["fmt"] != "fp8":
-        raise Fallback(f"{a['fmt']} experts: the grouped GEMM takes FP8 (convert_fp4_to_fp8 makes them FP8 on sm90)")
     x, idx = c.node.inputs[0], c.node.inputs[2]
     t, d = c.shape(x)
     topk = c.shape(idx)[1]
     first = 9 if c.node.op == "moe_grouped_experts" else 3
     inter = c.shape(c.node.inputs[first])[0]
+    if a["fmt"] == "fp4":
+        return _bind_moe_w4a8(c, t, d, inter, topk)
+    if a["fmt"] != "fp8":
+        raise Fallback(f"{a['fmt']} experts: the grouped GEMMs take FP8 or FP4 experts")
     cfg = _gemm_tiles(t * topk, 2 * inter, a["block"], c.target.sm_count)
     return "moe_grouped_gemm", "program", {"M": t * topk, "N": 2 * inter, "K": d}, cfg, GEMM_REDUCE
+
+
+def _bind_moe_w4a8(c: _Ctx, t: int, d: int, inter: int, topk: int):
+    """FP4 experts (the convert pass off, or a target with FP4 loads but no FP4 MMA): the swap-AB W4A8 program
+    (FP4 dequantised in registers), masked at decode buckets, contiguous at prefill (the runtime adapter picks
+    per call with the node's layout rule; this config is the bucket's)."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm
+
+    if c.node.op != "moe_grouped_experts" or c.target.name not in ("sm90", "sm100"):
+        raise Fallback("fp4 experts run W4A8 through moe_grouped_experts on sm90 only")
+    e = c.node.attrs["n_experts"]
+    decode = t <= c.node.attrs.get("masked_max_t", 64)
+    cfg = moe_grouped_gemm.swab_config(max(1, -(-t * topk // e)), "fp4", contiguous=not decode)
+    shape = {"M": t * topk, "N": 2 * inter, "K": d, "fmt": "fp4", "layout": "masked" if decode else "contiguous"}
+    return "moe_grouped_gemm", "swab_program", shape, asdict(cfg), ("block_k",)
 
 
 def bind_rmsnorm(c: _Ctx):

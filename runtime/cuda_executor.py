@@ -365,12 +365,12 @@ def to_device(params: Mapping[str, torch.Tensor], device) -> dict[str, torch.Ten
 
 
 def restack_experts(g: Graph, params: dict[str, torch.Tensor]) -> int:
-    """Lay each MoE layer's FP8 experts out as the grouped kernel reads them ([E, 2I, D] w1|w3, [E, D, I] w2)
-    and rebind the per-expert parameters to views of the stacks: one copy per layer, no doubled memory.
-    Returns the number of layers restacked."""
+    """Lay each MoE layer's FP8 (or packed FP4) experts out as the grouped kernels read them ([E, 2I, D] w1|w3,
+    [E, D, I] w2; FP4 rows are packed bytes) and rebind the per-expert parameters to views of the stacks: one
+    copy per layer, no doubled memory. Returns the number of layers restacked."""
     done = 0
     for n in g.nodes:
-        if n.op != "moe_grouped_experts" or n.attrs.get("fmt") != "fp8":
+        if n.op != "moe_grouped_experts" or n.attrs.get("fmt") not in ("fp8", "fp4"):
             continue
         names = [v.name for v in n.inputs[9:]]
         e = n.attrs["n_experts"]

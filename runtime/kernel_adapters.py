@@ -111,6 +111,11 @@ def quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-2), scale.squeeze(-1)
 
 
+def scale_bytes(s: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales as their uint8 bytes (what the W4A8 kernels read)."""
+    return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s.to(torch.uint8)
+
+
 def to_e8m0(s: torch.Tensor) -> torch.Tensor:
     """Positive power-of-two fp32 scales as ue8m0 (dt.float_to_e8m0 without its synchronising check)."""
     return (torch.ceil(torch.log2(s.float())).clamp(-127, 127) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
@@ -373,15 +378,201 @@ def _tile_bucket(n: int) -> int:
     return p * 3 // 4 if n <= p * 3 // 4 and p >= 4 else p
 
 
+@dataclass
+class _MoEPlan:
+    """How one moe_grouped_experts call runs its routed experts (decided once per call, memoised)."""
+
+    path: str  # "swab_masked" (decode, swap-AB over the masked layout) | "swab_contiguous" (fp4 prefill)
+    #            | "contiguous" (fp8 prefill, the 2-warpgroup grouped main loop; also the fallback)
+    fmt: str
+    rows: int  # M: rows of the kernels' A / C
+    glu: bool  # the w1|w3 kernel writes the clamped SwiGLU as FP8 codes + per-32 scales (fused epilogue)
+    half: int  # gate rows per tile of the interleaved w1|w3 stack (glu only)
+    keys: list
+    layout: tuple  # masked: (dest, counts, merged weights); contiguous: (slot, tile_expert, m_rows)
+
+
+SWAB_DOWN_ACT_GROUP = 32  # the SwiGLU output is quantised per 32 columns (what the fused epilogue writes)
+GLU_COPY_HEADROOM = 0.5  # the interleaved w1|w3 copy is made only if it takes at most this share of free memory
+
+
+def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int):
+    """The masked (decode) layout without a device -> host read: expert e's pairs in rows e*max_rows + rank.
+
+    A token that lists one expert twice (hash routing can) would need more than T rows for that expert: such
+    pairs are merged into their first occurrence (the weights summed, the duplicate's weight 0, its row the
+    first one's), so every count is at most T <= max_rows. Returns (dest [T*K] row of every pair, counts [E]
+    int32, merged weights [T, K] fp32)."""
+    t, k = idx.shape
+    first = (idx.unsqueeze(2) == idx.unsqueeze(1)).int().argmax(-1)  # first slot with the same expert
+    keep = first == torch.arange(k, device=idx.device)
+    merged = torch.zeros(t, k, device=idx.device).scatter_add_(1, first, weights.float())
+    e_kept = torch.where(keep, idx.long(), torch.full_like(idx.long(), n_experts)).reshape(-1)
+    ones = torch.ones_like(e_kept)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=idx.device).scatter_add_(0, e_kept, ones)
+    order = torch.argsort(e_kept, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(e_kept)
+    rank[order] = torch.arange(e_kept.numel(), device=idx.device) - start[e_kept[order]]
+    dest = (e_kept * max_rows + rank).view(t, k)
+    dest = torch.gather(dest, 1, first)  # a merged duplicate reads (and writes the same data to) its first row
+    return dest.reshape(-1), counts[:n_experts].to(torch.int32), merged
+
+
+def _scatter_rows(rows: int, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """[rows, ...] with src[i] at row dest[i]; other rows are left unwritten (the kernels never read them
+    into a real row's result). FP8 rows move as bytes."""
+    out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    if src.dtype == torch.float8_e4m3fn:
+        out.view(torch.uint8)[dest] = src.view(torch.uint8)
+    else:
+        out[dest] = src
+    return out
+
+
+def _scatter_cols(cols: int, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """MN-major scales: [G, cols] with src[i] (a row of G scales) in column dest[i]."""
+    out = torch.empty((src.shape[1], cols), dtype=src.dtype, device=src.device)
+    out[:, dest] = src.T
+    return out
+
+
+def _swab_unfit(n: int, k: int, fmt: str, cfg, wb: int, ag: int, glu: bool) -> str | None:
+    """Why the swap-AB program cannot take an [N, K] expert GEMM with this tile (its asserts), or None."""
+    if k % cfg.block_k or cfg.block_k % 32 or cfg.block_k % ag:
+        return f"K={k} does not tile by block_k {cfg.block_k} (act group {ag})"
+    if n % cfg.block_n or cfg.block_n % 64:
+        return f"N={n} does not tile by block_n {cfg.block_n}"
+    if fmt == "fp8" and (wb % 32 or (cfg.block_n % wb and wb % cfg.block_n)):
+        return f"weight block {wb} does not align with block_n {cfg.block_n}"
+    if glu and ((cfg.block_n // 2) % 32 or (fmt == "fp8" and (cfg.block_n // 2) % wb)):
+        return f"the fused SwiGLU needs {cfg.block_n // 2}-row gate/up tiles aligned to the weight block {wb}"
+    return None
+
+
+def _swab_decode_cfg(call: Call, t: int, k: int, e: int, fmt: str, dims: tuple):
+    """The binding's swap-AB config when it has one, else moe_grouped_gemm.swab_config for the expected busiest
+    expert (mean + 3 sigma of T*K/E pairs per expert: a config choice, not a bound); block_k narrowed when the
+    expert dims do not tile by it."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    fields = {f: call.config[f] for f in ("block_n", "block_t", "block_k", "stages", "min_blocks") if f in call.config}
+    if "block_t" in fields:
+        cfg = mg.SwabConfig(**fields)
+    else:
+        mean = t * k / max(e, 1)
+        cfg = mg.swab_config(min(t, math.ceil(mean + 3 * math.sqrt(mean) + 1)), fmt)
+    for bk in (cfg.block_k, 128, 64):
+        if all(kk % bk == 0 for kk in dims):
+            return mg.SwabConfig(cfg.block_n, cfg.block_t, bk, cfg.stages, cfg.min_blocks)
+    return cfg
+
+
 class MoEGroupedAdapter:
-    """moe_grouped_experts (fmt fp8): the routed experts as two grouped FP8 GEMMs (gate|up fused, then down)
-    over the contiguous layout, SwiGLU and the weighted un-permute in torch; the shared expert through the
-    dense FP8 GEMM. The experts' weights are stacked once ([E, 2I, K] and [E, D, I]); the runner rebinds
-    the per-expert parameters to views of the stack, so the memory is not doubled."""
+    """moe_grouped_experts (fmt fp8 or fp4): the routed experts as two grouped GEMMs (w1|w3, then w2), the
+    shared expert through the dense FP8 GEMM.
+
+    Decode (the node's layout "masked", or "auto" with T <= masked_max_t): the swap-AB program
+    (moe_grouped_gemm.swab_program) over the masked layout, built without a host read (max_rows = T rounded to
+    the token tile: an expert sees each token at most once), so a decode step can be captured. Where the tiles
+    allow it the w1|w3 GEMM ends in the fused clamped-SwiGLU epilogue (FP8 codes + per-32 scales, read directly
+    by the w2 GEMM); its interleaved w1|w3 copy is made only while memory allows (the per-expert parameters must
+    stay the plain stacks: the references read them), else the SwiGLU runs in torch on the T*K real rows.
+    fmt "fp4" (V4.1's routed experts kept FP4, the convert pass off) runs W4A8 (FP4 dequantised in registers):
+    masked at decode, the contiguous swap-AB program at prefill. fp8 prefill: the contiguous 2-warpgroup grouped
+    main loop (the previous path; also the fallback when the swap-AB tiles do not fit the expert dims).
+    The experts' weights are stacked once ([E, 2I, K] and [E, D, I]); the runner rebinds the per-expert
+    parameters to views of the stack, so the memory is not doubled."""
 
     family = "moe_grouped_gemm"
     ops = ("moe_grouped_experts",)
     dense = LinearFP8Adapter()
+
+    # -- which path --------------------------------------------------------------------------------------
+    def _shapes(self, call: Call):
+        a = call.attrs
+        if a["fmt"] not in ("fp8", "fp4"):
+            raise Decline(f"{a['fmt']} experts: the grouped GEMMs take FP8 or FP4 experts")
+        x, idx = call.args[0], call.args[2]
+        w1 = call.args[9]
+        inter, d = w1.shape[0], w1.shape[1] * (2 if a["fmt"] == "fp4" else 1)
+        return x.shape[0], d, inter, a["n_experts"], a["block"], idx
+
+    @staticmethod
+    def _decode(call: Call, t: int) -> bool:
+        a = call.attrs
+        return a.get("layout") == "masked" or (a.get("layout") == "auto" and t <= a.get("masked_max_t", 64))
+
+    def _plan(self, call: Call) -> _MoEPlan:
+        if "moe_plan" not in call.memo:
+            call.memo["moe_plan"] = self._make_plan(call)
+        return call.memo["moe_plan"]
+
+    def _make_plan(self, call: Call) -> _MoEPlan:
+        t, d, inter, e, block, idx = self._shapes(call)
+        fmt = call.attrs["fmt"]
+        why = "prefill"
+        if self._decode(call, t):
+            cfg = _swab_decode_cfg(call, t, idx.shape[1], e, fmt, (d, inter))
+            why = self._swab_unfit(call, cfg, d, inter, fmt, block)
+            if why is None:
+                return self._swab_plan(call, cfg, t, d, inter, e, block, idx, masked=True)
+        if fmt == "fp4":
+            from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+            cfg = mg.swab_config(0, fmt, contiguous=True)
+            unfit = self._swab_unfit(call, cfg, d, inter, fmt, block)
+            if unfit is not None:
+                raise Decline(f"fp4 experts ({why}): {unfit}")
+            return self._swab_plan(call, cfg, t, d, inter, e, block, idx, masked=False)
+        return self._contiguous_plan(call, t, d, inter, e, block, idx)
+
+    @staticmethod
+    def _swab_unfit(call, cfg, d, inter, fmt, block) -> str | None:
+        ag = 32 if fmt == "fp4" else block
+        return _swab_unfit(2 * inter, d, fmt, cfg, block, ag, False) or _swab_unfit(
+            d, inter, fmt, cfg, block, SWAB_DOWN_ACT_GROUP, False
+        )
+
+    def _swab_plan(self, call, cfg, t, d, inter, e, block, idx, masked: bool) -> _MoEPlan:
+        fmt = call.attrs["fmt"]
+        ag = 32 if fmt == "fp4" else block
+        limit = float(call.attrs["swiglu_limit"])
+        glu = _swab_unfit(2 * inter, d, fmt, cfg, block, ag, True) is None and self._glu_copy_ok(call, fmt, inter, d)
+        if masked:
+            max_rows = -(-t // cfg.block_t) * cfg.block_t
+            rows = e * max_rows
+            layout = masked_layout(idx, call.args[1], e, max_rows)
+            extra = {"max_rows": max_rows}
+        else:
+            slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_t)
+            layout, extra = (slot, tile_expert, rows), {}
+        common = {"fmt": fmt, "weight_block": block, **extra}
+        k1 = _key("moe_grouped_gemm", "swab_program", (rows, 2 * inter, d, e), cfg, act_group=ag,
+                  swiglu_limit=limit if glu else None, **common)  # fmt: skip
+        k2 = _key("moe_grouped_gemm", "swab_program", (rows, d, inter, e), cfg, act_group=SWAB_DOWN_ACT_GROUP,
+                  swiglu_limit=None, **common)  # fmt: skip
+        path = "swab_masked" if masked else "swab_contiguous"
+        return _MoEPlan(path, fmt, rows, glu, cfg.block_n // 2, [k1, k2], layout)
+
+    def _glu_copy_ok(self, call: Call, fmt: str, inter: int, d: int) -> bool:
+        """The fused epilogue reads w1|w3 interleaved in tiles (a copy of the stack): only while it fits."""
+        k = ("moe_glu_ok", call.names[9])
+        if k not in call.cache:
+            x = call.args[0]
+            nbytes = call.attrs["n_experts"] * 2 * inter * d // (2 if fmt == "fp4" else 1)
+            free = torch.cuda.mem_get_info(x.device)[0] if x.device.type == "cuda" else float("inf")
+            call.cache[k] = nbytes <= GLU_COPY_HEADROOM * free
+        return call.cache[k]
+
+    def _contiguous_plan(self, call, t, d, inter, e, block, idx) -> _MoEPlan:
+        cfg = self._cfg(call)
+        if (2 * inter) % cfg.block_n or d % cfg.block_n or d % cfg.block_k or inter % cfg.block_k:
+            raise Decline(f"expert dims D={d}, I={inter} do not tile by {cfg.block_n}x{cfg.block_k}")
+        slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_m)
+        k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg, act_group=block, weight_block=block)
+        k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg, act_group=block, weight_block=block)
+        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows))
 
     def _cfg(self, call: Call):
         """The binding's config, else the sm90 grouped main loop (moe_grouped_gemm.sm90_config: fp8_gemm's
@@ -403,38 +594,101 @@ class MoEGroupedAdapter:
         )
         return cfg if fits else fp8_gemm.default_config(block)
 
-    def _shapes(self, call: Call):
-        a = call.attrs
-        if a["fmt"] != "fp8":
-            raise Decline(f"{a['fmt']} experts: the grouped GEMM takes FP8")
-        x, idx = call.args[0], call.args[2]
-        w1 = call.args[9]
-        inter, d = w1.shape
-        return x.shape[0], d, inter, a["n_experts"], a["block"], idx
-
-    def _keys(self, call: Call, m_rows: int):
-        _, d, inter, e, block, _ = self._shapes(call)
-        cfg = self._cfg(call)
-        if (2 * inter) % cfg.block_n or d % cfg.block_n or d % cfg.block_k or inter % cfg.block_k:
-            raise Decline(f"expert dims D={d}, I={inter} do not tile by {cfg.block_n}x{cfg.block_k}")
-        k1 = _key("moe_grouped_gemm", "program", (m_rows, 2 * inter, d, e), cfg, act_group=block, weight_block=block)
-        k2 = _key("moe_grouped_gemm", "program", (m_rows, d, inter, e), cfg, act_group=block, weight_block=block)
-        return [k1, k2], cfg
-
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)
-        t, _, _, e, _, idx = self._shapes(call)
-        cfg = self._cfg(call)
-        m_rows = self._layout(call, idx, e, cfg.block_m)[2]
-        keys, _ = self._keys(call, m_rows)
-        return keys + self._shared_keys(call)
+        return self._plan(call).keys + self._shared_keys(call)
 
-    @staticmethod
-    def _layout(call: Call, idx, e: int, block_m: int):
-        if "moe_layout" not in call.memo:
-            call.memo["moe_layout"] = _moe_layout(idx, e, block_m)
-        return call.memo["moe_layout"]
+    def path(self, call: Call) -> str:
+        """Which routed path this call takes (tests and reports)."""
+        p = self._plan(call)
+        return p.path + ("+swiglu" if p.glu else "")
 
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        p = self._plan(call)
+        x = call.args[0]
+        run = self._run_contiguous_fp8 if p.path == "contiguous" else self._run_swab
+        y = run(call, p, kernels[:2])
+        if call.args[3] is not None:
+            y = y + self._shared(call, kernels[2:])
+        return [y.to(x.dtype)]
+
+    def _run_swab(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
+        from deepinfer.ir.ops.moe import swiglu
+
+        t, d, inter, e, block, idx = self._shapes(call)
+        x, k = call.args[0], idx.shape[1]
+        w13, s13, w2, s2 = self._swab_weights(call, p, e)
+        if p.path == "swab_masked":
+            dest, meta, w = p.layout
+            a, sa = quant_act(x, 32 if p.fmt == "fp4" else block)
+            tok = torch.arange(t, device=x.device).repeat_interleave(k)
+            a_m, sa_m = _scatter_rows(p.rows, a[tok], dest), _scatter_cols(p.rows, sa[tok], dest)
+        else:
+            dest, meta, _ = p.layout
+            w = call.args[1].float()
+            a_rows = torch.zeros(p.rows, d, device=x.device, dtype=torch.float32)
+            a_rows[dest] = x.float().repeat_interleave(k, 0)
+            a_m, sa_rows = quant_act(a_rows, 32 if p.fmt == "fp4" else block)
+            sa_m = sa_rows.T.contiguous()
+        if p.glu:
+            hq = torch.empty(p.rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+            hs = torch.empty(inter // 32, p.rows, dtype=torch.float32, device=x.device)
+            kernels[0](a_m, sa_m, w13, s13, meta, hq, hs)
+        else:
+            c1 = torch.empty(p.rows, 2 * inter, dtype=torch.bfloat16, device=x.device)
+            kernels[0](a_m, sa_m, w13, s13, meta, c1)
+            h13 = c1[dest].float()  # only the T*K real rows go through the torch SwiGLU
+            q, s = quant_act(swiglu(h13[:, :inter], h13[:, inter:], call.attrs["swiglu_limit"]), SWAB_DOWN_ACT_GROUP)
+            hq, hs = _scatter_rows(p.rows, q, dest), _scatter_cols(p.rows, s, dest)
+        c2 = torch.empty(p.rows, d, dtype=torch.bfloat16, device=x.device)
+        kernels[1](hq, hs, w2, s2, meta, c2)
+        return (c2[dest].float().view(t, k, d) * w.unsqueeze(-1)).sum(1)
+
+    def _swab_weights(self, call: Call, p: _MoEPlan, e: int):
+        """The swap-AB operands, once per layer: fp8 stacks with fp32 block scales, or (W4A8) the packed FP4
+        codes as int16 words with MN-major ue8m0 bytes; w1|w3 tile-interleaved for the fused epilogue."""
+        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+        params = tuple(range(9, len(call.args)))
+        if p.fmt == "fp8":
+            b13, s13, b2, s2 = call.prep("moe_stack", params, lambda: stack_experts(call, e))
+            if p.glu:
+                wb = call.attrs["block"]
+                b13, s13 = call.prep(f"moe_glu{p.half}", params, lambda: (
+                    mg.gate_up_tiles(b13, p.half), mg.gate_up_tiles(s13, p.half // wb)))  # fmt: skip
+            return b13, s13, b2, s2
+
+        def fp4_operands():
+            b13, s13, b2, s2 = stack_experts(call, e, scales_as=scale_bytes)
+            if p.glu:
+                b13, s13 = mg.gate_up_tiles(b13, p.half), mg.gate_up_tiles(s13, p.half)
+            return (*mg.w4a8_weights(b13, s13), *mg.w4a8_weights(b2, s2))
+
+        return call.prep(f"moe_w4a8_{p.half if p.glu else 0}", params, fp4_operands)
+
+    def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
+        from deepinfer.ir.ops.moe import swiglu
+
+        t, d, inter, e, block, idx = self._shapes(call)
+        x, weights = call.args[0], call.args[1]
+        slot, tile_expert, m_rows = p.layout
+        b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
+        k = idx.shape[1]
+        a_rows = torch.zeros(m_rows, d, device=x.device, dtype=torch.float32)
+        a_rows[slot] = x.float().repeat_interleave(k, 0)  # pair (t, j) is row t*k + j of idx.reshape(-1)
+        h13 = self._grouped(kernels[0], a_rows, b13, s13, tile_expert, block, 2 * inter)
+        h = swiglu(h13[:, :inter], h13[:, inter:], call.attrs["swiglu_limit"])
+        y_rows = self._grouped(kernels[1], h, b2, s2, tile_expert, block, d)
+        return (y_rows[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
+
+    def _grouped(self, kernel, a_rows, b, s, tile_expert, block, n):
+        a, sa = quant_act(a_rows, block)
+        c = torch.empty(a_rows.shape[0], n, dtype=torch.bfloat16, device=a_rows.device)
+        kernel(a, sa.T.contiguous(), b, s, tile_expert, c)
+        return c
+
+    # -- the shared expert ---------------------------------------------------------------------------------
     def _shared_keys(self, call: Call) -> list[KernelKey]:
         if call.args[3] is None:
             return []
@@ -454,31 +708,6 @@ class MoEGroupedAdapter:
                     [call.names[0], call.names[wi], call.names[si]], [False, call.is_param[wi], call.is_param[si]],
                     call.config, call.cache)  # fmt: skip
 
-    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        from deepinfer.ir.ops.moe import swiglu
-
-        t, d, inter, e, block, idx = self._shapes(call)
-        cfg = self._cfg(call)
-        x, weights = call.args[0], call.args[1]
-        slot, tile_expert, m_rows = self._layout(call, idx, e, cfg.block_m)
-        b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
-        k = idx.shape[1]
-        a_rows = torch.zeros(m_rows, d, device=x.device, dtype=torch.float32)
-        a_rows[slot] = x.float().repeat_interleave(k, 0)  # pair (t, j) is row t*k + j of idx.reshape(-1)
-        h13 = self._grouped(kernels[0], a_rows, b13, s13, tile_expert, block, 2 * inter)
-        h = swiglu(h13[:, :inter], h13[:, inter:], call.attrs["swiglu_limit"])
-        y_rows = self._grouped(kernels[1], h, b2, s2, tile_expert, block, d)
-        y = (y_rows[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
-        if call.args[3] is not None:
-            y = y + self._shared(call, kernels[2:])
-        return [y.to(x.dtype)]
-
-    def _grouped(self, kernel, a_rows, b, s, tile_expert, block, n):
-        a, sa = quant_act(a_rows, block)
-        c = torch.empty(a_rows.shape[0], n, dtype=torch.bfloat16, device=a_rows.device)
-        kernel(a, sa.T.contiguous(), b, s, tile_expert, c)
-        return c
-
     def _shared(self, call: Call, kernels: list) -> torch.Tensor:
         from deepinfer.ir.ops.moe import swiglu
 
@@ -494,9 +723,10 @@ class MoEGroupedAdapter:
         return fp8_linear(sc, kernels[2], h, 1, 2, group, a["shared_block"], self.dense._plan(sc)[0])
 
 
-def stack_experts(call: Call, n_experts: int):
-    """([E, 2I, D] w1|w3 codes, [E, 2I/b, D/b] fp32 scales, [E, D, I] w2, its scales); the per-expert
-    tensors of the call are views of the stacks afterwards (see CudaRunner._rebind)."""
+def stack_experts(call: Call, n_experts: int, scales_as: Callable = scales_f32):
+    """([E, 2I, K] w1|w3 codes, [E, 2I/b, K/b] scales, [E, D, I] w2, its scales), the scales through
+    `scales_as` (fp32 for the fp8 kernels; fp4 keeps the ue8m0 bytes); the per-expert tensors of the call are
+    views of the stacks afterwards (see CudaRunner._rebind)."""
     ex = call.args[9:]
     w1 = [ex[6 * i] for i in range(n_experts)]
     s1 = [ex[6 * i + 1] for i in range(n_experts)]
@@ -510,8 +740,8 @@ def stack_experts(call: Call, n_experts: int):
     b2 = _stacked_view(w2, None)
     if b2 is None:
         b2 = torch.stack(w2)
-    s13 = torch.stack([torch.cat([scales_f32(a), scales_f32(b)]) for a, b in zip(s1, s3)])
-    return b13, s13, b2, torch.stack([scales_f32(s) for s in s2])
+    s13 = torch.stack([torch.cat([scales_as(a), scales_as(b)]) for a, b in zip(s1, s3)])
+    return b13, s13, b2, torch.stack([scales_as(s) for s in s2])
 
 
 def _stacked_view(first: list, second: list | None):
@@ -670,20 +900,32 @@ def adapter_for(family: str, op: str):
 # ---------------------------------------------------------------------------------------------- building
 
 
-def _factory(key: KernelKey):
-    import importlib
+def _config_class(mod, fn):
+    """The program's own config class: its cfg default's type (engram has one per program), else the class its
+    annotation names (swab_program: SwabConfig | None), else the module's Config (moe_grouped_gemm.program runs
+    fp8_gemm's main loop with fp8_gemm.Config)."""
     import inspect
+
+    param = inspect.signature(fn).parameters["cfg"]
+    if param.default not in (None, inspect.Parameter.empty):
+        return type(param.default)
+    for t in getattr(param.annotation, "__args__", (param.annotation,)):
+        if isinstance(t, type) and t is not type(None):
+            return t
+    from deepinfer.codegen.kernels.fp8_gemm import Config
+
+    return getattr(mod, "Config", Config)
+
+
+def _factory(key: KernelKey, target: str = "sm90"):
+    import importlib
 
     mod = importlib.import_module(f"deepinfer.codegen.kernels.{key.family}")
     fn = getattr(mod, key.program)
     kw = dict(key.kwargs)
-    if "cfg" in kw:  # the program's own config class (its cfg default: engram has one per program)
-        default = inspect.signature(fn).parameters["cfg"].default
-        cfg_cls = type(default) if default not in (None, inspect.Parameter.empty) else getattr(mod, "Config", None)
-        if cfg_cls is None:  # moe_grouped_gemm runs fp8_gemm's main loop with its Config
-            from deepinfer.codegen.kernels.fp8_gemm import Config as cfg_cls
-        kw["cfg"] = cfg_cls(**dict(kw["cfg"]))
-    return fn(*key.args, target="sm90", **kw)
+    if "cfg" in kw:
+        kw["cfg"] = _config_class(mod, fn)(**dict(kw["cfg"]))
+    return fn(*key.args, target=target, **kw)
 
 
 def build_kernel(key: KernelKey):
@@ -691,6 +933,26 @@ def build_kernel(key: KernelKey):
     import tilelang
 
     return tilelang.compile(_factory(key), target=TILELANG_TARGET, execution_backend="tvm_ffi")
+
+
+def c_target_kernel(key: KernelKey) -> Callable:
+    """The same program built for TileLang's `c` target (fp32 data), behind the sm90 kernel's signature: FP8 and
+    bf16 operands go in as fp32 copies, and every converted operand is copied back afterwards (an output takes
+    its dtype's rounding there; an input is unchanged, the conversions being exact). For CPU tests of the
+    adapters against the real program (its layouts and index arithmetic), at small shapes."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    kernel = compile_cpu(_factory(key, target="cpu"))
+    narrow = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)
+
+    def run(*args):
+        wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype in narrow else a for a in args]
+        kernel(*wide)
+        for a, w in zip(args, wide):
+            if w is not a:
+                a.copy_(w)
+
+    return run
 
 
 def prebuild_one(key: KernelKey) -> str:
@@ -732,6 +994,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
     """A torch stand-in with the compiled kernel's signature (outputs written in place), from the family's
     reference: for CPU tests of the adapters."""
     kw = dict(key.kwargs)
+    if key.program == "swab_program":
+        return _emulated_swab(key)
     if key.family == "fp8_gemm":
         from deepinfer.codegen.kernels import fp8_gemm
 
@@ -809,6 +1073,59 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         return gate
     raise KeyError(f"no emulation for {key.family}.{key.program}")
+
+
+def _untile_gate_up(w: torch.Tensor, half: int, dim: int = 1) -> torch.Tensor:
+    """The inverse of moe_grouped_gemm.gate_up_tiles: gate rows then up rows again."""
+    shape = list(w.shape)
+    n = shape[dim]
+    v = w.reshape(shape[:dim] + [n // (2 * half), 2, half] + shape[dim + 1 :])
+    return v.transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+def _emulated_swab(key: KernelKey) -> Callable:
+    """swab_program's contract from its docstring: C = A @ B[e(row)]^T per row (masked: Counts; contiguous:
+    TileExpert per block_t rows), rows past an expert's count untouched; with swiglu_limit, B is w1|w3
+    tile-interleaved and the outputs are the clamped SwiGLU's e4m3 codes + MN-major per-32 scales."""
+    from deepinfer.codegen.kernels import fp8_gemm
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    kw = dict(key.kwargs)
+    cfg = dict(kw["cfg"])
+    m, n, k, e = key.args
+    fmt, ag, wb, max_rows, limit = kw["fmt"], kw["act_group"], kw["weight_block"], kw.get("max_rows", 0), \
+        kw.get("swiglu_limit")  # fmt: skip
+    half = cfg["block_n"] // 2
+
+    def swab(a, sa_t, b, sb, meta, *outs):
+        fp4 = fmt == "fp4"
+        b_shape = (e, n, k // 4) if fp4 else (e, n, k)
+        meta_n = e if max_rows else m // cfg["block_t"]
+        out_n = n // 2 if limit is not None else n
+        _check_abi(key, (a, (m, k)), (sa_t, (-(-k // ag), m)), (b, b_shape), (meta, (meta_n,)), (outs[0], (m, out_n)))
+        rows = mg.row_experts(meta, max_rows or cfg["block_t"], masked=bool(max_rows)).to(a.device)
+        if fp4:
+            packed = b.view(torch.uint8).view(e, n, k // 2)
+            scale = sb.transpose(1, 2).view(torch.float8_e8m0fnu)
+            if limit is not None:
+                packed, scale = _untile_gate_up(packed, half), _untile_gate_up(scale, half)
+            h = mg.reference_w4a8(a, sa_t.T, packed, scale, rows, ag)
+        else:
+            if limit is not None:
+                b, sb = _untile_gate_up(b, half), _untile_gate_up(sb, half // wb)
+            h = torch.zeros(m, n, device=a.device)
+            for ex in torch.unique(rows[rows >= 0]).tolist():
+                sel = rows == ex
+                h[sel] = fp8_gemm.reference(a[sel], sa_t.T[sel], b[ex], sb[ex], ag, wb)
+        real = rows >= 0
+        if limit is None:
+            outs[0][real] = h[real].to(outs[0].dtype)
+            return
+        q, s = mg.swiglu_quant_reference(h, limit)
+        outs[0][real] = q[real]
+        outs[1][:, real] = s[real].T
+
+    return swab
 
 
 def _check_abi(key: KernelKey, *pairs) -> None:
