@@ -1,6 +1,7 @@
 """How much a model amplifies accumulation-order-sized differences at its kernels' number formats (CPU).
 
-    python3 benchmarks/format_sensitivity.py [--model deepseek-v4.1-flash:tiny] [--prompts 3] [--extra 40]
+    python3 benchmarks/format_sensitivity.py [--model deepseek-v4.1-flash:tiny] [--weights random|trained]
+        [--prompts 3] [--extra 40] [--only-op OP[,OP...] | --by-op] [--flips]
 
 The sm90 plan's graph runs with every bound kernel replaced by its torch emulation (same bf16/FP8 operands,
 reference math: runtime/kernel_adapters.emulated_kernel), teacher-forced over a few prompts, once as is and
@@ -9,50 +10,161 @@ the max |logit difference|, its share of the logit range, and the share of posit
 twice that position's difference ("decisive"). A model whose difference is a large share of the range is
 chaotic at these formats: no two implementations that sum in another order can agree on its greedy tokens
 (gpu_e2e.py's end-to-end check measures the same envelope on the H200 and holds the kernels to it).
+
+Diagnosis: ``--only-op`` perturbs only the outputs of those op kinds; ``--by-op`` does that for every op kind
+with floating outputs, one line each; ``--flips`` also counts the discrete decisions that differ between the
+two runs (integer outputs -- MoE routing, index / candidate top-k, compared as sets -- and FP8 codes) per op
+kind, and names the first node whose output moved by more than 1% of its scale.
+``--weights trained`` uses models/trained_tiny.py's weights instead of the preset's seeded random ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+SEQ_EXTRA_STRIDE = (7, 3)  # teacher-forced continuation token i = (7 i + 3) % 1000
+
+
+def load(model: str, weights: str = "random"):
+    """The sm90 plan of ``model`` and its CPU parameters (experts restacked as the grouped kernel reads them)."""
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime.cuda_executor import restack_experts
+    from deepinfer.runtime.plan import bind_weights
+
+    plan = compile_model(model, "sm90").plan
+    if weights == "trained":
+        from deepinfer.models.trained_tiny import trained_params
+
+        params = trained_params(plan)
+    else:
+        params, _ = bind_weights(plan)
+    restack_experts(plan.graph, params)
+    return plan, params
+
+
+def recorded_run(ex, feeds) -> tuple[torch.Tensor, dict]:
+    """Logits and every node's outputs (name -> (op, outputs)) of one run of ``ex``."""
+    rec: dict = {}
+    orig = ex._run_node
+
+    def hook(step, args, attrs, t):
+        outs = orig(step, args, attrs, t)
+        rec[step.outputs[0]] = (step.node.op, [o.detach().clone() if torch.is_tensor(o) else o for o in outs])
+        return outs
+
+    ex._run_node = hook
+    try:
+        logits = ex.run(feeds)[0].float()
+    finally:
+        del ex._run_node
+    return logits, rec
+
+
+def discrete_flips(rec_a: dict, rec_b: dict) -> tuple[Counter, str]:
+    """Per op kind: rows of integer outputs that differ as sets (routing / top-k choices) and FP8 codes that
+    differ; and the first node (graph order) whose floating output moved by more than 1% of its max."""
+    flips: Counter = Counter()
+    first = ""
+    for name, (op, outs_a) in rec_a.items():
+        for x, y in zip(outs_a, rec_b[name][1]):
+            if not torch.is_tensor(x) or x.shape != y.shape or x.numel() == 0:
+                continue
+            if x.dtype in (torch.int32, torch.int64):
+                xs, ys = (x.sort(-1).values, y.sort(-1).values) if x.dim() else (x, y)
+                rows = (xs != ys).reshape(-1, xs.shape[-1] if xs.dim() else 1).any(-1)
+                flips[f"{op} rows"] += int(rows.sum())
+            elif x.dtype == torch.float8_e4m3fn:
+                flips[f"{op} fp8 codes"] += int((x.view(torch.uint8) != y.view(torch.uint8)).sum())
+            elif x.is_floating_point() and not first:
+                d = float((x.float() - y.float()).abs().max())
+                if d > 0.01 * float(x.float().abs().max().clamp_min(1e-30)):
+                    first = f"{name} ({op}): {d:.3g} of max {float(x.float().abs().max()):.3g}"
+    return flips, first or "none above 1%"
+
+
+def sensitivity(plan, params, seqs: list[list[int]], ops=None, eps: float = 1e-6, flips: bool = False) -> dict:
+    """The formats path against itself with a relative ``eps`` perturbation of ``ops``' outputs (all ops when
+    None), teacher-forced over ``seqs``: worst share of the logit range, share of decisive positions, flips."""
+    import gpu_e2e as g
+
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
+
+    ka.EMULATE = True  # the emulated kernels take CPU tensors
+    try:
+        exact = GraphExecutor(plan.graph, params, kernels=KernelCache(builder=ka.emulated_kernel), verify=False)
+        perturbed = g.perturbed_executor(plan.graph, params, eps=eps, ops=ops)
+        torch.manual_seed(0)
+        shares, decisive, counts, firsts = [], [], Counter(), []
+        for seq in seqs:
+            lf, rec_f = recorded_run(exact, g._teacher_inputs(plan.graph, seq, "cpu"))
+            ln, rec_n = recorded_run(perturbed, g._teacher_inputs(plan.graph, seq, "cpu"))
+            err = (ln - lf).abs().amax(-1)
+            shares.append(float(err.max()) / float(lf.amax() - lf.amin()))
+            top2 = lf.topk(2, -1).values
+            decisive.append(float(((top2[:, 0] - top2[:, 1]) > 2 * err).float().mean()))
+            if flips:
+                c, first = discrete_flips(rec_f, rec_n)
+                counts.update(c)
+                firsts.append(first)
+    finally:
+        ka.EMULATE = False
+    return {"shares": shares, "decisive": decisive, "flips": counts, "first": firsts}
+
+
+def probe_seqs(vocab: int, n_prompts: int, extra: int) -> list[list[int]]:
+    import gpu_e2e as g
+
+    a, b = SEQ_EXTRA_STRIDE
+    return [p + [(a * i + b) % min(1000, vocab) for i in range(extra)] for p in g.eq_prompts(vocab=vocab)[4:4 + n_prompts]]
+
+
+def float_ops(plan) -> list[str]:
+    """Op kinds that have a floating output (the ones a perturbation can touch), in first-appearance order."""
+    seen: dict = {}
+    for n in plan.graph.nodes:
+        if any(str(v.dtype) in ("f32", "bf16") for v in n.outputs):
+            seen.setdefault(n.op, None)
+    return list(seen) or sorted({n.op for n in plan.graph.nodes})
+
+
+def _line(label: str, r: dict) -> str:
+    s = ", ".join(f"{x:.1%}" for x in r["shares"])
+    d = ", ".join(f"{x:.0%}" for x in r["decisive"])
+    return f"{label}: max |diff| / logit range {s}; decisive {d}"
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-v4.1-flash:tiny")
+    ap.add_argument("--weights", choices=("random", "trained"), default="random")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--extra", type=int, default=40, help="tokens appended to each prompt (teacher-forced)")
+    ap.add_argument("--eps", type=float, default=1e-6)
+    ap.add_argument("--only-op", default="", help="comma list of op kinds whose outputs are perturbed")
+    ap.add_argument("--by-op", action="store_true", help="one line per op kind, perturbing only that kind")
+    ap.add_argument("--flips", action="store_true", help="count differing routing / top-k / FP8 decisions")
     args = ap.parse_args(argv)
 
-    import gpu_e2e as g
-
-    from deepinfer.compiler import compile_model
-    from deepinfer.runtime import kernel_adapters as ka
-    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, restack_experts
-    from deepinfer.runtime.plan import bind_weights
-
-    ka.EMULATE = True  # the emulated kernels take CPU tensors
-    plan = compile_model(args.model, "sm90").plan
-    params, _ = bind_weights(plan)
-    restack_experts(plan.graph, params)
-    exact = GraphExecutor(plan.graph, params, kernels=KernelCache(builder=ka.emulated_kernel), verify=False)
-    perturbed = g.perturbed_executor(plan.graph, params)
-    torch.manual_seed(0)
-    for p in g.eq_prompts()[4 : 4 + args.prompts]:
-        seq = p + [(7 * i + 3) % 1000 for i in range(args.extra)]
-        lf = exact.run(g._teacher_inputs(plan.graph, seq, "cpu"))[0].float()
-        ln = perturbed.run(g._teacher_inputs(plan.graph, seq, "cpu"))[0].float()
-        err = (ln - lf).abs().amax(-1)
-        rng = float(lf.amax() - lf.amin())
-        top2 = lf.topk(2, -1).values
-        decisive = float(((top2[:, 0] - top2[:, 1]) > 2 * err).float().mean())
-        print(f"{args.model} {len(seq)} tokens: max |diff| {float(err.max()):.4f}, logit range {rng:.2f} "
-              f"({float(err.max()) / rng:.1%}), decisive positions {decisive:.0%}", flush=True)  # fmt: skip
+    plan, params = load(args.model, args.weights)
+    vocab = int(plan.graph.outputs[0].shape[-1])
+    seqs = probe_seqs(vocab, args.prompts, args.extra)
+    print(f"{args.model} ({args.weights} weights), eps {args.eps:g}, sequences of {[len(s) for s in seqs]} tokens",
+          flush=True)  # fmt: skip
+    groups = [[op] for op in float_ops(plan)] if args.by_op else [args.only_op.split(",") if args.only_op else None]
+    for ops in groups:
+        r = sensitivity(plan, params, seqs, ops=set(ops) if ops else None, eps=args.eps, flips=args.flips)
+        print(_line(",".join(ops) if ops else "all ops", r), flush=True)
+        if args.flips:
+            print("   flips: " + (", ".join(f"{k} {v}" for k, v in sorted(r["flips"].items()) if v) or "none"))
+            print("   first node moved > 1%: " + " | ".join(r["first"]), flush=True)
     return 0
 
 

@@ -385,16 +385,19 @@ class PairedKernels:
         return "\n".join(lines)
 
 
-def perturbed_executor(g, params, eps: float = 1e-6):
+def perturbed_executor(g, params, eps: float = 1e-6, ops=None):
     """The formats path (emulated kernels) with every floating node output multiplied by (1 + eps N(0, 1))
     before it is stored in its dtype: an accumulation-order-sized difference everywhere, to measure how much the
-    model itself amplifies one (bf16/FP8 outputs change only where the perturbation tips a rounding)."""
+    model itself amplifies one (bf16/FP8 outputs change only where the perturbation tips a rounding).
+    ``ops``: perturb only the outputs of nodes of these op kinds (format_sensitivity.py --only-op)."""
     from deepinfer.runtime import kernel_adapters as ka
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
 
     class Perturbed(GraphExecutor):
         def _run_node(self, step, args, attrs, t):
             outs = super()._run_node(step, args, attrs, t)
+            if ops is not None and step.node.op not in ops:
+                return outs
             floats = (torch.float32, torch.bfloat16)
             return [o.float().mul(1 + eps * torch.randn_like(o, dtype=torch.float32)).to(o.dtype)
                     if torch.is_tensor(o) and o.dtype in floats else o for o in outs]  # fmt: skip
