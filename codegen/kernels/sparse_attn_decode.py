@@ -24,6 +24,7 @@ Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -123,7 +124,8 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False) -> 
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
 
 
-def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config = Config(), kv_fp8: bool = False):
+def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config = Config(), kv_fp8: bool = False,
+            n_win: int = 0, S_cmp: int = 0):  # fmt: skip
     """prim_func(Q [B, H, D] act, KV [S, D] act, Idx [B, topk] int32, Sink [H] f32, O [B, H, D] act).
 
     With cfg.num_split > 1 this is the first of two kernels (`split_programs`), and its signature is
@@ -132,13 +134,26 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
 
     cfg.ws selects the warp-specialised sm90 program (`_program_ws`); kv_fp8 (ws only) takes the FP8 KV
     cache instead: KV [S, D] float8_e4m3fn and KVs [S, D/32] uint8 ue8m0 exponents follow Q in the signature.
+
+    Two pools (0 < n_win < topk; the graph's fused_attention inputs win_kv/win_idx + cmp_kv/cmp_idx, so the
+    runtime never concatenates its SWA-ring and compressed pools): KV and Idx are replaced by
+        KVw [S, D], KVc [S_cmp, D], IdxW [B, n_win] int32, IdxC [B, topk - n_win] int32
+    (FP8: KVw, KVsw [S, D/32], KVc, KVsc [S_cmp, D/32], IdxW, IdxC), everything else as above:
+        (Q, KVw, KVc, IdxW, IdxC, Sink, O)            split: (Q, KVw, KVc, IdxW, IdxC, Op, Mp, Lp)
+    Entry j < n_win of request b is row IdxW[b, j] of KVw; entry j >= n_win is row IdxC[b, j - n_win] of KVc;
+    -1 = invalid in either list. topk counts both lists (V4.1: 128 + 512 = 640); blocks and split chunks run
+    over the concatenated entry order, so cfg's divisibility rules apply to topk, and the ws program needs
+    n_win % 4 == 0 (its row-id copies move 4 ids). A window-only layer passes its one pool with n_win = 0.
+    The ws program's pool sizes are symbolic (S / S_cmp are ignored); the others take them as given.
     """
     import tilelang.language as T
 
+    assert 0 <= n_win < topk, (n_win, topk)
     if cfg.ws and ws_supported(H, D, target):
+        assert n_win % 4 == 0, "the ws program copies row ids 4 at a time: n_win % 4 == 0"
         if Mem(target).cpu:
-            return _program_ws_cpu(B, H, D, S, topk, cfg=cfg, kv_fp8=kv_fp8)
-        func = _program_ws(B, H, D, S, topk, cfg=cfg, kv_fp8=kv_fp8)
+            return _program_ws_cpu(B, H, D, S, topk, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp)
+        func = _program_ws(B, H, D, S, topk, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win)
         return func.with_attr("tilelang_pass_configs", WS_PASS_CONFIGS)
     if cfg.ws:  # same chunking (block_n, num_split: the reduction order) on the portable program
         cfg = Config(cfg.block_n, 256, cfg.num_split, 2)
@@ -152,17 +167,18 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     NEG = -3.0e38
 
     @T.macro
-    def body(Q, KV, Idx, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l):
+    def body(Q, src, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l):
         T.copy(Q[b, 0, 0], q_s)
         T.clear(o)
         T.clear(l)
         T.fill(m, NEG)
         for blk in T.Pipelined(chunk // bn, num_stages=cfg.stages):
             for r, d in mem.par(bn, D):  # gather: rows are arbitrary pool slots (no TMA box)
-                kv_s[r, d] = KV[T.max(Idx[b, sp * chunk + blk * bn + r], 0), d]
+                e = sp * chunk + blk * bn + r
+                kv_s[r, d] = src.load(e, T.max(src.row_id(b, e), 0), d)
             T.gemm(q_s, kv_s, s, transpose_B=True, clear_accum=True)
             for h, j in mem.par(H, bn):
-                s[h, j] = T.if_then_else(Idx[b, sp * chunk + blk * bn + j] >= 0, s[h, j] * scale, NEG)
+                s[h, j] = T.if_then_else(src.row_id(b, sp * chunk + blk * bn + j) >= 0, s[h, j] * scale, NEG)
             T.reduce_max(s, m_new, dim=1, clear=True)
             for h in mem.par(H):
                 m_new[h] = T.max(m_new[h], m[h])
@@ -171,7 +187,7 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
             for h, j in mem.par(H, bn):
                 # -1 entries weigh exactly 0, even while every entry so far is invalid (m_new = NEG)
                 s[h, j] = T.if_then_else(
-                    Idx[b, sp * chunk + blk * bn + j] >= 0, T.exp(s[h, j] - m_new[h]), T.float32(0)
+                    src.row_id(b, sp * chunk + blk * bn + j) >= 0, T.exp(s[h, j] - m_new[h]), T.float32(0)
                 )
             T.reduce_sum(s, l_blk, dim=1)
             for h in mem.par(H):
@@ -180,19 +196,31 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
             T.copy(s, p_s)
             T.gemm(p_s, kv_s, o)  # V = K: the same gathered rows
 
-    def allocs():
-        return (
-            mem.shared((H, D), act),
-            mem.shared((bn, D), act),
-            mem.shared((H, bn), act),
-            mem.fragment((H, bn), "float32"),
-            mem.fragment((H, D), "float32"),
-            mem.fragment((H,), "float32"),
-            mem.fragment((H,), "float32"),
-            mem.fragment((H,), "float32"),
-            mem.fragment((H,), "float32"),
-        )
+    @T.macro
+    def cta(Q, src, Sink, O, Op, Mp, Lp, sp, b):
+        q_s = mem.shared((H, D), act)
+        kv_s = mem.shared((bn, D), act)
+        p_s = mem.shared((H, bn), act)
+        s = mem.fragment((H, bn), "float32")
+        o = mem.fragment((H, D), "float32")
+        m = mem.fragment((H,), "float32")
+        m_new = mem.fragment((H,), "float32")
+        l_blk = mem.fragment((H,), "float32")
+        l = mem.fragment((H,), "float32")
+        body(Q, src, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l)
+        if ns == 1:
+            for h, d in mem.par(H, D):
+                # the sink joins the denominator only (it has no value row)
+                O[b, h, d] = T.cast(o[h, d] / (l[h] + T.exp(Sink[h] - m[h])), act)
+        else:
+            T.copy(o, Op[b, sp, 0, 0])
+            for h in mem.par(H):
+                Mp[b, sp, h] = m[h]
+                Lp[b, sp, h] = l[h]
 
+    if n_win:
+        return _two_pool_entry(cta, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns, kvt=act,
+                               fp8=False, split=ns > 1, threads=None if mem.cpu else cfg.threads, act=act)  # fmt: skip
     if ns == 1:
 
         @T.prim_func
@@ -204,11 +232,7 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
             O: T.Tensor((B, H, D), act),
         ):
             with T.Kernel(B, threads=cfg.threads) as b:
-                q_s, kv_s, p_s, s, o, m, m_new, l_blk, l = allocs()
-                body(Q, KV, Idx, b, 0, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l)
-                for h, d in mem.par(H, D):
-                    # the sink joins the denominator only (it has no value row)
-                    O[b, h, d] = T.cast(o[h, d] / (l[h] + T.exp(Sink[h] - m[h])), act)
+                cta(Q, _Src(KV, None, Idx), Sink, O, None, None, None, 0, b)
 
         return sparse_attn_decode
 
@@ -222,12 +246,7 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
         Lp: T.Tensor((B, ns, H), "float32"),
     ):
         with T.Kernel(ns, B, threads=cfg.threads) as (sp, b):
-            q_s, kv_s, p_s, s, o, m, m_new, l_blk, l = allocs()
-            body(Q, KV, Idx, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l)
-            T.copy(o, Op[b, sp, 0, 0])
-            for h in mem.par(H):
-                Mp[b, sp, h] = m[h]
-                Lp[b, sp, h] = l[h]
+            cta(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
     return sparse_attn_decode_split
 
@@ -280,7 +299,38 @@ class _WsGeom:
         return (k * 128 + t) % (self.D2 // 8) * 8
 
 
-def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool):
+class _Src(NamedTuple):
+    """Where a program's entries come from: one pool (kv, kvs, idx) or two (`n_win` > 0: entry e < n_win is
+    row idx[b, e] of kv, entry e >= n_win row idx2[b, e - n_win] of kv2). kvs / kvs2: the FP8 exponents
+    (None for bf16 KV). Built inside the prim_func from its parameters; the macros branch on it statically."""
+
+    kv: object
+    kvs: object
+    idx: object
+    kv2: object = None
+    kvs2: object = None
+    idx2: object = None
+    n_win: int = 0
+
+    def row_id(self, b, e):
+        """The pool row of entry e of request b (-1: invalid)."""
+        import tilelang.language as T
+
+        if not self.n_win:
+            return self.idx[b, e]
+        return T.if_then_else(e < self.n_win, self.idx[b, e], self.idx2[b, e - self.n_win])
+
+    def load(self, e, row, col, scales: bool = False):
+        """Element (row, col) of entry e's pool (its exponents with `scales`): the CPU mirror's gather."""
+        import tilelang.language as T
+
+        one = self.kvs if scales else self.kv
+        if not self.n_win:
+            return one[row, col]
+        return T.if_then_else(e < self.n_win, one[row, col], (self.kvs2 if scales else self.kv2)[row, col])
+
+
+def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool, n_win: int = 0):
     """The warp-specialised sm90 program (FlashMLA-style). One CTA per (chunk, request), 3 warpgroups:
 
       WG0 (QK)    waits for block i's KV rows, S = Q K^T (wgmma, fp32), online softmax in base 2, writes
@@ -357,38 +407,68 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(p_full[st])
 
     @T.macro
-    def load_rid(Idx, b, base, blk, t, rid, k):
+    def load_rid(src, b, base, blk, t, rid, k):
         for r in T.unroll(R, explicit=True):
-            rid[k, r] = Idx[b, base + blk * bn + g.row(r, t)]
+            rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
 
     @T.macro
-    def gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, blk, st, hf: int, t, rid, k):
+    def cp_row(src, dst, e, row, col, n: int, scales: bool):
+        """cp.async n elements of pool row `row` (clamped to >= 0), from column col, of entry e's pool (the KV
+        or, with `scales`, its FP8 exponents) to dst = (shared buffer, index tuple): two pools branch on e
+        (uniform across a warp's rows unless a block straddles the pools). dst stays a tuple so that the
+        access_ptr is built here (cp.async needs it literally, not through a macro's let binding)."""
+        if src.n_win:
+            if e < src.n_win:
+                T.ptx_cp_async(
+                    T.access_ptr(dst[0][dst[1]], "w", n),
+                    T.access_ptr((src.kvs if scales else src.kv)[T.max(row, 0), col], "r", n),
+                    n,
+                )
+            else:
+                T.ptx_cp_async(
+                    T.access_ptr(dst[0][dst[1]], "w", n),
+                    T.access_ptr((src.kvs2 if scales else src.kv2)[T.max(row, 0), col], "r", n),
+                    n,
+                )
+        else:
+            T.ptx_cp_async(
+                T.access_ptr(dst[0][dst[1]], "w", n),
+                T.access_ptr((src.kvs if scales else src.kv)[T.max(row, 0), col], "r", n),
+                n,
+            )
+
+    @T.macro
+    def cp_ids(src, dst, b, e):
+        """cp.async the 4 row ids of entries e .. e + 3 (one list: n_win % 4 == 0), for WG0's mask."""
+        if src.n_win:
+            if e < src.n_win:
+                T.ptx_cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
+            else:
+                T.ptx_cp_async(
+                    T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx2[b, e - src.n_win], "r", 4), 4
+                )
+        else:
+            T.ptx_cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
+
+    @T.macro
+    def gather(src, kvh, raw, sc, stg_idx, full, b, base, blk, st, hf: int, t, rid, k):
         """bf16: cp.async this half of block blk's rows into stage st and arm full[hf, st].
         FP8: cp.async the raw bytes and scale words into staging slot st (completion: cp.async groups)."""
         for r in T.unroll(R, explicit=True):
+            e = base + blk * bn + g.row(r, t)
             if kv_fp8:
-                T.ptx_cp_async(
-                    T.access_ptr(raw[st, g.row(r, t), g.col8(t)], "w", 16),
-                    T.access_ptr(KV[T.max(rid[k, r], 0), hf * D2 + g.col8(t)], "r", 16),
-                    16,
-                )
-                T.ptx_cp_async(  # the aligned 4 exponent bytes holding this chunk's group
-                    T.access_ptr(sc[st, g.row(r, t), t % g.tpr * 4], "w", 4),
-                    T.access_ptr(KVs[T.max(rid[k, r], 0), g.scale_word(hf, t)], "r", 4),
-                    4,
-                )
+                cp_row(src, (raw, (st, g.row(r, t), g.col8(t))), e, rid[k, r],
+                       hf * D2 + g.col8(t), 16, False)  # fmt: skip
+                # the aligned 4 exponent bytes holding this chunk's group
+                cp_row(src, (sc, (st, g.row(r, t), t % g.tpr * 4)), e, rid[k, r],
+                       g.scale_word(hf, t), 4, True)  # fmt: skip
             else:
                 for u in T.unroll(D2 // 64, explicit=True):
-                    T.ptx_cp_async(
-                        T.access_ptr(kvh[st, g.row(r, t), g.col(u, t)], "w", 8),
-                        T.access_ptr(KV[T.max(rid[k, r], 0), hf * D2 + g.col(u, t)], "r", 8),
-                        8,
-                    )
+                    cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
+                           hf * D2 + g.col(u, t), 8, False)  # fmt: skip
         if hf == 0:
             if t < bn // 4:  # the block's row ids, for WG0's mask
-                T.ptx_cp_async(
-                    T.access_ptr(stg_idx[st, t * 4], "w", 4), T.access_ptr(Idx[b, base + blk * bn + t * 4], "r", 4), 4
-                )
+                cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
         if not kv_fp8:
             T.cp_async_barrier_noinc(full[hf * NS + st])
 
@@ -415,20 +495,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(full[hf * NS + st])
 
     @T.macro
-    def refill(KV, KVs, Idx, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
+    def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
         """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
         ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
         if kv_fp8:
             dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf, t, buf, obuf)
             if blk + NS < nb:
-                gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, blk + NS, st, hf, t, rid, 0)
+                gather(src, kvh, raw, sc, stg_idx, full, b, base, blk + NS, st, hf, t, rid, 0)
             T.ptx_commit_group()  # always: keeps NS groups in flight for wait_group
             if blk + NS + 1 < nb:
-                load_rid(Idx, b, base, blk + NS + 1, t, rid, 0)
+                load_rid(src, b, base, blk + NS + 1, t, rid, 0)
         else:
-            gather(KV, KVs, Idx, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
+            gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
-                load_rid(Idx, b, base, blk + 1, t, rid, 0)
+                load_rid(src, b, base, blk + 1, t, rid, 0)
 
     @T.macro
     def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
@@ -446,9 +526,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     @T.macro
     def pv_role(
         Q,
-        KV,
-        KVs,
-        Idx,
+        src,
         O,
         Op,
         b,
@@ -484,31 +562,31 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             )
         T.cp_async_barrier_noinc(bar_q)
         for j in pre_blocks:
-            load_rid(Idx, b, base, j, t, rid, j)
+            load_rid(src, b, base, j, t, rid, j)
         if kv_fp8:
             for j in ring:
                 if j < nb:
-                    gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, j, j, hf, t, rid, j)
+                    gather(src, kvh, raw, sc, stg_idx, full, b, base, j, j, hf, t, rid, j)
                 T.ptx_commit_group()
             if NS < nb:
-                load_rid(Idx, b, base, NS, t, rid, 0)
+                load_rid(src, b, base, NS, t, rid, 0)
             for j in pre_blocks:
                 dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf)
                 if j + NS < nb:
-                    gather(KV, KVs, Idx, kvh, raw, sc, stg_idx, full, b, base, j + NS, j, hf, t, rid, 0)
+                    gather(src, kvh, raw, sc, stg_idx, full, b, base, j + NS, j, hf, t, rid, 0)
                 T.ptx_commit_group()
                 if j + NS + 1 < nb:
-                    load_rid(Idx, b, base, j + NS + 1, t, rid, 0)
+                    load_rid(src, b, base, j + NS + 1, t, rid, 0)
         else:
             for j in pre_blocks:
-                gather(KV, KVs, Idx, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
+                gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
             if NS < nb:
-                load_rid(Idx, b, base, NS, t, rid, 0)
+                load_rid(src, b, base, NS, t, rid, 0)
         for it in T.serial(rounds):
             for st in ring:
                 pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
                 if (it + 1) * NS + st < nb:
-                    refill(KV, KVs, Idx, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
+                    refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip
         for st in tail_blocks:
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
@@ -521,7 +599,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
 
     @T.macro
-    def body(Q, KV, KVs, Idx, Sink, O, Op, Mp, Lp, sp, b):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
         q_l = T.alloc_shared((H, D2), bf)
         q_r = T.alloc_shared((H, D2), bf)
         kv_l = T.alloc_shared((NS, bn, D2), bf)
@@ -602,16 +680,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
             T.barrier_arrive(fin)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
-            pv_role(Q, KV, KVs, Idx, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
+            pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
-            pv_role(Q, KV, KVs, Idx, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
+            pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
 
-    # The batch and the pool size are symbolic: one build serves every batch size and KV pool (the tuner
+    # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
-    Bd, Sd = T.dynamic("B"), T.dynamic("S")
+    Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
     kvt = "float8_e4m3fn" if kv_fp8 else bf
+    nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
+    if n_win:
+        return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
+                                  fp8=kv_fp8, split=split)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -625,7 +707,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
             with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
-                body(Q, KV, KVs, Idx, None, None, Op, Mp, Lp, sp, b)
+                body(Q, _Src(KV, KVs, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_fp8_split
     if kv_fp8:
@@ -640,7 +722,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             O: T.Tensor((Bd, H, D), bf),
         ):
             with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
-                body(Q, KV, KVs, Idx, Sink, O, None, None, None, sp, b)
+                body(Q, _Src(KV, KVs, Idx), Sink, O, None, None, None, sp, b)
 
         return sparse_attn_decode_ws_fp8
     if split:
@@ -655,7 +737,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
             with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
-                body(Q, KV, None, Idx, None, None, Op, Mp, Lp, sp, b)
+                body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_split
 
@@ -668,12 +750,92 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         O: T.Tensor((Bd, H, D), bf),
     ):
         with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
-            body(Q, KV, None, Idx, Sink, O, None, None, None, sp, b)
+            body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
 
 
-def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool):
+def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
+                       act="bfloat16"):  # fmt: skip
+    """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
+    of any of the programs; threads None: TileLang's c target."""
+    import tilelang.language as T
+
+    f32, i32 = "float32", "int32"
+    if fp8 and split:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_fp8_split(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVsw: T.Tensor((Sw, D // 32), "uint8"),
+            KVc: T.Tensor((Sc, D), kvt),
+            KVsc: T.Tensor((Sc, D // 32), "uint8"),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+        ):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
+                body(Q, _Src(KVw, KVsw, IdxW, KVc, KVsc, IdxC, nw), None, None, Op, Mp, Lp, sp, b)
+
+        return sparse_attn_decode_ws2_fp8_split
+    if fp8:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_fp8(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVsw: T.Tensor((Sw, D // 32), "uint8"),
+            KVc: T.Tensor((Sc, D), kvt),
+            KVsc: T.Tensor((Sc, D // 32), "uint8"),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+        ):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
+                body(Q, _Src(KVw, KVsw, IdxW, KVc, KVsc, IdxC, nw), Sink, O, None, None, None, sp, b)
+
+        return sparse_attn_decode_ws2_fp8
+    if split:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_split(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVc: T.Tensor((Sc, D), kvt),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+        ):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), None, None, Op, Mp, Lp, sp, b)
+
+        return sparse_attn_decode_ws2_split
+
+    @T.prim_func
+    def sparse_attn_decode_ws2(
+        Q: T.Tensor((B, H, D), act),
+        KVw: T.Tensor((Sw, D), kvt),
+        KVc: T.Tensor((Sc, D), kvt),
+        IdxW: T.Tensor((B, nw), i32),
+        IdxC: T.Tensor((B, nc), i32),
+        Sink: T.Tensor((H,), f32),
+        O: T.Tensor((B, H, D), act),
+    ):
+        with T.Kernel(ns, B, threads=threads) as (sp, b):
+            body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b)
+
+    return sparse_attn_decode_ws2
+
+
+def _program_ws_cpu(
+    B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool, n_win: int = 0, S_cmp: int = 0
+):
     """CPU mirror of `_program_ws` for TileLang's c target (fp32 data): the same geometry and per-thread
     index arithmetic (`_WsGeom`) for the Q, KV-row, FP8-exponent-word and row-id copies, the same stage
     ring and chunking, the mask (-inf before the max, finite -1e30 start), the base-2 online softmax with
@@ -693,7 +855,7 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
     split = ns > 1
 
     @T.macro
-    def body(Q, KV, KVs, Idx, Sink, O, Op, Mp, Lp, sp, b):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
         q = T.alloc_local((2, H, D2), f32)
         kv = T.alloc_local((2, NS, bn, D2), f32)  # [half, stage, row, column]
         raw = T.alloc_local((2, NS, bn, D2), f32)
@@ -725,14 +887,14 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
             for hf in T.serial(2):  # the PV warpgroups' loaders fill block i into stage st
                 for t in T.serial(128):
                     for r in T.serial(R):
-                        rid[r] = Idx[b, base + i * bn + g.row(r, t)]
+                        rid[r] = src.row_id(b, base + i * bn + g.row(r, t))
                     for r in T.serial(R):
-                        row, src = g.row(r, t), T.max(rid[r], 0)
+                        row, pr, e = g.row(r, t), T.max(rid[r], 0), base + i * bn + g.row(r, t)
                         if kv_fp8:
                             for v in T.serial(16):
-                                raw[hf, st, row, g.col8(t) + v] = KV[src, hf * D2 + g.col8(t) + v]
+                                raw[hf, st, row, g.col8(t) + v] = src.load(e, pr, hf * D2 + g.col8(t) + v)
                             for v in T.serial(4):
-                                sc[hf, st, row, t % tpr * 4 + v] = KVs[src, g.scale_word(hf, t) + v]
+                                sc[hf, st, row, t % tpr * 4 + v] = src.load(e, pr, g.scale_word(hf, t) + v, True)
                             for v in T.serial(16):  # the dequant, by the same thread
                                 kv[hf, st, row, g.col8(t) + v] = raw[hf, st, row, g.col8(t) + v] * T.exp2(
                                     T.cast(sc[hf, st, row, t % tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0
@@ -740,11 +902,11 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
                         else:
                             for u in T.serial(D2 // 64):
                                 for v in T.serial(8):
-                                    kv[hf, st, row, g.col(u, t) + v] = KV[src, hf * D2 + g.col(u, t) + v]
+                                    kv[hf, st, row, g.col(u, t) + v] = src.load(e, pr, hf * D2 + g.col(u, t) + v)
                     if hf == 0:
                         if t < bn // 4:
                             for v in T.serial(4):
-                                idx_s[st, t * 4 + v] = Idx[b, base + i * bn + t * 4 + v]
+                                idx_s[st, t * 4 + v] = src.row_id(b, base + i * bn + t * 4 + v)
             for h in T.serial(H):  # WG0
                 m_prev[h] = m[h]
                 for j in T.serial(bn):
@@ -778,6 +940,9 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
                     for d in T.serial(D2):
                         O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
 
+    if n_win:
+        return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,
+                                  kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -791,7 +956,7 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
             Lp: T.Tensor((B, ns, H), f32),
         ):
             with T.Kernel(ns, B) as (sp, b):
-                body(Q, KV, KVs, Idx, None, None, Op, Mp, Lp, sp, b)
+                body(Q, _Src(KV, KVs, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return ws_cpu_fp8_split
     if kv_fp8:
@@ -806,7 +971,7 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
             O: T.Tensor((B, H, D), f32),
         ):
             with T.Kernel(ns, B) as (sp, b):
-                body(Q, KV, KVs, Idx, Sink, O, None, None, None, sp, b)
+                body(Q, _Src(KV, KVs, Idx), Sink, O, None, None, None, sp, b)
 
         return ws_cpu_fp8
     if split:
@@ -821,7 +986,7 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
             Lp: T.Tensor((B, ns, H), f32),
         ):
             with T.Kernel(ns, B) as (sp, b):
-                body(Q, KV, None, Idx, None, None, Op, Mp, Lp, sp, b)
+                body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return ws_cpu_split
 
@@ -834,7 +999,7 @@ def _program_ws_cpu(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, k
         O: T.Tensor((B, H, D), f32),
     ):
         with T.Kernel(ns, B) as (sp, b):
-            body(Q, KV, None, Idx, Sink, O, None, None, None, sp, b)
+            body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return ws_cpu
 
@@ -877,18 +1042,24 @@ def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, thre
     return sparse_attn_combine
 
 
-def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False):
+def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False,
+                   n_win: int = 0, S_cmp: int = 0):  # fmt: skip
     """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
     assert cfg.num_split > 1
     return (
-        program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8),
+        program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
         combine_program(B, H, D, cfg.num_split, target=target),
     )
 
 
+def _as_args(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
 def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
     """Launch the split pair; `scratch` (Op, Mp, Lp) can be passed to skip the allocations. kv is the
-    bf16 pool, or (codes, exponents) for the FP8-KV program."""
+    bf16 pool or a tuple of the KV arguments in signature order ((codes, exponents) for the FP8-KV program;
+    two pools: (KVw, KVc) or (KVw, KVsw, KVc, KVsc)); idx the Idx tensor or (IdxW, IdxC)."""
     B, H, D = q.shape
     if scratch is None:
         scratch = (
@@ -897,7 +1068,7 @@ def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
             torch.empty(B, num_split, H, device=q.device, dtype=torch.float32),
         )
     op, mp, lp = scratch
-    kernels[0](q, *(kv if isinstance(kv, tuple) else (kv,)), idx, op, mp, lp)
+    kernels[0](q, *_as_args(kv), *_as_args(idx), op, mp, lp)
     kernels[1](op, mp, lp, sink, out)
     return out
 

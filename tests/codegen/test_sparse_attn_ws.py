@@ -123,19 +123,25 @@ def _build_ws(name, func):
 
 
 @pytest.mark.parametrize(
-    "cfg,fp8",
+    "cfg,fp8,n_win",
     [
         # B64 default: split 2, 5 blocks (a ring tail), 2 stages of 64 rows
-        (sad.Config(64, 384, 2, 2, True), False),
+        (sad.Config(64, 384, 2, 2, True), False, 0),
         # FP8 KV: staging + dequant, 20 blocks (the other configs: benchmarks/kernels_h200.py --dry-run)
-        (sad.Config(32, 384, 1, 2, True), True),
+        (sad.Config(32, 384, 1, 2, True), True, 0),
+        # two pools (V4.1: 128 window + 512 compressed entries), the B128 default blocking
+        (sad.Config(64, 384, 1, 2, True), False, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
 )
-def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8):
-    func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8)
+def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
+    func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
     assert dict(func.attrs["tilelang_pass_configs"]) == sad.WS_PASS_CONFIGS
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_{int(fp8)}", func)
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_{int(fp8)}_{n_win}", func)
+    if n_win:  # both pools gathered by cp.async, both index lists read
+        assert re.search(r"cp_async_gs\w*<16>\([^;]*KVw\[", art.source)
+        assert re.search(r"cp_async_gs\w*<16>\([^;]*KVc\[", art.source)
+        assert "IdxW[" in art.source and "IdxC[" in art.source
     ops = art.opcodes
     assert ops["HGMMA"] > 0, "bf16 wgmma (HGMMA) for QK^T and PV"
     assert ops["LDGSTS"] > 0, "cp.async gathers"
@@ -148,3 +154,69 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8):
     assert "__launch_bounds__(384, 1)" in art.source and "setmaxnreg" not in art.source
     if fp8:
         assert "cp_async_wait<1>" in art.source and "fence_proxy_async" in art.source
+
+
+def _two_pools(B, H, D, Sw, Sc, n_win, K, seed):
+    """Window pool, compressed pool and their index lists; the oracle sees the two lists as the graph's
+    sparse_attention op does (ir/ops/attention.py), and concatenated pools with offset indices."""
+    torch.manual_seed(seed)
+    q, kvw, kvc = torch.randn(B, H, D), torch.randn(Sw, D), torch.randn(Sc, D)
+    idx_w = torch.randint(0, Sw, (B, n_win), dtype=torch.int32)
+    idx_c = torch.randint(0, Sc, (B, K - n_win), dtype=torch.int32)
+    idx_w[0, -3:] = -1  # a partly filled window
+    idx_c[:, -5:] = -1
+    idx_c[1, : (K - n_win) // 2] = -1
+    return q, kvw, kvc, idx_w, idx_c, torch.randn(H) * 2
+
+
+def _two_pool_oracle(q, kvw, kvc, idx_w, idx_c, sink, kv_of=lambda x: x):
+    from deepinfer.ir.ops.attention import SparseAttention
+
+    D = q.shape[-1]
+    rw, rc = kv_of(kvw), kv_of(kvc)
+    op = SparseAttention.reference(q, sink, rw, idx_w, rc, idx_c, scale=D**-0.5)
+    cat = torch.cat([idx_w, torch.where(idx_c < 0, -1, idx_c + rw.shape[0])], dim=1)
+    f64 = sad.reference_f64_loops(q, torch.cat([rw, rc]), cat, sink)
+    assert (op - f64).abs().max() < 1e-5
+    return f64
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ws_cpu_mirror_two_pools(tilelang_required, fp8):
+    """Two pools (window list + compressed list, program(n_win=...)): n_win = 36 makes block 0 straddle the
+    pools (32-row blocks: rows 0-31 window, block 1 rows 32-35 window then compressed), single pass and split
+    2 (a chunk boundary at 64), FP8 with separate exponent pools."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, Sw, Sc, nw, K = 2, 64, 128, 70, 300, 36, 128
+    q, kvw, kvc, idx_w, idx_c, sink = _two_pools(B, H, D, Sw, Sc, nw, K, seed=21)
+    if fp8:
+        (cw, ew), (cc, ec) = sad.quant_kv_fp8(kvw), sad.quant_kv_fp8(kvc)
+        kv_args = (cw.float(), ew, cc.float(), ec)
+        f64 = _two_pool_oracle(q, (cw, ew), (cc, ec), idx_w, idx_c, sink, lambda p: sad.dequant_kv_fp8(*p))
+    else:
+        kv_args = (kvw, kvc)
+        f64 = _two_pool_oracle(q, kvw, kvc, idx_w, idx_c, sink)
+    one = compile_cpu(sad.program(B, H, D, Sw, K, target="cpu", cfg=sad.Config(32, 384, 1, 2, True), kv_fp8=fp8,
+                                  n_win=nw, S_cmp=Sc))  # fmt: skip
+    out = torch.empty(B, H, D)
+    one(q, *kv_args, idx_w, idx_c, sink, out)
+    assert (out - f64).abs().max() < 1e-5
+    cfg = sad.Config(32, 384, 2, 2, True)
+    progs = sad.split_programs(B, H, D, Sw, K, target="cpu", cfg=cfg, kv_fp8=fp8, n_win=nw, S_cmp=Sc)
+    out2 = torch.empty(B, H, D)
+    sad.run_split(tuple(compile_cpu(f) for f in progs), q, kv_args, (idx_w, idx_c), sink, out2, 2)
+    assert (out2 - f64).abs().max() < 1e-5
+
+
+def test_portable_two_pools_c_target(tilelang_required):
+    """The portable program's two-pool form (non-ws shapes, e.g. the small presets): a straddling block."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, Sw, Sc, nw, K = 2, 8, 64, 40, 200, 20, 64
+    q, kvw, kvc, idx_w, idx_c, sink = _two_pools(B, H, D, Sw, Sc, nw, K, seed=22)
+    f64 = _two_pool_oracle(q, kvw, kvc, idx_w, idx_c, sink)
+    kernel = compile_cpu(sad.program(B, H, D, Sw, K, target="cpu", cfg=sad.Config(32, 128), n_win=nw, S_cmp=Sc))
+    out = torch.empty(B, H, D)
+    kernel(q, kvw, kvc, idx_w, idx_c, sink, out)
+    assert (out - f64).abs().max() < 1e-5
