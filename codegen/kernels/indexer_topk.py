@@ -4,14 +4,25 @@
     visible j < min((pos_t + 1) // ratio, C)                             (ratio 1: j <= t)
     Idx[t]  = top-k of S(t, .) over the visible entries; ties: the LOWER entry index wins (as `topk_entries`)
 
-FP8: q and k may be float8_e4m3 (wgmma with fp32 accumulation). The per-(token, head) q scale is folded
+FP8: q and k may be float8_e4m3 (wgmma into an fp32 accumulator). The per-(token, head) q scale is folded
 into w by the caller (ReLU(s x) = s ReLU(x) for s > 0), the per-row k scale is `KS` and multiplies after the
 head sum for the same reason; for bf16 inputs pass KS = 1.
 
+FP8 numerics: Hopper's FP8 MMA does not accumulate at fp32 precision. The products (exact: 4 x 4 significand
+bits) of one k32 step and the running accumulator are aligned to the largest exponent among them and keep
+about FP8_MMA_FRAC_BITS = 13 bits below it (DeepSeek-V3 report §3.3.2: "around 14 bits"); the rest is cut.
+`reference_scores_mma` emulates exactly that. On the scores' distribution (q, k ~ 2 N(0, 1) in e4m3, 128 dims,
+32 heads) this gives a max error of ~2e-4 of the row maxima -- the 1.5e-4..3e-4 the H200 measured (the same
+kernels with bf16 inputs: 3e-7) -- so the fp8 scores are checked against the fp32 reference with
+FP8_SCORES_TOL = 1e-3: 3x above that, and >100x below a structural error (one of the 32 heads, one k32 step
+or the key scale lost: 0.25..0.5). A top-k of fp8 scores is exact on the kernel's own scores; against fp32
+scores the sets may differ only by near-ties (within 2 x FP8_SCORES_TOL of the k-th score).
+
 Split (the default path): `scores_program` is a GEMM-shaped FP8 wgmma kernel that writes the fp32 scores [T, C]
-(exactly `index_scores`; ReLU, head weights and head sum in the epilogue), then `topk_select.program` selects
-the exact top-k reading every score once (`topk_entries`). Each part is bound by its own roofline: the scores
-by max(bytes / HBM BW, flops / FP8 peak), the top-k by the bytes of the visible scores + the indices.
+(`index_scores` up to the FP8 MMA accumulation above; ReLU, head weights and head sum in the epilogue),
+then `topk_select.program` selects the exact top-k reading every score once (`topk_entries`). Each part is
+bound by its own roofline: the scores by max(bytes / HBM BW, flops / FP8 peak), the top-k by the bytes of the
+visible scores + the indices.
 
 Fused (kept as a config for comparison), two kernels, and the scores never go to HBM:
 1. `score_program`, grid (chunks, T): a CTA scores one query against one chunk of `chunk` entries (K tiles of
@@ -37,6 +48,9 @@ import torch
 from deepinfer.codegen.kernels._common import Mem
 
 FAMILY = "indexer_topk"
+FP8_MMA_FRAC_BITS = 13  # bits an FP8 wgmma k-step keeps below its largest addend (H200: see the docstring)
+FP8_MMA_K_STEP = 32  # K of one FP8 wgmma instruction
+FP8_SCORES_TOL = 1e-3  # max |fp8 scores - fp32 reference| / max |reference| (derivation in the docstring)
 INT_MIN = -(2**31)
 MAX_MERGE = 8192  # candidates one merge CTA selects from (4 int32 arrays in shared memory: 128 KiB)
 
@@ -238,9 +252,10 @@ def scores_program(T_: int, C: int, *, H: int = 32, di: int = 128, ratio: int, s
                    dtype: str = "float8_e4m3", target: str, cfg: ScoresConfig = ScoresConfig()):  # fmt: skip
     """prim_func(Q [T*H, di], W [T, H] f32, K [C, di], KS [C] f32, Pos [T] int32, S [T, C] f32):
     S(t, j) = scale * KS[j] * sum_h W[t, h] * ReLU(Q[t*H + h] . K[j]) for visible j, -inf past the limit --
-    `index_scores` (with KS = 1 and unquantised q, k). One GEMM-shaped kernel: a CTA holds block_t queries'
+    `index_scores` (with KS = 1 and unquantised q, k; FP8 inputs: up to the MMA's reduced-precision
+    accumulation, see the module docstring). One GEMM-shaped kernel: a CTA holds block_t queries'
     q tile [block_t * H, di] and walks `inner` key tiles [block_c, di] (T.Pipelined), each one wgmma
-    [block_c, di] x [di, block_t * H] with fp32 accumulation, then ReLU, the per-head weights and the head sum in
+    [block_c, di] x [di, block_t * H] into an fp32 accumulator, then ReLU, the per-head weights and the head sum in
     registers (thread-local adds + a 4-lane shuffle) and one fp32 row segment per query out through shared
     memory. Key tiles no query of the CTA can see skip the GEMM (causal prefill: about half the tiles)."""
     import tilelang.language as T
@@ -376,6 +391,32 @@ def reference_scores(q, w, keys, kscale, positions, *, ratio: int, scale: float)
     """fp32 [T, C]: scale * ks_j * sum_h w_h ReLU(q_h . k_j); -inf where not visible."""
     s = torch.relu(torch.einsum("thd,cd->thc", q.float(), keys.float()))
     s = (s * w.float().unsqueeze(-1)).sum(1) * kscale.float() * scale
+    vis = torch.arange(keys.shape[0], device=keys.device) < ((positions.long() + 1) // ratio).unsqueeze(-1)
+    return s.masked_fill(~vis, float("-inf"))
+
+
+def _mma_dots(q: torch.Tensor, keys: torch.Tensor, frac_bits: int, k_step: int) -> torch.Tensor:
+    """[T, H, C] dots q . k as the FP8 MMA forms them: per k-step, the exact products and the accumulator
+    aligned to the largest of their exponents, each cut (toward zero) to `frac_bits` bits below it, then
+    summed exactly (float64 holds every partial sum)."""
+    qd, kd = q.double(), keys.double()
+    acc = torch.zeros(q.shape[0], q.shape[1], keys.shape[0], dtype=torch.float64, device=q.device)
+    for d0 in range(0, q.shape[-1], k_step):
+        prod = qd[..., None, d0 : d0 + k_step] * kd[None, None, :, d0 : d0 + k_step]  # [T, H, C, step]
+        top = torch.maximum(prod.abs().amax(-1), acc.abs()).clamp_min(1e-300)
+        ulp = torch.exp2(torch.floor(torch.log2(top)) - frac_bits)
+        acc = (torch.trunc(acc / ulp) + torch.trunc(prod / ulp[..., None]).sum(-1)) * ulp
+    return acc
+
+
+def reference_scores_mma(q, w, keys, kscale, positions, *, ratio: int, scale: float,
+                         frac_bits: int = FP8_MMA_FRAC_BITS, k_step: int = FP8_MMA_K_STEP,
+                         block: int = 512) -> torch.Tensor:  # fmt: skip
+    """`reference_scores` with the dots accumulated as the FP8 MMA does (reduced-precision alignment; see the
+    module docstring); the fp32 epilogue as the kernel's. Keys in blocks of `block` to bound the memory."""
+    d = torch.cat([_mma_dots(q.float(), keys[c0 : c0 + block].float(), frac_bits, k_step).float()
+                   for c0 in range(0, keys.shape[0], block)], dim=-1)  # fmt: skip
+    s = (torch.relu(d) * w.float().unsqueeze(-1)).sum(1) * kscale.float() * scale
     vis = torch.arange(keys.shape[0], device=keys.device) < ((positions.long() + 1) // ratio).unsqueeze(-1)
     return s.masked_fill(~vis, float("-inf"))
 
