@@ -210,12 +210,14 @@ def _grouped_check_swiglu(hq, hs, h_ref, real) -> str:
     return f"{err:.1e}g"
 
 
-def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool, cfg=None, fmt="fp8", swiglu=False):
+def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool, cfg=None, fmt="fp8", swiglu=False,
+                      g: int = 32, dims: tuple[int, int] = (2 * MOE_INTER, HIDDEN)):  # fmt: skip
     """EP8 slice of V4.1 prefill: `tokens` x top-6 rows spread over E local experts, w1|w3 fused (N = 2x2304).
     fmt "fp8": cfg None = moe_grouped_gemm.sm90_config (fp8_gemm's improved main loop); "fp4" (W4A8): the swap-AB
     program on the contiguous layout (swab_config(contiguous=True)). swiglu: the clamped SwiGLU + FP8 quant epilogue
-    (outputs Hq [M, 2304] e4m3 + Hs; weights tile-interleaved gate/up)."""
-    N, K, g = 2 * MOE_INTER, HIDDEN, 32
+    (outputs Hq [M, 2304] e4m3 + Hs; weights tile-interleaved gate/up). g / dims (N, K): the scale granularity and
+    the expert GEMM (V4-Flash: g 128, (2 x 2048, 4096))."""
+    N, K = dims
     fp4 = fmt == "fp4"
     cfg = cfg or (moe_grouped_gemm.swab_config(0, "fp4", contiguous=True) if fp4 else
                   moe_grouped_gemm.sm90_config(tokens * TOPK, N))  # fmt: skip
@@ -504,11 +506,14 @@ def _attn_prebuild(quick: bool) -> None:
     print(f"pre-built {len(todo)} sparse-attention cases in {time.time() - t0:.0f} s; {len(errs)} failed", flush=True)
 
 
-def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool):
-    """Build one sparse-attention variant: launch(q, kv, idx, sink, out), kv the bf16 pool or (codes, exps)."""
+def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
+    """Build one sparse-attention variant: launch(q, kv, idx, sink, out), kv the KV arguments in signature order
+    (the bf16 pool, (codes, exps), two pools: (KVw, KVc) / (KVw, KVsw, KVc, KVsc)), idx Idx or (IdxW, IdxC)."""
     sad = sparse_attn_decode
+    pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
+    S = ATTN_WIN_POOL if n_win else ATTN_POOL
     if cfg.num_split > 1:
-        progs = sad.split_programs(B, HEADS, HEAD_DIM, ATTN_POOL, topk, target="sm90", cfg=cfg, kv_fp8=fp8)
+        progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         part, comb = (build(f) for f in progs)
         ns = cfg.num_split
         scratch = None if dry else (
@@ -521,24 +526,40 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool):
             sad.run_split((part, comb), q, kv, idx, sink, out, ns, scratch)
 
         return launch
-    k = build(sad.program(B, HEADS, HEAD_DIM, ATTN_POOL, topk, target="sm90", cfg=cfg, kv_fp8=fp8))
+    k = build(sad.program(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools))
 
     def launch(q, kv, idx, sink, out):
-        k(q, *(kv if isinstance(kv, tuple) else (kv,)), idx, sink, out)
+        k(q, *(kv if isinstance(kv, tuple) else (kv,)), *(idx if isinstance(idx, tuple) else (idx,)), sink, out)
 
     return launch
 
 
-def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False):
+ATTN_WIN_POOL = 1 << 15  # two-pool rows: the first 32K rows of the pool are the window pool, the rest compressed
+
+
+def _attn_two_pool_args(kv_in, idx, n_win: int):
+    """The two-pool arguments over the same memory: the pool split at ATTN_WIN_POOL (views), IdxW = idx's first
+    n_win columns (drawn below ATTN_WIN_POOL), IdxC = the rest, rebased to the compressed pool (drawn above)."""
+    W = ATTN_WIN_POOL
+    kvs = kv_in if isinstance(kv_in, tuple) else (kv_in,)
+    kv2 = tuple(t[:W] for t in kvs) + tuple(t[W:] for t in kvs)
+    idx_c = idx[:, n_win:]
+    return kv2, (idx[:, :n_win].contiguous(), torch.where(idx_c < 0, -1, idx_c - W).contiguous())
+
+
+def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False,
+                     n_win: int = 0):  # fmt: skip
     """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
     cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
     fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
-    528 bytes a row, the check is against the dequantised rows (exact in bf16)."""
+    528 bytes a row, the check is against the dequantised rows (exact in bf16).
+    n_win: the two-pool form (the first n_win entries from a 32K-row window pool, the rest from the other
+    224K rows), checked against the single-pool reference over the concatenated pools."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
     cfg = cfg or sad.sm90_config(B, topk, fp8=fp8)
-    kernel = _attn_kernel(B, topk, cfg, fp8, dry)
+    kernel = _attn_kernel(B, topk, cfg, fp8, dry, n_win)
     row.bytes_, row.flops = sad.roofline(B, HEADS, HEAD_DIM, topk, kv_fp8=fp8)
     row.peak = "bf16"
     if dry:
@@ -546,6 +567,10 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     q = torch.randn(B, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(ATTN_POOL, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(0, ATTN_POOL, (B, topk), device="cuda", dtype=torch.int32)
+    if n_win:  # window entries in the window pool, the others above it
+        idx[:, :n_win] %= ATTN_WIN_POOL
+        idx[:, n_win:] = ATTN_WIN_POOL + idx[:, n_win:] % (ATTN_POOL - ATTN_WIN_POOL)
+        idx[0, n_win - 3 : n_win] = -1  # request 0: a partly filled window
     idx[:, -7:] = -1  # a few invalid slots, as a partly filled selection has
     if B > 1:
         idx[0, topk // 2 :] = -1  # request 0: half its selection unfilled (whole split chunks of -1)
@@ -567,9 +592,12 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
         def eager():
             return sad.reference(q, kv, idx, sink)
 
-    kernel(q, kv_in, idx, sink, out)
+    idx_in = idx
+    if n_win:
+        kv_in, idx_in = _attn_two_pool_args(kv_in, idx, n_win)
+    kernel(q, kv_in, idx_in, sink, out)
     row.check = expect(rel_err(out, eager()), 2e-2)
-    row.ms = bench(lambda: kernel(q, kv_in, idx, sink, out), quick)
+    row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
     row.eager_ms = bench(eager, quick)
 
 
@@ -1032,6 +1060,40 @@ def grouped_cases(quick: bool):
     return out
 
 
+V4_FLASH_EXPERT = (2 * 2048, 4096)  # V4-Flash routed expert w1|w3: N = 2 x moe_intermediate 2048, K = hidden 4096
+
+
+def grouped_ws_configs(g: int) -> dict:
+    """Persistent warp-specialised grouped configs (fp8_gemm._program_sm90_ws with experts), safest first: the
+    128x256 formulations that ran on the H200 as dense GEMMs, then the 128x128 ones (their g32 TMA alignment
+    fault was fixed in 7b57992)."""
+    ws = functools.partial(fp8_gemm.Config, persistent=True)
+    return {
+        "ws 128x256 pp": ws(128, 256, 128, 3, 256, False, True, 2, pingpong=True),
+        "ws 128x256": ws(128, 256, 128, 3, 256, False, True, 2),
+        "ws 128x128 ovl": ws(128, 128, 128, 5, 256, True, True, 1),
+        "ws 128x128": ws(128, 128, 128, 5, 256, False, True, 1),
+    }
+
+
+def grouped_ws_cases(quick: bool):
+    """Contiguous-layout MoE prefill on the persistent warp-specialised program (issue 6: >= 65% of the FP8 peak),
+    for V4-Flash's format (FP8 experts, 128-groups: 32 local experts of 4096 -> 2x2048) and V4.1's on SM90 (FP4
+    experts converted to FP8 32x32 blocks by convert_fp4_to_fp8, 32-group activations: 48 experts of 5120 ->
+    2x2304), each next to the non-persistent loop (sm90_config) measured in the same run. Rows are named
+    "moe_grouped_gemm ws ..." (select them with --only "grouped_gemm ws")."""
+    out = []
+    for g, E, dims in ((128, 32, V4_FLASH_EXPERT), (32, 48, (2 * MOE_INTER, HIDDEN))):
+        for T_ in (4096,) if quick else (4096, 8192):
+            loop = moe_grouped_gemm.sm90_config(T_ * TOPK, dims[0])
+            named = [("loop (before)", loop)] + list(grouped_ws_configs(g).items())
+            for name, cfg in named:
+                run = functools.partial(case_grouped_gemm, tokens=T_, E=E, cfg=cfg, g=g, dims=dims)
+                out.append((f"moe_grouped_gemm ws g{g} {name} {cfg.tag}", f"EP8 {T_} tok",
+                            lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    return out
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -1083,6 +1145,7 @@ def cases(quick: bool):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
     out += attn_cases(quick)
     out += new_family_cases(quick)
+    out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     return out
 
 

@@ -47,6 +47,7 @@ SM100's native block-scaled MMA (ue8m0 per 32 in TMEM) removes the promotion and
 """
 
 import itertools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -307,6 +308,7 @@ class WSPlan:
     ag: int  # activation group along K
     wb: int  # weight block (N and K)
     cfg: Config
+    experts: int = 0  # > 0: grouped GEMM (contiguous layout), B [experts, N, K]
 
     @property
     def sub(self) -> int:  # promotion step: the finer of the two K scale grids
@@ -404,11 +406,38 @@ class WSPlan:
         for ring, size in self.tma_slot_bytes().items():  # every stage's TMA destination 128-byte aligned
             assert size % TMA_SMEM_ALIGN == 0, f"{c.tag}: {ring} slot of {size} bytes misaligns the next stage"
         assert c.cluster in (1, 2) and c.sms % c.cluster == 0 and self.m_tiles % c.cluster == 0
+        assert not (self.experts and c.cluster > 1), "grouped: M-adjacent tiles may belong to different experts"
         regs = c.block_n // 2 + bns // 2 * (2 if c.overlap else 1)  # acc + partial(s) per consumer thread
         assert regs <= 208, f"{c.tag}: {regs} accumulator registers per thread would spill"
         assert not c.pingpong or (c.threads == 256 and not c.overlap), "pingpong: 2 warpgroups, sync units"
         if c.overlap and len(self.units) % 2:
             assert self.k_blocks % 2 == 0, "overlap with one unit per stage pairs K blocks: an even K block count"
+
+
+# audit of generated CUDA (tests): the TMA transfers' shared-memory addresses
+_ELEM_BYTES = {"fp8_e4_t": 1, "uchar": 1, "signed char": 1, "half_t": 2, "bfloat16_t": 2, "float": 4, "int": 4}
+_SMEM_BASE = re.compile(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);")
+_TMA_CALL = re.compile(r"tl::tma_(?:load|store)\w*\((.*)\);")
+_SMEM_ARG = re.compile(r"&\(\(\((\w+(?: \w+)?)\*\)(\w+)\)\[([^\]]*)\]\)")
+
+
+def tma_smem_misalignments(source: str, align: int = TMA_SMEM_ALIGN, values=range(6)) -> list[str]:
+    """Every TMA load/store of the generated CUDA whose shared-memory address is not `align`-byte aligned for
+    some value of its loop variables (each in `values`): base offset of the dynamic-smem buffer + index x
+    element size. The index expressions are C integer arithmetic on non-negative values, evaluated as Python."""
+    bases = {name: int(off) for name, off in _SMEM_BASE.findall(source)}
+    bad = []
+    for call in _TMA_CALL.findall(source):
+        for ctype, buf, index in _SMEM_ARG.findall(call):
+            assert buf in bases, f"TMA on {buf}, not a dynamic shared-memory buffer"
+            expr = index.replace("((int)blockIdx.x)", "bx").replace("((int)threadIdx.x)", "tx").replace("/", "//")
+            names = sorted(set(re.findall(r"[A-Za-z_]\w*", expr)))
+            for vals in itertools.product(values, repeat=len(names)):
+                addr = bases[buf] + eval(expr, {}, dict(zip(names, vals))) * _ELEM_BYTES[ctype]  # noqa: S307
+                if addr % align:
+                    bad.append(f"{buf}[{index}] at {dict(zip(names, vals))}: byte {addr}")
+                    break
+    return bad
 
 
 def tile_coords(t, m_tiles: int, n_tiles: int, raster: int, tmin=min):
@@ -427,7 +456,7 @@ def tile_coords(t, m_tiles: int, n_tiles: int, raster: int, tmin=min):
 PP_BAR = 12  # pingpong: named barriers 12 (warpgroup 0's turn) and 13 (warpgroup 1's); TileLang uses low ids
 
 
-def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config):
+def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, experts: int = 0):
     """Persistent warp-specialised sm90 program (the DeepGEMM recipe, written in TileLang).
 
     `sms` CTAs of 128 + `threads` threads. The last warpgroup is the producer (setmaxnreg 40): it walks the
@@ -438,11 +467,16 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     release the slot. The producer runs ahead across tile boundaries, so the next tile's first stages load
     while the consumers run the epilogue (bf16 into shared memory, TMA store). `overlap` keeps one wgmma in
     flight while the previous unit is promoted (two partials), also across K blocks.
+
+    experts > 0: the MoE grouped GEMM on the contiguous layout (moe_grouped_gemm.py): B [E, N, K], SB [E, N/wb,
+    K/wb] and TileExpert [M/block_m] (before C); M tile mi multiplies expert TileExpert[mi]'s weights, and a
+    tile of expert -1 (padding) is skipped by producer and consumers alike. Slots are then counted per tile
+    actually run (`done`), not per wave, so the ring's phases stay in step across skipped tiles.
     """
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
-    plan = WSPlan(M, N, K, act_group, weight_block, cfg)
+    plan = WSPlan(M, N, K, act_group, weight_block, cfg, experts)
     plan.check()
     bM, bN, bK, S = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     ag, wb, sub, ns, bNs = act_group, weight_block, plan.sub, cfg.n_split, plan.bns
@@ -463,14 +497,14 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
             return T.Kernel(NS, threads=consumers + 128)
         return T.ClusterKernel(NS, cluster_dims=cl, threads=consumers + 128)
 
-    @T.prim_func
-    def fp8_gemm_sm90_ws(
-        A: T.Tensor((M, K), fp8),
-        SA: T.Tensor((kb_a, M), "float32"),
-        B: T.Tensor((N, K), fp8),
-        SB: T.Tensor((nb_w, kb_w), "float32"),
-        C: T.Tensor((M, N), "bfloat16"),
-    ):
+    def runs(valid, mi, Meta):  # the tile exists and (grouped) has an expert
+        return T.And(valid, Meta[T.min(mi, plan.m_tiles - 1)] >= 0) if experts else valid
+
+    def expert(mi, Meta):
+        return Meta[T.min(mi, plan.m_tiles - 1)] if experts else 0
+
+    @T.macro
+    def body(A, SA, B, SB, Meta, C):
         with kernel_frame() as bid:
             A_s = T.alloc_shared((S, bM, bK), fp8)
             B_s = T.alloc_shared((S, bN, bK), fp8)
@@ -489,23 +523,33 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
             else:  # released by one lane per consumer warp of every CTA of the cluster
                 empty = T.alloc_cluster_barrier([cl * consumers // 32] * S)
             parts, accs, outs = [p0, p1], [acc0, acc1], [C_s0, C_s1]
+            done = T.alloc_var("int32")  # grouped: tiles run so far (the ring position is done * kb + k)
+            done = 0
             tx = T.get_thread_binding()
             if tx >= consumers:  # producer warpgroup
                 T.set_max_nreg(40, 0)
                 for w in T.serial(waves):
                     valid, mi, ni = plan.tile_of(w, bid, T.min)
-                    if valid:
+                    if runs(valid, mi, Meta):
+                        e = expert(mi, Meta)
                         for k in T.serial(kb):
-                            it = w * kb + k
+                            it = (done if experts else w) * kb + k
                             st = it % S
                             if not sb_box:  # one weight scale per N slice: loaded before the wait (latency)
                                 for h in slices:
                                     if tx == consumers + h:
-                                        sbr[0] = SB[plan.sb_src(ni, h, k)]
+                                        if experts:
+                                            sbr[0] = SB[(e,) + plan.sb_src(ni, h, k)]
+                                        else:
+                                            sbr[0] = SB[plan.sb_src(ni, h, k)]
                             T.mbarrier_wait_parity(empty[st], ((it // S) & 1) ^ 1)
                             kk = k * bK
                             T.tma_copy(A[mi * bM : (mi + 1) * bM, kk : kk + bK], A_s[st, :, :], barrier=full[st])
-                            if cl == 1:
+                            if experts:
+                                T.tma_copy(
+                                    B[e, ni * bN : (ni + 1) * bN, kk : kk + bK], B_s[st, :, :], barrier=full[st]
+                                )
+                            elif cl == 1:
                                 T.tma_copy(B[ni * bN : (ni + 1) * bN, kk : kk + bK], B_s[st, :, :], barrier=full[st])
                             else:  # rank 0 multicasts the shared B tile to the whole cluster
                                 T.tma_copy(
@@ -518,14 +562,25 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                             T.tma_copy(SA[ka : ka + sa_rows, mi * bM : (mi + 1) * bM], SA_s[st, :, :], barrier=full[st])
                             if sb_box:
                                 nw, kw = ni * sb_rows, k * sb_cols
-                                T.tma_copy(
-                                    SB[nw : nw + sb_rows, kw : kw + sb_cols], SB_s[st, 0:sb_rows, :], barrier=full[st]
-                                )
+                                if experts:
+                                    T.tma_copy(
+                                        SB[e, nw : nw + sb_rows, kw : kw + sb_cols],
+                                        SB_s[st, 0:sb_rows, :],
+                                        barrier=full[st],
+                                    )
+                                else:
+                                    T.tma_copy(
+                                        SB[nw : nw + sb_rows, kw : kw + sb_cols],
+                                        SB_s[st, 0:sb_rows, :],
+                                        barrier=full[st],
+                                    )
                             else:  # published to the consumers by the arrive (release semantics)
                                 for h in slices:
                                     if tx == consumers + h:
                                         SB_s[st, h, 0] = sbr[0]
                             T.mbarrier_arrive(full[st])
+                        if experts:
+                            done = done + 1
             else:  # consumer warpgroups
                 T.set_max_nreg(232, 1)
                 wg = tx // 128
@@ -533,11 +588,11 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                     T.named_barrier_arrive(PP_BAR, 256)
                 for w in T.serial(waves):
                     valid, mi, ni = plan.tile_of(w, bid, T.min)
-                    if valid:
+                    if runs(valid, mi, Meta):
                         for a in accs[:ns]:
                             T.clear(a)
                         if cfg.overlap:  # the tile's first unit, issued ahead of the K loop
-                            it0 = w * kb
+                            it0 = (done if experts else w) * kb
                             T.mbarrier_wait_parity(full[it0 % S], (it0 // S) & 1)
                             TC.wgmma_gemm(
                                 A_s[it0 % S, :, 0:sub],
@@ -550,7 +605,7 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                         for k2 in T.serial(kb // reps):
                             for rep in rep_ids:
                                 k = k2 * reps + rep
-                                it = w * kb + k
+                                it = (done if experts else w) * kb + k
                                 st = it % S
                                 if not cfg.overlap:
                                     T.mbarrier_wait_parity(full[st], (it // S) & 1)
@@ -626,21 +681,49 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                             T.copy(accs[h], outs[h])
                         for h in slices:
                             T.copy(outs[h], C[mi * bM, ni * bN + h * bNs])
+                        if experts:
+                            done = done + 1
                 if cfg.pingpong and wg == 0:  # takes warpgroup 1's last turn hand-over (balances the barrier)
                     T.sync_threads(PP_BAR, 256)
             if cl > 1:  # no CTA exits while its partner may still multicast to it or arrive on its barriers
                 T.cluster_sync()
 
+    if experts:
+
+        @T.prim_func
+        def moe_grouped_gemm_sm90_ws(
+            A: T.Tensor((M, K), fp8),
+            SA: T.Tensor((kb_a, M), "float32"),
+            B: T.Tensor((experts, N, K), fp8),
+            SB: T.Tensor((experts, nb_w, kb_w), "float32"),
+            TileExpert: T.Tensor((M // bM,), "int32"),
+            C: T.Tensor((M, N), "bfloat16"),
+        ):
+            body(A, SA, B, SB, TileExpert, C)
+
+        return moe_grouped_gemm_sm90_ws
+
+    @T.prim_func
+    def fp8_gemm_sm90_ws(
+        A: T.Tensor((M, K), fp8),
+        SA: T.Tensor((kb_a, M), "float32"),
+        B: T.Tensor((N, K), fp8),
+        SB: T.Tensor((nb_w, kb_w), "float32"),
+        C: T.Tensor((M, N), "bfloat16"),
+    ):
+        body(A, SA, B, SB, None, C)
+
     return fp8_gemm_sm90_ws
 
 
-def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config):
+def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, experts: int = 0):
     """The persistent kernel's schedule on TileLang's `c` target (fp32, numerics only): the same CTA count,
     tile order, per-stage operand and scale slices, units and promotion indices as `_program_sm90_ws`,
-    with the producer/consumer hand-off replaced by program order."""
+    with the producer/consumer hand-off replaced by program order (experts > 0: the grouped variant, with
+    the same tile -> expert lookup and skipped padding tiles)."""
     import tilelang.language as T
 
-    plan = WSPlan(M, N, K, act_group, weight_block, cfg)
+    plan = WSPlan(M, N, K, act_group, weight_block, cfg, experts)
     plan.check()
     bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
     ag, wb, sub, bNs = act_group, weight_block, plan.sub, plan.bns
@@ -650,14 +733,11 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
     kb_a, nb_w, kb_w = ceil_div(K, ag), ceil_div(N, wb), ceil_div(K, wb)
     f32 = "float32"
 
-    @T.prim_func
-    def fp8_gemm_ws_cpu(
-        A: T.Tensor((M, K), f32),
-        SA: T.Tensor((kb_a, M), f32),
-        B: T.Tensor((N, K), f32),
-        SB: T.Tensor((nb_w, kb_w), f32),
-        C: T.Tensor((M, N), f32),
-    ):
+    def runs(valid, mi, Meta):
+        return T.And(valid, Meta[T.min(mi, plan.m_tiles - 1)] >= 0) if experts else valid
+
+    @T.macro
+    def body(A, SA, B, SB, Meta, C):
         with T.Kernel(NS) as bid:
             A_s = T.alloc_local((bM, bK), f32)
             B_s = T.alloc_local((bN, bK), f32)
@@ -667,21 +747,31 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
             acc = T.alloc_local((bM, bN), f32)
             for w in T.serial(waves):
                 valid, mi, ni = plan.tile_of(w, bid, T.min)
-                if valid:
+                if runs(valid, mi, Meta):
+                    e = Meta[T.min(mi, plan.m_tiles - 1)] if experts else 0
                     for i, j in T.grid(bM, bN):
                         acc[i, j] = 0.0
                     for k in T.serial(kb):
                         T.copy(A[mi * bM, k * bK], A_s)
-                        T.copy(B[ni * bN, k * bK], B_s)
+                        if experts:
+                            T.copy(B[e, ni * bN : (ni + 1) * bN, k * bK : (k + 1) * bK], B_s)
+                        else:
+                            T.copy(B[ni * bN, k * bK], B_s)
                         ka = k * bK // ag
                         for r, i in T.grid(sa_rows, bM):
                             SA_s[r, i] = SA[ka + r, mi * bM + i]
                         if sb_box:
                             for r, c in T.grid(sb_rows, sb_cols):
-                                SB_s[r, c] = SB[ni * sb_rows + r, k * sb_cols + c]
+                                if experts:
+                                    SB_s[r, c] = SB[e, ni * sb_rows + r, k * sb_cols + c]
+                                else:
+                                    SB_s[r, c] = SB[ni * sb_rows + r, k * sb_cols + c]
                         else:
                             for h in slices:
-                                SB_s[h, 0] = SB[plan.sb_src(ni, h, k)]
+                                if experts:
+                                    SB_s[h, 0] = SB[(e,) + plan.sb_src(ni, h, k)]
+                                else:
+                                    SB_s[h, 0] = SB[plan.sb_src(ni, h, k)]
                         for s, h in units:
                             T.gemm(
                                 A_s[:, s * sub : (s + 1) * sub],
@@ -695,6 +785,31 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
                                 rb, cb = plan.sb_at(h, j, s)
                                 acc[i, h * bNs + j] += part[i, j] * (SA_s[ra, i] * SB_s[rb, cb])
                     T.copy(acc, C[mi * bM, ni * bN])
+
+    if experts:
+
+        @T.prim_func
+        def moe_grouped_gemm_ws_cpu(
+            A: T.Tensor((M, K), f32),
+            SA: T.Tensor((kb_a, M), f32),
+            B: T.Tensor((experts, N, K), f32),
+            SB: T.Tensor((experts, nb_w, kb_w), f32),
+            TileExpert: T.Tensor((M // bM,), "int32"),
+            C: T.Tensor((M, N), f32),
+        ):
+            body(A, SA, B, SB, TileExpert, C)
+
+        return moe_grouped_gemm_ws_cpu
+
+    @T.prim_func
+    def fp8_gemm_ws_cpu(
+        A: T.Tensor((M, K), f32),
+        SA: T.Tensor((kb_a, M), f32),
+        B: T.Tensor((N, K), f32),
+        SB: T.Tensor((nb_w, kb_w), f32),
+        C: T.Tensor((M, N), f32),
+    ):
+        body(A, SA, B, SB, None, C)
 
     return fp8_gemm_ws_cpu
 

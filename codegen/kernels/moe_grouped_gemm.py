@@ -104,6 +104,13 @@ def program(
     swiglu_limit (sm90 loop only): N = 2I is w1|w3 laid out by `gate_up_tiles(w, cfg.block_n // 2)` (and its
     scales likewise), and the outputs are (Hq [M, I] e4m3, Hs [I/32, M] fp32), the clamped SwiGLU of the GEMM
     quantised per 32 columns (module docstring) instead of C."""
+    if cfg.persistent and target in ("sm90", "cpu") and not max_rows and swiglu_limit is None:
+        # fp8_gemm's persistent warp-specialised program, each M tile on its expert's weights
+        from deepinfer.codegen.kernels import fp8_gemm
+
+        build = fp8_gemm._program_sm90_ws if target == "sm90" else fp8_gemm._program_ws_cpu
+        return build(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg, experts=E)
+    assert not cfg.persistent or target == "sm100", "persistent grouped GEMM: contiguous layout, no fused SwiGLU"
     if target == "sm90" and (max_rows or _is_sm90_cfg(cfg)):
         return _program_sm90(M, N, K, E, act_group=act_group, weight_block=weight_block, cfg=cfg, max_rows=max_rows,
                              swiglu_limit=swiglu_limit)  # fmt: skip

@@ -14,9 +14,6 @@ checked without a GPU:
 The GPU run of the same configs is tests/codegen/test_gpu_kernels.py::test_fp8_gemm_persistent.
 """
 
-import itertools
-import re
-
 import pytest
 import torch
 
@@ -134,37 +131,12 @@ def test_persistent_sm90_build(codegen_cache, nvcc_required, g, cfg, shape):
 
 # ------------------------------------------------------------------------------ TMA shared-memory alignment
 
-_ELEM_BYTES = {"fp8_e4_t": 1, "uchar": 1, "signed char": 1, "half_t": 2, "bfloat16_t": 2, "float": 4, "int": 4}
-_SMEM_BASE = re.compile(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);")
-_TMA_CALL = re.compile(r"tl::tma_(?:load|store)\w*\((.*)\);")
-_SMEM_ARG = re.compile(r"&\(\(\((\w+(?: \w+)?)\*\)(\w+)\)\[([^\]]*)\]\)")
-
-
-def tma_smem_misalignments(source: str, align: int = fp8_gemm.TMA_SMEM_ALIGN, values=range(6)) -> list[str]:
-    """Every TMA load/store of the generated CUDA whose shared-memory address is not `align`-byte aligned for
-    some value of its loop variables (each in `values`): base offset of the dynamic-smem buffer + index x
-    element size. The index expressions are C integer arithmetic on non-negative values, evaluated as Python."""
-    bases = {name: int(off) for name, off in _SMEM_BASE.findall(source)}
-    bad = []
-    for call in _TMA_CALL.findall(source):
-        for ctype, buf, index in _SMEM_ARG.findall(call):
-            assert buf in bases, f"TMA on {buf}, not a dynamic shared-memory buffer"
-            expr = index.replace("((int)blockIdx.x)", "bx").replace("((int)threadIdx.x)", "tx").replace("/", "//")
-            names = sorted(set(re.findall(r"[A-Za-z_]\w*", expr)))
-            for vals in itertools.product(values, repeat=len(names)):
-                addr = bases[buf] + eval(expr, {}, dict(zip(names, vals))) * _ELEM_BYTES[ctype]  # noqa: S307
-                if addr % align:
-                    bad.append(f"{buf}[{index}] at {dict(zip(names, vals))}: byte {addr}")
-                    break
-    return bad
-
-
 def test_tma_alignment_check_finds_a_64_byte_slot():
     # the unpadded weight-scale ring of the crashing g32 128x128 kernel: 16 floats per stage at offset 206848
     src = """  void* SB_s = ((void*)((char*)buf_dyn_shmem + 206848));
             tl::tma_load(SB_desc, full[(k % 5)], (&(((float*)SB_s)[((k % 5) * 16)])), (k * 4), 0);"""
-    assert tma_smem_misalignments(src) == ["SB_s[((k % 5) * 16)] at {'k': 1}: byte 206912"]
-    assert tma_smem_misalignments(src.replace("* 16)", "* 32)")) == []
+    assert fp8_gemm.tma_smem_misalignments(src) == ["SB_s[((k % 5) * 16)] at {'k': 1}: byte 206912"]
+    assert fp8_gemm.tma_smem_misalignments(src.replace("* 16)", "* 32)")) == []
 
 
 @pytest.mark.parametrize(
@@ -182,4 +154,4 @@ def test_persistent_g32_tma_destinations_aligned(tilelang_required, cfg):
     func = fp8_gemm.program(1024, 1024, 1280, act_group=32, weight_block=32, target="sm90", cfg=cfg)
     source = tb.lower(func, "sm90")
     assert source.count("tl::tma_load") >= 4, "A, B and both scale rings by TMA"
-    assert tma_smem_misalignments(source) == []
+    assert fp8_gemm.tma_smem_misalignments(source) == []

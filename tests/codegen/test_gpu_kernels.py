@@ -58,6 +58,15 @@ def test_moe_grouped_gemm_contiguous(kb, run_case):
     run_case(kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
 
 
+@pytest.mark.parametrize("name", ["ws 128x256 pp", "ws 128x256", "ws 128x128 ovl", "ws 128x128"])
+@pytest.mark.parametrize("g", [128, 32])
+def test_moe_grouped_gemm_contiguous_persistent(kb, run_case, g, name):
+    """fp8_gemm's persistent warp-specialised program with experts (the benchmark's "grouped_gemm ws" rows), at 1024
+    tokens: ~50 M tiles over 132 CTAs, several tiles per expert, partial last tiles of every expert."""
+    dims = kb.V4_FLASH_EXPERT if g == 128 else (2 * INTER, H)
+    run_case(functools.partial(kb.case_grouped_gemm, cfg=kb.grouped_ws_configs(g)[name], g=g, dims=dims), 1024, 48)
+
+
 def test_moe_grouped_gemm_contiguous_portable_config(kb, run_case):
     from deepinfer.codegen.kernels import fp8_gemm
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from deepinfer.codegen.kernels import _common
+from deepinfer.codegen.kernels import _common, fp8_gemm
 from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 from deepinfer.ir import dtypes as dt
 
@@ -158,6 +158,49 @@ def test_swab_w4a8_masked_swiglu_c_target(cpu):
     assert torch.equal(hq[real].to(torch.float8_e4m3fn).float(), rq[real].float())
 
 
+def _grouped_fp8_inputs(E, N, K, g, tiles, bm, seed):
+    torch.manual_seed(seed)
+    a, sa = _common.quant_fp8_groups(torch.randn(tiles.numel() * bm, K), g)
+    quant = [_common.quant_fp8_blocks(torch.randn(N, K) * 0.05, g) for _ in range(E)]
+    return a, sa, torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+
+
+# the persistent grouped program's configs at c-target size (threads = 2 x block_m), 4-6 CTAs
+_WS_CPU = {
+    "g32-ovl": (32, fp8_gemm.Config(64, 128, 128, 3, 128, True, True, 1, persistent=True, raster=2, sms=5)),
+    "g128-n2": (128, fp8_gemm.Config(64, 256, 128, 3, 128, False, True, 2, persistent=True, raster=2, sms=4)),
+    "g32-128rows": (32, fp8_gemm.Config(128, 128, 128, 3, 256, False, True, 1, persistent=True, raster=4, sms=6)),
+}
+
+
+@pytest.mark.parametrize("name", list(_WS_CPU))
+def test_persistent_grouped_c_target(cpu, name):
+    """fp8_gemm's persistent schedule with experts (moe_grouped_gemm.program, cfg.persistent): every M tile on
+    its expert's weights and scales, padding tiles (-1) anywhere in the sequence skipped (their rows stay NaN),
+    an expert with several tiles, several waves. Against the float64 dequantised oracle."""
+    g, cfg = _WS_CPU[name]
+    E, N, K, bm = 4, 256, 256, cfg.block_m
+    tiles = torch.tensor([2, 2, -1, 0, 3, -1, -1, 1, 2], dtype=torch.int32)  # 9 M tiles, 3 of padding
+    a, sa, b, sb = _grouped_fp8_inputs(E, N, K, g, tiles, bm, seed=6)
+    M = tiles.numel() * bm
+    kernel = cpu(mg.program(M, N, K, E, act_group=g, weight_block=g, target="cpu", cfg=cfg))
+    c = torch.full((M, N), float("nan"))
+    kernel(a.float(), sa.T.contiguous(), b.float(), sb, tiles, c)
+    want = mg.reference_f64(a, sa, b, sb, tiles, bm, g, g)
+    real = mg.row_experts(tiles, bm, masked=False) >= 0
+    assert (c[real].double() - want[real]).abs().max() <= 1e-5 * want.abs().max()
+    assert c[~real].isnan().all(), "padding tiles are skipped, not computed"
+
+
+def test_persistent_grouped_rejects_clusters_and_the_masked_layout():
+    cfg = fp8_gemm.Config(128, 128, 128, 5, 256, True, True, 1, persistent=True, cluster=2)
+    with pytest.raises(AssertionError, match="different experts"):
+        fp8_gemm.WSPlan(4096, 4608, 5120, 32, 32, cfg, experts=48).check()
+    with pytest.raises(AssertionError, match="contiguous layout"):
+        mg.program(48 * 64, 4608, 5120, 48, act_group=32, weight_block=32, target="sm90",
+                   cfg=fp8_gemm.Config(**{**vars(cfg), "cluster": 1}), max_rows=64)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- sm_90a builds
 
 
@@ -173,6 +216,14 @@ def _builds():
         # prefill W4A8: 128 weight rows (2 consumer warpgroups, 2 m64 blocks a fragment) x 128 tokens
         "contiguous_fp4": lambda: mg.swab_program(24576, 2 * I41, D41, E41, fmt="fp4",
                                                   cfg=mg.swab_config(0, "fp4", contiguous=True)),  # fmt: skip
+        # prefill fp8 on fp8_gemm's persistent warp-specialised program: V4.1 (g32, 128x128 overlap) and V4 (g128,
+        # 128x256 ping-pong)
+        "contiguous_fp8_ws_g32": lambda: mg.program(24576, 2 * I41, D41, E41, act_group=32, weight_block=32,
+                                                    target="sm90", cfg=fp8_gemm.Config(128, 128, 128, 5, 256, True,
+                                                    True, 1, persistent=True)),  # fmt: skip
+        "contiguous_fp8_ws_g128": lambda: mg.program(24576, 4096, 4096, 32, act_group=128, weight_block=128,
+                                                     target="sm90", cfg=fp8_gemm.Config(128, 256, 128, 3, 256, False,
+                                                     True, 2, persistent=True, pingpong=True)),  # fmt: skip
         # prefill fp8 on the 2-warpgroup overlapped loop with the fused SwiGLU epilogue
         "contiguous_fp8_swiglu": lambda: mg.program(24576, 2 * I41, D41, E41, act_group=32, weight_block=32,
                                                     target="sm90", cfg=mg.sm90_config(0, 2 * I41),
@@ -197,6 +248,9 @@ def test_sm90_builds(codegen_cache, nvcc_required, name):
         assert ops["PRMT"] > 0
     if "swiglu" in name:
         assert "tma_store" in art.source or "UTMASTG" in ops
+    if "_ws_" in name:  # persistent: producer/consumer register split, TMA store epilogue, aligned TMA slots
+        assert ops["USETMAXREG"] == 2 and ops["UTMASTG"] > 0 and "TileExpert[" in art.source
+        assert fp8_gemm.tma_smem_misalignments(art.source) == []
 
 
 @pytest.mark.parametrize("block_n,max_rows", [(64, 16), (128, 0)])
