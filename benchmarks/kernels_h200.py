@@ -655,10 +655,10 @@ def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
 IDX_HEADS, IDX_DIM, IDX_TOPK = 32, 128, 512
 
 
-def _topk_check(idx, key, scores, k: int) -> str:
+def _topk_check(idx, key, scores, k: int, tol: float = 1e-3) -> str:
     """The kernel's set against fp32 reference scores: right count, no repeats, its own scores agree (when the
-    kernel returns them: `key`, else None), and nothing it left out beats what it took (up to accumulation-order
-    rounding; exact ties may go either way)."""
+    kernel returns them: `key`, else None), and nothing it left out beats what it took by more than `tol` of the
+    largest |score| (the kernel's score error; exact ties may go either way)."""
     from deepinfer.codegen.kernels import indexer_topk
 
     worst = 0.0
@@ -675,7 +675,7 @@ def _topk_check(idx, key, scores, k: int) -> str:
         worst = max(worst, ((kth - scores[t, sel].min()) / span).item())
         if got_s is not None:
             worst = max(worst, ((got_s[t, : sel.numel()] - scores[t, sel]).abs().max() / span).item())
-    return expect(worst, 1e-3)
+    return expect(worst, tol)
 
 
 def case_indexer_topk(row: Row, T_: int, C: int, prefill: bool, fp8: bool, quick: bool, dry: bool):
@@ -766,6 +766,23 @@ def _idx_topk_exact(got, scores, pos) -> str:
     return "exact"
 
 
+def _idx_mma_model(s, q, w, k, ks, pos, rows: int = 2, cols: int = 2048) -> str:
+    """Where the fp8 scores' error comes from, on the last `rows` queries x the first `cols` keys: the fp32
+    reference's error against the FP8 MMA model (13-bit aligned accumulation, indexer_topk.reference_scores_mma)
+    and the kernel's distance from that model (much smaller than its fp32 error when the model is the cause)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+
+    T_, c = w.shape[0], min(cols, k.shape[0])
+    qf = q.float().view(T_, IDX_HEADS, IDX_DIM)[-rows:]
+    args = (qf, w[-rows:], k[:c].float(), ks[:c], pos[-rows:])
+    model = it.reference_scores_mma(*args, ratio=2, scale=IDX_DIM**-0.5)
+    ref = it.reference_scores(*args, ratio=2, scale=IDX_DIM**-0.5)
+    got = s[-rows:, :c]
+    vis = ref > float("-inf")
+    e_ref, e_got = rel_err(model[vis], ref[vis]), rel_err(got[vis], model[vis])
+    return f" (fp32 vs 13-bit MMA model {e_ref:.1e}, kernel vs model {e_got:.1e})"
+
+
 def case_indexer_scores(row: Row, T_: int, C: int, quick: bool, dry: bool, cfg=None):
     """Split indexer, part 1: FP8 wgmma scores [T, C] fp32 (ReLU, head weights, head sum in the epilogue)."""
     from deepinfer.codegen.kernels import indexer_topk as it
@@ -784,7 +801,9 @@ def case_indexer_scores(row: Row, T_: int, C: int, quick: bool, dry: bool, cfg=N
     vis = ref > float("-inf")
     if not torch.equal(vis, s > float("-inf")):
         raise AssertionError("visibility (-inf) pattern differs")
-    row.check = expect(rel_err(s[vis], ref[vis]), 1e-4)
+    # FP8 wgmma accumulates with ~13 bits below the largest addend of a k-step: 1e-4..3e-4 here, not fp32's 1e-7
+    # (derivation and the structural-error margin: indexer_topk's docstring and FP8_SCORES_TOL)
+    row.check = expect(rel_err(s[vis], ref[vis]), it.FP8_SCORES_TOL) + _idx_mma_model(s, q, w, k, ks, pos)
     row.ms = bench(lambda: kern(q, w, k, ks, pos, s), quick)
     if T_ * C <= (1 << 24):
         row.eager_ms = bench(lambda: _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5), quick)
@@ -864,7 +883,9 @@ def case_indexer_split(row: Row, T_: int, C: int, quick: bool, dry: bool):
     run()
     _idx_topk_exact(out, s, pos)  # exact on the kernel's own scores
     ref = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
-    row.check = _topk_check(out, None, ref, IDX_TOPK)  # and right against fp32 reference scores
+    # and right against fp32 reference scores up to near-ties: both the k-th score and the smallest picked one
+    # may be off by the fp8 scores' error
+    row.check = _topk_check(out, None, ref, IDX_TOPK, 2 * it.FP8_SCORES_TOL)
     row.ms = bench(run, quick)
 
 
