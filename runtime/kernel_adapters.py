@@ -762,6 +762,131 @@ def _stacked_view(first: list, second: list | None):
     return torch.as_strided(w0, (len(first), per, k), (per * k, k, 1), base)
 
 
+# ---------------------------------------------------------------------------------------------- sparse attention
+
+
+def _two_pool_program() -> bool:
+    """sparse_attn_decode.program takes two pools (n_win=...): the runtime then never concatenates them."""
+    import inspect
+
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    return "n_win" in inspect.signature(sad.program).parameters
+
+
+def _pad_idx(idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 indices padded with rows of -1 (a query with no entry: output 0)."""
+    out = torch.full((rows, idx.shape[1]), -1, dtype=torch.int32, device=idx.device)
+    out[: idx.shape[0]] = idx
+    return out
+
+
+class SparseAttnAdapter:
+    """sparse_attention / fused_attention at decode: the attention core through sparse_attn_decode (the sm90
+    warp-specialised program where H = 64 and D % 128 == 0, the portable program elsewhere; split-K plus the
+    combine kernel where the binding splits). Two pools, as the graph holds them: the window rows (SWA ring +
+    this step's rows) with win_idx and the compressed rows with cmp_idx, passed as they are (program(n_win=Kw));
+    only where the kernel module has no two-pool form are they concatenated (cmp indices offset by the window
+    rows). Pools and q go to bf16 (the graph's activations are f32); the op's scale is folded into q when it is
+    not D^-0.5. fused_attention's other steps (q RMSNorm, RoPE, inverse RoPE, the out-group reshape, the FP8
+    quant epilogue) run in torch around the kernel with the op's own formulas (the binding lists them)."""
+
+    family = "sparse_attn_decode"
+    ops = ("sparse_attention", "fused_attention")
+
+    @staticmethod
+    def _operands(call: Call):
+        """(q, sink, win_kv, win_idx, cmp_kv, cmp_idx) of either op."""
+        a = call.args
+        return (a[0], a[2], a[3], a[4], a[5], a[6]) if call.op == "fused_attention" else tuple(a)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+        _cuda_only(call)
+        q, _, win_kv, win_idx, cmp_kv, cmp_idx = self._operands(call)
+        t, h, d = q.shape
+        n_win = win_idx.shape[1]
+        topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
+        fields = {f: call.config[f] for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead")
+                  if f in call.config}  # fmt: skip
+        cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
+        if topk % (cfg.block_n * cfg.num_split):
+            raise Decline(f"top-k {topk} is not a multiple of the KV chunk {cfg.block_n} x {cfg.num_split}")
+        two = cmp_kv is not None and _two_pool_program()
+        if two and cfg.ws and sad.ws_supported(h, d, "sm90") and n_win % 4:
+            two = False  # the ws program copies row ids 4 at a time: concatenate instead
+        rows = win_kv.shape[0] + (cmp_kv.shape[0] if cmp_kv is not None and not two else 0)
+        kw = {"kv_fp8": False}
+        if two:
+            kw.update(n_win=n_win, S_cmp=cmp_kv.shape[0])
+        b = bucket_rows(t, 1)  # queries padded to a power of two (rows of -1 entries give 0): few kernels
+        keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
+        if cfg.num_split > 1:
+            keys.append(_key("sparse_attn_decode", "combine_program", (b, h, d, cfg.num_split)))
+        return keys, cfg, two, b
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return self._plan(call)[0]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        _, cfg, two, b = self._plan(call)
+        q, sink, win_kv, win_idx, cmp_kv, cmp_idx = self._operands(call)
+        fused = call.op == "fused_attention"
+        if fused:
+            q = self._prologue(call, q)
+        t, h, d = q.shape
+        ratio = float(call.attrs["scale"]) * d**0.5  # the kernel scales the logits by D^-0.5
+        qb = pad_rows((q if ratio == 1.0 else q * ratio).to(torch.bfloat16), b)
+        if two:
+            kv = (win_kv.to(torch.bfloat16), cmp_kv.to(torch.bfloat16))
+            idx = (_pad_idx(win_idx, b), _pad_idx(cmp_idx, b))
+        elif cmp_kv is not None:
+            kv = (torch.cat([win_kv, cmp_kv]).to(torch.bfloat16),)
+            off = torch.where(cmp_idx >= 0, cmp_idx + win_kv.shape[0], torch.full_like(cmp_idx, -1))
+            idx = (_pad_idx(torch.cat([win_idx, off], dim=1), b),)
+        else:
+            kv, idx = (win_kv.to(torch.bfloat16),), (_pad_idx(win_idx, b),)
+        sink = sink.float().contiguous()
+        o = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
+        if cfg.num_split == 1:
+            kernels[0](qb, *kv, *idx, sink, o)
+        else:
+            ns = cfg.num_split
+            op = torch.empty(b, ns, h, d, device=q.device)
+            mp, lp = torch.empty(b, ns, h, device=q.device), torch.empty(b, ns, h, device=q.device)
+            kernels[0](qb, *kv, *idx, op, mp, lp)
+            kernels[1](op, mp, lp, sink, o)
+        o = o[:t].to(call.args[0].dtype)
+        return self._epilogue(call, o) if fused else [o]
+
+    @staticmethod
+    def _rope_attrs(call: Call) -> dict:
+        from deepinfer.ir.ops.attention import ROPE_ATTRS
+
+        return {k: call.attrs[k] for k in ROPE_ATTRS}
+
+    def _prologue(self, call: Call, q: torch.Tensor) -> torch.Tensor:
+        from deepinfer.ir.ops.attention import Rope
+        from deepinfer.ir.ops.core import RMSNorm
+
+        if call.attrs["q_norm"]:
+            q = RMSNorm.reference(q, None, eps=call.attrs["eps"])
+        return Rope.reference(q, call.args[1], inverse=False, **self._rope_attrs(call))
+
+    def _epilogue(self, call: Call, o: torch.Tensor) -> list[torch.Tensor]:
+        from deepinfer.ir.ops.attention import Rope
+
+        o = Rope.reference(o, call.args[1], inverse=True, **self._rope_attrs(call))
+        if call.attrs["out_groups"]:
+            o = o.reshape(o.shape[0], call.attrs["out_groups"], -1)
+        group = call.attrs["quant_group"]
+        if not group:
+            return [o]
+        codes, scale = quant_act(o, group)  # quant_fp8_groups' numbers without its synchronising e8m0 check
+        return [codes, to_e8m0(scale)]
+
+
 # ---------------------------------------------------------------------------------------------- rope / engram
 
 
@@ -885,6 +1010,7 @@ ADAPTERS: dict[str, object] = {
     "moe_grouped_gemm": MoEGroupedAdapter(),
     "rope": RopeAdapter(),
     "engram": (EngramEmbedAdapter(), EngramGateAdapter()),
+    "sparse_attn_decode": SparseAttnAdapter(),
 }
 
 
@@ -996,6 +1122,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
     kw = dict(key.kwargs)
     if key.program == "swab_program":
         return _emulated_swab(key)
+    if key.family == "sparse_attn_decode":
+        return _emulated_attention(key)
     if key.family == "fp8_gemm":
         from deepinfer.codegen.kernels import fp8_gemm
 
@@ -1073,6 +1201,56 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         return gate
     raise KeyError(f"no emulation for {key.family}.{key.program}")
+
+
+def _emulated_attention(key: KernelKey) -> Callable:
+    """sparse_attn_decode's programs from their docstrings: the single pass writes O; the split pass writes each
+    chunk's unnormalised output with its running max and sum (natural base; a chunk of only -1 entries: max
+    -1e30, sum 0, output 0); the combine folds the chunks with the sink. Two pools: entry j < n_win is row
+    IdxW[b, j] of KVw, the rest rows of KVc."""
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    kw = dict(key.kwargs)
+    if key.program == "combine_program":
+        h = key.args[1]
+
+        def combine(op, mp, lp, sink, o):
+            mx = torch.maximum(mp.amax(1), sink.view(1, h))
+            w = torch.exp(mp - mx.unsqueeze(1))
+            den = (lp * w).sum(1) + torch.exp(sink.view(1, h) - mx)
+            o.copy_(((op * w.unsqueeze(-1)).sum(1) / den.unsqueeze(-1)).to(o.dtype))
+
+        return combine
+    b, h, d, s, topk = key.args
+    n_win, ns = kw.get("n_win", 0), dict(kw["cfg"])["num_split"]
+
+    def attn(q, *rest):
+        if n_win:
+            kvw, kvc, iw, ic, *rest = rest
+            _check_abi(key, (iw, (b, n_win)), (ic, (b, topk - n_win)), (kvw, (s, d)))
+            kv = torch.cat([kvw, kvc])
+            idx = torch.cat([iw, torch.where(ic >= 0, ic + s, -1)], dim=1)
+        else:
+            kv, idx, *rest = rest
+            _check_abi(key, (kv, (s, d)), (idx, (b, topk)))
+        _check_abi(key, (q, (b, h, d)))
+        if ns == 1:
+            sink, o = rest
+            o.copy_(sad.reference(q, kv, idx, sink))
+            return
+        op, mp, lp = rest
+        chunk = topk // ns
+        for sp in range(ns):
+            ids = idx[:, sp * chunk : (sp + 1) * chunk]
+            rows = kv[ids.clamp_min(0).long()].float()
+            logits = torch.einsum("bhd,bjd->bhj", q.float(), rows) * d**-0.5
+            valid = (ids >= 0).unsqueeze(1)
+            m = torch.where(valid, logits, torch.full_like(logits, -1e30)).amax(-1)
+            p = torch.where(valid, torch.exp(logits - m.unsqueeze(-1)), torch.zeros_like(logits))
+            op[:, sp] = torch.einsum("bhj,bjd->bhd", p, rows)
+            mp[:, sp], lp[:, sp] = m, p.sum(-1)
+
+    return attn
 
 
 def _untile_gate_up(w: torch.Tensor, half: int, dim: int = 1) -> torch.Tensor:

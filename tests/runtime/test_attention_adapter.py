@@ -1,0 +1,111 @@
+"""SparseAttnAdapter (issue 6/8): sparse_attention / fused_attention at decode through sparse_attn_decode with the
+graph's two KV pools (window rows + compressed rows, never concatenated), split-K + combine, padded query rows.
+CPU: stand-ins written from the programs' docstrings (kernel_adapters.emulated_kernel) and the real ws program on
+TileLang's `c` target; the oracle is the node's own torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.ir.registry import get_op
+from deepinfer.runtime import kernel_adapters as ka
+
+ROPE = {"rope_dim": 16, "theta": 10000.0, "yarn_factor": 1.0, "yarn_orig_len": 0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def attn_args(t, h, d, n_win_rows, n_cmp_rows, kw, kc, seed=0):
+    """q, sink and the two pools with their index lists (a partly filled window, -1 tails, a query that sees
+    no compressed entry)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    win_kv, cmp_kv = torch.randn(n_win_rows, d, generator=g), torch.randn(n_cmp_rows, d, generator=g)
+    win_idx = torch.randint(0, n_win_rows, (t, kw), generator=g)
+    cmp_idx = torch.randint(0, n_cmp_rows, (t, kc), generator=g)
+    win_idx[0, -3:] = -1
+    cmp_idx[:, -5:] = -1
+    cmp_idx[-1] = -1
+    return q, sink, win_kv, win_idx, cmp_kv, cmp_idx
+
+
+def sparse_call(args, config=None) -> ka.Call:
+    d = args[0].shape[-1]
+    return ka.Call("sparse_attention", {"scale": d**-0.5}, list(args), [f"a{i}" for i in range(6)], [False] * 6,
+                   dict(config or {}), {})  # fmt: skip
+
+
+def fused_call(args, config=None, *, out_groups=2, quant_group=32, scale=None) -> ka.Call:
+    q, sink, win_kv, win_idx, cmp_kv, cmp_idx = args
+    t, _, d = q.shape
+    attrs = {"q_norm": True, "eps": 1e-6, **ROPE, "scale": scale or d**-0.5, "out_groups": out_groups,
+             "quant_group": quant_group}  # fmt: skip
+    full = [q, torch.arange(100, 100 + t), sink, win_kv, win_idx, cmp_kv, cmp_idx]
+    return ka.Call("fused_attention", attrs, full, [f"a{i}" for i in range(7)], [False] * 7, dict(config or {}), {})
+
+
+def run(call: ka.Call, builder=ka.emulated_kernel) -> list[torch.Tensor]:
+    adapter = ka.adapter_for("sparse_attn_decode", call.op)
+    return adapter.run(call, [builder(k) for k in adapter.keys(call)])
+
+
+def as_float(outs) -> torch.Tensor:
+    from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+    if len(outs) == 2:
+        return dequant_fp8_groups(outs[0], outs[1], outs[0].shape[-1] // outs[1].shape[-1])
+    return outs[0].float()
+
+
+def rel(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.fixture(autouse=True)
+def _emulate(monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+
+@pytest.mark.parametrize("num_split", [1, 4])
+def test_two_pools_with_emulated_kernels(num_split):
+    args = attn_args(3, 4, 32, 40, 70, 32, 96)
+    call = sparse_call(args, {"block_n": 32, "num_split": num_split, "stages": 2})
+    keys = ka.SparseAttnAdapter().keys(call)
+    assert dict(keys[0].kwargs)["n_win"] == 32 and keys[0].args[0] == 4  # two pools; 3 queries padded to 4
+    assert len(keys) == (2 if num_split > 1 else 1)
+    ref = get_op("sparse_attention").run(call.args, call.attrs)[0]
+    assert rel(run(call)[0], ref) < 1e-2  # bf16 q and pools
+
+
+def test_fused_attention_steps_around_the_kernel():
+    """q RMSNorm + RoPE before, inverse RoPE, out-group reshape and the FP8 quant after; a scale other than
+    D^-0.5 is folded into q."""
+    args = attn_args(2, 4, 32, 40, 70, 32, 96, seed=1)
+    for scale in (None, 0.1):
+        call = fused_call(args, scale=scale)
+        got, ref = run(call), get_op("fused_attention").run(call.args, call.attrs)
+        assert got[0].shape == ref[0].shape == (2, 2, 64) and got[1].dtype == ref[1].dtype
+        assert rel(as_float(got), as_float(ref)) < 0.1  # one e4m3 step where bf16 moved a value across
+
+
+def test_window_only_layer_and_top_k_that_does_not_chunk():
+    q, sink, win_kv, win_idx, _, _ = attn_args(1, 4, 32, 40, 70, 64, 96)
+    call = sparse_call((q, sink, win_kv, win_idx, None, None))
+    assert "n_win" not in dict(ka.SparseAttnAdapter().keys(call)[0].kwargs)
+    ref = get_op("sparse_attention").run(call.args, call.attrs)[0]
+    assert rel(run(call)[0], ref) < 1e-2
+    with pytest.raises(ka.Decline, match="multiple of the KV chunk"):
+        ka.SparseAttnAdapter().keys(sparse_call(attn_args(1, 4, 32, 40, 70, 8, 6)))
+
+
+@pytest.mark.parametrize("num_split", [1, 2])
+def test_ws_program_on_the_c_target(num_split):
+    """The warp-specialised program's CPU mirror (H = 64, D % 128 == 0) behind the adapter, window list of 36
+    (block 1 straddles the pools), single pass and split + combine."""
+    pytest.importorskip("tilelang")
+    args = attn_args(2, 64, 128, 50, 200, 36, 92, seed=2)
+    call = sparse_call(args, {"block_n": 32, "threads": 384, "num_split": num_split, "stages": 2, "ws": True})
+    got = run(call, ka.c_target_kernel)[0]
+    ref = get_op("sparse_attention").run(call.args, call.attrs)[0]
+    assert rel(got, ref) < 1e-2
+    assert rel(got, run(sparse_call(args, call.config))[0]) < 1e-2
