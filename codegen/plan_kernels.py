@@ -205,6 +205,36 @@ def _mma_counts(opcodes: dict) -> dict:
     return {op: n for op, n in sorted(opcodes.items()) if "MMA" in op}
 
 
+def cached_build(spec: KernelSpec, target: str) -> dict | None:
+    """build_one's result when its lowering, cubin and SASS counts are all on disk, else None -- checked in the
+    calling process without importing tilelang, so a warm compile starts no worker processes (each would spend
+    seconds importing torch and tilelang only to find its files cached)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from deepinfer.codegen import tilelang_backend as tb
+    from deepinfer.codegen.targets import get_target
+
+    t0 = time.perf_counter()
+    try:
+        tl_version = version("tilelang")
+    except PackageNotFoundError:
+        return None
+    tgt = get_target(target)
+    key = tb.content_hash(spec.ident(), target, tl_version, _family_hash(spec.family))
+    src = tb.cache_dir() / target / f"{spec.name}-{key}{'.cpp' if target == 'ascend950' else '.cu'}"
+    if not src.exists():
+        return None
+    out = {"name": spec.name, "source": str(src), "lower_cached": True}
+    if tgt.is_cuda:
+        cubin = tb.cached_cubin(src, tgt)
+        counts = cubin.with_suffix(".mma.json") if cubin is not None else None
+        if counts is None or not counts.exists():
+            return None
+        out.update(cubin=str(cubin), mma=json.loads(counts.read_text()))
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
 def build_one(spec: KernelSpec, target: str) -> dict:
     """Worker: lower (cached by spec hash), write, nvcc (cached), SASS counts. Returns paths in the cache."""
     import tilelang
@@ -251,14 +281,18 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs) or 1))
-    if jobs == 1 or len(specs) <= 1:
-        results = [build_one(s, target) for s in specs]
+    results = [cached_build(s, target) for s in specs]
+    todo = [i for i, r in enumerate(results) if r is None]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    if jobs == 1 or len(todo) <= 1:
+        built = [build_one(specs[i], target) for i in todo]
     else:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-            results = list(pool.map(build_one, specs, [target] * len(specs)))
+            built = list(pool.map(build_one, [specs[i] for i in todo], [target] * len(todo)))
+    for i, res in zip(todo, built, strict=True):
+        results[i] = res
     entries = []
     for spec, res in zip(specs, results, strict=True):
         ent = {"name": spec.name, "family": spec.family, "program": spec.program, "args": list(spec.args)}

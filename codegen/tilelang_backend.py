@@ -147,6 +147,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
 # ---------------------------------------------------------------------------------------------- compile
 
 
+def _cubin_path(source_path: Path, target: Target) -> Path:
+    key = content_hash(source_path.read_text(), target.arch, " ".join(NVCC_FLAGS), nvcc_version())
+    return cache_dir() / target.name / f"{source_path.stem}-{key}.cubin"
+
+
+def cached_cubin(source_path: Path, target: Target) -> Path | None:
+    """compile_cubin's output if it is already in the cache (nothing is compiled), else None."""
+    if not target.is_cuda or nvcc_path() is None:
+        return None
+    out = _cubin_path(source_path, target)
+    return out if out.exists() else None
+
+
 def compile_cubin(source_path: Path, target: Target) -> Path:
     """nvcc the generated source into a cubin; cached by (source, arch, flags, nvcc version)."""
     if not target.is_cuda:
@@ -154,9 +167,7 @@ def compile_cubin(source_path: Path, target: Target) -> Path:
     nvcc = nvcc_path()
     if nvcc is None:
         raise ConfigError("nvcc not found on PATH; cannot compile CUDA sources")
-    source = source_path.read_text()
-    key = content_hash(source, target.arch, " ".join(NVCC_FLAGS), nvcc_version())
-    out = cache_dir() / target.name / f"{source_path.stem}-{key}.cubin"
+    out = _cubin_path(source_path, target)
     if out.exists():
         return out
     incs = [f"-I{d}" for d in tilelang_include_dirs()]

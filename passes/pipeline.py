@@ -267,10 +267,27 @@ def run_pipeline(
     pipeline: Pipeline | Mapping | None = None,
     *,
     dump_ir: str | os.PathLike | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     copy_graph: bool = True,
 ) -> tuple[Graph, PassReport]:
-    """Run every pass of every phase in order. The input graph is left as it was (passes work on a copy)."""
+    """Run every pass of every phase in order. The input graph is left as it was (passes work on a copy).
+
+    ``verify``: the verifier checks the final graph; if it (or any pass) fails, the pipeline is replayed from
+    the input with the verifier after every pass, so the error names the first pass that broke the graph.
+    Passes are deterministic, so the replay meets the same failure; checking after every pass up front would
+    cost ~2 s of a real 40-layer compile for an answer only a failure needs. ``verify="each"`` does the replay's
+    per-pass checking from the start (``--verify-each`` style debugging)."""
+    if verify and verify != "each" and copy_graph:  # without a copy the input is gone: no replay, check each
+        try:
+            out, report = _run_steps(g, pipeline, dump_ir, verify_each=False, copy_graph=True)
+            if not check(out, first_only=True):
+                return out, report
+        except DeepInferError:
+            pass
+    return _run_steps(g, pipeline, dump_ir, verify_each=bool(verify), copy_graph=copy_graph)
+
+
+def _run_steps(g: Graph, pipeline, dump_ir, *, verify_each: bool, copy_graph: bool) -> tuple[Graph, PassReport]:
     if pipeline is None:
         pipe = Pipeline.default()
     else:
@@ -291,7 +308,7 @@ def run_pipeline(
         except DeepInferError as e:
             raise type(e)(f"pass {name!r} ({phase}): {e}") from e
         dt = time.perf_counter() - t0
-        if verify:
+        if verify_each:
             errors = check(g, first_only=True)
             if errors:
                 raise VerificationError(f"after pass {name!r} ({phase}): graph {g.name!r}: {errors[0]}")

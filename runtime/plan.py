@@ -58,7 +58,8 @@ def write_plan(plan: Plan, out: str | os.PathLike, overwrite: bool = False) -> P
             "pipeline": plan.pipeline,
             "graph": graph_to_dict(plan.graph),
         }
-        (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=1) + "\n")
+        # compact separators keep json on its C encoder (indent= falls back to pure Python: ~2 s at 40 layers)
+        (tmp / PLAN_FILE).write_text(json.dumps(doc, separators=(",", ":")) + "\n")
         (tmp / "report.txt").write_text(plan.report + "\n")
         if plan.kernels_dir is not None:
             shutil.copytree(plan.kernels_dir, tmp / KERNELS_DIR)
