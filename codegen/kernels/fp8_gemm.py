@@ -42,8 +42,43 @@ through one partial: 128x256 tiles in 192 accumulator registers), `overlap` (two
 always in flight, also across K blocks), `cluster=2` (M-adjacent CTA pairs share the B tile through TMA
 multicast: a third less L2->SM traffic at 128x256). The scale math and the promotion order are the same
 as above, so the result is the same to fp32 rounding. `WSPlan` holds the sizes and scale indexing that
-the sm90 program and its CPU twin (`_program_ws_cpu`, c-target numerics) share.
-SM100's native block-scaled MMA (ue8m0 per 32 in TMEM) removes the promotion and is the next step here.
+the sm90 program and its CPU twin (`_program_ws_cpu`, c-target numerics) share. With `experts=E` the same
+program is the MoE grouped GEMM on the contiguous layout (moe_grouped_gemm.py): each M tile reads its
+expert's weights, padding tiles are skipped.
+
+SM90 ceiling for V4.1's 32-groups (exact per-32 promotion), per K = 32 step of one consumer warpgroup that
+owns a 64 x 256 slice of a 128 x 256 tile (H100/H200 per SM and clock: 4096 FP8 MACs on the tensor cores,
+128 FP32 lanes, 4 schedulers each issuing 1 warp-instruction; the 4 warps of a warpgroup sit one per
+scheduler, and one warpgroup's wgmma occupies all 4 tensor cores):
+  * MMA: 64 * 256 * 32 = 524,288 MACs / 4096 = 128 clk of tensor-core time;
+  * promotion: 64 * 256 = 16,384 products / 128 threads = 128 FFMA per thread = 128 clk of the FP32 pipe
+    (16,384 / 128 lanes) and 128 issue slots on each scheduler -- as many as the MMA's clocks;
+  * on top: the scale products, already hoisted to one FMUL per (row, 32-column block) by the compiler
+    (2 rows x 8 blocks = 16), their shared-memory loads and the wgmma/descriptor/barrier bookkeeping. The
+    SASS of the ws 128x256 g32 kernel (n_split 2) has 751 instructions per 128-K block per consumer warp:
+    94 per 64x128x32 unit (64 FFMA, 8 FMUL, 6 LDS, ~16 other), i.e. ~188 issue slots per 64x256x32 step.
+  The two consumer warpgroups need 2 x 128 = 256 clk of tensor time per K step and 2 x 188 = 376 issue
+  slots on every scheduler. With one warpgroup's promotion perfectly hidden under the other's MMA the
+  kernel is issue-bound at 256 / 376 = 68% of the tensor rate at the same clock; with no overlap it is
+  256 / (256 + 376) = 41%. Measured (H200, 4096x32768x1280, % of the same run's _scaled_mm peak): ws
+  128x256 44.7%, ping-pong 39.7%, sm90_config 38.3% -- barely above the no-overlap bound: the two
+  warpgroups wait on the same stage barriers, so they MMA together and promote together, and the
+  ping-pong's per-unit hand-over (64-clk wgmmas, each waited for before its promotion) exposes the wgmma
+  latency instead. Only the `overlap` variant keeps a wgmma queued while promoting, and it needs two
+  partials, so it fits 128 x 128 tiles only (64 + 2 x 64 registers), where the same count gives the same
+  68% bound. The FP32 pipe at full rate also costs power, so the clock under this load is below the
+  _scaled_mm peak run's. Realistic SM90 ceiling: ~50-55% of the measured FP8 peak for 32-groups; the issue-6
+  targets (75% dense, 65% grouped) are reachable with 128-groups only (one promotion per 128 K: the same
+  bound is 4 x looser). Not exact, so not used: folding the 32-group scales into the e4m3 operands, or a
+  bf16 MMA on exactly dequantised operands (exact, but the bf16 peak is 48-55% of the FP8 one).
+
+SM100 (B200) removes the promotion: `tcgen05.mma ... kind::mxf8f6f4.block_scale` multiplies by one ue8m0
+scale per 32 K per row (A) and per column (B) inside the MMA. V4.1's format maps onto it exactly (1x32
+activation scales as they are; each 32x32 weight-block scale repeated over its 32 rows). TileLang 0.1.15 has
+it: `T.gemm_blockscaled(A_s, B_s, C_tmem, SFA_tmem, SFB_tmem, k_start=, sf_a_granularity_k=32,
+sf_b_granularity_k=32, mbar=)` (tilelang/cuda/op/gemm/gemm_tcgen05_blockscaled.py), with the packed scales
+copied shared -> tensor memory by `T.tcgen05_cp_warpx4`; the sm100 program here does not use it yet (it still
+promotes after a plain tcgen05 MMA).
 """
 
 import itertools
