@@ -1066,8 +1066,13 @@ def grouped_cases(quick: bool):
         out.append((f"moe_grouped_gemm masked {name} swab +swiglu", "EP8 decode 64 tok",
                     lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
     if not quick:  # a few swap-AB configs at the smallest batch (what the tuner would search)
+        # 16 tokens: 16 active experts x 72 N tiles = 1152 CTAs on 528 slots (4/SM) = 2.2 waves; 5-6 CTAs per SM
+        # (fewer stages: 40 registers at 6, ptxas cannot go to 7) make it 1.5-1.75 waves
         for fmt, cfg in (("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 256, 4, 3)),
+                         ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 4, 5)),
+                         ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 3, 6)),
+                         ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 256, 2, 5)),
                          ("fp4", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
                          ("fp4", moe_grouped_gemm.SwabConfig(64, 16, 256, 5, 3))):  # fmt: skip
             run = functools.partial(case_grouped_gemm_masked, tokens=16, E=48, max_rows=64, fmt=fmt, cfg=cfg)
