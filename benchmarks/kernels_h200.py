@@ -1117,6 +1117,10 @@ def grouped_ws_cases(quick: bool):
                 run = functools.partial(case_grouped_gemm, tokens=T_, E=E, cfg=cfg, g=g, dims=dims)
                 out.append((f"moe_grouped_gemm ws g{g} {name} {cfg.tag}", f"EP8 {T_} tok",
                             lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    # V4.1's FP4 experts dequantised inside the kernel (W4A8 swap-AB, contiguous layout), same run
+    scfg = moe_grouped_gemm.swab_config(0, "fp4", contiguous=True)
+    out.append((f"moe_grouped_gemm ws g32 w4a8 in-kernel FP4 {scfg.tag}", "EP8 4096 tok",
+                lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, fmt="fp4")))  # fmt: skip
     return out
 
 
