@@ -50,7 +50,7 @@ FAMILY = "topk_select"
 NONE = -(2**31) + 1  # key of "not a candidate": below every real key (-inf is 0x807fffff; NaN unsupported)
 INT_MAX = 2**31 - 1
 NB = 256  # histogram bins per radix round (8 bits)
-MAX_SEGMENTS = 4  # default CTAs per row: the last one selects from segments x k candidates (its serial tail)
+MERGE_ALL_MAX = 8192  # candidates of a merge_all buffer (segments x k): 64 KiB of shared memory
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Config:
     filter: bool = False  # group-max candidate filter + shared candidate buffer (needs chunk / group >= 2k)
     group: int = 8
     cap: int = 2048  # candidates one chunk may add before it falls back to its exact top-k
+    merge_all: bool = False  # the buffer holds every segment's top-k: the last CTA of a row selects once
 
     @property
     def chunk(self) -> int:
@@ -69,7 +70,7 @@ class Config:
     @property
     def tag(self) -> str:
         f = f"f{self.group}c{self.cap}" if self.filter else "x"
-        return f"t{self.threads}e{self.per_thread}s{self.seg}{f}"
+        return f"t{self.threads}e{self.per_thread}s{self.seg}{f}{'m' if self.merge_all else ''}"
 
 
 def n_segments(C: int, cfg: Config) -> int:
@@ -89,8 +90,9 @@ def check_config(C: int, k: int, cfg: Config) -> None:
 
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config:
     """Short rows (C <= 4096): one CTA per row, the row in registers. Long rows: the filter over chunks of
-    4096 (256 threads x 16, groups of 4), a segment per CTA, up to MAX_SEGMENTS segments per row while the grid
-    does not yet cover the GPU twice (decode: few rows)."""
+    4096, groups of 4. Many rows (prefill): one 256-thread CTA streams a row. Few rows (decode): a row is split
+    into segments (one CTA each) until the grid covers the GPU twice or the last CTA's one-shot merge buffer
+    (segments x k <= MERGE_ALL_MAX) is full; 512 threads x 8 keep that buffer at 16 registers a thread."""
     if C <= 4096 or 4096 // 4 < 2 * k:
         chunk = max(1 << max(C - 1, 1).bit_length(), 512)
         nt = min(max(chunk // 16, 32), 512)
@@ -98,10 +100,13 @@ def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config:
     nt, e = 256, 16
     chunk = nt * e
     nchunks = -(-C // chunk)
+    if T_ >= 2 * sms or nchunks == 1:
+        return Config(nt, e, chunk * nchunks, True, 4, 2048)
     nseg = 1
-    while nseg < min(nchunks, MAX_SEGMENTS) and T_ * nseg < 2 * sms and nchunks % (2 * nseg) == 0:
+    while (nseg < nchunks and T_ * nseg < 2 * sms and 2 * nseg * k <= MERGE_ALL_MAX
+           and nchunks % (2 * nseg) == 0):  # fmt: skip
         nseg *= 2
-    return Config(nt, e, chunk * (nchunks // nseg), True, 4, 2048)
+    return Config(512, 8, chunk * (nchunks // nseg), True, 4, 2048, merge_all=nseg > 1)
 
 
 def config_space(T_: int, C: int, k: int = 512) -> list[Config]:
@@ -399,11 +404,13 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     ops = _Ops(target == "cpu")
     NT, E, G, SEG = cfg.threads, cfg.per_thread, cfg.group, cfg.seg
     CH, NSEG, FILTER = cfg.chunk, n_segments(C, cfg), cfg.filter
+    MERGE_ALL = cfg.merge_all and NSEG > 1
     NCH, EG = SEG // CH, E // G
     # the shared candidate buffer, also held in registers (EB per thread) when it is cut to its top-k: the filter's
-    # (the exact top-k plus one chunk's candidates) or the last CTA's (the top-k so far plus one segment's set)
+    # (the exact top-k plus one chunk's candidates) or the last CTA's (the top-k so far plus one segment's set;
+    # merge_all: every segment's set, loaded at once and selected once -- no serial cuts in the merge)
     STREAM = FILTER or NSEG > 1 or NCH > 1  # chunks / segment sets stream through a shared candidate buffer
-    BUF = _round_up(max(k + (cfg.cap if FILTER else k), NT), NT)
+    BUF = _round_up(max(k + (cfg.cap if FILTER else k), NT, NSEG * k if MERGE_ALL else 0), NT)
     EB = BUF // NT
     NW = -(-C // 32)
     sh = scratch_shapes(T_, C, k, cfg)
@@ -424,6 +431,20 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
             buf[idx] = buf[idx] + val
         else:
             out[0] = T.call_extern("int32", "atomicAdd", T.address_of(buf[idx]), val)
+
+    @T.macro
+    def warp_reserve(ctl, slot, x, lane, out):
+        """out[0] = where this thread's x entries start: an inclusive warp scan of x (shuffles), the warp's
+        total reserved by its last lane with one atomicAdd on ctl[slot], the base broadcast back."""
+        full = T.uint32(0xFFFFFFFF)
+        incl = T.alloc_var("int32", init=x)
+        for d in (1, 2, 4, 8, 16):
+            up = T.call_extern("int32", "__shfl_up_sync", full, incl, d)
+            incl = incl + T.if_then_else(lane >= d, up, 0)
+        base = T.alloc_var("int32", init=0)
+        if lane == 31:
+            base = T.call_extern("int32", "atomicAdd", T.address_of(ctl[slot]), incl)
+        out[0] = T.call_extern("int32", "__shfl_sync", full, base, 31) + incl - x
 
     @T.macro
     def mark(bitmap, idf, takef, Q):
@@ -452,7 +473,10 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
             for q in ops.unroll(Q):
                 cnt[i] = cnt[i] + T.if_then_else(takef(i, q), 1, 0)
         for i in ops.par(NT):
-            atomic_add_ret(ctl, slot, cnt[i], tmp)
+            if ops.cpu:
+                atomic_add_ret(ctl, slot, cnt[i], tmp)
+            else:  # one shared atomic per warp (not per thread: they serialise on the one counter)
+                warp_reserve(ctl, slot, cnt[i], i % 32, tmp)
             p = T.alloc_var("int32", init=tmp[0])
             for q in ops.unroll(Q):
                 if takef(i, q):
@@ -492,16 +516,24 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
         return lambda i, j: T.And(T.And(kc[i, j] != NONE, kc[i, j] >= lower), in_c(i, j))
 
     @T.macro
-    def load_chunk(S, t, c0, lim, xr, kc):
+    def fetch_chunk(S, t, c0, lim, xr):
         for i in ops.par(NT):
             for j in ops.unroll(E):  # float4 loads; a float4 wholly past the limit is not read
                 xr[i, j] = T.if_then_else(col_of(c0, i, j - j % 4) < lim, S[t, col_of(c0, i, j)], NEG)
+
+    @T.macro
+    def chunk_keys(c0, lim, xr, kc):
         for i in ops.par(NT):
             for j in ops.unroll(E):
                 b = T.alloc_var("int32")
                 b = T.reinterpret(T.if_then_else(xr[i, j] == T.float32(0.0), T.float32(0.0), xr[i, j]), "int32")
                 kc[i, j] = T.if_then_else(T.And(col_of(c0, i, j) < lim, xr[i, j] > NEG),
                                           T.if_then_else(b >= 0, b, T.bitwise_xor(b, 0x7FFFFFFF)), NONE)  # fmt: skip
+
+    @T.macro
+    def load_chunk(S, t, c0, lim, xr, kc):
+        fetch_chunk(S, t, c0, lim, xr)
+        chunk_keys(c0, lim, xr, kc)
 
     @T.macro
     def load_buffer(bufk, bufi, nb, bk, bi):
@@ -563,12 +595,17 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                 for _z in ops.par(1):
                     ctl[0] = 0
                 ops.sync()
+                if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
+                    fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
                 # iterations: this segment's chunks, then (the last CTA of the row) the segments' top-k sets
-                for it in T.serial(NCH + (NSEG if NSEG > 1 else 0)):
+                for it in T.serial(NCH + (0 if NSEG == 1 else (1 if MERGE_ALL else NSEG))):
                     m = 0
                     if it < NCH:
                         if c0_of(sg, it) < lim:
-                            load_chunk(S, t, c0_of(sg, it), lim, xr, kc)
+                            chunk_keys(c0_of(sg, it), lim, xr, kc)
+                            if NCH > 1:  # the next chunk's loads fly while this one is filtered and pushed
+                                if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                                    fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
                             fb = 1
                             if FILTER:  # candidates: at least the running bound (tightened first if too many)
                                 fb = 0
@@ -639,6 +676,15 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                         if m > 0:
                             push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
                                  cand(kc, c0_of(sg, it), lower, fb, stc, stc2), E, rc, tmp)  # fmt: skip
+                    elif T.And(last == 1, MERGE_ALL):  # every segment's set at once, NONE-padded to k each
+                        for e in ops.par(NSEG * k):
+                            ok = (e % k) < ld_cg(CCnt, t * NSEG + e // k)
+                            bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
+                            bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
+                        ops.sync()
+                        for _z in ops.par(1):
+                            ctl[0] = NSEG * k
+                        ops.sync()
                     elif last == 1:  # the segments' sets: L2 reads (other CTAs wrote them during this kernel)
                         nb = ctl[0]
                         src = (t * NSEG + it - NCH) * k

@@ -64,9 +64,11 @@ def c_kernels(tilelang_required):
     k = 16
     direct = ts.Config(32, 8, 256, False)  # one CTA per row, the row in registers
     multi = ts.Config(32, 8, 512, True, 4, 32)  # 2 segments x 2 chunks, filter, cap 32 (falls back often)
+    merge = ts.Config(32, 8, 256, True, 4, 32, merge_all=True)  # 4 one-chunk segments, one select of the union
     return {
         "direct": (compile_cpu(ts.program(4, 256, k=k, ratio=2, cfg=direct, target="cpu")), direct),
         "multi": (compile_cpu(ts.program(3, 1024, k=k, ratio=1, cfg=multi, target="cpu")), multi),
+        "merge": (compile_cpu(ts.program(3, 1024, k=k, ratio=1, cfg=merge, target="cpu")), merge),
     }
 
 
@@ -79,11 +81,13 @@ def test_c_target_one_cta_per_row(c_kernels, kind):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), ts.reference(s, 16, pos, 2))
 
 
+@pytest.mark.parametrize("which", ["multi", "merge"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp"])
-def test_c_target_filter_and_multi_cta_rows(c_kernels, kind):
+def test_c_target_filter_and_multi_cta_rows(c_kernels, kind, which):
     """Candidate filter (group maxima, running bound), its fallback to a chunk's exact top-k, the buffer cut to
-    its top-k when full, and the last-arriving CTA's merge; run twice (the arrival counters reset)."""
-    kernel, cfg = c_kernels["multi"]
+    its top-k when full, the next chunk fetched ahead, and the last-arriving CTA's merge (in cuts, or `merge_all`:
+    one select of every segment's set); run twice (the arrival counters reset)."""
+    kernel, cfg = c_kernels[which]
     s = _scores(kind, 3, 1024, seed=1)
     pos = torch.tensor([5, 700, 5000])  # ratio 1: 6, 701 (the 2nd segment half visible) and 1024 visible
     want = ts.reference(s, 16, pos, 1)
@@ -123,12 +127,12 @@ def test_triton_variant_interpreter(interpret, C, cfg):
 
 
 def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
-    """The decode config (T=64 rows of 64k scores: 8 CTAs per row) builds for sm90 without local memory, with
-    shared atomics, fenced arrivals and L2 reads of the other CTAs' candidates, and fits two CTAs per SM."""
+    """The decode config (T=64 rows of 64k scores: 8 CTAs per row, one-shot merge) builds for sm90 without local
+    memory, with shared atomics, fenced arrivals and L2 reads of the other CTAs' candidates, and fits an SM."""
     from deepinfer.codegen import tilelang_backend as tb
 
     cfg = ts.default_config(64, 65536)
-    assert ts.n_segments(65536, cfg) > 1 and cfg.filter
+    assert ts.n_segments(65536, cfg) > 1 and cfg.filter and cfg.merge_all
     art = tb.build("topk_select_sm90", ts.program(64, 65536, k=512, ratio=2, cfg=cfg, target="sm90"), "sm90")
     assert art.opcodes["LDL"] == 0 and art.opcodes["STL"] == 0, "no local-memory spills"
     assert art.opcodes["ATOMS"] > 0 and art.opcodes["LDG"] > 0 and art.opcodes["STG"] > 0
@@ -137,7 +141,7 @@ def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
     usage = subprocess.run([tb.cuobjdump_path(), "--dump-resource-usage", str(art.cubin_path)],
                            capture_output=True, text=True).stdout  # fmt: skip
     regs = int(usage.split("REG:")[1].split()[0])
-    assert regs <= 128, f"{regs} registers: fewer than two 256-thread CTAs per SM"
+    assert regs * cfg.threads <= 65536, f"{regs} registers x {cfg.threads} threads: more than an SM has"
 
 
 _AOT = """
