@@ -972,14 +972,16 @@ def _indexer_cases(quick: bool):
         from deepinfer.codegen.kernels import indexer_topk as it
         from deepinfer.codegen.kernels import topk_select as ts
 
-        topk_sweep = [
+        topk_sweep = [  # (decode: the first row of each shape is the previous default, 4 segments merged in cuts)
             (4096, 2048, ts.Config(64, 32, 2048)),
             (4096, 2048, ts.Config(256, 8, 2048)),
-            (64, 65536, ts.Config(256, 16, 8192, True, 4, 2048)),
-            (64, 65536, ts.Config(256, 16, 32768, True, 4, 2048)),
-            (1, 65536, ts.Config(256, 16, 4096, True, 4, 2048)),
+            (64, 65536, ts.Config(256, 16, 16384, True, 4, 2048)),
+            (64, 65536, ts.Config(512, 8, 4096, True, 4, 2048, merge_all=True)),
+            (64, 65536, ts.Config(256, 16, 8192, True, 4, 2048, merge_all=True)),
+            (1, 65536, ts.Config(256, 16, 16384, True, 4, 2048)),
+            (1, 65536, ts.Config(512, 8, 8192, True, 4, 2048, merge_all=True)),
             (4096, 65536, ts.Config(128, 32, 65536, True, 4, 2048)),
-            (4096, 65536, ts.Config(512, 8, 65536, True, 2, 2048)),
+            (4096, 65536, ts.Config(512, 8, 65536, True, 4, 2048)),
             (4096, 65536, ts.Config(256, 16, 32768, True, 4, 2048)),
         ]
         for T_, C, cfg in topk_sweep:
