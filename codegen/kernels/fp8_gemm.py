@@ -77,8 +77,10 @@ scale per 32 K per row (A) and per column (B) inside the MMA. V4.1's format maps
 activation scales as they are; each 32x32 weight-block scale repeated over its 32 rows). TileLang 0.1.15 has
 it: `T.gemm_blockscaled(A_s, B_s, C_tmem, SFA_tmem, SFB_tmem, k_start=, sf_a_granularity_k=32,
 sf_b_granularity_k=32, mbar=)` (tilelang/cuda/op/gemm/gemm_tcgen05_blockscaled.py), with the packed scales
-copied shared -> tensor memory by `T.tcgen05_cp_warpx4`; the sm100 program here does not use it yet (it still
-promotes after a plain tcgen05 MMA).
+copied shared -> tensor memory by `T.tcgen05_cp_warpx4`: a probe kernel lowers and compiles for sm_100a to
+UTCQMMA with its two scale-factor TMEM operands (tests/codegen/test_cuda_build.py::
+test_sm100_block_scaled_mma_is_available). The sm100 program here does not use it yet (it still promotes after
+a plain tcgen05 MMA); its numerics (the packed scale-chunk layout tcgen05.cp expects) need an SM100 device.
 """
 
 import itertools

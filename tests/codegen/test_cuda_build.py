@@ -171,3 +171,51 @@ def test_engram_embed_lowers_at_the_preset_shapes():
     for k, hd in ((6, 32), (12, 64)):
         for cfg in engram.embed_config_space(8):
             tb.lower(engram.embed_program(8, k, 1000, hd=hd, target="sm90", cfg=cfg), "sm90")
+
+
+def _mx_probe(M=256, N=256, K=512, bm=128, bk=128):
+    """The smallest sm100 FP8 GEMM on TileLang's block-scaled MMA (T.gemm_blockscaled): ue8m0 scales per 32 K,
+    4 packed per uint32 word, copied shared -> tensor memory by tcgen05.cp. A toolchain probe only: no SM100
+    device here, so its numerics (the scale-factor chunk layout tcgen05.cp expects) are not checked."""
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    fp8 = "float8_e4m3fn"
+
+    @T.prim_func
+    def mx_probe(A: T.Tensor((M, K), fp8), SFA: T.Tensor((K // bk, M), "uint32"), B: T.Tensor((N, K), fp8),
+                 SFB: T.Tensor((K // bk, N), "uint32"), C: T.Tensor((M, N), "float32")):  # fmt: skip
+        with T.Kernel(N // bm, M // bm, threads=128) as (bx, by):
+            A_s, B_s = T.alloc_shared((bm, bk), fp8), T.alloc_shared((bm, bk), fp8)
+            SFA_s, SFB_s = T.alloc_shared((bm,), "uint32"), T.alloc_shared((bm,), "uint32")
+            C_t = T.alloc_tmem([bm, bm], "float32")
+            SFA_t, SFB_t = T.alloc_tmem([bm, 4], "uint32"), T.alloc_tmem([bm, 4], "uint32")
+            mbar = T.alloc_barrier(1)
+            C_l = T.alloc_fragment((bm, bm), "float32")
+            for ko in T.serial(K // bk):
+                T.copy(A[by * bm, ko * bk], A_s)
+                T.copy(B[bx * bm, ko * bk], B_s)
+                T.copy(SFA[ko, by * bm : (by + 1) * bm], SFA_s)
+                T.copy(SFB[ko, bx * bm : (bx + 1) * bm], SFB_s)
+                T.tcgen05_cp_warpx4(SFA_s, SFA_t)
+                T.tcgen05_cp_warpx4(SFB_s, SFB_t)
+                TC.gemm_blockscaled(A_s, B_s, C_t, SFA_t, SFB_t, transpose_B=True, clear_accum=(ko == 0),
+                                    k_start=ko * bk, sf_a_granularity_k=32, sf_b_granularity_k=32,
+                                    mbar=mbar)  # fmt: skip
+            T.copy(C_t, C_l)
+            T.copy(C_l, C[by * bm, bx * bm])
+
+    return mx_probe
+
+
+def test_sm100_block_scaled_mma_is_available(codegen_cache, nvcc_required):
+    """fp8_gemm.py's SM100 note: TileLang 0.1.15 lowers kind::mxf8f6f4.block_scale (ue8m0 per 32 K in tensor
+    memory), the hardware form of V4.1's 32-group promotion; nvcc emits the scaled UTCQMMA (scale-factor TMEM
+    operands) and UTCCP for the scale copies."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    art = tb.build("fp8_mx_probe_sm100", _mx_probe(), "sm100")
+    assert "tcgen05mma_blockscaled_ss<tl::DataType::kFloat8_e4m3" in art.source
+    assert art.opcodes["UTCQMMA"] > 0 and art.opcodes["UTCCP"] > 0
+    scaled = [line for line in art.sass.splitlines() if "UTCQMMA" in line]
+    assert all(line.count("tmem[") == 3 for line in scaled), "accumulator + SFA + SFB in tensor memory"
