@@ -50,11 +50,23 @@ so the bf16 [M, 2I] intermediate and the separate SwiGLU and quant passes disapp
 with exponent-bit arithmetic (`ue8m0_exponent`), no log2/division. Available on the contiguous fp8 loop
 (`program(..., swiglu_limit=)`) and on every swap-AB variant.
 
+Persistent prefill (`cfg.persistent`, contiguous layout, no fused SwiGLU): fp8_gemm's warp-specialised
+program itself (`fp8_gemm._program_sm90_ws(..., experts=E)`, not a copy of its loop): 132 CTAs walk the
+(M tile, N tile) grid, M tile m multiplies expert TileExpert[m]'s weights (the layout pads every expert to
+whole block_m tiles, so no tile straddles two experts), and tiles of expert -1 are skipped. CTA pairs
+sharing B (cluster 2) are refused: two M-adjacent tiles may belong to different experts.
+
 Limits (sm90, exact per-32 promotion). V4.1's scales are per 32 K (activations 1x32, weights 32x32 or per-row
 1x32), and wgmma has no per-K-block scale, so every 32 K each accumulator element takes one FFMA: at 128 FP32
-lanes vs 4096 FP8 MACs per SM-clock that is as many issue cycles as the MMA itself (fp8_gemm.py docstring). The
-contiguous fp8 loop therefore stays near the dense FP8 GEMM's ~44% of the measured FP8 peak; 65% needs fewer
-promotions than the format allows (SM100's block-scaled MMA, or coarser activation groups).
+lanes vs 4096 FP8 MACs per SM-clock that is as many issue cycles as the MMA itself. fp8_gemm.py's docstring
+counts it from the SASS: ~188 issue slots per 64x256x32 warpgroup step against 128 clk of MMA, so two consumer
+warpgroups are issue-bound at 68% of the tensor rate even with perfect overlap (41% with none; the dense g32
+kernel measures 44.7%), about 50-55% of the measured peak at best once the FP32 pipe's power cost is paid.
+The 65% prefill target is therefore within reach for 128-groups (V4-Flash: one promotion per 128 K) and not
+for V4.1's 32-groups on SM90 -- whether the FP4 experts are converted to FP8 32x32 blocks ahead of time
+(convert_fp4_to_fp8, then this fp8 path) or dequantised in the kernel (W4A8 above, which adds the dequant
+and a per-element scale product: one FMUL + one FFMA per element per 32 K). SM100's block-scaled MMA
+(kind::mxf8f6f4, ue8m0 per 32 K in hardware) is the format's native fix.
 """
 
 import itertools
