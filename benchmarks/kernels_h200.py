@@ -226,17 +226,18 @@ def case_grouped_gemm(row: Row, tokens: int, E: int, quick: bool, dry: bool, cfg
     ids = torch.randint(0, E, (tokens * TOPK,), generator=gen)
     rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, block)
     M = rows.numel()
-    row.shape = f"{M}x{N}x{K} E{E}"
+    R = tokens * TOPK  # real rows: the roofline counts only them (padding rows to whole tiles are overhead)
+    row.shape = f"{R}r/{M}x{N}x{K} E{E}"
     lim = SWIGLU_LIMIT if swiglu else None
     if fp4:
         func = moe_grouped_gemm.swab_program(M, N, K, E, fmt="fp4", cfg=cfg, swiglu_limit=lim)
-        row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(M, N, K, E, "fp4") if swiglu else
-                                 moe_grouped_gemm.roofline_w4a8(M, N, K, E))  # fmt: skip
+        row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(R, N, K, E, "fp4") if swiglu else
+                                 moe_grouped_gemm.roofline_w4a8(R, N, K, E))  # fmt: skip
     else:
         func = moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg,
                                         swiglu_limit=lim)  # fmt: skip
-        row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(M, N, K, E) if swiglu else
-                                 moe_grouped_gemm.roofline(M, N, K, E, g, g))  # fmt: skip
+        row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(R, N, K, E) if swiglu else
+                                 moe_grouped_gemm.roofline(R, N, K, E, g, g))  # fmt: skip
     kernel = build(func)
     if dry:
         return
