@@ -15,7 +15,8 @@ Diagnosis: ``--only-op`` perturbs only the outputs of those op kinds; ``--by-op`
 with floating outputs, one line each; ``--flips`` also counts the discrete decisions that differ between the
 two runs (integer outputs -- MoE routing, index / candidate top-k, compared as sets -- and FP8 codes) per op
 kind, and names the first node whose output moved by more than 1% of its scale.
-``--weights trained`` uses models/trained_tiny.py's weights instead of the preset's seeded random ones.
+``--weights peaked`` uses models/peaked_weights.py's weights (and its task's sequences) instead of the preset's
+seeded random ones.
 """
 
 from __future__ import annotations
@@ -32,21 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SEQ_EXTRA_STRIDE = (7, 3)  # teacher-forced continuation token i = (7 i + 3) % 1000
 
 
-def load(model: str, weights: str = "random"):
-    """The sm90 plan of ``model`` and its CPU parameters (experts restacked as the grouped kernel reads them)."""
+def load(model: str, weights: str = "random", **peaked_kw):
+    """The sm90 plan of ``model``, its CPU parameters (experts restacked as the grouped kernel reads them) and,
+    for ``weights="peaked"``, the task written into them (models/peaked_weights.py; else None)."""
     from deepinfer.compiler import compile_model
     from deepinfer.runtime.cuda_executor import restack_experts
     from deepinfer.runtime.plan import bind_weights
 
     plan = compile_model(model, "sm90").plan
-    if weights == "trained":
-        from deepinfer.models.trained_tiny import trained_params
+    params, _ = bind_weights(plan)
+    task = None
+    if weights == "peaked":
+        from deepinfer.models.peaked_weights import peaked_weights
 
-        params = trained_params(plan)
-    else:
-        params, _ = bind_weights(plan)
+        params, task = peaked_weights(params, **peaked_kw)
     restack_experts(plan.graph, params)
-    return plan, params
+    return plan, params, task
 
 
 def recorded_run(ex, feeds) -> tuple[torch.Tensor, dict]:
@@ -89,9 +91,12 @@ def discrete_flips(rec_a: dict, rec_b: dict) -> tuple[Counter, str]:
     return flips, first or "none above 1%"
 
 
-def sensitivity(plan, params, seqs: list[list[int]], ops=None, eps: float = 1e-6, flips: bool = False) -> dict:
+def sensitivity(plan, params, seqs: list[tuple[list[int], int]], ops=None, eps: float = 1e-6,
+                flips: bool = False) -> dict:  # fmt: skip
     """The formats path against itself with a relative ``eps`` perturbation of ``ops``' outputs (all ops when
-    None), teacher-forced over ``seqs``: worst share of the logit range, share of decisive positions, flips."""
+    None), teacher-forced over ``seqs`` ((tokens, prompt length) pairs): worst |logit difference| and its share
+    of the logit range, the share of decisive continuation positions (from the prompt's last one on: the
+    positions greedy decoding reads), flips."""
     import gpu_e2e as g
 
     from deepinfer.runtime import kernel_adapters as ka
@@ -102,11 +107,14 @@ def sensitivity(plan, params, seqs: list[list[int]], ops=None, eps: float = 1e-6
         exact = GraphExecutor(plan.graph, params, kernels=KernelCache(builder=ka.emulated_kernel), verify=False)
         perturbed = g.perturbed_executor(plan.graph, params, eps=eps, ops=ops)
         torch.manual_seed(0)
-        shares, decisive, counts, firsts = [], [], Counter(), []
-        for seq in seqs:
+        diffs, shares, decisive, body, counts, firsts = [], [], [], [], Counter(), []
+        for seq, plen in seqs:
             lf, rec_f = recorded_run(exact, g._teacher_inputs(plan.graph, seq, "cpu"))
             ln, rec_n = recorded_run(perturbed, g._teacher_inputs(plan.graph, seq, "cpu"))
-            err = (ln - lf).abs().amax(-1)
+            err = (ln - lf).abs().amax(-1)[plen - 1:]
+            lf = lf[plen - 1:]
+            diffs.append(float(err.max()))
+            body.append(float((lf - embedding_only_logits(params, seq[plen - 1:])).abs().amax(-1).median()))
             shares.append(float(err.max()) / float(lf.amax() - lf.amin()))
             top2 = lf.topk(2, -1).values
             decisive.append(float(((top2[:, 0] - top2[:, 1]) > 2 * err).float().mean()))
@@ -116,14 +124,29 @@ def sensitivity(plan, params, seqs: list[list[int]], ops=None, eps: float = 1e-6
                 firsts.append(first)
     finally:
         ka.EMULATE = False
-    return {"shares": shares, "decisive": decisive, "flips": counts, "first": firsts}
+    return {"diffs": diffs, "shares": shares, "decisive": decisive, "body": body, "flips": counts, "first": firsts}
 
 
-def probe_seqs(vocab: int, n_prompts: int, extra: int) -> list[list[int]]:
+def embedding_only_logits(params: dict, tokens: list[int]) -> torch.Tensor:
+    """The logits the model would give if its layers added nothing to the residual stream: the head applied to
+    the final RMSNorm of each token's embedding. Their distance to the real logits is how much the layers
+    (attention, MoE, Engram, mHC) move the prediction."""
+    e = params["embed.weight"][torch.tensor(tokens)].float()
+    h = e / e.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * params["norm.weight"].float()
+    return h @ params["head.weight"].float().T
+
+
+def probe_seqs(vocab: int, n_prompts: int, extra: int, task=None) -> list[tuple[list[int], int]]:
+    """The 5th, 6th, ... of gpu_e2e's equality prompts, each continued by ``extra`` tokens: a fixed stride
+    pattern for random weights, the task's own continuation for peaked weights (what greedy decoding feeds);
+    with each prompt's length."""
     import gpu_e2e as g
 
     a, b = SEQ_EXTRA_STRIDE
-    return [p + [(a * i + b) % min(1000, vocab) for i in range(extra)] for p in g.eq_prompts(vocab=vocab)[4:4 + n_prompts]]
+    if task is not None:
+        return [(p + task.continuation(p, extra), len(p)) for p in task.prompts(g.EQ_PROMPT_LENS)[4:4 + n_prompts]]
+    return [(p + [(a * i + b) % min(1000, vocab) for i in range(extra)], len(p))
+            for p in g.eq_prompts(vocab=vocab)[4:4 + n_prompts]]  # fmt: skip
 
 
 def float_ops(plan) -> list[str]:
@@ -136,15 +159,18 @@ def float_ops(plan) -> list[str]:
 
 
 def _line(label: str, r: dict) -> str:
-    s = ", ".join(f"{x:.1%}" for x in r["shares"])
+    s = ", ".join(f"{x:.3f} ({y:.1%})" for x, y in zip(r["diffs"], r["shares"]))
     d = ", ".join(f"{x:.0%}" for x in r["decisive"])
-    return f"{label}: max |diff| / logit range {s}; decisive {d}"
+    b = ", ".join(f"{x:.2f}" for x in r["body"])
+    return (f"{label}: max |logit diff| (share of the logit range) {s}; decisive continuation positions {d}; "
+            f"layers move the logits by (median over positions of max |logits - embedding-only logits|) {b}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-v4.1-flash:tiny")
-    ap.add_argument("--weights", choices=("random", "trained"), default="random")
+    ap.add_argument("--weights", choices=("random", "peaked"), default="random")
+    ap.add_argument("--embed-gain", type=float, default=None, help="peaked weights: embed_gain (default: the module's)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--extra", type=int, default=40, help="tokens appended to each prompt (teacher-forced)")
     ap.add_argument("--eps", type=float, default=1e-6)
@@ -153,10 +179,11 @@ def main(argv=None) -> int:
     ap.add_argument("--flips", action="store_true", help="count differing routing / top-k / FP8 decisions")
     args = ap.parse_args(argv)
 
-    plan, params = load(args.model, args.weights)
+    kw = {"embed_gain": args.embed_gain} if args.embed_gain is not None else {}
+    plan, params, task = load(args.model, args.weights, **kw)
     vocab = int(plan.graph.outputs[0].shape[-1])
-    seqs = probe_seqs(vocab, args.prompts, args.extra)
-    print(f"{args.model} ({args.weights} weights), eps {args.eps:g}, sequences of {[len(s) for s in seqs]} tokens",
+    seqs = probe_seqs(vocab, args.prompts, args.extra, task)
+    print(f"{args.model} ({args.weights} weights), eps {args.eps:g}, sequences of {[len(s) for s, _ in seqs]} tokens",
           flush=True)  # fmt: skip
     groups = [[op] for op in float_ops(plan)] if args.by_op else [args.only_op.split(",") if args.only_op else None]
     for ops in groups:
