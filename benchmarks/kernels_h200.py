@@ -549,13 +549,15 @@ def _attn_two_pool_args(kv_in, idx, n_win: int):
 
 
 def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False,
-                     n_win: int = 0):  # fmt: skip
+                     n_win: int = 0, hot_rows: int = 0):  # fmt: skip
     """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
     cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
     fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
     528 bytes a row, the check is against the dequantised rows (exact in bf16).
     n_win: the two-pool form (the first n_win entries from a 32K-row window pool, the rest from the other
-    224K rows), checked against the single-pool reference over the concatenated pools."""
+    224K rows), checked against the single-pool reference over the concatenated pools.
+    hot_rows (diagnostic): entries drawn from the first hot_rows rows only (4096: 4 MB, L2-resident), so the
+    time is the program's own bound without HBM latency; %limit is still against the HBM roofline."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
@@ -567,7 +569,7 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
         return
     q = torch.randn(B, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(ATTN_POOL, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randint(0, ATTN_POOL, (B, topk), device="cuda", dtype=torch.int32)
+    idx = torch.randint(0, hot_rows or ATTN_POOL, (B, topk), device="cuda", dtype=torch.int32)
     if n_win:  # window entries in the window pool, the others above it
         idx[:, :n_win] %= ATTN_WIN_POOL
         idx[:, n_win:] = ATTN_WIN_POOL + idx[:, n_win:] % (ATTN_POOL - ATTN_WIN_POOL)
@@ -604,7 +606,8 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
 
 def attn_cases(quick: bool):
     """Sparse-attention rows: at each batch the default (sm90_config: the ws program), its FP8-KV twin and
-    the previous default (portable program, split-K); not quick: the ws alternatives at B 64 and 128."""
+    the previous default (portable program, split-K); not quick: the ws alternatives at B 64 and 128 and
+    `attn_sweep_cases`."""
     sad = sparse_attn_decode
     out = []
 
@@ -629,6 +632,34 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
+    return out + ([] if quick else attn_sweep_cases())
+
+
+def attn_sweep_cases():
+    """`--only "sparse_attn sweep"`: the split-D form (Config.dsplit) against the default in the same run at
+    the issue's batches (64, 128, 256), the two-pool form (window + compressed pools, n_win = 128), and
+    the L2-hot diagnostic (entries from 4096 rows: the program's bound without HBM latency)."""
+    sad = sparse_attn_decode
+    out = []
+
+    def add(what, B, cfg, **kw):
+        name = f"sparse_attn sweep {cfg.tag}{' ' + what if what else ''}"
+        out.append((name, f"B{B} H64 k640", lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(
+            r, B, 640, q, d, cfg, **kw)))  # fmt: skip
+
+    for B in (128, 256, 64):
+        base = sad.sm90_config(B, 640)
+        cands = [base] + sad.dsplit_configs(640, base.num_split)
+        if B == 64:
+            cands += sad.dsplit_configs(640, 1)[:2]  # no split: 64 CTAs, no partial-output round trip
+        for cfg in cands:
+            add("", B, cfg)
+        if B != 256:
+            for cfg in cands[:2]:
+                add("two-pool", B, cfg, n_win=128)
+        if B == 128:
+            for cfg in cands[:3]:
+                add("L2-hot", B, cfg, hot_rows=4096)
     return out
 
 

@@ -20,6 +20,14 @@ and two PV warpgroups (one per D half) that also gather their half of the rows i
 stages, so the gather, QK^T, the softmax and PV of consecutive blocks overlap. It also reads the FP8 KV
 cache (`kv_fp8`: e4m3 codes + ue8m0 exponents per 32, MODEL_SPEC §3), dequantised to bf16 (exactly) in
 shared memory. `_program_ws_cpu` mirrors it on TileLang's c target (fp32) for the CPU tests.
+
+The split-D form of the ws program (`Config.dsplit`, 256 threads) drops the QK warpgroup: each of two
+warpgroups computes the QK^T partial over its D half, the two partial score tiles are summed through shared
+memory, both run the (identical) softmax and PV on their half from registers. A KV stage is then held by one
+block's math instead of two (QK^T of block i + PV of block i - 1), so more of the ring is loading.
+
+Two pools (`program(n_win=...)`): the window entries come from one KV pool through one index list and
+the selected compressed entries from another, as the graph's fused_attention op takes them; see `program`.
 Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
@@ -41,21 +49,27 @@ class Config:
     stages: int = 1  # software pipeline depth of the KV gather (2: the next block's rows load during the math)
     ws: bool = False  # warp-specialised sm90 program (3 warpgroups, mbarrier ring of `stages` KV blocks)
     lookahead: bool = False  # ws: QK^T of the next block is issued before this block's softmax
+    # ws, split-D form: two warpgroups, each the QK^T partial, softmax and PV of one D half (partial scores
+    # exchanged through shared memory), so a KV stage is held by one block's math only (`_program_ws`)
+    dsplit: bool = False
 
     def __post_init__(self):
-        if self.ws and self.threads != WS_THREADS:
-            object.__setattr__(self, "threads", WS_THREADS)
+        want = (WSD_THREADS if self.dsplit else WS_THREADS) if self.ws else self.threads
+        assert self.ws or not self.dsplit, "dsplit is a form of the ws program"
+        if self.threads != want:
+            object.__setattr__(self, "threads", want)
 
     @property
     def tag(self) -> str:
         if self.ws:
-            head = f"ws{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
+            head = f"ws{'D' if self.dsplit else ''}{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         return head + (f"x{self.num_split}" if self.num_split > 1 else "")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
+WSD_THREADS = 256  # split-D form: one warpgroup per D half (QK^T partial, softmax, PV and the half's gathers)
 WS_HEADS = 64  # the ws program's head block: one wgmma M tile (V4.1-Flash has 64 heads)
 # Every shared-memory hand-off of the ws program is ordered by its own mbarriers; TileLang's automatic
 # thread syncs would only add named barriers (and could reuse a barrier id across warpgroups). The ws
@@ -89,6 +103,30 @@ def ws_configs(topk: int, num_split: int, *, fp8: bool = False) -> list[Config]:
         if topk % (num_split * bn) == 0:
             out += [Config(bn, WS_THREADS, num_split, stages, True, la) for la in (False, True)]
     return out
+
+
+SMEM_LIMIT = 232448  # bytes of shared memory a CTA may take on sm90 (227 KB)
+
+
+def ws_smem_bytes(H: int, D: int, cfg: Config, kv_fp8: bool = False) -> int:
+    """Shared memory of the ws program's buffers (barriers and alignment aside): Q, the KV ring and the row
+    ids; the 3-warpgroup form adds P and alpha per stage (and FP8 staging), the split-D form the two halves'
+    partial score tiles."""
+    bn, NS = cfg.block_n, cfg.stages
+    out = H * D * 2 + NS * bn * D * 2
+    if cfg.dsplit:
+        return out + 2 * H * bn * 4 + 2 * NS * bn * 4
+    out += NS * (H * bn * 2 + H * 4 + bn * 4) + H * 4
+    if kv_fp8:
+        out += NS * (bn * D + bn * D // 8 + bn * 4)
+    return out
+
+
+def dsplit_configs(topk: int, num_split: int) -> list[Config]:
+    """The split-D ws configs that fit for one split count: 64-row blocks in 2 stages (one block in the math,
+    one loading), 32-row blocks in 4 or 3 stages (up to three loading)."""
+    out = [Config(bn, WSD_THREADS, num_split, st, True, dsplit=True) for bn, st in ((64, 2), (32, 4), (32, 3))]
+    return [c for c in out if topk % (num_split * c.block_n) == 0 and ws_smem_bytes(WS_HEADS, 512, c) <= SMEM_LIMIT]
 
 
 def sm90_config_space(B: int, topk: int, *, fp8: bool = False) -> list[Config]:
@@ -349,6 +387,14 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     Base-2 softmax: s2 = (q.k) * d^-0.5 * log2(e); invalid entries are -inf before the max (weight exactly
     0); the running max starts at a finite -1e30, so a chunk of only invalid entries has l = 0, o = 0.
     Registers: ptxas caps every thread at 65536 / 384 = 168 (setmaxnreg does not raise the compile cap).
+
+    Split-D form (cfg.dsplit, 256 threads, `d_role`): warpgroup hf loads Q[:, half] and its half of every
+    block's rows (and its own copy of the block's row ids), then per block: S_hf = Q_hf K_hf^T (wgmma),
+    S_hf -> xs[hf] (fp32 smem), named barrier 1 (256), S = S_hf + xs[1 - hf], named barrier 2 (256: xs
+    may be overwritten), base-2 online softmax (the same m, l in both warpgroups), P cast to bf16 in
+    registers, O_hf = alpha O_hf + P V_hf (wgmma with A from registers), named barrier 3 + hf (128: the
+    stage is no longer read), refill the stage with block i + stages. mbarriers: full[half, stage] and
+    bar_q[half] only. Registers: o 128 + S 32 + P 16 a thread, under the 255 cap at 256 threads.
     """
     import tilelang.language as T
 
@@ -359,6 +405,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
     if kv_fp8:
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
+    assert not cfg.dsplit or not (kv_fp8 or la), "split-D form: bf16 KV, no lookahead"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
     rounds, tail = divmod(nb, NS)
     bf, f32, i32 = "bfloat16", "float32", "int32"
@@ -466,8 +513,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
-        if hf == 0:
-            if t < bn // 4:  # the block's row ids, for WG0's mask
+        if hf == 0 or cfg.dsplit:  # split-D: each warpgroup masks with its own copy
+            if t < bn // 4:  # the block's row ids, for the mask
                 cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
         if not kv_fp8:
             T.cp_async_barrier_noinc(full[hf * NS + st])
@@ -686,6 +733,122 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
 
+    # ------------------------------------------------------------------------------ split-D form (cfg.dsplit)
+
+    @T.macro
+    def d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, ph, hf: int):
+        """One block of one D half: the half's QK^T partial, the exchange with the other half (named barriers
+        1 and 2 over both warpgroups: both partials written / both read), the base-2 online softmax on the
+        full scores (identical in both warpgroups: a + b == b + a), then PV on the half from registers."""
+        T.barrier_wait(full[hf * NS + st], ph)
+        T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by wgmma
+        for h, j in T.Parallel(H, bn):
+            s[h, j] = T.if_then_else(idx_h[st, j] >= 0, T.float32(0), -T.infinity(f32))
+        T.wgmma_gemm(q_h, kvh[st, :, :], s, transpose_B=True)
+        T.wait_wgmma(0)
+        T.copy(s, xs[hf, :, :])
+        T.sync_threads(1, 2 * 128)
+        for h, j in T.Parallel(H, bn):
+            s[h, j] = s[h, j] + xs[1 - hf, h, j]
+        T.sync_threads(2, 2 * 128)  # the other half has read this half's partial: the next block may overwrite
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for h in T.Parallel(H):
+            alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
+        for h, j in T.Parallel(H, bn):
+            s[h, j] = T.exp2(s[h, j] * c2 - m[h] * c2)
+        T.reduce_sum(s, lblk, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * alpha[h] + lblk[h]
+        T.copy(s, p)
+        for h, d in T.Parallel(H, D2):
+            o[h, d] = o[h, d] * alpha[h]
+        T.gemm(p, kvh[st, :, :], o)
+        # every warp's MMAs have read the stage before any thread of the warpgroup refills it (3 + hf, 128)
+        T.sync_threads(3 + hf, 128)
+
+    @T.macro
+    def d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, hf: int, t, q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l,
+               lblk, alpha, full, bar_q, rid):  # fmt: skip
+        T.fill(o, 0.0)
+        T.fill(m, NEG)
+        T.fill(l, 0.0)
+        for k in T.unroll(g.QC, explicit=True):  # this half of Q: the only Q this warpgroup reads
+            T.ptx_cp_async(
+                T.access_ptr(q_h[g.q_row(k, t), g.q_col(k, t)], "w", 8),
+                T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
+                8,
+            )
+        T.cp_async_barrier_noinc(bar_q[hf])
+        for j in pre_blocks:
+            load_rid(src, b, base, j, t, rid, j)
+        for j in pre_blocks:
+            gather(src, kvh, None, None, idx_h, full, b, base, j, j, hf, t, rid, j)
+        if NS < nb:
+            load_rid(src, b, base, NS, t, rid, 0)
+        T.barrier_wait(bar_q[hf], 0)
+        for it in T.serial(rounds):
+            for st in ring:
+                d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, it & 1, hf)
+                if (it + 1) * NS + st < nb:
+                    refill(src, kvh, None, None, None, idx_h, full, b, base, (it + 1) * NS + st, st, hf, t, rid,
+                           None, None)  # fmt: skip
+        for st in tail_blocks:
+            d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, rounds & 1, hf)
+        if split:
+            if hf == 0:
+                for h in T.Parallel(H):
+                    Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
+                    Lp[b, sp, h] = l[h]
+            for h, d in T.Parallel(H, D2):
+                Op[b, sp, h, hf * D2 + d] = o[h, d]
+        else:
+            for h in T.Parallel(H):  # the sink joins the denominator only
+                alpha[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
+            for h, d in T.Parallel(H, D2):
+                O[b, h, hf * D2 + d] = T.cast(o[h, d] * alpha[h], bf)
+
+    @T.macro
+    def body_dsplit(Q, src, Sink, O, Op, Mp, Lp, sp, b):
+        q_l = T.alloc_shared((H, D2), bf)
+        q_r = T.alloc_shared((H, D2), bf)
+        kv_l = T.alloc_shared((NS, bn, D2), bf)
+        kv_r = T.alloc_shared((NS, bn, D2), bf)
+        idx_l = T.alloc_shared((NS, bn), i32)
+        idx_r = T.alloc_shared((NS, bn), i32)
+        xs = T.alloc_shared((2, H, bn), f32)  # the two halves' partial scores
+        s_l = T.alloc_fragment((H, bn), f32)
+        s_r = T.alloc_fragment((H, bn), f32)
+        p_l = T.alloc_fragment((H, bn), bf)
+        p_r = T.alloc_fragment((H, bn), bf)
+        o_l = T.alloc_fragment((H, D2), f32)
+        o_r = T.alloc_fragment((H, D2), f32)
+        m_l = T.alloc_fragment((H,), f32)
+        m_r = T.alloc_fragment((H,), f32)
+        mp_l = T.alloc_fragment((H,), f32)
+        mp_r = T.alloc_fragment((H,), f32)
+        l_l = T.alloc_fragment((H,), f32)
+        l_r = T.alloc_fragment((H,), f32)
+        lb_l = T.alloc_fragment((H,), f32)
+        lb_r = T.alloc_fragment((H,), f32)
+        a_l = T.alloc_fragment((H,), f32)
+        a_r = T.alloc_fragment((H,), f32)
+        rid = T.alloc_local((NS, R), i32)
+        bar_q = T.alloc_barrier([128, 128])
+        full = T.alloc_barrier([128] * (2 * NS))
+        base = sp * chunk
+        tx = T.get_thread_binding()
+        if tx < 128:
+            d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l, mp_l,
+                   l_l, lb_l, a_l, full, bar_q, rid)  # fmt: skip
+        else:
+            d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r, m_r,
+                   mp_r, l_r, lb_r, a_r, full, bar_q, rid)  # fmt: skip
+
+    if cfg.dsplit:
+        body = body_dsplit  # noqa: F811 (the entry points below take whichever body the config selects)
+    threads = cfg.threads
+
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
@@ -693,7 +856,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split)  # fmt: skip
+                                  fp8=kv_fp8, split=split, threads=threads)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -706,7 +869,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with T.Kernel(ns, Bd, threads=threads) as (sp, b):
                 body(Q, _Src(KV, KVs, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_fp8_split
@@ -721,7 +884,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Sink: T.Tensor((H,), f32),
             O: T.Tensor((Bd, H, D), bf),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with T.Kernel(ns, Bd, threads=threads) as (sp, b):
                 body(Q, _Src(KV, KVs, Idx), Sink, O, None, None, None, sp, b)
 
         return sparse_attn_decode_ws_fp8
@@ -736,7 +899,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with T.Kernel(ns, Bd, threads=threads) as (sp, b):
                 body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_split
@@ -749,7 +912,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+        with T.Kernel(ns, Bd, threads=threads) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
@@ -841,7 +1004,9 @@ def _program_ws_cpu(
     ring and chunking, the mask (-inf before the max, finite -1e30 start), the base-2 online softmax with
     alpha applied to O before P V, the split outputs and the sink. The warpgroups run one after another
     for each block and each thread's copies are a serial loop over t; the barriers' ordering is program
-    order here. It checks the index arithmetic and the math, not the synchronisation."""
+    order here. It checks the index arithmetic and the math, not the synchronisation. It also stands for
+    the split-D form (`Config.dsplit`: the same geometry, gathers and math; its score exchange through shared
+    memory and the per-half row-id copies are synchronisation, checked on the H200 only)."""
     import tilelang.language as T
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)

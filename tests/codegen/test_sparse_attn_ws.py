@@ -131,8 +131,11 @@ def _build_ws(name, func):
         (sad.Config(32, 384, 1, 2, True), True, 0),
         # two pools (V4.1: 128 window + 512 compressed entries), the B128 default blocking
         (sad.Config(64, 384, 1, 2, True), False, 128),
+        # split-D form: two warpgroups exchanging partial scores; split 2 and two pools
+        (sad.Config(64, 256, 2, 2, True, dsplit=True), False, 128),
+        (sad.Config(32, 256, 1, 4, True, dsplit=True), False, 0),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "dsplit_two_pools_n64s2x2", "dsplit_n32s4"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -146,12 +149,18 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     assert ops["HGMMA"] > 0, "bf16 wgmma (HGMMA) for QK^T and PV"
     assert ops["LDGSTS"] > 0, "cp.async gathers"
     assert ops["SYNCS"] > 0, "mbarrier waits / arrives"
-    # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes)
+    # register cap 168 a thread at 384 threads (255 at 256); the split epilogue spills one word (4 bytes)
     assert ops["LDL"] + ops["STL"] <= 2, "register spills"
-    # named barriers: only the PV warpgroups' own (ids 1, 2: all four warps' MMAs done before a refill);
-    # none inserted automatically (they could share an id across warpgroups)
-    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
-    assert "__launch_bounds__(384, 1)" in art.source and "setmaxnreg" not in art.source
+    named = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source))
+    if cfg.dsplit:
+        # 1, 2: both warpgroups' partial scores written / read; 3, 4: a warpgroup's MMAs done before a refill
+        assert named == {("1", "256"), ("2", "256"), ("3", "128"), ("4", "128")}
+        assert "wgmma_rs" in art.source, "PV from registers (P never goes through shared memory)"
+    else:
+        # only the PV warpgroups' own (ids 1, 2: all four warps' MMAs done before a refill); none inserted
+        # automatically (they could share an id across warpgroups)
+        assert named == {("1", "128"), ("2", "128")}
+    assert f"__launch_bounds__({cfg.threads}, 1)" in art.source and "setmaxnreg" not in art.source
     if fp8:
         assert "cp_async_wait<1>" in art.source and "fence_proxy_async" in art.source
 
@@ -220,3 +229,15 @@ def test_portable_two_pools_c_target(tilelang_required):
     out = torch.empty(B, H, D)
     kernel(q, kvw, kvc, idx_w, idx_c, sink, out)
     assert (out - f64).abs().max() < 1e-5
+
+
+def test_dsplit_configs_fit_shared_memory():
+    """The split-D ws configs fit in 227 KB at V4.1's shapes (64 heads x 512: 64-row blocks leave ~2 KB)."""
+    for ns in (1, 2, 4):
+        cfgs = sad.dsplit_configs(640, ns)
+        assert cfgs and all(c.dsplit and c.threads == sad.WSD_THREADS for c in cfgs)
+        assert all(sad.ws_smem_bytes(64, 512, c) <= sad.SMEM_LIMIT for c in cfgs)
+    n64 = sad.Config(64, 256, 1, 2, True, dsplit=True)
+    assert sad.ws_smem_bytes(64, 512, n64) == 64 * 512 * 2 + 2 * 64 * 512 * 2 + 2 * 64 * 64 * 4 + 2 * 2 * 64 * 4
+    assert sad.ws_smem_bytes(64, 512, sad.Config(64, 256, 1, 3, True, dsplit=True)) > sad.SMEM_LIMIT
+    assert sad.Config(64, 384, 1, 2, True, dsplit=True).tag == "wsDn64s2"
