@@ -236,6 +236,47 @@ def _make_radix(ops: _Ops, NT: int, Q: int):
     only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members)."""
     import tilelang.language as T
 
+    BPT = max(NB // NT, 1)  # bins a thread owns (contiguous)
+    NWARP = NT // 32
+
+    @T.macro
+    def find_bin(hist, wsum, bc, r, own, sfx):
+        """GPU: bc[0] = the bin holding rank r counted from the top (suffix count >= r, above it < r), bc[1] =
+        the count above it. Each thread sums its bins, a suffix scan over the threads (warp shuffles, warp totals
+        through `wsum`, one barrier) gives every bin's suffix count -- instead of a one-warp scan of all bins.
+        own, sfx: per-thread int32 fragments [NT] (scratch)."""
+        full = T.uint32(0xFFFFFFFF)
+        for i in T.Parallel(NT):
+            own[i] = 0
+            for u in T.unroll(BPT):
+                if i * BPT + u < NB:
+                    own[i] = own[i] + hist[T.min(i * BPT + u, NB - 1)]
+            sfx[i] = own[i]  # this thread's bins and its higher lanes'
+            for d in (1, 2, 4, 8, 16):
+                dn = T.call_extern("int32", "__shfl_down_sync", full, sfx[i], d)
+                sfx[i] = sfx[i] + T.if_then_else(i % 32 + d < 32, dn, 0)
+            if i % 32 == 0:
+                wsum[i // 32] = sfx[i]
+        T.evaluate(T.call_extern("handle", "__syncthreads"))
+        for i in T.Parallel(NT):
+            above = T.alloc_var("int32", init=sfx[i] - own[i])  # the bins above this thread's
+            for w in T.unroll(NWARP):
+                if w > i // 32:
+                    above = above + wsum[w]
+            hit = T.alloc_var("int32", init=-1)  # (one shared write after the loop: no barrier per bin)
+            hit_above = T.alloc_var("int32", init=0)
+            for v in T.unroll(BPT):
+                b = i * BPT + BPT - 1 - v
+                if b < NB:
+                    h = hist[T.min(b, NB - 1)]
+                    if T.And(above < r, above + h >= r):
+                        hit = b
+                        hit_above = above
+                    above = above + h
+            if hit >= 0:
+                bc[0] = hit
+                bc[1] = hit_above
+
     @T.macro
     def radix(keyf, kk_req, st, hist, cum, bc, ra, rb, rc, r1):
         lo = T.alloc_var("int32")
@@ -281,18 +322,15 @@ def _make_radix(ops: _Ops, NT: int, Q: int):
                 if ops.cpu:
                     acc = T.alloc_var("int32", init=0)
                     for bb in T.serial(NB):
+                        if T.And(acc < r, acc + hist[NB - 1 - bb] >= r):
+                            bc[0] = NB - 1 - bb
+                            bc[1] = acc
                         acc = acc + hist[NB - 1 - bb]
-                        cum[NB - 1 - bb] = acc
                 else:
-                    T.cumsum(src=hist, dst=cum, dim=0, reverse=True)
-                ops.sync()
-                for b in ops.par(NB):
-                    above = T.if_then_else(b < NB - 1, cum[T.min(b + 1, NB - 1)], 0)
-                    if T.And(cum[b] >= r, above < r):
-                        bc[0] = b
+                    find_bin(hist, cum, bc, r, ra, rb)
                 ops.sync()
                 bs = bc[0]
-                r = r - T.if_then_else(bs < NB - 1, cum[T.min(bs + 1, NB - 1)], 0)
+                r = r - bc[1]
                 lo_new = T.cast(lo, "int64") + T.shift_left(T.cast(bs, "int64"), shift)
                 hi = T.cast(T.min(T.cast(hi, "int64"), lo_new + T.shift_left(T.int64(1), shift) - 1), "int32")
                 lo = T.cast(lo_new, "int32")
