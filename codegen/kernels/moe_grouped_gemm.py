@@ -69,6 +69,7 @@ and a per-element scale product: one FMUL + one FFMA per element per 32 K). SM10
 (kind::mxf8f6f4, ue8m0 per 32 K in hardware) is the format's native fix.
 """
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -122,7 +123,8 @@ def program(
 
         build = fp8_gemm._program_sm90_ws if target == "sm90" else fp8_gemm._program_ws_cpu
         return build(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg, experts=E)
-    assert not cfg.persistent or target == "sm100", "persistent grouped GEMM: contiguous layout, no fused SwiGLU"
+    if cfg.persistent:  # masked layout / fused SwiGLU: the same tile on the non-persistent loop
+        cfg = dataclasses.replace(cfg, persistent=False, cluster=1, pingpong=False)
     if target == "sm90" and (max_rows or _is_sm90_cfg(cfg)):
         return _program_sm90(M, N, K, E, act_group=act_group, weight_block=weight_block, cfg=cfg, max_rows=max_rows,
                              swiglu_limit=swiglu_limit)  # fmt: skip
