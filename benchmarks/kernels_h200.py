@@ -1107,6 +1107,9 @@ def grouped_cases(quick: bool):
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 4, 5)),
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 3, 6)),
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 256, 2, 5)),
+                         # one wave: 192 weight rows (3 consumer warpgroups) -> 16 x 24 = 384 CTAs on 396 slots
+                         ("fp8", moe_grouped_gemm.SwabConfig(192, 16, 128, 2, 3)),
+                         ("fp8", moe_grouped_gemm.SwabConfig(192, 16, 64, 4, 3)),
                          ("fp4", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
                          ("fp4", moe_grouped_gemm.SwabConfig(64, 16, 256, 5, 3))):  # fmt: skip
             run = functools.partial(case_grouped_gemm_masked, tokens=16, E=48, max_rows=64, fmt=fmt, cfg=cfg)

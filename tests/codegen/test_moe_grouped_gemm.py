@@ -136,6 +136,24 @@ def test_swab_fp8_contiguous_c_target(cpu):
     assert (c[real] - ref[real]).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def test_swab_fp8_masked_three_warpgroups_c_target(cpu):
+    """block_n 192 (3 consumer warpgroups: the single-wave decode config at 16 tokens), masked layout with an idle
+    expert: 192-row weight tiles cross 32-row scale blocks at every 32 rows."""
+    torch.manual_seed(5)
+    E, N, K, mr = 3, 384, 128, 16
+    counts = torch.tensor([2, 0, 16], dtype=torch.int32)
+    a, sa = _common.quant_fp8_groups(torch.randn(E * mr, K), 32)
+    quant = [_common.quant_fp8_blocks(torch.randn(N, K) * 0.05, 32) for _ in range(E)]
+    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+    cfg = mg.SwabConfig(192, 16, 64, 2, 3)
+    kernel = cpu(mg.swab_program(E * mr, N, K, E, fmt="fp8", cfg=cfg, max_rows=mr, target="cpu"))
+    c = torch.zeros(E * mr, N)
+    kernel(a.float(), sa.T.contiguous(), b.float(), sb, counts, c)
+    want = mg.reference_f64(a, sa, b, sb, mg.masked_tile_expert(counts, mr, mr), mr, 32, 32)
+    real = mg.row_experts(counts, mr, masked=True) >= 0
+    assert (c[real].double() - want[real]).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_swab_w4a8_masked_swiglu_c_target(cpu):
     """fp4 weights (the kernel's bit trick and scale handling), masked layout with an idle expert and one
     spanning two token tiles, fused SwiGLU + ue8m0 quant: every scale and every e4m3 code as the reference."""
