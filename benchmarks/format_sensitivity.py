@@ -16,7 +16,7 @@ with floating outputs, one line each; ``--flips`` also counts the discrete decis
 two runs (integer outputs -- MoE routing, index / candidate top-k, compared as sets -- and FP8 codes) per op
 kind, and names the first node whose output moved by more than 1% of its scale.
 ``--weights peaked`` uses models/peaked_weights.py's weights (and its task's sequences) instead of the preset's
-seeded random ones.
+seeded random ones; ``--greedy`` continues each prompt with the formats path's own greedy tokens instead.
 """
 
 from __future__ import annotations
@@ -149,6 +149,23 @@ def probe_seqs(vocab: int, n_prompts: int, extra: int, task=None) -> list[tuple[
             for p in g.eq_prompts(vocab=vocab)[4:4 + n_prompts]]  # fmt: skip
 
 
+def own_greedy(plan, params, prompt: list[int], n: int) -> list[int]:
+    """``prompt`` followed by the formats path's own ``n`` greedy tokens (emulated kernels, decoded one token at a
+    time through the runner, as gpu_e2e.direct_greedy does on the GPU)."""
+    import gpu_e2e as g
+
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
+
+    ka.EMULATE = True
+    try:
+        runner = CudaRunner(plan.graph, params, device="cpu", kernels=KernelCache(builder=ka.emulated_kernel),
+                            verify=False, max_model_len=len(prompt) + n + 8, cuda_graphs=False)  # fmt: skip
+        return prompt + g.direct_greedy(runner, plan.graph, prompt, n, len(prompt) + n + 8)
+    finally:
+        ka.EMULATE = False
+
+
 def float_ops(plan) -> list[str]:
     """Op kinds that have a floating output (the ones a perturbation can touch), in first-appearance order."""
     seen: dict = {}
@@ -177,12 +194,16 @@ def main(argv=None) -> int:
     ap.add_argument("--only-op", default="", help="comma list of op kinds whose outputs are perturbed")
     ap.add_argument("--by-op", action="store_true", help="one line per op kind, perturbing only that kind")
     ap.add_argument("--flips", action="store_true", help="count differing routing / top-k / FP8 decisions")
+    ap.add_argument("--greedy", action="store_true",
+                    help="continue each prompt with the formats path's own greedy tokens (what gpu_e2e feeds)")
     args = ap.parse_args(argv)
 
     kw = {"embed_gain": args.embed_gain} if args.embed_gain is not None else {}
     plan, params, task = load(args.model, args.weights, **kw)
     vocab = int(plan.graph.outputs[0].shape[-1])
     seqs = probe_seqs(vocab, args.prompts, args.extra, task)
+    if args.greedy:
+        seqs = [(own_greedy(plan, params, s[:n], args.extra), n) for s, n in seqs]
     print(f"{args.model} ({args.weights} weights), eps {args.eps:g}, sequences of {[len(s) for s, _ in seqs]} tokens",
           flush=True)  # fmt: skip
     groups = [[op] for op in float_ops(plan)] if args.by_op else [args.only_op.split(",") if args.only_op else None]
