@@ -815,7 +815,7 @@ def summary_formats(rows: list) -> None:
             r["compiled"], r["reference"], r["disabled"],
             f"{r['equal_prompts']}/{r['prompts']} x {r['tokens']} ({'yes' if r['equality_required'] else 'no'})",
             r["first_divergence"], f"{r['err']:.4f}", f"{r['err_rel']:.3%}",
-            f"{r['err_noise']:.4f}{' chaotic' if r['chaotic'] else ''}", f"{r['limit']:.4f}",
+            f"{r['err_noise']:.4f} ({r['err_noise'] / max(r['range'], 1e-30):.1%})", f"{r['limit']:.4f}",
             f"{r['decisive']}/{r['steps']}", f"{r['noise_decisive']}/{r['steps']}", r["decisive_mismatch"],
             len(r["near_ties"]), f"{r['task_steps']}/{r['steps']}" if r["weights"] == "peaked" else "-",
             len(r["kernels_off"]))))
