@@ -690,7 +690,9 @@ def cpu_formats(model: str, preset: str, n_tokens: int, weights: str = "random")
     row = {"model": name, "prompts": len(prompts), "tokens": n_tokens, "engine_direct": engine_direct,
            "perturbed_equal": stable, "perturbed_first_div": first, "task_steps": task_steps(task, outs),
            "errors": [o.error for o in outs if o.error]}  # fmt: skip
-    row["pass_"] = engine_direct == len(prompts) and stable == len(prompts) and not row["errors"]
+    # stability under the perturbation is what the peaked weights promise; for random weights it is reported
+    n = len(prompts)
+    row["pass_"] = engine_direct == n and not row["errors"] and (weights != "peaked" or stable == n)
     log(f"{name}: engine == direct {engine_direct}/{len(prompts)} x {n_tokens}; direct == direct with 1e-6 "
         f"perturbations {stable}/{len(prompts)} (first divergence {first}); "
         f"{row['task_steps']}/{len(prompts) * n_tokens} tokens follow the peaked task rule "
