@@ -50,8 +50,9 @@ class Fallback(Exception):
 class _Ctx:
     """What a binder sees: the node, its shapes evaluated at one bucket, the target."""
 
-    def __init__(self, node: Node, env: dict, target: Target):
+    def __init__(self, node: Node, env: dict, target: Target, x: Value | None = None):
         self.node, self.env, self.target = node, env, target
+        self.x = x  # the streams input when a binder is reused for a composite op
 
     def shape(self, v: Value | None) -> tuple[int, ...]:
         return tuple(evaluate(d, self.env) for d in v.shape)
@@ -236,12 +237,19 @@ def bind_indexer(c: _Ctx):
 def bind_hc_pre(c: _Ctx):
     from deepinfer.codegen.kernels import hyper_connection as hc
 
-    x = c.node.inputs[0]
+    x = c.x if c.x is not None else c.node.inputs[0]
     t, n, d = c.shape(x)
     if n != hc.N_HC:
         raise Fallback(f"hyper_connection is built for {hc.N_HC} streams, not {n}")
     cfg = hc.Config(block_m=16 if t < 1024 else 64, block_k=128 if d % 128 == 0 else 64, threads=128)
     return "hyper_connection", "pre_program", {"T": t, "D": d}, asdict(cfg), ("block_k", "threads")
+
+
+def bind_hc_post_pre(c: _Ctx):
+    """hc_post_pre_collapse: post_program then pre_program (two launches; the runtime adapter chains them);
+    the config is the pre kernel's (the post kernel takes its fixed one)."""
+    family, _, shape, cfg, reduce = bind_hc_pre(_Ctx(c.node, c.env, c.target, x=c.node.inputs[1]))
+    return family, "post_pre", {**shape, "programs": ["post_program", "pre_program"]}, cfg, reduce
 
 
 def bind_hc_post(c: _Ctx):
@@ -273,6 +281,7 @@ BINDERS: dict[str, Callable] = {
     "topk_entries": bind_indexer,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
     "hc_post": bind_hc_post,
+    "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program
 }
 
 

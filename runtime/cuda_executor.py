@@ -45,9 +45,11 @@ from deepinfer.runtime import kernel_adapters as ka
 # (codes + scales, compared dequantised) may differ by one e4m3 step wherever the kernel's bf16-rounded input
 # sits on a rounding boundary the f32 reference does not (up to 1/8 of the value: 0.07-0.11 of the max measured
 # on random 64 x 5120 rows), so their max-error bound is VERIFY_TOL_FP8; a wrong layout is O(1) in both norms.
+# The norm-wise bound leaves room for the grouped MoE, which rounds two activations to e4m3 (x and the SwiGLU
+# output; ~3.6% rms relative each, so ~5% together: 5.6% measured on the tiny V4.1 plan's experts, D=64).
 VERIFY_TOL = 0.1
 VERIFY_TOL_FP8 = 0.25
-VERIFY_L2 = 0.05
+VERIFY_L2 = 0.08
 
 
 class CudaUnavailableError(DeepInferError):
@@ -250,8 +252,9 @@ class GraphExecutor:
         l2 = max((_rel_l2(a, b) for a, b in pairs), default=0.0)
         self.stats.verified[tuple(keys)] = err
         tol = VERIFY_TOL_FP8 if _is_fp8(outs) else VERIFY_TOL
-        if not (err <= tol and l2 <= VERIFY_L2):  # NaN counts as a mismatch
-            why = f"mismatch vs reference at first call (rel err {err:.2e}, norm-wise {l2:.2e})"
+        ids_differ = _integers_differ(outs, ref)  # expert ids: any difference is a wrong selection
+        if ids_differ or not (err <= tol and l2 <= VERIFY_L2):  # NaN counts as a mismatch
+            why = f"mismatch vs reference at first call (rel err {err:.2e}, norm-wise {l2:.2e}{ids_differ})"
             self.kernels.disable(keys, why)
             raise ka.Decline(why)
 
@@ -337,6 +340,13 @@ def _as_float(outs) -> list[torch.Tensor]:
         q, s = outs
         return [dequant_fp8_groups(q, s, q.shape[-1] // s.shape[-1])]
     return [o.float() for o in outs if o.is_floating_point()]
+
+
+def _integers_differ(outs, ref) -> str:
+    for a, b in zip(outs, ref):
+        if not a.is_floating_point() and (a.shape != b.shape or not torch.equal(a.long(), b.long())):
+            return ", integer outputs differ"
+    return ""
 
 
 def _is_fp8(outs) -> bool:

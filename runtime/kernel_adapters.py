@@ -338,6 +338,78 @@ class HCPreCollapseAdapter:
         return [y.to(x.dtype), pre, post, comb.reshape(t, n, n)]
 
 
+class HCPostPreCollapseAdapter:
+    """hc_post_pre_collapse (V4.1: a sublayer's mHC post and the next sublayer's single-pass pre): the two
+    hyper_connection kernels back to back, post_program (X' = post*y + comb^T X) then pre_program on X' (mixes,
+    RMS, Sinkhorn, collapse with the previous pre). One more pass over X' than a fused kernel would make, but
+    the Sinkhorn iterations leave torch (the reference launches ~3 small ops per iteration)."""
+
+    family = "hyper_connection"
+    ops = ("hc_post_pre_collapse",)
+    post = HCPostAdapter()
+    pre = HCPreCollapseAdapter()
+
+    def _calls(self, call: Call, xn: torch.Tensor | None = None) -> tuple[Call, Call]:
+        y, x, post, comb, fn, base, scale, prev = call.args
+        n, p = call.names, call.is_param
+        post_call = Call("hc_post", {}, [y, x, post, comb], n[:4], p[:4], {"block_d": 512}, call.cache)
+        pre_call = Call("hc_pre_collapse", call.attrs, [x if xn is None else xn, fn, base, scale, prev],
+                        [n[1], *n[4:]], [False, *p[4:]], call.config, call.cache)  # fmt: skip
+        return post_call, pre_call
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        post_call, pre_call = self._calls(call)
+        return self.post.keys(post_call) + self.pre.keys(pre_call)
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        post_call, _ = self._calls(call)
+        xn = self.post.run(post_call, kernels[:1])[0]
+        _, pre_call = self._calls(call, xn)
+        return [xn, *self.pre.run(pre_call, kernels[1:])]
+
+
+class MoERoutingAdapter:
+    """moe_gate_route / moe_route with score routing (sqrtsoftplus, bias, normalised): the gate GEMM in torch
+    (fp32 logits, as the op), then moe_routing's kernel (k rounds of row max over the E scores, ties to the
+    lowest expert id, the reference's rule). Hash routing is a table lookup and stays in torch."""
+
+    family = "moe_routing"
+    ops = ("moe_gate_route", "moe_route")
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import moe_routing
+
+        _cuda_only(call)
+        a = call.attrs
+        fused = call.op == "moe_gate_route"
+        bias, tid2eid = (call.args[2], call.args[3]) if fused else (call.args[1], call.args[2])
+        if tid2eid is not None or a["scoring"] != "sqrtsoftplus" or not a["normalize"] or bias is None:
+            raise Decline("the routing kernel covers score routing (sqrtsoftplus, bias, normalised)")
+        t = call.args[0].shape[0]
+        e = call.args[1].shape[0] if fused else call.args[0].shape[1]
+        cfg = moe_routing.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
+        rows = bucket_rows(t, cfg.block_m)
+        key = _key("moe_routing", "program", (rows, e), cfg, topk=int(a["topk"]), route_scale=float(a["route_scale"]))
+        return key, rows
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.ir.ops.core import Linear
+
+        _, rows = self._plan(call)
+        if call.op == "moe_gate_route":
+            logits, bias = Linear.reference(call.args[0], call.args[1], None).float(), call.args[2]
+        else:
+            logits, bias = call.args[0].float(), call.args[1]
+        t, k = logits.shape[0], call.attrs["topk"]
+        idx = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
+        w = torch.empty(rows, k, device=logits.device)
+        kernels[0](pad_rows(logits, rows), bias.float().contiguous(), idx, w)
+        return [w[:t], idx[:t].long()]
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 
 
@@ -1006,7 +1078,8 @@ class EngramGateAdapter:
 ADAPTERS: dict[str, object] = {
     "fp8_gemm": LinearFP8Adapter(),
     "rmsnorm_quant": RMSNormAdapter(),
-    "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter()),
+    "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter(), HCPostPreCollapseAdapter()),
+    "moe_routing": MoERoutingAdapter(),
     "moe_grouped_gemm": MoEGroupedAdapter(),
     "rope": RopeAdapter(),
     "engram": (EngramEmbedAdapter(), EngramGateAdapter()),
@@ -1124,6 +1197,16 @@ def emulated_kernel(key: KernelKey) -> Callable:
         return _emulated_swab(key)
     if key.family == "sparse_attn_decode":
         return _emulated_attention(key)
+    if key.family == "moe_routing":
+        from deepinfer.codegen.kernels import moe_routing
+
+        def route(logits, bias, idx, w):
+            _check_abi(key, (logits, key.args), (bias, key.args[1:]), (idx, (key.args[0], kw["topk"])))
+            i, wt = moe_routing.reference(logits, bias, kw["topk"], kw["route_scale"])
+            idx.copy_(i)
+            w.copy_(wt)
+
+        return route
     if key.family == "fp8_gemm":
         from deepinfer.codegen.kernels import fp8_gemm
 
