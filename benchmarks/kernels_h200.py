@@ -1068,13 +1068,14 @@ def grouped_cases(quick: bool):
     """MoE grouped GEMM rows (issue 6): contiguous prefill at 4096/8192 tokens with and without the SwiGLU
     epilogue (fp8) plus W4A8; masked decode at 16/64/256 tokens, fp8 and W4A8 on the swap-AB program, the fused
     SwiGLU at 64 tokens, and the previous masked program as the same-run "before"."""
-    mcfg = moe_grouped_gemm.sm90_config(4096 * TOPK, 2 * MOE_INTER)
+    mcfg = moe_grouped_gemm.sm90_config(4096 * TOPK, 2 * MOE_INTER)  # the loop: the fused SwiGLU runs on it
+    pcfg = moe_grouped_gemm.sm90_config(4096 * TOPK, 2 * MOE_INTER, k_group=32)  # persistent (plain output)
     scfg = moe_grouped_gemm.swab_config(0, "fp4", contiguous=True)
     out = []
     for T_ in (4096, 8192) if not quick else (4096,):
         out += [
-            (f"moe_grouped_gemm g32 {mcfg.tag}", f"EP8 {T_} tok",
-             lambda r, q, d, T_=T_: case_grouped_gemm(r, T_, 48, q, d)),
+            (f"moe_grouped_gemm g32 {pcfg.tag}", f"EP8 {T_} tok",
+             lambda r, q, d, T_=T_: case_grouped_gemm(r, T_, 48, q, d, pcfg)),
             (f"moe_grouped_gemm +swiglu g32 {mcfg.tag}", f"EP8 {T_} tok",
              lambda r, q, d, T_=T_: case_grouped_gemm(r, T_, 48, q, d, swiglu=True)),
         ]  # fmt: skip

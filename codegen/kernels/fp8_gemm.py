@@ -126,12 +126,20 @@ def default_config(k_group: int) -> Config:
 
 
 def sm90_config(M: int, N: int, k_group: int) -> Config:
-    """Best measured sm90 formulation (H200 sweeps, BENCHMARKS.md): 128x256 tiles where M and N give
-    enough tiles to fill 132 SMs, else 128x128 with async wgmma overlapped with the promotion."""
+    """Best measured sm90 formulation per shape class (H200 sweeps, BENCHMARKS.md). Persistent programs need
+    whole 128-row tiles (M % 128; M % 256 for CTA pairs) and K % 128 (the caller checks K % block_k)."""
     if k_group >= 128 and M >= 1024 and M % 256 == 0 and N % 256 == 0:
         # persistent, warp-specialised, ping-pong consumers, CTA pairs sharing B by TMA multicast: 74-88% of the
         # same run's _scaled_mm peak at the V4 prefill shapes (H200, BENCHMARKS.md, 2026-11-29 session 2)
         return Config(128, 256, 128, 3, 256, False, True, 2, persistent=True, cluster=2, pingpong=True)
+    if M >= 1024 and M % 128 == 0 and N % 256 == 0 and N >= 4096:
+        # persistent 128x256 (2 N slices): g32 41.6-43.9% at N 5120-32768 vs 34.6-40.9% for the one-CTA-per-tile
+        # program (same run, /work/notes/device/2/g32.txt); g128 73.6% at 4096x32768x1280 without CTA pairs
+        return Config(128, 256, 128, 3, 256, False, True, 2, persistent=True)
+    if k_group < 128 and M >= 1024 and M % 256 == 0 and N % 128 == 0:
+        # g32 at N = 1280 / 2304: persistent 128x128 with async wgmma overlap and CTA pairs, 34.7% / 37.8% vs
+        # 32.6% / 36.1% (same run)
+        return Config(128, 128, 128, 5, 256, True, True, 1, persistent=True, cluster=2)
     if M >= 1024 and N % 256 == 0 and N >= 4096:
         return Config(128, 256, 128, 3, 256, False, True, 2)
     return Config(128, 128, 128, 4, 256, k_group < 128, True)

@@ -81,12 +81,18 @@ from deepinfer.codegen.kernels.fp8_gemm import Config, default_config  # noqa: F
 FAMILY = "moe_grouped_gemm"
 
 
-def sm90_config(M: int, N: int, masked: bool = False) -> Config:
-    """fp8_gemm's best measured sm90 main loop (2 consumer warpgroups, 128-K stages, async wgmma overlapped
-    with the per-32 promotion); at decode (masked layout, few rows per expert) a 64-row tile on one
-    warpgroup, so an expert with a handful of tokens does not pay for 128 rows of MMA."""
+def sm90_config(M: int, N: int, masked: bool = False, k_group: int | None = None) -> Config:
+    """Contiguous layout with the scale granularity given (k_group): fp8_gemm's persistent warp-specialised
+    program, 128x256 tiles (H200, same run, % of the FP8 peak over padded rows, /work/notes/device/2/
+    grouped_ws.txt): g128 ping-pong 65.1% / 68.9% at 4096 / 8192 tokens vs 60.0% / 60.6% for the loop below;
+    g32 40.0% / 39.7% vs 36.8% / 38.2%. k_group None (callers that do not say): the non-persistent loop
+    (2 consumer warpgroups, 128-K stages, async wgmma overlapped with the per-32 promotion). At decode (masked
+    layout, few rows per expert) a 64-row tile on one warpgroup, so an expert with a handful of tokens does not
+    pay for 128 rows of MMA."""
     if masked:
         return Config(64, 128, 128, 4, 128, True, True)
+    if k_group is not None and N % 256 == 0:
+        return Config(128, 256, 128, 3, 256, False, True, 2, persistent=True, pingpong=k_group >= 128)
     return Config(128, 128, 128, 4, 256, True, True)
 
 
@@ -124,6 +130,10 @@ def program(
         build = fp8_gemm._program_sm90_ws if target == "sm90" else fp8_gemm._program_ws_cpu
         return build(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg, experts=E)
     if cfg.persistent:  # masked layout / fused SwiGLU: the same tile on the non-persistent loop
+        assert cfg.block_n == 128 and cfg.n_split == 1, (
+            f"{cfg.tag}: the non-persistent loop (masked layout, fused SwiGLU) has no N slices; use sm90_config "
+            "without k_group there"
+        )
         cfg = dataclasses.replace(cfg, persistent=False, cluster=1, pingpong=False)
     if target == "sm90" and (max_rows or _is_sm90_cfg(cfg)):
         return _program_sm90(M, N, K, E, act_group=act_group, weight_block=weight_block, cfg=cfg, max_rows=max_rows,
