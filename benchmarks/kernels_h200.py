@@ -637,8 +637,8 @@ def attn_cases(quick: bool):
 
 def attn_sweep_cases():
     """`--only "sparse_attn sweep"`: the split-D form (Config.dsplit) against the default in the same run at
-    the issue's batches (64, 128, 256), the two-pool form (window + compressed pools, n_win = 128), and
-    the L2-hot diagnostic (entries from 4096 rows: the program's bound without HBM latency)."""
+    the issue's batches (64, 128, 256), bf16 and FP8 KV, the two-pool form (window + compressed pools,
+    n_win = 128), and the L2-hot diagnostic (entries from 4096 rows: the program's bound without HBM latency)."""
     sad = sparse_attn_decode
     out = []
 
@@ -660,6 +660,10 @@ def attn_sweep_cases():
         if B == 128:
             for cfg in cands[:3]:
                 add("L2-hot", B, cfg, hot_rows=4096)
+        # FP8 KV (e4m3 + ue8m0): the default (3 warpgroups, dequantised in shared memory) next to split-D
+        fbase = sad.sm90_config(B, 640, fp8=True)
+        for cfg in [fbase] + sad.dsplit_configs(640, fbase.num_split, fp8=True):
+            add("fp8", B, cfg, fp8=True)
     return out
 
 
@@ -1135,6 +1139,9 @@ def grouped_ws_configs(g: int) -> dict:
     return {
         "ws 128x256 pp": ws(128, 256, 128, 3, 256, False, True, 2, pingpong=True),
         "ws 128x256": ws(128, 256, 128, 3, 256, False, True, 2),
+        # 4 stages: the epilogue stores from registers, so the 64 KiB smem output tile becomes a 4th stage
+        "ws 128x256 pp s4d": ws(128, 256, 128, 4, 256, False, True, 2, pingpong=True, direct_store=True),
+        "ws 128x256 s4d": ws(128, 256, 128, 4, 256, False, True, 2, direct_store=True),
         "ws 128x128 ovl": ws(128, 128, 128, 5, 256, True, True, 1),
         "ws 128x128": ws(128, 128, 128, 5, 256, False, True, 1),
     }
@@ -1251,6 +1258,9 @@ def sweep_configs(g: int, M: int, N: int, cluster: int = 1) -> dict:
     out = {} if cluster > 1 else {"sm90_config": fp8_gemm.sm90_config(M, N, g)}
     out["ws 128x256"] = ws(128, 256, 128, 3, 256, False, True, 2)
     out["ws 128x256 pp"] = ws(128, 256, 128, 3, 256, False, True, 2, pingpong=True)
+    # 4 stages in the room of the smem output tile (epilogue straight from registers)
+    out["ws 128x256 s4d"] = ws(128, 256, 128, 4, 256, False, True, 2, direct_store=True)
+    out["ws 128x256 pp s4d"] = ws(128, 256, 128, 4, 256, False, True, 2, pingpong=True, direct_store=True)
     if cluster == 1:
         out["ws 128x128"] = ws(128, 128, 128, 5, 256, False, True, 1)
     out["ws 128x128 ovl"] = ws(128, 128, 128, 5, 256, True, True, 1)
@@ -1304,8 +1314,8 @@ def _sweep_risk(name: str) -> int:
     if "sm90_config" in name:
         return 1
     if " c2" in name:  # CTA pairs: multicast TMA and cluster barriers
-        return 4
-    return 3 if "128x128" in name else 2
+        return 5 if " s4d" in name else 4
+    return 3 if "128x128" in name or " s4d" in name else 2
 
 
 def sweep_cases():

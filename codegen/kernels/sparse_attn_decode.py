@@ -113,20 +113,26 @@ def ws_smem_bytes(H: int, D: int, cfg: Config, kv_fp8: bool = False) -> int:
     ids; the 3-warpgroup form adds P and alpha per stage (and FP8 staging), the split-D form the two halves'
     partial score tiles."""
     bn, NS = cfg.block_n, cfg.stages
+    if cfg.dsplit:  # FP8: a 2-stage bf16 ring and `stages` raw slots (codes, a 4-byte exponent word a thread, ids)
+        ring = 2 if kv_fp8 else NS
+        raw = NS * bn * (D + 2 * (D // 32) * 4 + 2 * 4) if kv_fp8 else 0
+        return H * D * 2 + ring * bn * D * 2 + 2 * H * bn * 4 + 2 * ring * bn * 4 + raw
     out = H * D * 2 + NS * bn * D * 2
-    if cfg.dsplit:
-        return out + 2 * H * bn * 4 + 2 * NS * bn * 4
     out += NS * (H * bn * 2 + H * 4 + bn * 4) + H * 4
     if kv_fp8:
         out += NS * (bn * D + bn * D // 8 + bn * 4)
     return out
 
 
-def dsplit_configs(topk: int, num_split: int) -> list[Config]:
+def dsplit_configs(topk: int, num_split: int, *, fp8: bool = False) -> list[Config]:
     """The split-D ws configs that fit for one split count: 64-row blocks in 2 stages (one block in the math,
-    one loading), 32-row blocks in 4 or 3 stages (up to three loading)."""
-    out = [Config(bn, WSD_THREADS, num_split, st, True, dsplit=True) for bn, st in ((64, 2), (32, 4), (32, 3))]
-    return [c for c in out if topk % (num_split * c.block_n) == 0 and ws_smem_bytes(WS_HEADS, 512, c) <= SMEM_LIMIT]
+    one loading), 32-row blocks in 4 or 3 stages (up to three loading). FP8 KV: 32-row blocks, 4 or 3 raw
+    staging slots in flight (the bf16 ring is 2 stages)."""
+    shapes = ((32, 4), (32, 3)) if fp8 else ((64, 2), (32, 4), (32, 3))
+    out = [Config(bn, WSD_THREADS, num_split, st, True, dsplit=True) for bn, st in shapes]
+    return [
+        c for c in out if topk % (num_split * c.block_n) == 0 and ws_smem_bytes(WS_HEADS, 512, c, fp8) <= SMEM_LIMIT
+    ]
 
 
 def sm90_config_space(B: int, topk: int, *, fp8: bool = False) -> list[Config]:
@@ -403,9 +409,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
-    if kv_fp8:
+    if kv_fp8 and not cfg.dsplit:
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
-    assert not cfg.dsplit or not (kv_fp8 or la), "split-D form: bf16 KV, no lookahead"
+    assert not cfg.dsplit or not la, "split-D form: no lookahead"
+    # FP8 split-D: cfg.stages raw staging slots in flight (cp.async), dequantised into a 2-stage bf16 ring
+    SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
+    if kv_fp8 and cfg.dsplit:
+        NS = 2
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
     rounds, tail = divmod(nb, NS)
     bf, f32, i32 = "bfloat16", "float32", "int32"
@@ -414,9 +424,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     NEG = -1.0e30
     split = ns > 1
     pre = min(NS, nb)  # blocks loaded before the loop
-    SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
     # Python lists: these loops unroll at trace time, so stage indices and branches are static
     ring, tail_blocks, pre_blocks = list(range(NS)), list(range(tail)), list(range(pre))
+    slots = list(range(SL))
     la_rounds, la_tail = (nb - 1) // NS, list(range((nb - 1) % NS))  # lookahead: the blocks that issue a next
 
     @T.macro
@@ -520,24 +530,26 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.cp_async_barrier_noinc(full[hf * NS + st])
 
     @T.macro
-    def dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf: int, t, buf, obuf):
-        """FP8: staging slot st -> bf16 stage st (e4m3 x 2^(e - 127) is exact in bf16); arm full[hf, st]."""
-        T.ptx_wait_group(NS - 1)  # this thread's copies of the block (NS groups in flight, oldest done)
+    def dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf: int, t, buf, obuf, slot=None):
+        """FP8: staging slot `slot` (default st) -> bf16 stage st (e4m3 x 2^(e - 127) is exact in bf16); arm
+        full[hf, st]. The thread converts what it copied itself, so its own cp.async groups suffice."""
+        sl = st if slot is None else slot
+        T.ptx_wait_group(SL - 1)  # this thread's copies of the block (SL groups in flight, oldest done)
         for r in T.unroll(R, explicit=True):
             for v in T.vectorized(16):
-                buf[v] = raw[st, g.row(r, t), g.col8(t) + v]
+                buf[v] = raw[sl, g.row(r, t), g.col8(t) + v]
             for v in T.unroll(16, explicit=True):
                 obuf[v] = T.cast(
                     T.cast(buf[v], f32)
-                    * T.exp2(T.cast(sc[st, g.row(r, t), t % g.tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0),
+                    * T.exp2(T.cast(sc[sl, g.row(r, t), t % g.tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0),
                     bf,
                 )
             for v in T.vectorized(16):
                 kvh[st, g.row(r, t), g.col8(t) + v] = obuf[v]
-        if hf == 0:
+        if hf == 0 or cfg.dsplit:
             if t < bn // 4:
                 for v in T.vectorized(4):
-                    idx_s[st, t * 4 + v] = stg_idx[st, t * 4 + v]
+                    idx_s[st, t * 4 + v] = stg_idx[sl, t * 4 + v]
         T.fence_proxy_async()  # generic stores read by wgmma
         T.barrier_arrive(full[hf * NS + st])
 
@@ -768,8 +780,19 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.sync_threads(3 + hf, 128)
 
     @T.macro
+    def d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, x, slot, st, hf: int, t, rid, buf, obuf):
+        """FP8 split-D: block x (staged in `slot` SL blocks ago) -> bf16 stage st, then the slot stages block
+        x + SL (a group is committed even when there is none: SL groups stay in flight for wait_group)."""
+        dequant(raw, sc, stg, kvh, idx_h, full, st, hf, t, buf, obuf, slot)
+        if x + SL < nb:
+            gather(src, kvh, raw, sc, stg, full, b, base, x + SL, slot, hf, t, rid, 0)
+        T.ptx_commit_group()
+        if x + SL + 1 < nb:
+            load_rid(src, b, base, x + SL + 1, t, rid, 0)
+
+    @T.macro
     def d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, hf: int, t, q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l,
-               lblk, alpha, full, bar_q, rid):  # fmt: skip
+               lblk, alpha, full, bar_q, rid, raw, sc, stg, buf, obuf):  # fmt: skip
         T.fill(o, 0.0)
         T.fill(m, NEG)
         T.fill(l, 0.0)
@@ -780,19 +803,36 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 8,
             )
         T.cp_async_barrier_noinc(bar_q[hf])
-        for j in pre_blocks:
-            load_rid(src, b, base, j, t, rid, j)
-        for j in pre_blocks:
-            gather(src, kvh, None, None, idx_h, full, b, base, j, j, hf, t, rid, j)
-        if NS < nb:
-            load_rid(src, b, base, NS, t, rid, 0)
+        if kv_fp8:
+            for j in slots:  # the first SL blocks' codes in flight, one cp.async group each
+                if j < nb:
+                    load_rid(src, b, base, j, t, rid, j)
+            for j in slots:
+                if j < nb:
+                    gather(src, kvh, raw, sc, stg, full, b, base, j, j, hf, t, rid, j)
+                T.ptx_commit_group()
+            if SL < nb:
+                load_rid(src, b, base, SL, t, rid, 0)
+            for j in pre_blocks:
+                d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, j, j, j, hf, t, rid, buf, obuf)
+        else:
+            for j in pre_blocks:
+                load_rid(src, b, base, j, t, rid, j)
+            for j in pre_blocks:
+                gather(src, kvh, None, None, idx_h, full, b, base, j, j, hf, t, rid, j)
+            if NS < nb:
+                load_rid(src, b, base, NS, t, rid, 0)
         T.barrier_wait(bar_q[hf], 0)
         for it in T.serial(rounds):
             for st in ring:
                 d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, it & 1, hf)
                 if (it + 1) * NS + st < nb:
-                    refill(src, kvh, None, None, None, idx_h, full, b, base, (it + 1) * NS + st, st, hf, t, rid,
-                           None, None)  # fmt: skip
+                    if kv_fp8:
+                        x = (it + 1) * NS + st
+                        d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, x, x % SL, st, hf, t, rid, buf, obuf)
+                    else:
+                        refill(src, kvh, None, None, None, idx_h, full, b, base, (it + 1) * NS + st, st, hf, t,
+                               rid, None, None)  # fmt: skip
         for st in tail_blocks:
             d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, rounds & 1, hf)
         if split:
@@ -833,17 +873,26 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         lb_r = T.alloc_fragment((H,), f32)
         a_l = T.alloc_fragment((H,), f32)
         a_r = T.alloc_fragment((H,), f32)
-        rid = T.alloc_local((NS, R), i32)
+        rid = T.alloc_local((max(NS, SL), R), i32)
+        # FP8: per half, SL staging slots of raw codes, exponent words and row ids (1-element dummies for bf16)
+        raw_l = T.alloc_shared((SL, bn, D2) if kv_fp8 else (1, 16), "float8_e4m3fn")
+        raw_r = T.alloc_shared((SL, bn, D2) if kv_fp8 else (1, 16), "float8_e4m3fn")
+        sc_l = T.alloc_shared((SL, bn, g.tpr * 4) if kv_fp8 else (1, 4), "uint8")
+        sc_r = T.alloc_shared((SL, bn, g.tpr * 4) if kv_fp8 else (1, 4), "uint8")
+        stg_l = T.alloc_shared((SL, bn) if kv_fp8 else (1, 4), i32)
+        stg_r = T.alloc_shared((SL, bn) if kv_fp8 else (1, 4), i32)
+        buf = T.alloc_local((16,), "float8_e4m3fn")
+        obuf = T.alloc_local((16,), bf)
         bar_q = T.alloc_barrier([128, 128])
         full = T.alloc_barrier([128] * (2 * NS))
         base = sp * chunk
         tx = T.get_thread_binding()
         if tx < 128:
             d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l, mp_l,
-                   l_l, lb_l, a_l, full, bar_q, rid)  # fmt: skip
+                   l_l, lb_l, a_l, full, bar_q, rid, raw_l, sc_l, stg_l, buf, obuf)  # fmt: skip
         else:
             d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r, m_r,
-                   mp_r, l_r, lb_r, a_r, full, bar_q, rid)  # fmt: skip
+                   mp_r, l_r, lb_r, a_r, full, bar_q, rid, raw_r, sc_r, stg_r, buf, obuf)  # fmt: skip
 
     if cfg.dsplit:
         body = body_dsplit  # noqa: F811 (the entry points below take whichever body the config selects)

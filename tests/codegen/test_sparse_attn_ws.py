@@ -134,8 +134,17 @@ def _build_ws(name, func):
         # split-D form: two warpgroups exchanging partial scores; split 2 and two pools
         (sad.Config(64, 256, 2, 2, True, dsplit=True), False, 128),
         (sad.Config(32, 256, 1, 4, True, dsplit=True), False, 0),
+        # split-D FP8: 4 raw staging slots in flight, dequantised into a 2-stage bf16 ring; split 2, two pools
+        (sad.Config(32, 256, 2, 4, True, dsplit=True), True, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "dsplit_two_pools_n64s2x2", "dsplit_n32s4"],
+    ids=[
+        "bf16_n64s2x2",
+        "fp8_n32s2",
+        "bf16_two_pools_n64s2",
+        "dsplit_two_pools_n64s2x2",
+        "dsplit_n32s4",
+        "dsplit_fp8_two_pools_n32s4x2",
+    ],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -161,8 +170,11 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
         # automatically (they could share an id across warpgroups)
         assert named == {("1", "128"), ("2", "128")}
     assert f"__launch_bounds__({cfg.threads}, 1)" in art.source and "setmaxnreg" not in art.source
-    if fp8:
-        assert "cp_async_wait<1>" in art.source and "fence_proxy_async" in art.source
+    if fp8:  # the oldest of the staging slots' cp.async groups, then generic stores fenced for wgmma
+        assert f"cp_async_wait<{cfg.stages - 1}>" in art.source and "fence_proxy_async" in art.source
+    if fp8 and n_win:  # both exponent pools
+        assert re.search(r"cp_async_gs\w*<4>\([^;]*KVsw\[", art.source)
+        assert re.search(r"cp_async_gs\w*<4>\([^;]*KVsc\[", art.source)
 
 
 def _two_pools(B, H, D, Sw, Sc, n_win, K, seed):
@@ -234,9 +246,15 @@ def test_portable_two_pools_c_target(tilelang_required):
 def test_dsplit_configs_fit_shared_memory():
     """The split-D ws configs fit in 227 KB at V4.1's shapes (64 heads x 512: 64-row blocks leave ~2 KB)."""
     for ns in (1, 2, 4):
-        cfgs = sad.dsplit_configs(640, ns)
-        assert cfgs and all(c.dsplit and c.threads == sad.WSD_THREADS for c in cfgs)
-        assert all(sad.ws_smem_bytes(64, 512, c) <= sad.SMEM_LIMIT for c in cfgs)
+        for fp8 in (False, True):
+            cfgs = sad.dsplit_configs(640, ns, fp8=fp8)
+            assert cfgs and all(c.dsplit and c.threads == sad.WSD_THREADS for c in cfgs)
+            assert all(sad.ws_smem_bytes(64, 512, c, fp8) <= sad.SMEM_LIMIT for c in cfgs)
+    # FP8 n32s4: the 2-stage bf16 ring, 4 raw slots (codes, exponent words, ids) a half, the scores exchange
+    f8 = sad.Config(32, 256, 1, 4, True, dsplit=True)
+    assert sad.ws_smem_bytes(64, 512, f8, True) == 65536 + 2 * 32 * 1024 + 2 * 64 * 32 * 4 + 2 * 2 * 32 * 4 + 4 * (
+        32 * 512 + 2 * 32 * 64 + 2 * 32 * 4
+    )
     n64 = sad.Config(64, 256, 1, 2, True, dsplit=True)
     assert sad.ws_smem_bytes(64, 512, n64) == 64 * 512 * 2 + 2 * 64 * 512 * 2 + 2 * 64 * 64 * 4 + 2 * 2 * 64 * 4
     assert sad.ws_smem_bytes(64, 512, sad.Config(64, 256, 1, 3, True, dsplit=True)) > sad.SMEM_LIMIT
