@@ -109,6 +109,7 @@ class Config:
     sms: int = 132  # persistent: CTAs launched, one per SM (H100/H200 SXM)
     cluster: int = 1  # persistent: CTAs per cluster along M; 2 = the pair shares its B tile (TMA multicast)
     pingpong: bool = False  # persistent, no overlap: the 2 consumer warpgroups issue their wgmmas in turn
+    direct_store: bool = False  # persistent: epilogue stores registers -> global (no smem C tile: room for a stage)
 
     @property
     def tag(self) -> str:
@@ -117,6 +118,7 @@ class Config:
         extra += f"p{self.raster}" if self.persistent else ""
         extra += f"c{self.cluster}" if self.persistent and self.cluster > 1 else ""
         extra += "pp" if self.persistent and self.pingpong else ""
+        extra += "d" if self.persistent and self.direct_store else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}t{self.threads}{extra}"
 
 
@@ -340,6 +342,7 @@ def _program_sm90(M: int, N: int, K: int, *, act_group: int, weight_block: int, 
 
 
 TMA_SMEM_ALIGN = 128  # bytes: a cp.async.bulk.tensor shared-memory destination must be this aligned
+SM90_SMEM = 227 * 1024  # bytes of shared memory a CTA may use on H100/H200
 
 
 @dataclass(frozen=True)
@@ -396,6 +399,14 @@ class WSPlan:
             out["SB"] = 4 * self.sb_slot_rows * self.sb_shape[1]
         return out
 
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the sm90 program: the TMA rings, the bf16 output tile (not with
+        direct_store) and the per-N-slice weight-scale slots (scalar scales)."""
+        c = self.cfg
+        ring = c.stages * sum(self.tma_slot_bytes().values())
+        scalar_sb = 0 if self.sb_box else 4 * c.stages * c.n_split
+        return ring + scalar_sb + (0 if c.direct_store else 2 * c.block_m * c.block_n)
+
     @property
     def m_tiles(self) -> int:
         return self.M // self.cfg.block_m
@@ -450,6 +461,7 @@ class WSPlan:
             assert self.wb % c.block_k == 0 and self.wb % bns == 0
         for ring, size in self.tma_slot_bytes().items():  # every stage's TMA destination 128-byte aligned
             assert size % TMA_SMEM_ALIGN == 0, f"{c.tag}: {ring} slot of {size} bytes misaligns the next stage"
+        assert self.smem_bytes() <= SM90_SMEM, f"{c.tag}: {self.smem_bytes()} bytes of shared memory > {SM90_SMEM}"
         assert c.cluster in (1, 2) and c.sms % c.cluster == 0 and self.m_tiles % c.cluster == 0
         assert not (self.experts and c.cluster > 1), "grouped: M-adjacent tiles may belong to different experts"
         regs = c.block_n // 2 + bns // 2 * (2 if c.overlap else 1)  # acc + partial(s) per consumer thread
@@ -556,7 +568,7 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
             SA_s = T.alloc_shared((S, sa_rows, bM), "float32")
             SB_s = T.alloc_shared((S, plan.sb_slot_rows, sb_cols), "float32")  # padded: aligned slots
             C_s0 = T.alloc_shared((bM, bNs), "bfloat16")  # one output buffer per N slice: stmatrix stores
-            C_s1 = T.alloc_shared((bM, bNs), "bfloat16")
+            C_s1 = T.alloc_shared((bM, bNs), "bfloat16")  # (unused, so not allocated, with direct_store)
             p0 = T.alloc_fragment((bM, bNs), "float32")
             p1 = T.alloc_fragment((bM, bNs), "float32")
             acc0 = T.alloc_fragment((bM, bNs), "float32")
@@ -722,10 +734,14 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                     T.sync_warp()
                                     if tx % 32 < cl:
                                         T.mbarrier_arrive(empty[st], tx % 32)
-                        for h in slices:
-                            T.copy(accs[h], outs[h])
-                        for h in slices:
-                            T.copy(outs[h], C[mi * bM, ni * bN + h * bNs])
+                        if cfg.direct_store:  # bf16 pairs straight from the fragments
+                            for h in slices:
+                                T.copy(accs[h], C[mi * bM, ni * bN + h * bNs])
+                        else:
+                            for h in slices:
+                                T.copy(accs[h], outs[h])
+                            for h in slices:
+                                T.copy(outs[h], C[mi * bM, ni * bN + h * bNs])
                         if experts:
                             done = done + 1
                 if cfg.pingpong and wg == 0:  # takes warpgroup 1's last turn hand-over (balances the barrier)

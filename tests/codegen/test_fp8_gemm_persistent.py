@@ -69,6 +69,10 @@ def test_plan_rejects_what_the_kernel_cannot_do():
         _plan(4096, 4096, 128 * 7, WS_OVL).check()
     with pytest.raises(AssertionError, match="pingpong"):
         _plan(4096, 4096, 4096, fp8_gemm.Config(**{**vars(WS_OVL), "pingpong": True})).check()
+    s4 = fp8_gemm.Config(**{**vars(WS), "stages": 4})  # 4 x 48 KiB stages + the 64 KiB output tile
+    with pytest.raises(AssertionError, match="shared memory"):
+        _plan(4096, 4096, 4096, s4).check()
+    _plan(4096, 4096, 4096, fp8_gemm.Config(**{**vars(s4), "direct_store": True})).check()  # no output tile
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +112,9 @@ def test_persistent_schedule_c_target(cpu, ag, wb, cfg, shape, sms):
         (128, WS_OVL, (4096, 32768, 1024)),  # one unit per stage: the loop body pairs K blocks
         (32, fp8_gemm.Config(**{**vars(WS_OVL), "cluster": 2}), (4096, 32768, 1280)),  # scale boxes, multicast
         (128, fp8_gemm.Config(**{**vars(WS), "cluster": 2, "pingpong": True}), (4096, 4096, 8192)),  # turns
+        (32, fp8_gemm.Config(**{**vars(WS), "stages": 4, "direct_store": True}), (4096, 5120, 8192)),  # no smem C
     ],
-    ids=["g128-128x256", "g128-ovl", "g32-ovl-c2", "g128-pp-c2"],
+    ids=["g128-128x256", "g128-ovl", "g32-ovl-c2", "g128-pp-c2", "g32-s4-direct"],
 )
 def test_persistent_sm90_build(codegen_cache, nvcc_required, g, cfg, shape):
     from deepinfer.codegen import tilelang_backend as tb
@@ -119,7 +124,11 @@ def test_persistent_sm90_build(codegen_cache, nvcc_required, g, cfg, shape):
     art = tb.build(f"fp8_gemm_ws_g{g}_{cfg.tag}_{M}x{N}x{K}", func, "sm90")
     ops = art.opcodes
     assert ops["QGMMA"] > 0, "FP8 wgmma (QGMMA) missing from SASS"
-    assert ops["UTMALDG"] > 0 and ops["UTMASTG"] > 0, "TMA loads and the TMA store epilogue"
+    assert ops["UTMALDG"] > 0, "TMA loads"
+    if cfg.direct_store:  # bf16 pairs from the accumulator registers
+        assert ops["UTMASTG"] == 0 and ops["STG"] > 0
+    else:
+        assert ops["UTMASTG"] > 0, "the TMA store epilogue"
     assert ops["USETMAXREG"] == 2, "setmaxnreg: producer dealloc + consumer alloc"
     assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
     assert ops["FFMA"] > 0, "the promotion"

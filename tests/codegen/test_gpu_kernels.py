@@ -42,7 +42,8 @@ def test_fp8_gemm_v4_groups_of_128(kb, run_case):
 
 
 _PERSISTENT = [("ws 128x256", 1), ("ws 128x256 pp", 1), ("ws 128x128", 1), ("ws 128x128 ovl", 1),
-               ("ws 128x256", 2), ("ws 128x256 pp", 2), ("ws 128x128 ovl", 2)]  # the sweep has no c2 plain 128x128
+               ("ws 128x256", 2), ("ws 128x256 pp", 2), ("ws 128x128 ovl", 2),  # the sweep has no c2 plain 128x128
+               ("ws 128x256 s4d", 1), ("ws 128x256 pp s4d", 2)]  # 4 stages, epilogue from registers
 
 
 @pytest.mark.parametrize("name,cluster", _PERSISTENT)
@@ -58,7 +59,7 @@ def test_moe_grouped_gemm_contiguous(kb, run_case):
     run_case(kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
 
 
-@pytest.mark.parametrize("name", ["ws 128x256 pp", "ws 128x256", "ws 128x128 ovl", "ws 128x128"])
+@pytest.mark.parametrize("name", ["ws 128x256 pp", "ws 128x256", "ws 128x128 ovl", "ws 128x128", "ws 128x256 pp s4d"])
 @pytest.mark.parametrize("g", [128, 32])
 def test_moe_grouped_gemm_contiguous_persistent(kb, run_case, g, name):
     """fp8_gemm's persistent warp-specialised program with experts (the benchmark's "grouped_gemm ws" rows), at 1024
