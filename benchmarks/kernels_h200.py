@@ -1023,10 +1023,12 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in topk_sweep:
             out.append(("indexer_topk_select sweep", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
-        scores_sweep = [
-            (4096, 65536, it.ScoresConfig(128, 4, 8, 256, 2)),
-            (4096, 65536, it.ScoresConfig(128, 8, 8, 256, 3)),
-            (64, 65536, it.ScoresConfig(128, 4, 4, 256, 2)),
+        scores_sweep = [  # longer key walks per CTA: the q tile load and the CTA start amortised over more tiles
+            (4096, 65536, it.ScoresConfig(128, 8, 16, 256, 2)),
+            (4096, 65536, it.ScoresConfig(128, 8, 32, 256, 2)),
+            (4096, 65536, it.ScoresConfig(128, 8, 32, 256, 3)),
+            (4096, 16384, it.ScoresConfig(128, 8, 32, 256, 2)),
+            (64, 65536, it.ScoresConfig(128, 8, 16, 256, 2)),
             (64, 65536, it.ScoresConfig(128, 2, 8, 256, 2)),
         ]
         for T_, C, cfg in scores_sweep:
