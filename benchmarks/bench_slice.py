@@ -1,31 +1,39 @@
 """A V4.1-Flash slice at the REAL dims on an H200: compiled plan vs torch eager vs torch.compile vs the limits.
 
-    python3 benchmarks/bench_slice.py [--layers 0,2,3,20,21,24] [--batches 1,16,64,256] [--context 4096]
-                                      [--prefill 8192] [--out DIR] [--budget-s 480]
+    python3 benchmarks/bench_slice.py [--layers 0,2,3,20,21,24] [--batches 1,16,64,256] [--context 4096,32768]
+                                      [--prefill 8192] [--experts fp8|fp4] [--out DIR] [--budget-s 480]
     deepinfer bench ...                                   (the same arguments)
 
 The slice: real layers renumbered into one graph by config surgery (slice_config): their compress ratios, kv /
 index / candidate source roles (sources kept with their sharers), real weight formats (FP8 E4M3 dense weights
-with 32x32 ue8m0 blocks, routed experts FP4 in the checkpoint -> FP8 on sm90 by the convert pass), all 384
-experts. Default layers 0, 2, 3, 20, 21, 24: SWA only; ratio-2 kv source; ratio-2 sharer; ratio-1 kv/index/
-candidate source; ratio-1 sharer; ratio-1 index source. Engram layers (1, 14) are left out: their tables are
-384M rows x 8 heads x 256 per layer (~100 GB each in FP8), more than the GPU; 8 MoE layers (~13.6 GB of FP8
-experts each) would also pass the ~100 GB memory target, so 6 layers. Random weights are generated ON THE GPU
-(normal values rounded to E4M3 with power-of-two block scales), experts directly in the stacked layout the
-grouped GEMM reads.
+with 32x32 ue8m0 blocks, routed experts FP4 in the checkpoint -> FP8 on sm90 by the convert pass, or kept FP4
+with --experts fp4: the W4A8 swap-AB programs), all 384 experts. Default layers 0, 2, 3, 20, 21, 24: SWA only;
+ratio-2 kv source; ratio-2 sharer; ratio-1 kv/index/candidate source; ratio-1 sharer; ratio-1 index source.
+Engram layers (1, 14) are left out: their tables are 384M rows x 8 heads x 256 per layer (~100 GB each in FP8),
+more than the GPU; 8 MoE layers (~13.6 GB of FP8 experts each) would also pass the ~100 GB memory target, so 6
+layers. Random weights are generated ON THE GPU (normal values rounded to E4M3 with power-of-two block scales;
+FP4 experts as random codes), experts directly in the stacked layout the grouped GEMMs read.
 
-Decode rows: the graph runs ONE sequence per call. "decode B" runs T=B new tokens appended to one sequence
-with `context` cached tokens: the GEMMs, MoE and norms see exactly the B-row batch of a batched decode, while
-attention reads one sequence's cache instead of B (so it is cheaper than real batched decode). B truly
-independent sequences would be B calls of T=1: that figure is B x the "decode 1" time (printed alongside).
+Kernel binding for the slice: select_kernels buckets T = 1, 64, 256 (decode) and 4096 (prefill); the decode
+attention kernel and the swap-AB masked MoE are used up to T = 256 here (the default plan stops at 64).
+
+What "decode B" measures. The graph runs ONE sequence per call; "decode B" runs T=B new tokens appended to one
+sequence with `context` cached tokens. The GEMMs, MoE, norms, routing and mHC see exactly the B-row batch of a
+batched decode of B sequences (same rows, same weights read once); attention and the indexer read ONE sequence's
+cache instead of B (each query still gathers its own top-k rows, so the attention kernel's work per query is the
+same, but the index scores scan one sequence's keys, not B): "decode B" is a lower bound of B sequences' step.
+Issue 8's batches of sequences are B calls of T=1 today: that figure is B x the "decode 1" time (printed with each
+context), an upper bound. A multi-sequence graph (batched KV pools) is what closes the gap.
 Prefill: T tokens from an empty cache.
 
-Per layer: time (CUDA events between layers, median of reps), tokens/s, % of roofline and the speedup over the
-torch eager reference of the same graph (the interpreter's references on the GPU). Roofline per layer: weight
-bytes that must be read (dense weights + the expected distinct experts E(1-(1-k/E)^T)) over the measured HBM
-copy bandwidth, and 2 x tokens x weights used per token over the measured FP8 peak; attention/KV bytes and
-attention flops are not counted (a floor). torch.compile wraps the whole-slice reference function (per-layer
-times are not separable there); when dynamo cannot trace it, the row says so.
+Per case: the node executions (compiled kernels vs torch references, with the reasons) of one call. Per layer:
+time (CUDA events between layers, median of reps), tokens/s, % of roofline and the speedup over the torch eager
+reference of the same graph (the interpreter's references on the GPU). Roofline per layer: weight bytes that must
+be read (dense weights + the expected distinct experts E(1-(1-k/E)^T)) over the measured HBM copy bandwidth, and
+2 x tokens x weights used per token over the measured FP8 peak; attention/KV bytes and attention flops are not
+counted (a floor). torch.compile wraps the whole-slice reference function at decode 1 of the first context (per-
+layer times are not separable there; dynamo traces the executor's ~1,000-node loop, minutes, so it is tried once
+within the budget); every other row says why it has no torch.compile figure.
 """
 
 from __future__ import annotations
@@ -77,14 +85,38 @@ def slice_config(layers=DEFAULT_LAYERS) -> dict:
     return cfg
 
 
-def slice_graph(layers=DEFAULT_LAYERS):
+SLICE_BUCKETS = {"decode": {"T": 1}, "small": {"T": 64}, "batch": {"T": 256}, "prefill": {"T": 4096}}
+DECODE_MAX_T = 256  # decode attention kernel and swap-AB masked MoE up to this many tokens (see module doc)
+
+
+def slice_pipeline(experts: str = "fp8"):
+    """default_pipeline("sm90") with the slice's buckets, the masked MoE layout up to DECODE_MAX_T, and (experts
+    "fp4") the FP4 experts kept for the W4A8 programs instead of converted to FP8."""
     from deepinfer.compiler import default_pipeline
+
+    pipe = default_pipeline("sm90")
+    fuse = [(n, {**o, "masked_max_t": DECODE_MAX_T}) if n == "fuse_moe_experts" else (n, o)
+            for n, o in pipe.phases["fuse"]]  # fmt: skip
+    pipe = pipe.with_phase("fuse", fuse)
+    pipe = pipe.with_phase("select_kernels", [("select_kernels", {"target": "sm90", "buckets": SLICE_BUCKETS}),
+                                              "check_batch_invariance"])  # fmt: skip
+    if experts == "fp4":
+        pipe = pipe.with_phase("quantize", [("quantize_activations", {"enabled": True})])
+    return pipe
+
+
+def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8"):
     from deepinfer.models import get_model
+    from deepinfer.passes import select_kernels as sk
     from deepinfer.passes.pipeline import run_pipeline
 
     mod = get_model("deepseek-v4.1-flash")
     g = mod.build_graph(mod.parse_config(slice_config(layers)))
-    opt, _ = run_pipeline(g, default_pipeline("sm90"))
+    saved, sk.DECODE_ATTN_MAX_T = sk.DECODE_ATTN_MAX_T, DECODE_MAX_T
+    try:
+        opt, _ = run_pipeline(g, slice_pipeline(experts))
+    finally:
+        sk.DECODE_ATTN_MAX_T = saved
     return opt
 
 
@@ -97,6 +129,8 @@ def gpu_weights(g, device="cuda", seed: int = 0) -> dict:
     for n in g.nodes:
         if n.op == "moe_grouped_experts" and n.attrs.get("fmt") == "fp8":
             _stacked_experts(n, params, device)
+        elif n.op == "moe_grouped_experts" and n.attrs.get("fmt") == "fp4":
+            _stacked_fp4_experts(n, params, device)
     for p in g.params:
         if p.name in params:
             continue
@@ -168,6 +202,27 @@ def _stacked_experts(n, params: dict, device) -> None:
             params[names[6 * i + j]] = torch.full(sh, 127 + e8, dtype=torch.uint8, device=device).view(
                 dt.e8m0.torch_dtype
             )
+
+
+def _stacked_fp4_experts(n, params: dict, device) -> None:
+    """FP4 experts as the checkpoint stores them (packed e2m1 bytes [out, in/2], ue8m0 per 32 inputs), one [E, 2I,
+    D/2] (w1|w3) and one [E, D, I/2] (w2) byte stack per layer; the per-expert params are views. Random codes
+    (rms ~2.9) with the scale 2^-round(log2(2.9 sqrt(fan_in))), so W ~ N(0, ~1/fan_in)."""
+    from deepinfer.ir import dtypes as dt
+
+    names = [v.name for v in n.inputs[9:]]
+    e = n.attrs["n_experts"]
+    inter, half_d = (int(x) for x in n.inputs[9].shape)
+    d = 2 * half_d
+    b13 = torch.randint(0, 256, (e, 2 * inter, half_d), dtype=torch.uint8, device=device)
+    b2 = torch.randint(0, 256, (e, d, inter // 2), dtype=torch.uint8, device=device)
+    for i in range(e):
+        params[names[6 * i]], params[names[6 * i + 4]] = b13[i, :inter], b13[i, inter:]
+        params[names[6 * i + 2]] = b2[i]
+        for j, (rows, cols) in ((1, (inter, d)), (5, (inter, d)), (3, (d, inter))):
+            e8 = -round(math.log2(2.9 * math.sqrt(cols)))
+            params[names[6 * i + j]] = torch.full((rows, cols // 32), 127 + e8, dtype=torch.uint8,
+                                                  device=device).view(dt.e8m0.torch_dtype)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- roofline
@@ -261,10 +316,12 @@ def compile_baseline(eager, feeds, reps: int, budget_s: float):
 
 
 def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layers=DEFAULT_LAYERS,
-        batches=(1, 16, 64, 256), context: int = 4096, prefill: int = 8192, reps: int = 5,
-        torch_compile: bool = True) -> list[dict]:  # fmt: skip
-    """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir)."""
+        batches=(1, 16, 64, 256), context=(4096, 32768), prefill: int = 8192, reps: int = 5,
+        torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto") -> list[dict]:  # fmt: skip
+    """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir).
+    context: one cached length or several (each decode batch runs at each)."""
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
+    from deepinfer.runtime.kernel_adapters import GLU_POLICY
 
     require_cuda("the slice benchmark")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -276,35 +333,56 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     lim = kernels_h200.measure_limits(quick=True)
     log(f"limits: HBM copy {lim.hbm / 1e12:.2f} TB/s, FP8 {lim.fp8 / 1e12:.0f} TFLOPS, "
         f"BF16 {lim.bf16 / 1e12:.0f} TFLOPS")
-    g = slice_graph(layers)
+    g = slice_graph(layers, experts)
     params = gpu_weights(g)
     torch.cuda.synchronize()
-    log(f"slice layers {list(layers)}: {len(g.nodes)} nodes, weights {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
-        f"on the GPU")  # fmt: skip
+    log(f"slice layers {list(layers)} ({experts} experts): {len(g.nodes)} nodes, weights "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU")  # fmt: skip
     kernels = KernelCache(budget_s=max(30.0, budget_s * 0.4))
     comp = GraphExecutor(g, params, kernels=kernels)
+    comp.prep_cache[GLU_POLICY] = moe_glu  # the fused SwiGLU's interleaved w1|w3 copies (kernel_adapters)
     eager = GraphExecutor(g, params, compiled=False)
-    cases = [("decode", b, context) for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
+    contexts = (context,) if isinstance(context, int) else tuple(context)
+    cases = [("decode", b, ctx) for ctx in contexts for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
     rows = []
+    compile_tried = False
     for kind, t, ctx in cases:
         if end - time.time() < 25:
-            log(f"{kind} T={t}: skipped (time budget)")
-            rows.append({"case": f"{kind} {t}", "skipped": "time budget"})
+            log(f"{kind} T={t} ctx {ctx}: skipped (time budget)")
+            rows.append({"case": _case_name(kind, t, ctx), "skipped": "time budget"})
             continue
-        row = _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, torch_compile and kind == "decode"
-                    and t == 1)  # fmt: skip
+        with_compile = torch_compile and kind == "decode" and t == 1 and not compile_tried
+        compile_tried |= with_compile
+        row = _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compile)
+        if kind == "decode" and "compile_note" not in row:
+            row["compile_note"] = ("off (--no-torch-compile)" if not torch_compile else
+                                   "tried once, at decode 1 of the first context (dynamo over the whole slice "
+                                   "takes minutes)")  # fmt: skip
         rows.append(row)
         torch.cuda.empty_cache()
     print(comp.report(), flush=True)
-    (out / "bench_slice.json").write_text(json.dumps({"limits": vars(lim), "layers": list(layers), "rows": rows},
-                                                     indent=1, default=str))  # fmt: skip
+    (out / "bench_slice.json").write_text(json.dumps({"limits": vars(lim), "layers": list(layers), "experts": experts,
+                                                      "rows": rows}, indent=1, default=str))  # fmt: skip
     _plot(rows, out / "bench_slice.png")
     print_table(rows)
     return rows
 
 
+def _case_name(kind: str, t: int, ctx: int) -> str:
+    return f"{kind} {t}" + (f" ctx {ctx}" if ctx else "")
+
+
+def _node_runs(ex, fn) -> dict:
+    """Node executions of one call of fn, compiled (by family) vs torch reference (by reason)."""
+    before_c, before_r = dict(ex.stats.compiled), dict(ex.stats.reference)
+    fn()
+    comp = {k: v - before_c.get(k, 0) for k, v in ex.stats.compiled.items() if v - before_c.get(k, 0)}
+    ref = {k: v - before_r.get(k, 0) for k, v in ex.stats.reference.items() if v - before_r.get(k, 0)}
+    return {"compiled": comp, "reference": ref}
+
+
 def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compile) -> dict:
-    row: dict = {"case": f"{kind} {t}" + (f" ctx {ctx}" if ctx else ""), "tokens": t}
+    row: dict = {"case": _case_name(kind, t, ctx), "tokens": t}
     try:
         feeds = _inputs(g, t, ctx)
         if jobs:
@@ -316,6 +394,10 @@ def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compi
         comp.run(feeds)  # builds (from the cache) and checks every kernel once
         torch.cuda.synchronize()
         log(f"{row['case']}: first compiled call {time.time() - t0:.1f} s")
+        row["node_runs"] = _node_runs(comp, lambda: comp.run(feeds))
+        nc, nr = sum(row["node_runs"]["compiled"].values()), sum(row["node_runs"]["reference"].values())
+        log(f"{row['case']}: node executions {nc} compiled, {nr} torch reference; compiled "
+            f"{row['node_runs']['compiled']}")  # fmt: skip
         n = reps if kind == "decode" else max(2, reps // 2)
         layers_c, total_c = time_layers(comp, feeds, n)
         layers_e, total_e = time_layers(eager, feeds, max(2, n // 2))
@@ -341,21 +423,31 @@ def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compi
 
 
 def print_table(rows: list) -> None:
-    print(f"\n{'case':<22} {'layer':<6} {'ms':>9} {'tok/s':>10} {'%roof':>6} {'vs eager':>8} {'vs compile':>10}")
+    print(f"\n{'case':<26} {'layer':<6} {'ms':>9} {'tok/s':>10} {'%roof':>6} {'vs eager':>8} {'vs compile':>10}")
+    decode1 = {}
     for r in rows:
         if "layers" not in r:
-            print(f"{r['case']:<22} {r.get('error') or r.get('skipped', '')}")
+            print(f"{r['case']:<26} {r.get('error') or r.get('skipped', '')}")
             continue
         for layer, m in r["layers"].items():
             sp = m["eager_ms"] / m["ms"] if m["ms"] else float("nan")
-            print(f"{r['case']:<22} {layer:<6} {m['ms']:>9.3f} {m['tok_s']:>10.0f} {m['roofline_pct']:>5.1f}% "
+            print(f"{r['case']:<26} {layer:<6} {m['ms']:>9.3f} {m['tok_s']:>10.0f} {m['roofline_pct']:>5.1f}% "
                   f"{sp:>7.2f}x {'':>10}")  # fmt: skip
         cms = r.get("compile_ms", float("nan"))
-        vs_c = f"{cms / r['ms']:.2f}x" if cms == cms else (r.get("compile_note") or "-")[:40]
-        print(f"{r['case']:<22} {'all':<6} {r['ms']:>9.3f} {r['tok_s']:>10.0f} {'':>6} "
+        vs_c = f"{cms / r['ms']:.2f}x" if cms == cms else "-"
+        print(f"{r['case']:<26} {'all':<6} {r['ms']:>9.3f} {r['tok_s']:>10.0f} {'':>6} "
               f"{r['eager_ms'] / r['ms']:>7.2f}x {vs_c:>10}")  # fmt: skip
+        if r.get("compile_note") and cms != cms:
+            print(f"{'':<26} torch.compile: {r['compile_note']}")
+        runs = r.get("node_runs") or {}
+        nc, nr = sum(runs.get("compiled", {}).values()), sum(runs.get("reference", {}).values())
+        print(f"{'':<26} node executions: {nc} compiled, {nr} torch reference")
         if r["case"].startswith("decode 1 "):
-            print(f"{'':<22} (B independent sequences as B calls: B x {r['ms']:.3f} ms)")
+            decode1[r["case"].split("ctx ")[-1]] = r["ms"]
+        elif r["case"].startswith("decode ") and r["case"].split("ctx ")[-1] in decode1:
+            b = r["tokens"]
+            print(f"{'':<26} B={b} sequences as B calls of decode 1: {b * decode1[r['case'].split('ctx ')[-1]]:.3f} ms"
+                  f" (upper bound; this row, one sequence with B tokens, is the lower bound)")  # fmt: skip
 
 
 def _plot(rows: list, path: Path) -> None:
@@ -387,26 +479,48 @@ def _plot(rows: list, path: Path) -> None:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", default=",".join(map(str, DEFAULT_LAYERS)), help="real layer ids of the slice")
     ap.add_argument("--batches", default="1,16,64,256", help="decode token counts (see the module doc)")
-    ap.add_argument("--context", type=int, default=4096, help="cached tokens for decode")
+    ap.add_argument("--context", default="4096,32768", help="cached tokens for decode (comma list)")
     ap.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: none)")
+    ap.add_argument("--experts", choices=("fp8", "fp4"), default="fp8",
+                    help="routed experts FP8 (converted, default) or FP4 (the W4A8 programs)")  # fmt: skip
+    ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
+                    help="the decode MoE's fused SwiGLU epilogue (needs an interleaved w1|w3 copy per layer: auto "
+                         "makes it while memory allows)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--jobs", type=int, default=0, help="pre-build kernels in this many processes")
     ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="build the slice graph and print its bindings (no GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_slice_out")
 
 
 def run_from_args(args) -> list[dict]:
+    """Also takes `deepinfer bench`'s arguments (one --context integer, no --experts)."""
     return run(out_dir=args.out, budget_s=args.budget_s, jobs=args.jobs,
                layers=tuple(int(x) for x in args.layers.split(",")),
-               batches=tuple(int(x) for x in args.batches.split(",") if x), context=args.context,
-               prefill=args.prefill, reps=args.reps, torch_compile=not args.no_torch_compile)  # fmt: skip
+               batches=tuple(int(x) for x in args.batches.split(",") if x),
+               context=tuple(int(x) for x in str(args.context).split(",") if x), prefill=args.prefill,
+               reps=args.reps, torch_compile=not args.no_torch_compile,
+               experts=getattr(args, "experts", "fp8"), moe_glu=getattr(args, "moe_glu", "auto"))  # fmt: skip
+
+
+def dry_run(args) -> int:
+    """The slice graph and its kernel bindings at every bucket, on the CPU (what the H200 run will execute)."""
+    from deepinfer.passes.select_kernels import format_kernel_report
+
+    t0 = time.time()
+    g = slice_graph(tuple(int(x) for x in args.layers.split(",")), args.experts)
+    log(f"slice graph: {len(g.nodes)} nodes in {time.time() - t0:.1f} s")
+    print(format_kernel_report(g))
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     if not torch.cuda.is_available():
         print("bench_slice: error: needs a CUDA device (an H200); this machine has none", file=sys.stderr)
         return 2

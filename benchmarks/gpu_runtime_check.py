@@ -15,6 +15,16 @@ Per preset (tiny, then small V4.1 compiled for sm90, seeded random weights), wit
 then a table: decode tokens/s and ms per decode step per mode and batch, the speed-ups, and PASS/FAIL.
 Decode time is the executor's time on batches whose every item runs one token (the GPU is synchronised at
 the end of each step: the sampled logits rows come back to the host). Results go to $OUT/gpu_runtime.json.
+
+    python3 benchmarks/gpu_runtime_check.py --adapters [--experts fp8] [--adapter-tokens 1,16,64] --presets ''
+
+checks the kernels the runtime binds at decode (issue 6/8: two-pool sparse attention, swap-AB masked MoE with the
+fused SwiGLU epilogue or W4A8, routing, mHC post+pre, and the older families) at the REAL V4.1 dims: a slice of
+real layers (--adapter-layers, bench_slice.py's construction, random weights in the checkpoint formats) runs
+through the compiled executor at each token count with 4096 cached tokens; every kernel set meets its node's
+torch reference on the same inputs at its first call (the executor's check; a mismatch disables it and counts
+as FAIL here), each new family must take its nodes, and the call is timed against the all-reference executor.
+Results go to $OUT/gpu_adapters.json.
 """
 
 from __future__ import annotations
@@ -210,13 +220,65 @@ def run_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
     return res
 
 
+NEW_FAMILIES = ("sparse_attn_decode", "moe_grouped_gemm", "moe_routing", "hyper_connection")
+
+
+def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, jobs: int, deadline: float) -> dict:
+    """The runtime's kernels at the real dims against their node references (module doc)."""
+    sys.path.insert(0, str(_ROOT / "benchmarks"))
+    import bench_slice as bs
+
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
+
+    t0 = time.time()
+    g = bs.slice_graph(layers, experts)
+    params = bs.gpu_weights(g)
+    torch.cuda.synchronize()
+    log(f"adapters ({experts} experts, layers {list(layers)}): {len(g.nodes)} nodes, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights, {time.time() - t0:.0f} s")  # fmt: skip
+    comp = GraphExecutor(g, params, kernels=KernelCache(budget_s=max(30.0, deadline - time.time() - 60)))
+    eager = GraphExecutor(g, params, compiled=False)
+    feeds = {t: bs._inputs(g, t, context) for t in tokens}
+    keys: list = []
+    for f in feeds.values():
+        keys += [k for k in comp.kernel_keys(f) if k not in keys]
+    log(f"adapters: {len(keys)} distinct kernels for T in {list(tokens)}")
+    prebuild(keys, jobs, max(20.0, 0.6 * (deadline - time.time())))
+    res: dict = {"experts": experts, "layers": list(layers), "rows": [], "checks": []}
+    for t, f in feeds.items():
+        if time.time() > deadline - 15:
+            res["checks"].append({"check": f"T={t}", "pass": None, "detail": "skipped (time budget)"})
+            continue
+        comp.run(f)  # first call: builds and checks every kernel set against its node's reference
+        runs = bs._node_runs(comp, lambda f=f: comp.run(f))
+        ms = bs.time_call(lambda f=f: comp.run(f), 5)
+        eager_ms = bs.time_call(lambda f=f: eager.run(f), 3)
+        row = {"tokens": t, "ms": ms, "eager_ms": eager_ms, **runs}
+        res["rows"].append(row)
+        missing = [fam for fam in NEW_FAMILIES if not runs["compiled"].get(fam)]
+        res["checks"].append({"check": f"T={t}: every new family takes its nodes", "pass": not missing,
+                              "detail": f"compiled {runs['compiled']}" + (f"; MISSING {missing}" if missing else "")})
+        log(f"adapters T={t}: compiled {ms:.2f} ms vs references {eager_ms:.2f} ms; {sum(runs['compiled'].values())} "
+            f"compiled / {sum(runs['reference'].values())} reference node runs")  # fmt: skip
+    worst = max(comp.stats.verified.values(), default=float("nan"))
+    res["checks"].append({"check": "every kernel set passed its first-call check", "pass": not comp.kernels.failed,
+                          "detail": f"{len(comp.stats.verified)} sets, worst rel err {worst:.2e}; disabled "
+                                    f"{[(k.describe(), why) for k, why in comp.kernels.failed.items()] or '-'}"})
+    res["report"] = comp.report()
+    print(res["report"], flush=True)
+    for c in res["checks"]:
+        verdict = "PASS" if c["pass"] else "FAIL" if c["pass"] is False else "SKIP"
+        log(f"adapters: {verdict} {c['check']}: {c['detail']}")
+    return res  # the weights go with this frame; the caller empties the allocator's cache
+
+
 def summary(all_res: list[dict]) -> None:
     print("\n=== decode throughput (tokens/s; ms per decode step) ===")
     print(f"{'preset':>7} {'batch':>5} {'graphs':>16} {'eager':>16} {'host KV':>16} {'graphs/eager':>12} "
           f"{'graphs/host':>11}")  # fmt: skip
     for res in all_res:
         for label in ("B=8", "B=1"):
-            by = {r["mode"]: r for r in res.get("rows", []) if r["batch"] == label}
+            by = {r["mode"]: r for r in res.get("rows", []) if r.get("batch") == label}
             if not by:
                 continue
             cells = [f"{by[m]['decode_tok_s']:7.1f} ({by[m]['ms_per_step']:5.1f})" if m in by else f"{'-':>16}"
@@ -224,6 +286,12 @@ def summary(all_res: list[dict]) -> None:
             sp = [f"{by['graphs']['decode_tok_s'] / by[m]['decode_tok_s']:.2f}x"
                   if "graphs" in by and m in by and by[m]["decode_tok_s"] else "-" for m in ("eager", "host")]
             print(f"{res['preset']:>7} {label:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {sp[0]:>12} {sp[1]:>11}")
+    for res in all_res:
+        for r in res.get("rows", []):
+            if "tokens" in r and "mode" not in r:
+                print(f"{res['preset']:>7}  T={r['tokens']:<3} compiled {r['ms']:8.2f} ms, references "
+                      f"{r['eager_ms']:8.2f} ms ({r['eager_ms'] / r['ms']:.2f}x); node runs "
+                      f"{sum(r['compiled'].values())} compiled / {sum(r['reference'].values())} reference")  # fmt: skip
     print("\n=== checks ===")
     for res in all_res:
         for c in res.get("checks", []):
@@ -240,7 +308,20 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per request (small uses 3/4)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_runtime_out")
+    ap.add_argument("--adapters", action="store_true", help="check the runtime's kernels at the real V4.1 dims first")
+    ap.add_argument("--adapter-layers", default="2,20", help="real layer ids of the adapters' slice")
+    ap.add_argument("--adapter-tokens", default="1,16,64", help="token counts of the adapters' check")
+    ap.add_argument("--experts", default="fp8", help="fp8 and/or fp4 (W4A8), comma separated")
+    ap.add_argument("--dry-run", action="store_true", help="build the adapters' slice graph(s) only (no GPU)")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        sys.path.insert(0, str(_ROOT / "benchmarks"))
+        import bench_slice as bs
+
+        for experts in args.experts.split(","):
+            g = bs.slice_graph(tuple(int(x) for x in args.adapter_layers.split(",")), experts)
+            log(f"adapters' slice ({experts}): {len(g.nodes)} nodes, coverage {g.meta['kernels']['coverage']}")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_runtime_check: error: needs a CUDA device (an H200); this machine has none", file=sys.stderr)
         return 2
@@ -251,6 +332,23 @@ def main(argv=None) -> int:
     presets = [p for p in args.presets.split(",") if p]
     shares = {"tiny": 0.42, "small": 1.0} if len(presets) > 1 else {p: 1.0 for p in presets}
     all_res = []
+    if args.adapters:
+        kinds = [e for e in args.experts.split(",") if e]
+        share = 1.0 if not presets else 0.5
+        for i, experts in enumerate(kinds):
+            deadline = T0 + share * args.budget_s * (i + 1) / len(kinds) - 5
+            try:
+                res = check_adapters(tuple(int(x) for x in args.adapter_layers.split(",")), experts,
+                                     tuple(int(x) for x in args.adapter_tokens.split(",")), 4096, args.jobs,
+                                     deadline)  # fmt: skip
+            except Exception as e:
+                log(f"adapters ({experts}): ERROR {type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc(limit=6)
+                res = {"experts": experts, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            (out / f"gpu_adapters_{experts}.json").write_text(json.dumps(res, indent=1, default=str))
+            all_res.append({"preset": f"real-{experts}", **res})
+            torch.cuda.empty_cache()
+        shares = {p: share + (1 - share) * s for p, s in shares.items()}
     for preset in presets:
         if end - time.time() < 45:
             log(f"{preset}: skipped (time budget)")

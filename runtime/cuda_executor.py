@@ -282,6 +282,11 @@ class GraphExecutor:
         if self.stats.verified:
             worst = max(self.stats.verified.values())
             lines.append(f"first-call checks: {len(self.stats.verified)} kernel sets, worst rel err {worst:.2e}")
+            by_family: dict = defaultdict(list)
+            for keys, err in self.stats.verified.items():
+                by_family[keys[0].family if keys else "-"].append(err)
+            lines += [f"  {fam:<20} {len(errs):>3} sets, worst rel err {max(errs):.2e}"
+                      for fam, errs in sorted(by_family.items())]  # fmt: skip
         return "\n".join(lines)
 
     def kernel_keys(self, inputs: Mapping[str, torch.Tensor]) -> list:

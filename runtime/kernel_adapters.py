@@ -465,7 +465,10 @@ class _MoEPlan:
 
 
 SWAB_DOWN_ACT_GROUP = 32  # the SwiGLU output is quantised per 32 columns (what the fused epilogue writes)
-GLU_COPY_HEADROOM = 0.5  # the interleaved w1|w3 copy is made only if it takes at most this share of free memory
+# the interleaved w1|w3 copy is made only if it takes at most this share of the free memory and leaves this much
+GLU_COPY_HEADROOM = 0.25
+GLU_COPY_LEAVE_BYTES = 24 << 30
+GLU_POLICY = "moe_glu_policy"  # Call.cache key: "on" / "off" forces the fused epilogue's copy (benchmarks)
 
 
 def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int):
@@ -631,10 +634,12 @@ class MoEGroupedAdapter:
         """The fused epilogue reads w1|w3 interleaved in tiles (a copy of the stack): only while it fits."""
         k = ("moe_glu_ok", call.names[9])
         if k not in call.cache:
+            policy = call.cache.get(GLU_POLICY, "auto")
             x = call.args[0]
             nbytes = call.attrs["n_experts"] * 2 * inter * d // (2 if fmt == "fp4" else 1)
             free = torch.cuda.mem_get_info(x.device)[0] if x.device.type == "cuda" else float("inf")
-            call.cache[k] = nbytes <= GLU_COPY_HEADROOM * free
+            fits = nbytes <= GLU_COPY_HEADROOM * free and free - nbytes >= GLU_COPY_LEAVE_BYTES
+            call.cache[k] = policy == "on" or (policy == "auto" and fits)
         return call.cache[k]
 
     def _contiguous_plan(self, call, t, d, inter, e, block, idx) -> _MoEPlan:
