@@ -916,14 +916,14 @@ class SparseAttnAdapter:
         ratio = float(call.attrs["scale"]) * d**0.5  # the kernel scales the logits by D^-0.5
         qb = pad_rows((q if ratio == 1.0 else q * ratio).to(torch.bfloat16), b)
         if two:
-            kv = (win_kv.to(torch.bfloat16), cmp_kv.to(torch.bfloat16))
+            kv = (win_kv.to(torch.bfloat16).contiguous(), cmp_kv.to(torch.bfloat16).contiguous())
             idx = (_pad_idx(win_idx, b), _pad_idx(cmp_idx, b))
         elif cmp_kv is not None:
             kv = (torch.cat([win_kv, cmp_kv]).to(torch.bfloat16),)
             off = torch.where(cmp_idx >= 0, cmp_idx + win_kv.shape[0], torch.full_like(cmp_idx, -1))
             idx = (_pad_idx(torch.cat([win_idx, off], dim=1), b),)
         else:
-            kv, idx = (win_kv.to(torch.bfloat16),), (_pad_idx(win_idx, b),)
+            kv, idx = (win_kv.to(torch.bfloat16).contiguous(),), (_pad_idx(win_idx, b),)
         sink = sink.float().contiguous()
         o = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
         if cfg.num_split == 1:
