@@ -513,6 +513,15 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
     sad = sparse_attn_decode
     pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
+    if cfg.merge:  # one kernel: the last CTA of each request folds the chunks (scratch + zeroed counters)
+        k = build(sad.program(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools))
+        scratch = () if dry else sad.merge_scratch(B, cfg.num_split, HEADS, HEAD_DIM, "cuda")
+
+        def launch(q, kv, idx, sink, out):
+            k(q, *(kv if isinstance(kv, tuple) else (kv,)), *(idx if isinstance(idx, tuple) else (idx,)), sink, out,
+              *scratch)  # fmt: skip
+
+        return launch
     if cfg.num_split > 1:
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         part, comb = (build(f) for f in progs)
@@ -639,6 +648,8 @@ def attn_sweep_cases():
     """`--only "sparse_attn sweep"`: the split-D form (Config.dsplit) against the default in the same run at
     the issue's batches (64, 128, 256), bf16 and FP8 KV, the two-pool form (window + compressed pools,
     n_win = 128), and the L2-hot diagnostic (entries from 4096 rows: the program's bound without HBM latency)."""
+    from dataclasses import replace
+
     sad = sparse_attn_decode
     out = []
 
@@ -652,6 +663,8 @@ def attn_sweep_cases():
         cands = [base] + sad.dsplit_configs(640, base.num_split)
         if B == 64:
             cands += sad.dsplit_configs(640, 1)[:2]  # no split: 64 CTAs, no partial-output round trip
+            # split 2 folded in-kernel by each request's last CTA (no combine kernel)
+            cands += [replace(c, merge=True) for c in sad.dsplit_configs(640, 2)[:2]]
         for cfg in cands:
             add("", B, cfg)
         if B != 256:
@@ -662,7 +675,10 @@ def attn_sweep_cases():
                 add("L2-hot", B, cfg, hot_rows=4096)
         # FP8 KV (e4m3 + ue8m0): the default (3 warpgroups, dequantised in shared memory) next to split-D
         fbase = sad.sm90_config(B, 640, fp8=True)
-        for cfg in [fbase] + sad.dsplit_configs(640, fbase.num_split, fp8=True):
+        fcands = [fbase] + sad.dsplit_configs(640, fbase.num_split, fp8=True)
+        if fbase.num_split > 1:
+            fcands.append(replace(fcands[1], merge=True))
+        for cfg in fcands:
             add("fp8", B, cfg, fp8=True)
     return out
 

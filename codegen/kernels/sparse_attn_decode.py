@@ -52,10 +52,14 @@ class Config:
     # ws, split-D form: two warpgroups, each the QK^T partial, softmax and PV of one D half (partial scores
     # exchanged through shared memory), so a KV stage is held by one block's math only (`_program_ws`)
     dsplit: bool = False
+    # split-D with num_split > 1: the request's last CTA to finish folds the other chunks' partial outputs
+    # into its registers and writes O (an arrival counter per request; no combine kernel)
+    merge: bool = False
 
     def __post_init__(self):
         want = (WSD_THREADS if self.dsplit else WS_THREADS) if self.ws else self.threads
         assert self.ws or not self.dsplit, "dsplit is a form of the ws program"
+        assert not self.merge or (self.dsplit and self.num_split > 1), "merge: split-D with split-K"
         if self.threads != want:
             object.__setattr__(self, "threads", want)
 
@@ -65,7 +69,7 @@ class Config:
             head = f"ws{'D' if self.dsplit else ''}{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
-        return head + (f"x{self.num_split}" if self.num_split > 1 else "")
+        return head + (f"x{self.num_split}" if self.num_split > 1 else "") + ("m" if self.merge else "")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -189,6 +193,11 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     over the concatenated entry order, so cfg's divisibility rules apply to topk, and the ws program needs
     n_win % 4 == 0 (its row-id copies move 4 ids). A window-only layer passes its one pool with n_win = 0.
     The ws program's pool sizes are symbolic (S / S_cmp are ignored); the others take them as given.
+
+    cfg.merge (split-D, num_split > 1): one kernel, no combine: the split signature's outputs become
+        (..., Sink, O, Op, Mp, Lp, Cnt [B] int32)      (`merge_scratch` allocates Op, Mp, Lp and a zeroed Cnt)
+    Every CTA writes its chunk's partial to Op/Mp/Lp and counts itself in Cnt[b]; the last one folds the
+    others' partials into its own and writes O, then resets Cnt[b] to 0 (so Cnt stays zeroed across calls).
     """
     import tilelang.language as T
 
@@ -791,8 +800,39 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             load_rid(src, b, base, x + SL + 1, t, rid, 0)
 
     @T.macro
-    def d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, hf: int, t, q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l,
-               lblk, alpha, full, bar_q, rid, raw, sc, stg, buf, obuf):  # fmt: skip
+    def d_merge(Sink, O, Op, Mp, Lp, Cnt, b, sp, hf: int, t, o, m, m_prev, l, lblk, alpha, arrived):
+        """cfg.merge: this CTA's partial is written; make it visible GPU-wide and count the CTA in (named
+        barrier 1 over both warpgroups around the one arrival); the request's last CTA folds every other
+        chunk (m_k = Mp / scale in score units) into its registers, adds the sink and writes O."""
+        T.evaluate(T.call_extern("handle", "__threadfence"))
+        T.sync_threads(1, 2 * 128)
+        if hf == 0:
+            if t == 0:
+                arrived[0] = T.atomic_add(Cnt[b], 1, memory_order="acq_rel", return_prev=True)
+        T.sync_threads(1, 2 * 128)
+        if arrived[0] == ns - 1:
+            T.evaluate(T.call_extern("handle", "__threadfence"))  # (acquire side, every reading thread)
+            for k in T.serial(ns):
+                if k != sp:
+                    for h in T.Parallel(H):
+                        m_prev[h] = m[h]
+                        m[h] = T.max(m[h], Mp[b, k, h] * (1.0 / scale))
+                        alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
+                        lblk[h] = T.exp2(Mp[b, k, h] * LOG2E - m[h] * c2)
+                        l[h] = l[h] * alpha[h] + Lp[b, k, h] * lblk[h]
+                    for h, d in T.Parallel(H, D2):
+                        o[h, d] = o[h, d] * alpha[h] + Op[b, k, h, hf * D2 + d] * lblk[h]
+            for h in T.Parallel(H):  # the sink joins the denominator only
+                alpha[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
+            for h, d in T.Parallel(H, D2):
+                O[b, h, hf * D2 + d] = T.cast(o[h, d] * alpha[h], bf)
+            if hf == 0:
+                if t == 0:
+                    Cnt[b] = 0  # ready for the next call (every CTA of this request has arrived)
+
+    @T.macro
+    def d_role(Q, src, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, hf: int, t, q_h, kvh, idx_h, xs, s, p, o, m, m_prev,
+               l, lblk, alpha, full, bar_q, rid, raw, sc, stg, buf, obuf, arrived):  # fmt: skip
         T.fill(o, 0.0)
         T.fill(m, NEG)
         T.fill(l, 0.0)
@@ -842,14 +882,16 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     Lp[b, sp, h] = l[h]
             for h, d in T.Parallel(H, D2):
                 Op[b, sp, h, hf * D2 + d] = o[h, d]
-        else:
+        if cfg.merge:
+            d_merge(Sink, O, Op, Mp, Lp, Cnt, b, sp, hf, t, o, m, m_prev, l, lblk, alpha, arrived)
+        elif not split:
             for h in T.Parallel(H):  # the sink joins the denominator only
                 alpha[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
             for h, d in T.Parallel(H, D2):
                 O[b, h, hf * D2 + d] = T.cast(o[h, d] * alpha[h], bf)
 
     @T.macro
-    def body_dsplit(Q, src, Sink, O, Op, Mp, Lp, sp, b):
+    def body_dsplit(Q, src, Sink, O, Op, Mp, Lp, sp, b, Cnt=None):
         q_l = T.alloc_shared((H, D2), bf)
         q_r = T.alloc_shared((H, D2), bf)
         kv_l = T.alloc_shared((NS, bn, D2), bf)
@@ -883,16 +925,17 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         stg_r = T.alloc_shared((SL, bn) if kv_fp8 else (1, 4), i32)
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
+        arrived = T.alloc_shared((1,), i32)  # merge: this CTA's place among the request's arrivals
         bar_q = T.alloc_barrier([128, 128])
         full = T.alloc_barrier([128] * (2 * NS))
         base = sp * chunk
         tx = T.get_thread_binding()
         if tx < 128:
-            d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l, mp_l,
-                   l_l, lb_l, a_l, full, bar_q, rid, raw_l, sc_l, stg_l, buf, obuf)  # fmt: skip
+            d_role(Q, src, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l,
+                   mp_l, l_l, lb_l, a_l, full, bar_q, rid, raw_l, sc_l, stg_l, buf, obuf, arrived)  # fmt: skip
         else:
-            d_role(Q, src, Sink, O, Op, Mp, Lp, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r, m_r,
-                   mp_r, l_r, lb_r, a_r, full, bar_q, rid, raw_r, sc_r, stg_r, buf, obuf)  # fmt: skip
+            d_role(Q, src, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r,
+                   m_r, mp_r, l_r, lb_r, a_r, full, bar_q, rid, raw_r, sc_r, stg_r, buf, obuf, arrived)  # fmt: skip
 
     if cfg.dsplit:
         body = body_dsplit  # noqa: F811 (the entry points below take whichever body the config selects)
@@ -903,6 +946,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
+    if cfg.merge:
+        return _merge_entry(body, B=Bd, H=H, D=D, S=Sd, Sw=Sd, Sc=Sc, nw=nw, nc=nc, topk=topk, ns=ns, kvt=kvt,
+                            fp8=kv_fp8, threads=threads)  # fmt: skip
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
                                   fp8=kv_fp8, split=split, threads=threads)  # fmt: skip
@@ -1045,6 +1091,92 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
     return sparse_attn_decode_ws2
 
 
+def _merge_entry(body, *, B, H, D, S, Sw, Sc, nw, nc, topk, ns, kvt, fp8: bool, threads, act="bfloat16"):
+    """cfg.merge prim_funcs (one or two pools, bf16 or FP8 KV; signatures: `program`) around a CTA
+    body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Cnt); threads None: TileLang's c target."""
+    import tilelang.language as T
+
+    f32, i32 = "float32", "int32"
+    if nw and fp8:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_fp8_merge(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVsw: T.Tensor((Sw, D // 32), "uint8"),
+            KVc: T.Tensor((Sc, D), kvt),
+            KVsc: T.Tensor((Sc, D // 32), "uint8"),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+            Cnt: T.Tensor((B,), i32),
+        ):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
+                body(Q, _Src(KVw, KVsw, IdxW, KVc, KVsc, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, Cnt)
+
+        return sparse_attn_decode_ws2_fp8_merge
+    if nw:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_merge(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVc: T.Tensor((Sc, D), kvt),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+            Cnt: T.Tensor((B,), i32),
+        ):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, Cnt)
+
+        return sparse_attn_decode_ws2_merge
+    if fp8:
+
+        @T.prim_func
+        def sparse_attn_decode_ws_fp8_merge(
+            Q: T.Tensor((B, H, D), act),
+            KV: T.Tensor((S, D), kvt),
+            KVs: T.Tensor((S, D // 32), "uint8"),
+            Idx: T.Tensor((B, topk), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+            Op: T.Tensor((B, ns, H, D), f32),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+            Cnt: T.Tensor((B,), i32),
+        ):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
+                body(Q, _Src(KV, KVs, Idx), Sink, O, Op, Mp, Lp, sp, b, Cnt)
+
+        return sparse_attn_decode_ws_fp8_merge
+
+    @T.prim_func
+    def sparse_attn_decode_ws_merge(
+        Q: T.Tensor((B, H, D), act),
+        KV: T.Tensor((S, D), kvt),
+        Idx: T.Tensor((B, topk), i32),
+        Sink: T.Tensor((H,), f32),
+        O: T.Tensor((B, H, D), act),
+        Op: T.Tensor((B, ns, H, D), f32),
+        Mp: T.Tensor((B, ns, H), f32),
+        Lp: T.Tensor((B, ns, H), f32),
+        Cnt: T.Tensor((B,), i32),
+    ):
+        with T.Kernel(ns, B, threads=threads) as (sp, b):
+            body(Q, _Src(KV, None, Idx), Sink, O, Op, Mp, Lp, sp, b, Cnt)
+
+    return sparse_attn_decode_ws_merge
+
+
 def _program_ws_cpu(
     B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool, n_win: int = 0, S_cmp: int = 0
 ):
@@ -1069,7 +1201,7 @@ def _program_ws_cpu(
     split = ns > 1
 
     @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Cnt=None):
         q = T.alloc_local((2, H, D2), f32)
         kv = T.alloc_local((2, NS, bn, D2), f32)  # [half, stage, row, column]
         raw = T.alloc_local((2, NS, bn, D2), f32)
@@ -1082,7 +1214,8 @@ def _program_ws_cpu(
         m = T.alloc_local((H,), f32)
         m_prev = T.alloc_local((H,), f32)
         l = T.alloc_local((H,), f32)
-        acc = T.alloc_local((1,), f32)
+        acc = T.alloc_local((2,), f32)
+        arrived = T.alloc_local((1,), i32)
         rid = T.alloc_local((R,), i32)
         base = sp * chunk
         for hf in T.serial(2):
@@ -1153,7 +1286,30 @@ def _program_ws_cpu(
                 for hf in T.serial(2):
                     for d in T.serial(D2):
                         O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
+        if cfg.merge:  # CTAs run one after another here: the arrival counter is a plain read-modify-write
+            arrived[0] = Cnt[b]
+            Cnt[b] = arrived[0] + 1
+            if arrived[0] == ns - 1:
+                for h in T.serial(H):
+                    for k in T.serial(ns):
+                        if k != sp:  # fold chunk k in (its max in score units: Mp / scale), as d_merge
+                            m_prev[h] = m[h]
+                            m[h] = T.max(m[h], Mp[b, k, h] * (1.0 / scale))
+                            acc[0] = T.exp2((m_prev[h] - m[h]) * c2)
+                            acc[1] = T.exp2(Mp[b, k, h] * LOG2E - m[h] * c2)
+                            l[h] = l[h] * acc[0] + Lp[b, k, h] * acc[1]
+                            for hf in T.serial(2):
+                                for d in T.serial(D2):
+                                    o[hf, h, d] = o[hf, h, d] * acc[0] + Op[b, k, h, hf * D2 + d] * acc[1]
+                    acc[0] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
+                    for hf in T.serial(2):
+                        for d in T.serial(D2):
+                            O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
+                Cnt[b] = 0
 
+    if cfg.merge:
+        return _merge_entry(body, B=B, H=H, D=D, S=S, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, topk=topk,
+                            ns=ns, kvt=f32, fp8=kv_fp8, threads=None, act=f32)  # fmt: skip
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,
                                   kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32)  # fmt: skip
@@ -1285,6 +1441,17 @@ def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
     kernels[0](q, *_as_args(kv), *_as_args(idx), op, mp, lp)
     kernels[1](op, mp, lp, sink, out)
     return out
+
+
+def merge_scratch(B: int, num_split: int, H: int, D: int, device) -> tuple:
+    """(Op, Mp, Lp, Cnt) for a cfg.merge kernel: partials (any contents) and the zeroed arrival counters the
+    kernel leaves zeroed (allocate once, e.g. per CUDA-graph bucket)."""
+    return (
+        torch.empty(B, num_split, H, D, device=device, dtype=torch.float32),
+        torch.empty(B, num_split, H, device=device, dtype=torch.float32),
+        torch.empty(B, num_split, H, device=device, dtype=torch.float32),
+        torch.zeros(B, device=device, dtype=torch.int32),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- reference

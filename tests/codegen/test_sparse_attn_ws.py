@@ -136,6 +136,8 @@ def _build_ws(name, func):
         (sad.Config(32, 256, 1, 4, True, dsplit=True), False, 0),
         # split-D FP8: 4 raw staging slots in flight, dequantised into a 2-stage bf16 ring; split 2, two pools
         (sad.Config(32, 256, 2, 4, True, dsplit=True), True, 128),
+        # split 2 folded by each request's last CTA (arrival counter, no combine kernel)
+        (sad.Config(64, 256, 2, 2, True, dsplit=True, merge=True), False, 0),
     ],
     ids=[
         "bf16_n64s2x2",
@@ -144,6 +146,7 @@ def _build_ws(name, func):
         "dsplit_two_pools_n64s2x2",
         "dsplit_n32s4",
         "dsplit_fp8_two_pools_n32s4x2",
+        "dsplit_merge_n64s2x2",
     ],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
@@ -172,6 +175,8 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     assert f"__launch_bounds__({cfg.threads}, 1)" in art.source and "setmaxnreg" not in art.source
     if fp8:  # the oldest of the staging slots' cp.async groups, then generic stores fenced for wgmma
         assert f"cp_async_wait<{cfg.stages - 1}>" in art.source and "fence_proxy_async" in art.source
+    if cfg.merge:  # the arrival: a GPU-scope acq_rel atomic after a fence, the counter reset by the last CTA
+        assert "__threadfence()" in art.source and "atomic" in art.source.lower() and "Cnt[" in art.source
     if fp8 and n_win:  # both exponent pools
         assert re.search(r"cp_async_gs\w*<4>\([^;]*KVsw\[", art.source)
         assert re.search(r"cp_async_gs\w*<4>\([^;]*KVsc\[", art.source)
@@ -259,3 +264,31 @@ def test_dsplit_configs_fit_shared_memory():
     assert sad.ws_smem_bytes(64, 512, n64) == 64 * 512 * 2 + 2 * 64 * 512 * 2 + 2 * 64 * 64 * 4 + 2 * 2 * 64 * 4
     assert sad.ws_smem_bytes(64, 512, sad.Config(64, 256, 1, 3, True, dsplit=True)) > sad.SMEM_LIMIT
     assert sad.Config(64, 384, 1, 2, True, dsplit=True).tag == "wsDn64s2"
+
+
+@pytest.mark.parametrize("two_pools", [False, True])
+def test_ws_cpu_mirror_merge(tilelang_required, two_pools):
+    """cfg.merge (split 4, folded by each request's last CTA, no combine kernel): request 0's second half
+    (two whole chunks) is -1; the arrival counters come back zeroed, so a second call gives the same O."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, S, K, ns = 2, 64, 128, 300, 128, 4
+    cfg = sad.Config(32, 256, ns, 2, True, dsplit=True, merge=True)
+    assert cfg.tag == "wsDn32s2x4m"
+    if two_pools:
+        q, kvw, kvc, idx_w, idx_c, sink = _two_pools(B, H, D, 70, S, 36, K, seed=23)
+        f64 = _two_pool_oracle(q, kvw, kvc, idx_w, idx_c, sink)
+        args = (kvw, kvc, idx_w, idx_c)
+        func = sad.program(B, H, D, 70, K, target="cpu", cfg=cfg, n_win=36, S_cmp=S)
+    else:
+        q, kv, idx, sink = _inputs(B, H, D, S, K, seed=13)
+        f64 = sad.reference_f64_loops(q, kv, idx, sink)
+        args = (kv, idx)
+        func = sad.program(B, H, D, S, K, target="cpu", cfg=cfg)
+    kernel = compile_cpu(func)
+    scratch = sad.merge_scratch(B, ns, H, D, "cpu")
+    for _ in range(2):
+        out = torch.full((B, H, D), float("nan"))
+        kernel(q, *args, sink, out, *scratch)
+        assert (out - f64).abs().max() < 1e-5
+        assert scratch[3].tolist() == [0] * B
