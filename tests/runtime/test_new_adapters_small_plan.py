@@ -76,3 +76,34 @@ def test_routing_declines_hash_routing(monkeypatch):
                    list("xgbtk"), [False] * 5, {}, {})  # fmt: skip
     with pytest.raises(ka.Decline, match="score routing"):
         ka.MoERoutingAdapter().keys(call)
+
+
+def test_a_compiled_decode_step_is_free_of_host_reads(small_plan, monkeypatch):
+    """The adapters' own work at T=1 (layouts, padding, pool conversions, the fused-attention steps) reads no device
+    value on the host and copies nothing host -> device, so a decode step with the new kernels can be captured as a
+    CUDA graph. The stand-ins run with the guard paused (they are torch references; the compiled kernels are not)."""
+    from deepinfer.runtime import cuda_graphs as cg
+
+    g, params = small_plan
+    monkeypatch.setattr(ka, "EMULATE", True)
+    guard = cg.HostSyncGuard()
+
+    def paused_stand_in(key):
+        kernel = ka.emulated_kernel(key)
+
+        def run(*args):
+            with guard.paused():
+                kernel(*args)
+
+        return run
+
+    ex = GraphExecutor(g, params, kernels=KernelCache(builder=paused_stand_in), sync_free=True, max_positions=64)
+    caches = allocate_caches(g, 16)
+    step = {"tokens": torch.tensor([7]), "positions": torch.tensor([4]), **caches}
+    ex.run(step)  # warm-up: weights prepared, kernels built and checked against the references
+    warm = dict(ex.stats.compiled)
+    with guard:  # a host read raises inside an adapter: the executor would disable it and count a reference
+        ex.run(step)
+    assert not ex.kernels.failed, ex.kernels.failed
+    for fam in NEW:
+        assert warm[fam] > 0 and ex.stats.compiled[fam] == 2 * warm[fam], ex.report()
