@@ -1160,8 +1160,10 @@ def grouped_ws_configs(g: int) -> dict:
         # 4 stages: the epilogue stores from registers, so the 64 KiB smem output tile becomes a 4th stage
         "ws 128x256 pp s4d": ws(128, 256, 128, 4, 256, False, True, 2, pingpong=True, direct_store=True),
         "ws 128x256 s4d": ws(128, 256, 128, 4, 256, False, True, 2, direct_store=True),
-        "ws 128x128 ovl": ws(128, 128, 128, 5, 256, True, True, 1),
-        "ws 128x128": ws(128, 128, 128, 5, 256, False, True, 1),
+        # CTA pairs on N-adjacent tiles of one M tile (so one expert), sharing the A tile by TMA multicast
+        "ws 128x256 pp c2n": ws(128, 256, 128, 3, 256, False, True, 2, pingpong=True, cluster=2, pair_n=True),
+        "ws 128x256 c2n": ws(128, 256, 128, 3, 256, False, True, 2, cluster=2, pair_n=True),
+        "ws 128x128 ovl": ws(128, 128, 128, 5, 256, True, True, 1),  # (plain 128x128: 1-4 points below it)
     }
 
 
@@ -1184,7 +1186,8 @@ def grouped_ws_cases(quick: bool):
     scfg = moe_grouped_gemm.swab_config(0, "fp4", contiguous=True)
     out.append((f"moe_grouped_gemm ws g32 w4a8 in-kernel FP4 {scfg.tag}", "EP8 4096 tok",
                 lambda r, q, d: case_grouped_gemm(r, 4096, 48, q, d, fmt="fp4")))  # fmt: skip
-    return sorted(out, key=lambda c: " s4d" in c[0])  # the newest variants (registers -> global epilogue) last
+    # the newest variants last: registers -> global epilogue, then the N-adjacent CTA pairs (cluster barriers)
+    return sorted(out, key=lambda c: (" c2n" in c[0], " s4d" in c[0]))
 
 
 def cases(quick: bool):

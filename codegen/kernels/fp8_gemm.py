@@ -110,6 +110,7 @@ class Config:
     cluster: int = 1  # persistent: CTAs per cluster along M; 2 = the pair shares its B tile (TMA multicast)
     pingpong: bool = False  # persistent, no overlap: the 2 consumer warpgroups issue their wgmmas in turn
     direct_store: bool = False  # persistent: epilogue stores registers -> global (no smem C tile: room for a stage)
+    pair_n: bool = False  # cluster 2: the pair takes N-adjacent tiles of one M tile and shares A (not B) by multicast
 
     @property
     def tag(self) -> str:
@@ -117,6 +118,7 @@ class Config:
         extra += f"n{self.n_split}" if self.n_split > 1 else ""
         extra += f"p{self.raster}" if self.persistent else ""
         extra += f"c{self.cluster}" if self.persistent and self.cluster > 1 else ""
+        extra += "n" if self.persistent and self.cluster > 1 and self.pair_n else ""
         extra += "pp" if self.persistent and self.pingpong else ""
         extra += "d" if self.persistent and self.direct_store else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}t{self.threads}{extra}"
@@ -420,8 +422,8 @@ class WSPlan:
         return self.K // self.cfg.block_k
 
     @property
-    def cluster_tiles(self) -> int:  # tile groups of `cluster` M-adjacent tiles (one per cluster at a time)
-        return self.m_tiles // self.cfg.cluster * self.n_tiles
+    def cluster_tiles(self) -> int:  # tile groups of `cluster` M- (pair_n: N-) adjacent tiles, one per cluster
+        return self.m_tiles * self.n_tiles // self.cfg.cluster
 
     @property
     def waves(self) -> int:  # tiles per CTA, rounded up
@@ -429,9 +431,13 @@ class WSPlan:
 
     def tile_of(self, w, bid, tmin=min):
         """(valid, m tile, n tile) of CTA `bid` in wave w: clusters walk `tile_coords` over groups of
-        `cluster` M-adjacent tiles, and the CTA of cluster rank r takes the group's r-th M tile."""
+        `cluster` M-adjacent tiles, and the CTA of cluster rank r takes the group's r-th M tile (pair_n: groups
+        of N-adjacent tiles of one M tile, rank r takes the r-th N tile)."""
         cl = self.cfg.cluster
         t = w * (self.cfg.sms // cl) + bid // cl
+        if self.cfg.pair_n and cl > 1:
+            mi, ng = tile_coords(t, self.m_tiles, self.n_tiles // cl, self.cfg.raster, tmin)
+            return t < self.cluster_tiles, mi, ng * cl + bid % cl
         mg, ni = tile_coords(t, self.m_tiles // cl, self.n_tiles, max(1, self.cfg.raster // cl), tmin)
         return t < self.cluster_tiles, mg * cl + bid % cl, ni
 
@@ -462,8 +468,11 @@ class WSPlan:
         for ring, size in self.tma_slot_bytes().items():  # every stage's TMA destination 128-byte aligned
             assert size % TMA_SMEM_ALIGN == 0, f"{c.tag}: {ring} slot of {size} bytes misaligns the next stage"
         assert self.smem_bytes() <= SM90_SMEM, f"{c.tag}: {self.smem_bytes()} bytes of shared memory > {SM90_SMEM}"
-        assert c.cluster in (1, 2) and c.sms % c.cluster == 0 and self.m_tiles % c.cluster == 0
-        assert not (self.experts and c.cluster > 1), "grouped: M-adjacent tiles may belong to different experts"
+        assert c.cluster in (1, 2) and c.sms % c.cluster == 0
+        assert (self.n_tiles if c.pair_n else self.m_tiles) % c.cluster == 0, f"{c.tag}: tiles do not pair"
+        assert not (self.experts and c.cluster > 1 and not c.pair_n), (
+            "grouped: M-adjacent tiles may belong to different experts (pair along N: pair_n)"
+        )
         regs = c.block_n // 2 + bns // 2 * (2 if c.overlap else 1)  # acc + partial(s) per consumer thread
         assert regs <= 208, f"{c.tag}: {regs} accumulator registers per thread would spill"
         assert not c.pingpong or (c.threads == 256 and not c.overlap), "pingpong: 2 warpgroups, sync units"
@@ -601,12 +610,20 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                             sbr[0] = SB[plan.sb_src(ni, h, k)]
                             T.mbarrier_wait_parity(empty[st], ((it // S) & 1) ^ 1)
                             kk = k * bK
-                            T.tma_copy(A[mi * bM : (mi + 1) * bM, kk : kk + bK], A_s[st, :, :], barrier=full[st])
+                            if cl > 1 and cfg.pair_n:  # rank 0 multicasts the shared A tile to the pair
+                                T.tma_copy(
+                                    A[mi * bM : (mi + 1) * bM, kk : kk + bK],
+                                    A_s[st, :, :],
+                                    barrier=full[st],
+                                    cluster_mask=(1 << cl) - 1,
+                                )
+                            else:
+                                T.tma_copy(A[mi * bM : (mi + 1) * bM, kk : kk + bK], A_s[st, :, :], barrier=full[st])
                             if experts:
                                 T.tma_copy(
                                     B[e, ni * bN : (ni + 1) * bN, kk : kk + bK], B_s[st, :, :], barrier=full[st]
                                 )
-                            elif cl == 1:
+                            elif cl == 1 or cfg.pair_n:
                                 T.tma_copy(B[ni * bN : (ni + 1) * bN, kk : kk + bK], B_s[st, :, :], barrier=full[st])
                             else:  # rank 0 multicasts the shared B tile to the whole cluster
                                 T.tma_copy(

@@ -36,10 +36,14 @@ def _plan(M, N, K, cfg, g=128):
         (4096, 1024, 16, 132, 1),  # 128 tiles: one partial wave
         (8192, 8192, 16, 132, 2),  # clusters: pairs of M tiles
         (2560, 4096, 16, 132, 2),  # clusters with a narrower last panel
+        (2560, 4096, 16, 132, -2),  # pairs along N (pair_n)
+        (384, 1024, 2, 4, -2),  # pairs along N, 3 M tiles in panels of 2
     ],
 )
 def test_tile_order_covers_every_tile_once(M, N, raster, sms, cluster):
-    cfg = fp8_gemm.Config(128, 256, 128, 3, 256, False, True, 2, True, raster=raster, sms=sms, cluster=cluster)
+    pair_n, cluster = cluster < 0, abs(cluster)
+    cfg = fp8_gemm.Config(128, 256, 128, 3, 256, False, True, 2, True, raster=raster, sms=sms, cluster=cluster,
+                          pair_n=pair_n)  # fmt: skip
     plan = _plan(M, N, 1024, cfg)
     plan.check()
     seen = {}
@@ -49,9 +53,9 @@ def test_tile_order_covers_every_tile_once(M, N, raster, sms, cluster):
             if valid:
                 assert (m, n) not in seen, f"tile {(m, n)} twice"
                 seen[m, n] = (bid, w)
-                if cluster > 1:  # the cluster's CTAs take M-adjacent tiles of one N column in the same wave
+                if cluster > 1:  # the cluster's CTAs take M- (pair_n: N-) adjacent tiles in the same wave
                     _, m0, n0 = plan.tile_of(w, bid - bid % cluster)
-                    assert (m, n) == (m0 + bid % cluster, n0)
+                    assert (m, n) == ((m0, n0 + bid % cluster) if pair_n else (m0 + bid % cluster, n0))
     assert sorted(seen) == [(m, n) for m in range(plan.m_tiles) for n in range(plan.n_tiles)]
 
 

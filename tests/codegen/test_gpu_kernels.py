@@ -59,7 +59,9 @@ def test_moe_grouped_gemm_contiguous(kb, run_case):
     run_case(kb.case_grouped_gemm, 4096, 48)  # sm90_config: fp8_gemm's 2-warpgroup overlapped main loop
 
 
-@pytest.mark.parametrize("name", ["ws 128x256 pp", "ws 128x256", "ws 128x128 ovl", "ws 128x128", "ws 128x256 pp s4d"])
+@pytest.mark.parametrize(
+    "name", ["ws 128x256 pp", "ws 128x256", "ws 128x128 ovl", "ws 128x256 pp s4d", "ws 128x256 pp c2n"]
+)
 @pytest.mark.parametrize("g", [128, 32])
 def test_moe_grouped_gemm_contiguous_persistent(kb, run_case, g, name):
     """fp8_gemm's persistent warp-specialised program with experts (the benchmark's "grouped_gemm ws" rows), at 1024

@@ -188,6 +188,8 @@ _WS_CPU = {
     "g32-ovl": (32, fp8_gemm.Config(64, 128, 128, 3, 128, True, True, 1, persistent=True, raster=2, sms=5)),
     "g128-n2": (128, fp8_gemm.Config(64, 256, 128, 3, 128, False, True, 2, persistent=True, raster=2, sms=4)),
     "g32-128rows": (32, fp8_gemm.Config(128, 128, 128, 3, 256, False, True, 1, persistent=True, raster=4, sms=6)),
+    "g128-pair-n": (128, fp8_gemm.Config(64, 128, 128, 3, 128, True, True, 1, persistent=True, raster=2, sms=6,
+                                         cluster=2, pair_n=True)),  # fmt: skip
 }
 
 
@@ -214,6 +216,7 @@ def test_persistent_grouped_rejects_clusters_and_falls_back_for_the_masked_layou
     cfg = fp8_gemm.Config(128, 128, 128, 5, 256, True, True, 1, persistent=True, cluster=2)
     with pytest.raises(AssertionError, match="different experts"):
         fp8_gemm.WSPlan(4096, 4608, 5120, 32, 32, cfg, experts=48).check()
+    fp8_gemm.WSPlan(4096, 4608, 5120, 32, 32, fp8_gemm.Config(**{**vars(cfg), "pair_n": True}), experts=48).check()
     # a persistent config handed to the masked layout (or the fused SwiGLU) runs the same tile on the plain loop
     func = mg.program(48 * 128, 4608, 5120, 48, act_group=32, weight_block=32, target="sm90", cfg=cfg, max_rows=128)
     assert str(func.attrs["global_symbol"]) == "moe_grouped_gemm_sm90"
@@ -242,6 +245,11 @@ def _builds():
         "contiguous_fp8_ws_g128": lambda: mg.program(24576, 4096, 4096, 32, act_group=128, weight_block=128,
                                                      target="sm90", cfg=fp8_gemm.Config(128, 256, 128, 3, 256, False,
                                                      True, 2, persistent=True, pingpong=True)),  # fmt: skip
+        # ... with CTA pairs on N-adjacent tiles of one M tile (one expert), sharing A by TMA multicast
+        "contiguous_fp8_ws_g128_pair_n": lambda: mg.program(24576, 4096, 4096, 32, act_group=128, weight_block=128,
+                                                            target="sm90", cfg=fp8_gemm.Config(128, 256, 128, 3, 256,
+                                                            False, True, 2, persistent=True, pingpong=True, cluster=2,
+                                                            pair_n=True)),  # fmt: skip
         # prefill fp8 on the 2-warpgroup overlapped loop with the fused SwiGLU epilogue
         "contiguous_fp8_swiglu": lambda: mg.program(24576, 2 * I41, D41, E41, act_group=32, weight_block=32,
                                                     target="sm90", cfg=mg.sm90_config(0, 2 * I41),
@@ -269,6 +277,9 @@ def test_sm90_builds(codegen_cache, nvcc_required, name):
     if "_ws_" in name:  # persistent: producer/consumer register split, TMA store epilogue, aligned TMA slots
         assert ops["USETMAXREG"] == 2 and ops["UTMASTG"] > 0 and "TileExpert[" in art.source
         assert fp8_gemm.tma_smem_misalignments(art.source) == []
+        assert ("UTMALDG.2D.MULTICAST" in art.sass) == name.endswith("pair_n")
+        if name.endswith("pair_n"):  # the A tile is the multicast one: its descriptor in the multicast load
+            assert re.search(r"tma_load_multicast\(A_desc", art.source)
 
 
 @pytest.mark.parametrize("block_n,max_rows", [(64, 16), (128, 0)])
