@@ -885,9 +885,14 @@ class SparseAttnAdapter:
         t, h, d = q.shape
         n_win = win_idx.shape[1]
         topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
-        fields = {f: call.config[f] for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead")
-                  if f in call.config}  # fmt: skip
+        # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
+        # as split-K + the combine kernel instead
+        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit")
+                 if f in vars(sad.Config())]  # fmt: skip
+        fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
+        if getattr(cfg, "merge", False):
+            cfg = sad.Config(**{f: getattr(cfg, f) for f in names})
         if topk % (cfg.block_n * cfg.num_split):
             raise Decline(f"top-k {topk} is not a multiple of the KV chunk {cfg.block_n} x {cfg.num_split}")
         two = cmp_kv is not None and _two_pool_program()
