@@ -767,10 +767,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             s[h, j] = T.if_then_else(idx_h[st, j] >= 0, T.float32(0), -T.infinity(f32))
         T.wgmma_gemm(q_h, kvh[st, :, :], s, transpose_B=True)
         T.wait_wgmma(0)
-        T.copy(s, xs[hf, :, :])
+        # columns XOR-swizzled by (row % 4) * 8: a warp's 8 accumulator rows would hit the same 8 banks
+        for h, j in T.Parallel(H, bn):
+            xs[hf, h, j ^ (h % 4 * 8)] = s[h, j]
         T.sync_threads(1, 2 * 128)
         for h, j in T.Parallel(H, bn):
-            s[h, j] = s[h, j] + xs[1 - hf, h, j]
+            s[h, j] = s[h, j] + xs[1 - hf, h, j ^ (h % 4 * 8)]
         T.sync_threads(2, 2 * 128)  # the other half has read this half's partial: the next block may overwrite
         T.copy(m, m_prev)
         T.reduce_max(s, m, dim=1, clear=False)
