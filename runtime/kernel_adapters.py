@@ -891,6 +891,10 @@ class SparseAttnAdapter:
                  if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
+        if topk % (cfg.block_n * cfg.num_split):
+            # the binding saw the cache lengths at its default size: an HCA layer's top-k (every visible compressed
+            # entry) differs at run time, so choose for the real one
+            cfg = sad.sm90_config(t, topk)
         if getattr(cfg, "merge", False):
             cfg = sad.Config(**{f: getattr(cfg, f) for f in names})
         if topk % (cfg.block_n * cfg.num_split):

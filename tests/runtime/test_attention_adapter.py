@@ -98,6 +98,16 @@ def test_window_only_layer_and_top_k_that_does_not_chunk():
         ka.SparseAttnAdapter().keys(sparse_call(attn_args(1, 4, 32, 40, 70, 8, 6)))
 
 
+def test_a_binding_chosen_for_another_top_k_is_replaced():
+    """An HCA layer sees every visible compressed entry: its top-k at run time (here 32 + 128) is not the one the
+    binding was chosen for (cache lengths at their default); the adapter picks a config that chunks it."""
+    call = sparse_call(attn_args(1, 4, 32, 40, 200, 32, 128), {"block_n": 64, "num_split": 3, "stages": 2})
+    cfg = ka.SparseAttnAdapter()._plan(call)[1]
+    assert 160 % (cfg.block_n * cfg.num_split) == 0
+    ref = get_op("sparse_attention").run(call.args, call.attrs)[0]
+    assert rel(run(call)[0], ref) < 1e-2
+
+
 @pytest.mark.parametrize("num_split", [1, 2])
 def test_ws_program_on_the_c_target(num_split):
     """The warp-specialised program's CPU mirror (H = 64, D % 128 == 0) behind the adapter, window list of 36
