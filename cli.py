@@ -227,8 +227,7 @@ def _print_output(req: dict, out) -> None:
     print(f"output ({len(out.token_ids)} tokens): {out.text!r}")
     print(f"token ids: {out.token_ids}")
     tpot = f"; tpot {out.tpot_s * 1000:.0f} ms" if out.tpot_s else ""
-    print(f"finish: {out.finish_reason}; ttft {out.ttft_s * 1000:.0f} ms{tpot} "
-          "(CPU: the ops' torch references, one request at a time; compiled kernels come with issue 6)")  # fmt: skip
+    print(f"finish: {out.finish_reason}; ttft {out.ttft_s * 1000:.0f} ms{tpot}")
 
 
 def _write_outputs(path: str, reqs: list[dict], outs) -> None:
