@@ -227,6 +227,42 @@ def _tl_unkey(k):
     return T.reinterpret(T.if_then_else(k >= 0, k, T.bitwise_xor(k, 0x7FFFFFFF)), "float32")
 
 
+RED0 = NB  # offset of block_sum's warp partials in the `cum` scratch (find_bin's warp sums below it)
+
+
+def cum_size(NT: int) -> int:
+    """Ints of the `cum` shared scratch: find_bin's warp sums, then block_sum's partial a warp."""
+    return RED0 + max(NT // 32, 1)
+
+
+def _make_block_sum(NT: int):
+    """GPU macro block_sum(red, valf): the CTA's sum of per-thread int32 values valf(i), one `__reduce_add_sync`
+    per warp, the warp partials through red[RED0:], two barriers (TileLang's AllReduce at 256 threads: three
+    shared rounds of two barriers each). `red_total(red)` then reads the sum until the next block_sum (whose
+    first barrier protects it)."""
+    import tilelang.language as T
+
+    NWARP = NT // 32
+
+    @T.macro
+    def block_sum(red, valf):
+        full = T.uint32(0xFFFFFFFF)
+        T.evaluate(T.call_extern("handle", "__syncthreads"))  # (every read of the previous partials is done)
+        for i in T.Parallel(NT):
+            w_sum = T.call_extern("int32", "__reduce_add_sync", full, valf(i))
+            if i % 32 == 0:
+                red[RED0 + i // 32] = w_sum
+        T.evaluate(T.call_extern("handle", "__syncthreads"))
+
+    def red_total(red):
+        v = red[RED0]
+        for w in range(1, NWARP):
+            v = v + red[RED0 + w]
+        return v
+
+    return block_sum, red_total
+
+
 def _make_radix(ops: _Ops, NT: int, Q: int):
     """Macro: exact threshold of the `kk_req` largest of a per-thread set of int32 keys, keyf(i, q) for thread
     i's q-th (NONE = not a member). Adaptive radix select: each round histograms the members inside the current
@@ -294,6 +330,8 @@ def _make_radix(ops: _Ops, NT: int, Q: int):
                     ra[i] = T.min(ra[i], kq)
                     rb[i] = T.max(rb[i], kq)
                     rc[i] = rc[i] + 1
+        # (TileLang's AllReduce here: a block_sum-style reduction in the radix took the one-CTA-per-row program
+        # from 56 to 104 registers)
         T.reduce_sum(rc, r1, dim=0)
         kk = T.min(kk_req, r1[0])
         done = T.if_then_else(kk == r1[0], 1, 0)  # every member is taken: lo = the smallest
@@ -458,6 +496,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     radix_g = _make_radix(ops, NT, max(EG, 1))
     select_b = _make_select(ops, NT, EB)
     emit = _make_emit(ops, NT, C, k)
+    block_sum, red_total = _make_block_sum(NT)
 
     def ld_cg(buf, idx):  # a global int32 another CTA wrote during this kernel: read it at L2 (no stale L1 line)
         return buf[idx] if ops.cpu else T.call_extern("int32", "__ldcg", T.address_of(buf[idx]))
@@ -592,7 +631,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     ):
         with T.Kernel(NSEG, T_, threads=NT) as (sg, t):
             hist = ops.sh((NB,), "int32")
-            cum = ops.sh((NB,), "int32")
+            cum = ops.sh((cum_size(NT),), "int32")
             bc = ops.sh((4,), "int32")
             ctl = ops.sh((4,), "int32")
             bitmap = ops.sh((NW,), "int32")
@@ -664,8 +703,12 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                                             for j in ops.unroll(E):
                                                 is_c = cand(kc, c0_of(sg, it), lower, fb, stc, stc2)(i, j)
                                                 rc[i] = rc[i] + T.if_then_else(is_c, 1, 0)
-                                        T.reduce_sum(rc, r1, dim=0)
-                                        m = r1[0]
+                                        if ops.cpu:
+                                            T.reduce_sum(rc, r1, dim=0)
+                                            m = r1[0]
+                                        else:
+                                            block_sum(cum, lambda i: rc[i])
+                                            m = red_total(cum)
                                 if m > cfg.cap:  # still too many (heavy ties): the chunk's exact top-k instead
                                     fb = 1
                             if fb == 1:
