@@ -142,7 +142,10 @@ def bind_route(c: _Ctx):
         raise Fallback("moe_routing covers score routing (sqrtsoftplus, bias, normalised); hash routing is a lookup")
     t = c.rows(inputs[0])
     e = c.shape(inputs[1])[0] if fused else c.shape(inputs[0])[-1]
-    space = [cf for cf in moe_routing.config_space(t, e) if cf.block_m == 1] or [moe_routing.Config()]
+    # one row per CTA, and threads that split the E scores evenly (TileLang finds no fragment layout for 384 experts
+    # over 256 threads: the H200 build failed there)
+    space = [cf for cf in moe_routing.config_space(t, e) if cf.block_m == 1 and e % cf.threads == 0]
+    space = space or [moe_routing.Config()]
     extra = {"torch_steps": ["gate GEMM x @ W_gate^T (fp32 logits)"]} if fused else {}
     return "moe_routing", "program", {"T": t, "E": e, "topk": a["topk"], **extra}, asdict(space[-1]), ()
 

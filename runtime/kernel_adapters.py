@@ -388,6 +388,10 @@ class MoERoutingAdapter:
         t = call.args[0].shape[0]
         e = call.args[1].shape[0] if fused else call.args[0].shape[1]
         cfg = moe_routing.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
+        threads = cfg.threads
+        while threads > 32 and (cfg.block_m * e) % threads:  # the scores must split evenly over the threads
+            threads //= 2
+        cfg = moe_routing.Config(cfg.block_m, threads)
         rows = bucket_rows(t, cfg.block_m)
         key = _key("moe_routing", "program", (rows, e), cfg, topk=int(a["topk"]), route_scale=float(a["route_scale"]))
         return key, rows

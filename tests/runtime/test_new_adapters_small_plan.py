@@ -107,3 +107,18 @@ def test_a_compiled_decode_step_is_free_of_host_reads(small_plan, monkeypatch):
     assert not ex.kernels.failed, ex.kernels.failed
     for fam in NEW:
         assert warm[fam] > 0 and ex.stats.compiled[fam] == 2 * warm[fam], ex.report()
+
+
+def test_routing_threads_split_the_experts_evenly(monkeypatch):
+    """V4.1's 384 experts over 256 threads has no TileLang fragment layout (the H200 build failed): the binding
+    and the adapter take a thread count that divides E, and the program then lowers for sm90."""
+    pytest.importorskip("tilelang")
+    from deepinfer.codegen.tilelang_backend import lower
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    attrs = {"topk": 6, "scoring": "sqrtsoftplus", "route_scale": 1.5, "normalize": True}
+    call = ka.Call("moe_gate_route", attrs, [torch.randn(1, 64), torch.randn(384, 64), torch.randn(384), None, None],
+                   list("xgbtk"), [False, True, True, False, False], {"block_m": 1, "threads": 256}, {})  # fmt: skip
+    (key,) = ka.MoERoutingAdapter().keys(call)
+    assert dict(dict(key.kwargs)["cfg"])["threads"] == 128
+    assert "moe_routing" in lower(ka._factory(key), "sm90")
