@@ -26,7 +26,8 @@ Issue 8's batches of sequences are B calls of T=1 today: that figure is B x the 
 context), an upper bound. A multi-sequence graph (batched KV pools) is what closes the gap.
 Prefill: T tokens from an empty cache.
 
-Per case: the node executions (compiled kernels vs torch references, with the reasons) of one call. Per layer:
+Per case: the node executions (compiled kernels vs torch references, with the reasons) of one call and the time
+per op (CUDA events around every node of one more call: which references to replace next). Per layer:
 time (CUDA events between layers, median of reps), tokens/s, % of roofline and the speedup over the torch eager
 reference of the same graph (the interpreter's references on the GPU). Roofline per layer: weight bytes that must
 be read (dense weights + the expected distinct experts E(1-(1-k/E)^T)) over the measured HBM copy bandwidth, and
@@ -410,6 +411,10 @@ def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compi
                                     "tok_s": t / (ms * 1e-3), "roofline_pct": 100 * bound_ms / ms if ms else 0.0,
                                     "bytes": b, "flops": f}  # fmt: skip
         row.update(ms=total_c, eager_ms=total_e, tok_s=t / (total_c * 1e-3))
+        comp.run(feeds, profile=True)  # where the time goes, per op and how it ran (one more call)
+        row["op_times"] = comp.op_times
+        log(f"{row['case']}: slowest ops (ms): " + "; ".join(f"{k} {v:.2f}" for k, v in
+                                                             list(comp.op_times.items())[:10]))  # fmt: skip
         if kind == "decode" and t > 1:
             row["note"] = "one sequence, T new tokens (see module doc)"
         if with_compile:

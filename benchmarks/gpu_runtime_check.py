@@ -253,8 +253,11 @@ def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, job
         runs = bs._node_runs(comp, lambda f=f: comp.run(f))
         ms = bs.time_call(lambda f=f: comp.run(f), 5)
         eager_ms = bs.time_call(lambda f=f: eager.run(f), 3)
-        row = {"tokens": t, "ms": ms, "eager_ms": eager_ms, **runs}
+        comp.run(f, profile=True)
+        row = {"tokens": t, "ms": ms, "eager_ms": eager_ms, **runs, "op_times": comp.op_times}
         res["rows"].append(row)
+        log(f"adapters T={t}: slowest ops (ms, summed over nodes): "
+            + "; ".join(f"{k} {v:.2f}" for k, v in list(comp.op_times.items())[:10]))  # fmt: skip
         missing = [fam for fam in NEW_FAMILIES if not runs["compiled"].get(fam)]
         res["checks"].append({"check": f"T={t}: every new family takes its nodes", "pass": not missing,
                               "detail": f"compiled {runs['compiled']}" + (f"; MISSING {missing}" if missing else "")})

@@ -167,6 +167,7 @@ class GraphExecutor:
         if max_positions:
             self.prep_cache[ka.MAX_POSITIONS] = int(max_positions)
         self.layer_times: dict[str, float] | None = None  # filled by run(timed=True), milliseconds
+        self.op_times: dict[str, float] | None = None  # filled by run(profile=True), milliseconds
         self._attrs_cache: dict = {}
 
     # -- binding ---------------------------------------------------------------------------------------
@@ -184,25 +185,31 @@ class GraphExecutor:
         return rec["buckets"].get(bucket) or next(iter(rec["buckets"].values()))
 
     # -- running ---------------------------------------------------------------------------------------
-    def run(self, inputs: Mapping[str, torch.Tensor], *, timed: bool = False) -> list[torch.Tensor]:
+    def run(self, inputs: Mapping[str, torch.Tensor], *, timed: bool = False,
+            profile: bool = False) -> list[torch.Tensor]:  # fmt: skip
+        """timed: per-layer times in ``layer_times``; profile: per-op times in ``op_times`` (both ms, events
+        around every layer / node: the device time of each node including its launch gaps)."""
         t = int(inputs["tokens"].shape[0]) if "tokens" in inputs else 1
         if not (self.sync_free and t == 1):
-            return self._run(inputs, t, timed)
+            return self._run(inputs, t, timed, profile)
         with cg.sync_free_references():
             self._sync_free_now = True
             try:
-                return self._run(inputs, t, timed)
+                return self._run(inputs, t, timed, profile)
             finally:
                 self._sync_free_now = False
 
-    def _run(self, inputs: Mapping[str, torch.Tensor], t: int, timed: bool) -> list[torch.Tensor]:
+    def _run(self, inputs: Mapping[str, torch.Tensor], t: int, timed: bool, profile: bool) -> list[torch.Tensor]:
         env = bind_symbols(self.graph, inputs)  # shapes only
         vals: dict = dict(inputs)
         vals.update({p.name: self.params[p.name] for p in self.graph.params})
         marks = [] if timed else None
+        nodes = [] if profile else None
         for step in self.steps:
             if marks is not None and (not marks or marks[-1][0] != step.layer):
                 marks.append((step.layer, _event()))
+            if nodes is not None:
+                nodes.append((step, _event()))
             args = [None if n is None else vals[n] for n in step.inputs]
             outs = self._run_node(step, args, self._attrs(step.node, env), t)
             if len(outs) != len(step.outputs):
@@ -212,7 +219,21 @@ class GraphExecutor:
                 vals.pop(name, None)
         if marks is not None:
             self.layer_times = _layer_times(marks)
+        if nodes is not None:
+            self.op_times = self._op_times(nodes)
         return [vals[v.name] for v in self.graph.outputs]
+
+    def _op_times(self, nodes: list) -> dict[str, float]:
+        """ms per "op (compiled family | reference)" from the events before every node, slowest first."""
+        end = _event()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out: dict[str, float] = defaultdict(float)
+        for (step, a), (_, b) in zip(nodes, nodes[1:] + [(None, end)]):
+            how = self.stats.per_node.get(step.outputs[0], "?")
+            key = f"{step.node.op} ({how.split(':')[0] if how.startswith('reference') else how})"
+            out[key] += a.elapsed_time(b) if not isinstance(a, float) else (b - a) * 1e3
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def _attrs(self, node: Node, env: dict) -> dict:
         key = (id(node), tuple(sorted(env.items())))

@@ -233,3 +233,15 @@ def test_every_kernel_the_tiny_plan_binds_constructs_its_program(sm90_tiny, monk
     assert {"engram", "fp8_gemm", "rmsnorm_quant", "rope", "hyper_connection"} <= {f for f, _ in one_per_program}
     for key in one_per_program.values():
         assert ka._factory(key) is not None, key.describe()
+
+
+def test_profile_times_every_op_by_how_it_ran(sm90_tiny, monkeypatch):
+    plan, params = sm90_tiny
+    g = plan.graph
+    monkeypatch.setattr(ka, "EMULATE", True)
+    ex = GraphExecutor(g, params, kernels=KernelCache(builder=ka.emulated_kernel))
+    ex.run(_feeds(g, [3, 5, 7]), profile=True)
+    times = ex.op_times
+    assert {k.split(" (")[0] for k in times} == {n.op for n in g.nodes}
+    assert any("(compiled fp8_gemm)" in k for k in times) and any("(reference)" in k for k in times)
+    assert all(v >= 0 for v in times.values()) and list(times.values()) == sorted(times.values(), reverse=True)
