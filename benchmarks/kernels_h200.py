@@ -645,9 +645,11 @@ def attn_cases(quick: bool):
 
 
 def attn_sweep_cases():
-    """`--only "sparse_attn sweep"`: the split-D form (Config.dsplit) against the default in the same run at
-    the issue's batches (64, 128, 256), bf16 and FP8 KV, the two-pool form (window + compressed pools,
-    n_win = 128), and the L2-hot diagnostic (entries from 4096 rows: the program's bound without HBM latency)."""
+    """`--only "sparse_attn sweep"` (round 2): Config.ids_smem (the chunk's row ids staged in shared memory
+    once, so no refill waits on a global row-id load issued a block earlier) on the 3-warpgroup program and
+    the split-D form, against the default in the same run at the issue's batches (64, 128, 256), bf16 and
+    FP8 KV, with the two-pool form, the in-kernel merge and the L2-hot diagnostic (entries from 4096 rows).
+    Round 1 (split-D without it: slower than the default everywhere) is in BENCHMARKS.md."""
     from dataclasses import replace
 
     sad = sparse_attn_decode
@@ -658,27 +660,26 @@ def attn_sweep_cases():
         out.append((name, f"B{B} H64 k640", lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(
             r, B, 640, q, d, cfg, **kw)))  # fmt: skip
 
+    def ids(cfg):
+        return replace(cfg, ids_smem=True)
+
     for B in (128, 256, 64):
         base = sad.sm90_config(B, 640)
-        cands = [base] + sad.dsplit_configs(640, base.num_split)
-        if B == 64:
-            cands += sad.dsplit_configs(640, 1)[:2]  # no split: 64 CTAs, no partial-output round trip
-            # split 2 folded in-kernel by each request's last CTA (no combine kernel)
-            cands += [replace(c, merge=True) for c in sad.dsplit_configs(640, 2)[:2]]
+        ns = base.num_split
+        cands = [base, ids(base), sad.Config(32, 384, ns, 4, True, ids_smem=True)]
+        cands += [ids(c) for c in sad.dsplit_configs(640, ns)[1:] if B != 256 or c.stages == 4]
+        if B == 64:  # no split (64 CTAs), and the split folded in-kernel
+            cands += [sad.Config(64, 384, 1, 2, True, ids_smem=True), replace(cands[3], merge=True)]
         for cfg in cands:
             add("", B, cfg)
-        if B != 256:
-            for cfg in cands[:2]:
-                add("two-pool", B, cfg, n_win=128)
         if B == 128:
-            for cfg in cands[:3]:
-                add("L2-hot", B, cfg, hot_rows=4096)
-        # FP8 KV (e4m3 + ue8m0): the default (3 warpgroups, dequantised in shared memory) next to split-D
+            add("two-pool", B, ids(base), n_win=128)
+            add("L2-hot", B, ids(base), hot_rows=4096)
         fbase = sad.sm90_config(B, 640, fp8=True)
-        fcands = [fbase] + sad.dsplit_configs(640, fbase.num_split, fp8=True)
-        if fbase.num_split > 1:
-            fcands.append(replace(fcands[1], merge=True))
-        for cfg in fcands:
+        fc = [fbase, ids(fbase)] if B != 256 else [ids(fbase)]
+        if B == 128:
+            fc.append(sad.Config(32, 256, 1, 3, True, dsplit=True, ids_smem=True))
+        for cfg in fc:
             add("fp8", B, cfg, fp8=True)
     return out
 

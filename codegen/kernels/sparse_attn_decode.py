@@ -55,6 +55,9 @@ class Config:
     # split-D with num_split > 1: the request's last CTA to finish folds the other chunks' partial outputs
     # into its registers and writes O (an arrival counter per request; no combine kernel)
     merge: bool = False
+    # ws: the chunk's row ids are copied to shared memory once (with Q), so a refill's row ids are a shared
+    # load instead of a global load issued one block earlier (whose latency otherwise paces every block)
+    ids_smem: bool = False
 
     def __post_init__(self):
         want = (WSD_THREADS if self.dsplit else WS_THREADS) if self.ws else self.threads
@@ -69,7 +72,8 @@ class Config:
             head = f"ws{'D' if self.dsplit else ''}{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
-        return head + (f"x{self.num_split}" if self.num_split > 1 else "") + ("m" if self.merge else "")
+        tail = ("m" if self.merge else "") + ("i" if self.ids_smem else "")
+        return head + (f"x{self.num_split}" if self.num_split > 1 else "") + tail
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -115,7 +119,12 @@ SMEM_LIMIT = 232448  # bytes of shared memory a CTA may take on sm90 (227 KB)
 def ws_smem_bytes(H: int, D: int, cfg: Config, kv_fp8: bool = False) -> int:
     """Shared memory of the ws program's buffers (barriers and alignment aside): Q, the KV ring and the row
     ids; the 3-warpgroup form adds P and alpha per stage (and FP8 staging), the split-D form the two halves'
-    partial score tiles."""
+    partial score tiles; cfg.ids_smem the chunk's row ids (counted at V4.1's 640 entries, the most a chunk has)."""
+    ids = 640 * 4 if cfg.ids_smem else 0
+    return ids + _ws_smem_core(H, D, cfg, kv_fp8)
+
+
+def _ws_smem_core(H: int, D: int, cfg: Config, kv_fp8: bool) -> int:
     bn, NS = cfg.block_n, cfg.stages
     if cfg.dsplit:  # FP8: a 2-stage bf16 ring and `stages` raw slots (codes, a 4-byte exponent word a thread, ids)
         ring = 2 if kv_fp8 else NS
@@ -364,6 +373,7 @@ class _Src(NamedTuple):
     kvs2: object = None
     idx2: object = None
     n_win: int = 0
+    ids: object = None  # cfg.ids_smem: the CTA's chunk of row ids in shared memory (chunk-local index)
 
     def row_id(self, b, e):
         """The pool row of entry e of request b (-1: invalid)."""
@@ -473,9 +483,14 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(p_full[st])
 
     @T.macro
-    def load_rid(src, b, base, blk, t, rid, k):
+    def load_rid(src, b, base, blk, t, rid, k, late: bool = True):
+        """Row ids of this thread's rows of block blk into rid[k]: from the shared copy of the chunk's ids
+        (cfg.ids_smem, once it has landed: `late`), else from global memory."""
         for r in T.unroll(R, explicit=True):
-            rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
+            if late and src.ids is not None:
+                rid[k, r] = src.ids[blk * bn + g.row(r, t)]
+            else:
+                rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
 
     @T.macro
     def cp_row(src, dst, e, row, col, n: int, scales: bool):
@@ -515,6 +530,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 )
         else:
             T.ptx_cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
+
+    @T.macro
+    def cp_chunk_ids(src, ids_s, b, base, t):
+        """cfg.ids_smem: cp.async the chunk's row ids (4 a thread, 128 threads a pass) into ids_s."""
+        for c in T.unroll((chunk // 4 + 127) // 128, explicit=True):
+            if c * 128 + t < chunk // 4:
+                cp_ids(src, (ids_s, ((c * 128 + t) * 4,)), b, base + (c * 128 + t) * 4)
 
     @T.macro
     def gather(src, kvh, raw, sc, stg_idx, full, b, base, blk, st, hf: int, t, rid, k):
@@ -628,16 +650,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
                 8,
             )
+        if src.ids is not None and hf == 0:
+            cp_chunk_ids(src, src.ids, b, base, t)
         T.cp_async_barrier_noinc(bar_q)
         for j in pre_blocks:
-            load_rid(src, b, base, j, t, rid, j)
+            load_rid(src, b, base, j, t, rid, j, False)
         if kv_fp8:
             for j in ring:
                 if j < nb:
                     gather(src, kvh, raw, sc, stg_idx, full, b, base, j, j, hf, t, rid, j)
                 T.ptx_commit_group()
             if NS < nb:
-                load_rid(src, b, base, NS, t, rid, 0)
+                load_rid(src, b, base, NS, t, rid, 0, False)
+            if src.ids is not None:
+                T.barrier_wait(bar_q, 0)  # the chunk's ids (and Q) have landed: later row ids from smem
             for j in pre_blocks:
                 dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf)
                 if j + NS < nb:
@@ -649,7 +675,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             for j in pre_blocks:
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
             if NS < nb:
-                load_rid(src, b, base, NS, t, rid, 0)
+                load_rid(src, b, base, NS, t, rid, 0, False)
+            if src.ids is not None:
+                T.barrier_wait(bar_q, 0)  # the chunk's ids (and Q) have landed: later row ids from smem
         for it in T.serial(rounds):
             for st in ring:
                 pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
@@ -681,6 +709,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         sc_l = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
         sc_r = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
         stg_idx = T.alloc_shared((SL, bn), i32)
+        ids_s = T.alloc_shared((chunk if cfg.ids_smem else 4,), i32)
+        srci = src._replace(ids=ids_s) if cfg.ids_smem else src
         s0 = T.alloc_fragment((H, bn), f32)
         s1 = T.alloc_fragment((H, bn), f32)
         o_l = T.alloc_fragment((H, D2), f32)
@@ -748,10 +778,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
             T.barrier_arrive(fin)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
-            pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
+            pv_role(Q, srci, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
-            pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
+            pv_role(Q, srci, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
 
     # ------------------------------------------------------------------------------ split-D form (cfg.dsplit)
@@ -844,26 +874,32 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
                 8,
             )
+        if src.ids is not None and hf == 0:
+            cp_chunk_ids(src, src.ids, b, base, t)
         T.cp_async_barrier_noinc(bar_q[hf])
         if kv_fp8:
             for j in slots:  # the first SL blocks' codes in flight, one cp.async group each
                 if j < nb:
-                    load_rid(src, b, base, j, t, rid, j)
+                    load_rid(src, b, base, j, t, rid, j, False)
             for j in slots:
                 if j < nb:
                     gather(src, kvh, raw, sc, stg, full, b, base, j, j, hf, t, rid, j)
                 T.ptx_commit_group()
             if SL < nb:
-                load_rid(src, b, base, SL, t, rid, 0)
+                load_rid(src, b, base, SL, t, rid, 0, False)
+            if src.ids is not None:
+                T.barrier_wait(bar_q[0], 0)  # the chunk's ids (loaded by warpgroup 0's threads)
             for j in pre_blocks:
                 d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, j, j, j, hf, t, rid, buf, obuf)
         else:
             for j in pre_blocks:
-                load_rid(src, b, base, j, t, rid, j)
+                load_rid(src, b, base, j, t, rid, j, False)
             for j in pre_blocks:
                 gather(src, kvh, None, None, idx_h, full, b, base, j, j, hf, t, rid, j)
             if NS < nb:
-                load_rid(src, b, base, NS, t, rid, 0)
+                load_rid(src, b, base, NS, t, rid, 0, False)
+            if src.ids is not None:
+                T.barrier_wait(bar_q[0], 0)  # the chunk's ids (loaded by warpgroup 0's threads)
         T.barrier_wait(bar_q[hf], 0)
         for it in T.serial(rounds):
             for st in ring:
@@ -928,15 +964,17 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
         arrived = T.alloc_shared((1,), i32)  # merge: this CTA's place among the request's arrivals
+        ids_s = T.alloc_shared((chunk if cfg.ids_smem else 4,), i32)
+        srci = src._replace(ids=ids_s) if cfg.ids_smem else src
         bar_q = T.alloc_barrier([128, 128])
         full = T.alloc_barrier([128] * (2 * NS))
         base = sp * chunk
         tx = T.get_thread_binding()
         if tx < 128:
-            d_role(Q, src, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l,
+            d_role(Q, srci, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l,
                    mp_l, l_l, lb_l, a_l, full, bar_q, rid, raw_l, sc_l, stg_l, buf, obuf, arrived)  # fmt: skip
         else:
-            d_role(Q, src, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r,
+            d_role(Q, srci, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r,
                    m_r, mp_r, l_r, lb_r, a_r, full, bar_q, rid, raw_r, sc_r, stg_r, buf, obuf, arrived)  # fmt: skip
 
     if cfg.dsplit:
@@ -1219,7 +1257,14 @@ def _program_ws_cpu(
         acc = T.alloc_local((2,), f32)
         arrived = T.alloc_local((1,), i32)
         rid = T.alloc_local((R,), i32)
+        ids = T.alloc_local((chunk,), i32)  # cfg.ids_smem: the chunk's row ids, copied as cp_chunk_ids does
         base = sp * chunk
+        if cfg.ids_smem:
+            for c in T.serial((chunk // 4 + 127) // 128):
+                for t in T.serial(128):
+                    if c * 128 + t < chunk // 4:
+                        for v in T.serial(4):
+                            ids[(c * 128 + t) * 4 + v] = src.row_id(b, base + (c * 128 + t) * 4 + v)
         for hf in T.serial(2):
             for t in T.serial(128):
                 for k in T.serial(g.QC):
@@ -1236,7 +1281,10 @@ def _program_ws_cpu(
             for hf in T.serial(2):  # the PV warpgroups' loaders fill block i into stage st
                 for t in T.serial(128):
                     for r in T.serial(R):
-                        rid[r] = src.row_id(b, base + i * bn + g.row(r, t))
+                        if cfg.ids_smem:
+                            rid[r] = ids[i * bn + g.row(r, t)]
+                        else:
+                            rid[r] = src.row_id(b, base + i * bn + g.row(r, t))
                     for r in T.serial(R):
                         row, pr, e = g.row(r, t), T.max(rid[r], 0), base + i * bn + g.row(r, t)
                         if kv_fp8:

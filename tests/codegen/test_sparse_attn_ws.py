@@ -138,6 +138,8 @@ def _build_ws(name, func):
         (sad.Config(32, 256, 2, 4, True, dsplit=True), True, 128),
         # split 2 folded by each request's last CTA (arrival counter, no combine kernel)
         (sad.Config(64, 256, 2, 2, True, dsplit=True, merge=True), False, 0),
+        # the chunk's row ids in shared memory (refills read them there), 3-warpgroup program, two pools
+        (sad.Config(64, 384, 1, 2, True, ids_smem=True), False, 128),
     ],
     ids=[
         "bf16_n64s2x2",
@@ -147,6 +149,7 @@ def _build_ws(name, func):
         "dsplit_n32s4",
         "dsplit_fp8_two_pools_n32s4x2",
         "dsplit_merge_n64s2x2",
+        "ids_smem_two_pools_n64s2",
     ],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
@@ -175,6 +178,8 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     assert f"__launch_bounds__({cfg.threads}, 1)" in art.source and "setmaxnreg" not in art.source
     if fp8:  # the oldest of the staging slots' cp.async groups, then generic stores fenced for wgmma
         assert f"cp_async_wait<{cfg.stages - 1}>" in art.source and "fence_proxy_async" in art.source
+    if cfg.ids_smem:  # the loop's row ids come from shared memory, not from Idx
+        assert "ids_s" in art.source and re.search(r"rid\[0\] = \(\(int\*\)ids_s\)\[", art.source)
     if cfg.merge:  # the arrival: a GPU-scope acq_rel atomic after a fence, the counter reset by the last CTA
         assert "__threadfence()" in art.source and "atomic" in art.source.lower() and "Cnt[" in art.source
     if fp8 and n_win:  # both exponent pools
@@ -264,6 +269,28 @@ def test_dsplit_configs_fit_shared_memory():
     assert sad.ws_smem_bytes(64, 512, n64) == 64 * 512 * 2 + 2 * 64 * 512 * 2 + 2 * 64 * 64 * 4 + 2 * 2 * 64 * 4
     assert sad.ws_smem_bytes(64, 512, sad.Config(64, 256, 1, 3, True, dsplit=True)) > sad.SMEM_LIMIT
     assert sad.Config(64, 384, 1, 2, True, dsplit=True).tag == "wsDn64s2"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ws_cpu_mirror_ids_in_smem(tilelang_required, fp8):
+    """cfg.ids_smem: the chunk's row ids copied once (two passes of the 128 loader threads for the 160 groups
+    of 4 ids of a 640-entry chunk), two pools straddling a block."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, Sw, Sc, nw, K = 2, 64, 128, 70, 300, 36, 640
+    q, kvw, kvc, idx_w, idx_c, sink = _two_pools(B, H, D, Sw, Sc, nw, K, seed=24)
+    cfg = sad.Config(32, 384, 1, 2, True, ids_smem=True)
+    if fp8:
+        (cw, ew), (cc, ec) = sad.quant_kv_fp8(kvw), sad.quant_kv_fp8(kvc)
+        kv_args = (cw.float(), ew, cc.float(), ec)
+        f64 = _two_pool_oracle(q, (cw, ew), (cc, ec), idx_w, idx_c, sink, lambda p: sad.dequant_kv_fp8(*p))
+    else:
+        kv_args = (kvw, kvc)
+        f64 = _two_pool_oracle(q, kvw, kvc, idx_w, idx_c, sink)
+    kernel = compile_cpu(sad.program(B, H, D, Sw, K, target="cpu", cfg=cfg, kv_fp8=fp8, n_win=nw, S_cmp=Sc))
+    out = torch.empty(B, H, D)
+    kernel(q, *kv_args, idx_w, idx_c, sink, out)
+    assert (out - f64).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("two_pools", [False, True])
