@@ -43,6 +43,34 @@ def test_indexer_split_end_to_end(kb, run_case, T_, C):
     run_case(kb.case_indexer_split, T_, C)
 
 
+@pytest.mark.parametrize("T_,C", [(512, 2048), (264, 16384), (64, 65536), (1, 65536)])
+@pytest.mark.parametrize("kind", ["ints", "zeros"])
+def test_topk_select_ties_exact(kb, T_, C, kind):
+    """The default top-k program per shape (one CTA per row / streamed rows / merge_all decode) on scores with
+    heavy exact ties (few distinct values, -0.0 next to +0.0; or all zero: every chunk overflows the filter),
+    causal limits included: exactly topk_entries' set, run twice (the arrival counters reset)."""
+    import torch
+
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    k = 512
+    cfg = ts.default_config(T_, C, k)
+    kern = kb.build(ts.program(T_, C, k=k, ratio=2, cfg=cfg, target="sm90"))
+    g = torch.Generator().manual_seed(T_)
+    s = torch.randint(-3, 4, (T_, C), generator=g).float() if kind == "ints" else torch.zeros(T_, C)
+    s[:, ::5] = torch.where(s[:, ::5] == 0, -0.0, s[:, ::5])
+    pos = torch.randint(0, 2 * C + 8, (T_,), generator=g, dtype=torch.int32)  # some rows see < k, some all
+    s, pos = s.cuda(), pos.cuda()
+    want = ts.reference(s, k, pos, 2)
+    out = torch.empty(T_, k, device="cuda", dtype=torch.int32)
+    scratch = ts.make_scratch(T_, C, k, cfg, "cuda")
+    for _ in range(2):
+        out.fill_(7)
+        kern(s, pos, out, *scratch)
+        bad = (out.long() != want).any(1)
+        assert not bad.any(), f"{cfg.tag}: {int(bad.sum())} rows differ (first {int(bad.nonzero()[0])})"
+
+
 @pytest.mark.parametrize("T_,ratio", [(4096, 2), (64, 2), (4096, 1)])
 def test_compressor(kb, run_case, T_, ratio):
     run_case(kb.case_compressor, T_, ratio)
