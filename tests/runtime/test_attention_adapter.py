@@ -79,13 +79,17 @@ def test_two_pools_with_emulated_kernels(num_split):
 
 def test_fused_attention_steps_around_the_kernel():
     """q RMSNorm + RoPE before, inverse RoPE, out-group reshape and the FP8 quant after; a scale other than
-    D^-0.5 is folded into q."""
+    D^-0.5 is folded into q. The node's error is the FP8 epilogue's: bf16 operands move the output by ~5e-3, and
+    where that crosses an e4m3 rounding boundary a code moves one step (up to 1/8 of the value: 5-7% of the max;
+    7.1e-2 on the H200 at the real dims). Without the epilogue the same call is within bf16."""
     args = attn_args(2, 4, 32, 40, 70, 32, 96, seed=1)
     for scale in (None, 0.1):
         call = fused_call(args, scale=scale)
         got, ref = run(call), get_op("fused_attention").run(call.args, call.attrs)
         assert got[0].shape == ref[0].shape == (2, 2, 64) and got[1].dtype == ref[1].dtype
         assert rel(as_float(got), as_float(ref)) < 0.1  # one e4m3 step where bf16 moved a value across
+        plain = fused_call(args, scale=scale, quant_group=0)
+        assert rel(run(plain)[0], get_op("fused_attention").run(plain.args, plain.attrs)[0]) < 1e-2
 
 
 def test_window_only_layer_and_top_k_that_does_not_chunk():
