@@ -50,7 +50,7 @@ FAMILY = "topk_select"
 NONE = -(2**31) + 1  # key of "not a candidate": below every real key (-inf is 0x807fffff; NaN unsupported)
 INT_MAX = 2**31 - 1
 NB = 256  # histogram bins per radix round (8 bits)
-MERGE_ALL_MAX = 8192  # candidates of a merge_all buffer (segments x k): 64 KiB of shared memory
+MERGE_ALL_MAX = 4096  # candidates of a default merge_all buffer (segments x k; 8192 at 512 threads: spills)
 
 
 @dataclass(frozen=True)
@@ -231,8 +231,40 @@ RED0 = NB  # offset of block_sum's warp partials in the `cum` scratch (find_bin'
 
 
 def cum_size(NT: int) -> int:
-    """Ints of the `cum` shared scratch: find_bin's warp sums, then block_sum's partial a warp."""
-    return RED0 + max(NT // 32, 1)
+    """Ints of the `cum` shared scratch: find_bin's warp sums, then the block reductions' 3 partials a warp."""
+    return RED0 + 3 * max(NT // 32, 1)
+
+
+def _make_block_reduce3(NT: int):
+    """GPU macro block_reduce3(red, sumf, minf, maxf): the CTA's sum, min and max of per-thread int32 values
+    (warp `__reduce_*_sync`, the warp partials through red[RED0:], two barriers); red3_total(red, j) reads
+    result j (0 sum, 1 min, 2 max) until the next block reduction."""
+    import tilelang.language as T
+
+    NWARP = NT // 32
+
+    @T.macro
+    def block_reduce3(red, sumf, minf, maxf):
+        full = T.uint32(0xFFFFFFFF)
+        T.evaluate(T.call_extern("handle", "__syncthreads"))  # (every read of the previous partials is done)
+        for i in T.Parallel(NT):
+            w_sum = T.call_extern("int32", "__reduce_add_sync", full, sumf(i))
+            w_min = T.call_extern("int32", "__reduce_min_sync", full, minf(i))
+            w_max = T.call_extern("int32", "__reduce_max_sync", full, maxf(i))
+            if i % 32 == 0:
+                red[RED0 + i // 32 * 3] = w_sum
+                red[RED0 + i // 32 * 3 + 1] = w_min
+                red[RED0 + i // 32 * 3 + 2] = w_max
+        T.evaluate(T.call_extern("handle", "__syncthreads"))
+
+    def red3_total(red, j):
+        v = red[RED0 + j]
+        for w in range(1, NWARP):
+            x = red[RED0 + w * 3 + j]
+            v = v + x if j == 0 else (T.min(v, x) if j == 1 else T.max(v, x))
+        return v
+
+    return block_reduce3, red3_total
 
 
 def _make_block_sum(NT: int):
@@ -263,17 +295,21 @@ def _make_block_sum(NT: int):
     return block_sum, red_total
 
 
-def _make_radix(ops: _Ops, NT: int, Q: int):
+def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
     """Macro: exact threshold of the `kk_req` largest of a per-thread set of int32 keys, keyf(i, q) for thread
     i's q-th (NONE = not a member). Adaptive radix select: each round histograms the members inside the current
     key range [lo, hi] into NB bins of equal key width (shared-memory atomics), keeps the bin holding the wanted
     rank, and stops when that bin is taken whole or one key is left: at most ceil(32 / 8) = 4 rounds.
     Out: st[0] = threshold key lo; st[1] = 1 when every member >= lo is taken, else 0 (lo is the kk-th key and
-    only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members)."""
+    only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members).
+    warp_reduce (GPU): the member count / min / max by warp reductions and one exchange (block_reduce3: 2
+    barriers, not 3 x 6) -- for the streamed programs; the one-CTA-per-row one keeps TileLang's AllReduce (the
+    warp reductions took it from 56 to 104 registers)."""
     import tilelang.language as T
 
     BPT = max(NB // NT, 1)  # bins a thread owns (contiguous)
     NWARP = NT // 32
+    block_reduce3, red3_total = _make_block_reduce3(NT)
 
     @T.macro
     def find_bin(hist, wsum, bc, r, own, sfx):
@@ -330,15 +366,21 @@ def _make_radix(ops: _Ops, NT: int, Q: int):
                     ra[i] = T.min(ra[i], kq)
                     rb[i] = T.max(rb[i], kq)
                     rc[i] = rc[i] + 1
-        # (TileLang's AllReduce here: a block_sum-style reduction in the radix took the one-CTA-per-row program
-        # from 56 to 104 registers)
-        T.reduce_sum(rc, r1, dim=0)
-        kk = T.min(kk_req, r1[0])
-        done = T.if_then_else(kk == r1[0], 1, 0)  # every member is taken: lo = the smallest
-        T.reduce_min(ra, r1, dim=0)
-        lo = T.if_then_else(kk == 0, INT_MAX, r1[0])
-        T.reduce_max(rb, r1, dim=0)
-        hi = r1[0]
+        if warp_reduce and not ops.cpu:
+            block_reduce3(cum, lambda i: rc[i], lambda i: ra[i], lambda i: rb[i])
+            n_all = T.alloc_var("int32", init=red3_total(cum, 0))
+            kk = T.min(kk_req, n_all)
+            done = T.if_then_else(kk == n_all, 1, 0)
+            lo = T.if_then_else(kk == 0, INT_MAX, red3_total(cum, 1))
+            hi = red3_total(cum, 2)
+        else:
+            T.reduce_sum(rc, r1, dim=0)
+            kk = T.min(kk_req, r1[0])
+            done = T.if_then_else(kk == r1[0], 1, 0)  # every member is taken: lo = the smallest
+            T.reduce_min(ra, r1, dim=0)
+            lo = T.if_then_else(kk == 0, INT_MAX, r1[0])
+            T.reduce_max(rb, r1, dim=0)
+            hi = r1[0]
         r = kk
         for _rd in T.serial(5):
             if T.And(done == 0, lo < hi):
@@ -399,14 +441,14 @@ def _taken(key, idx, st, st2):
     return T.And(T.And(st[3] > 0, key != NONE), T.Or(key > st[0], T.And(key == st[0], tie_ok)))
 
 
-def _make_select(ops: _Ops, NT: int, Q: int):
+def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
     """Macro: the kk = min(kk_req, members) largest keys of a per-thread set (keyf, idf callables), ties to the
     LOWER id (ids unique); `_taken(key, id, st, st2)` then tells the selected ones. Pass 0 runs the radix select
     on the keys; pass 1 (only when the kk-th key is tied) on -id of the tied keys, to take their lowest `need`
     ids. One radix expansion serves both passes (smaller programs); nothing is stored per element."""
     import tilelang.language as T
 
-    radix = _make_radix(ops, NT, Q)
+    radix = _make_radix(ops, NT, Q, warp_reduce)
 
     @T.macro
     def select(keyf, idf, kk_req, st, st2, hist, cum, bc, ra, rb, rc, r1):
@@ -492,9 +534,9 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     sh = scratch_shapes(T_, C, k, cfg)
     NEG = -T.infinity("float32")
 
-    select_c = _make_select(ops, NT, E)
-    radix_g = _make_radix(ops, NT, max(EG, 1))
-    select_b = _make_select(ops, NT, EB)
+    select_c = _make_select(ops, NT, E, STREAM)
+    radix_g = _make_radix(ops, NT, max(EG, 1), STREAM)
+    select_b = _make_select(ops, NT, EB, STREAM)
     emit = _make_emit(ops, NT, C, k)
     block_sum, red_total = _make_block_sum(NT)
 
