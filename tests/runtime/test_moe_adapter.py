@@ -138,3 +138,14 @@ def test_masked_decode_on_the_c_target_programs(fmt):
     emu = run_adapter(moe_call(3, 128, 64, 4, 2, fmt=fmt, seed=1), ka.emulated_kernel)
     assert rel_err(got, emu) < 2e-2  # fp32 vs fp32 sums in other orders; rare e4m3 rounding flips of h
     assert rel_err(got, reference(call)) < TOL
+
+
+def test_fp4_prefill_on_the_c_target_programs():
+    """W4A8 prefill: the contiguous swap-AB program (128-token tiles, tile -> expert map) behind the adapter."""
+    pytest.importorskip("tilelang")
+    call = moe_call(20, 256, 128, 4, 2, fmt="fp4", layout="contiguous", seed=2)
+    assert ka.MoEGroupedAdapter().path(call) == "swab_contiguous+swiglu"
+    got = run_adapter(call, ka.c_target_kernel)
+    emu = run_adapter(moe_call(20, 256, 128, 4, 2, fmt="fp4", layout="contiguous", seed=2), ka.emulated_kernel)
+    assert rel_err(got, emu) < 2e-2
+    assert rel_err(got, reference(call)) < TOL
