@@ -44,10 +44,11 @@ first divergence at step 0-3, while the kernels matched their emulations to one 
 weights is less sensitive and passes d as is. ``:peaked`` (models/peaked_weights.py) keeps the graph, formats,
 kernels and every layer's random weights and writes a deterministic next-token rule into the embedding (task
 tokens x8: the residual stream dominates each layer's write, as in a trained model) and the head (margins of
-7-9 logits); on the CPU the envelope b drops to 0.7-0.8 logits (3% of the range), every step is decisive and
-the layers still move the logits by ~2 (format_sensitivity.py --weights peaked). What that costs: a wrong layer
-output moves the logits 8x less than with random weights, so a kernel error must be larger to flip a token --
-which is why a holds each kernel to its emulation directly, independently of the weights.
+7-9 logits); the envelope b drops to 0.5-0.9 logits on the CPU (2-4% of the range; 1.33 on the H200), every
+step is decisive and the layers still move the logits by ~2.3 (format_sensitivity.py --weights peaked). What
+that costs: a wrong layer output moves the logits 8x less than with random weights, so a kernel error must be
+larger to flip a token -- which is why a holds each kernel to its emulation directly, independently of the
+weights.
 """
 
 from __future__ import annotations
