@@ -677,7 +677,9 @@ def attn_sweep_cases():
             add("L2-hot", B, ids(base), hot_rows=4096)
         fbase = sad.sm90_config(B, 640, fp8=True)
         fc = [fbase, ids(fbase)] if B != 256 else [ids(fbase)]
+        fc.append(sad.Config(32, 384, fbase.num_split, 4, True, ids_smem=True))  # 4 raw staging slots
         if B == 128:
+            fc.append(sad.Config(32, 384, 1, 3, True, ids_smem=True))
             fc.append(sad.Config(32, 256, 1, 3, True, dsplit=True, ids_smem=True))
         for cfg in fc:
             add("fp8", B, cfg, fp8=True)

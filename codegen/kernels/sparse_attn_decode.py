@@ -130,10 +130,11 @@ def _ws_smem_core(H: int, D: int, cfg: Config, kv_fp8: bool) -> int:
         ring = 2 if kv_fp8 else NS
         raw = NS * bn * (D + 2 * (D // 32) * 4 + 2 * 4) if kv_fp8 else 0
         return H * D * 2 + ring * bn * D * 2 + 2 * H * bn * 4 + 2 * ring * bn * 4 + raw
-    out = H * D * 2 + NS * bn * D * 2
-    out += NS * (H * bn * 2 + H * 4 + bn * 4) + H * 4
+    ring = 2 if kv_fp8 else NS  # FP8: `stages` raw slots (codes, a 4-byte exponent word a thread, ids)
+    out = H * D * 2 + ring * bn * D * 2
+    out += ring * (H * bn * 2 + H * 4 + bn * 4) + H * 4
     if kv_fp8:
-        out += NS * (bn * D + bn * D // 8 + bn * 4)
+        out += NS * (bn * D + bn * D // 4 + bn * 4)
     return out
 
 
@@ -402,13 +403,17 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
       WG1 / WG2   O[:, half] = alpha * O[:, half] + P V[:, half] (V = K) for the two D halves (64 x 256 fp32
                   accumulators: 128 registers a thread), then refill the stage they just freed with their
                   half of block i + stages: bf16 rows by cp.async (16 B a thread, rows clamped to >= 0);
-                  FP8 KV: raw e4m3 bytes and ue8m0 exponent words were cp.async'd a ring earlier into a
-                  staging buffer and are dequantised to bf16 (exact) into the freed stage by the thread that
-                  loaded them (so only that thread's cp.async groups need to have landed).
+                  FP8 KV: raw e4m3 bytes and ue8m0 exponent words were cp.async'd `stages` blocks earlier
+                  into a staging slot (cfg.stages slots, one cp.async group a block) and are dequantised to
+                  bf16 (exact) into the freed stage of a 2-stage bf16 ring by the thread that loaded them
+                  (so only that thread's cp.async groups need to have landed).
+      cfg.ids_smem: the chunk's row ids are cp.async'd into shared memory with Q (by WG1), so a refill
+                  reads its rows' ids there: no global load on the refill path.
 
     mbarriers: full[half, stage] (the half's 128 loaders: cp.async.mbarrier.arrive.noinc for bf16; a release
     arrive after the dequant stores and a proxy fence for FP8), p_full[stage] (WG0), p_empty[stage] (WG1 +
-    WG2), bar_q (Q loaded), fin (WG0's final max and sum). Parity of block i: (i // stages) & 1.
+    WG2), bar_q (Q and, with ids_smem, the ids loaded), fin (WG0's final max and sum). Parity of block i:
+    (i // stages) & 1 (FP8: i // 2, the bf16 ring).
     Base-2 softmax: s2 = (q.k) * d^-0.5 * log2(e); invalid entries are -inf before the max (weight exactly
     0); the running max starts at a finite -1e30, so a chunk of only invalid entries has l = 0, o = 0.
     Registers: ptxas caps every thread at 65536 / 384 = 168 (setmaxnreg does not raise the compile cap).
@@ -429,11 +434,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
     if kv_fp8 and not cfg.dsplit:
-        assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
+        assert bn == 32, "FP8 KV: 32-row blocks (the staging slots need the room)"
     assert not cfg.dsplit or not la, "split-D form: no lookahead"
     # FP8 split-D: cfg.stages raw staging slots in flight (cp.async), dequantised into a 2-stage bf16 ring
+    # FP8: cfg.stages raw staging slots in flight (cp.async), dequantised into a 2-stage bf16 ring
     SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
-    if kv_fp8 and cfg.dsplit:
+    if kv_fp8:
         NS = 2
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
     rounds, tail = divmod(nb, NS)
@@ -588,13 +594,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
         """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
         ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
-        if kv_fp8:
-            dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf, t, buf, obuf)
-            if blk + NS < nb:
-                gather(src, kvh, raw, sc, stg_idx, full, b, base, blk + NS, st, hf, t, rid, 0)
-            T.ptx_commit_group()  # always: keeps NS groups in flight for wait_group
-            if blk + NS + 1 < nb:
-                load_rid(src, b, base, blk + NS + 1, t, rid, 0)
+        if kv_fp8:  # slot blk % SL (SL = NS: st) held block blk; it stages block blk + SL next
+            dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf, t, buf, obuf, blk % SL)
+            if blk + SL < nb:
+                gather(src, kvh, raw, sc, stg_idx, full, b, base, blk + SL, blk % SL, hf, t, rid, 0)
+            T.ptx_commit_group()  # always: keeps SL groups in flight for wait_group
+            if blk + SL + 1 < nb:
+                load_rid(src, b, base, blk + SL + 1, t, rid, 0)
         else:
             gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
@@ -653,24 +659,25 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         if src.ids is not None and hf == 0:
             cp_chunk_ids(src, src.ids, b, base, t)
         T.cp_async_barrier_noinc(bar_q)
-        for j in pre_blocks:
-            load_rid(src, b, base, j, t, rid, j, False)
-        if kv_fp8:
-            for j in ring:
+        for j in slots if kv_fp8 else pre_blocks:
+            if j < nb:
+                load_rid(src, b, base, j, t, rid, j, False)
+        if kv_fp8:  # the first SL blocks staged (one cp.async group each), the first NS dequantised
+            for j in slots:
                 if j < nb:
                     gather(src, kvh, raw, sc, stg_idx, full, b, base, j, j, hf, t, rid, j)
                 T.ptx_commit_group()
-            if NS < nb:
-                load_rid(src, b, base, NS, t, rid, 0, False)
+            if SL < nb:
+                load_rid(src, b, base, SL, t, rid, 0, False)
             if src.ids is not None:
                 T.barrier_wait(bar_q, 0)  # the chunk's ids (and Q) have landed: later row ids from smem
             for j in pre_blocks:
-                dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf)
-                if j + NS < nb:
-                    gather(src, kvh, raw, sc, stg_idx, full, b, base, j + NS, j, hf, t, rid, 0)
+                dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf, j)
+                if j + SL < nb:
+                    gather(src, kvh, raw, sc, stg_idx, full, b, base, j + SL, j, hf, t, rid, 0)
                 T.ptx_commit_group()
-                if j + NS + 1 < nb:
-                    load_rid(src, b, base, j + NS + 1, t, rid, 0)
+                if j + SL + 1 < nb:
+                    load_rid(src, b, base, j + SL + 1, t, rid, 0)
         else:
             for j in pre_blocks:
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
@@ -720,7 +727,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         l = T.alloc_fragment((H,), f32)
         lblk = T.alloc_fragment((H,), f32)
         alpha = T.alloc_fragment((H,), f32)
-        rid = T.alloc_local((NS, R), i32)
+        rid = T.alloc_local((max(NS, SL), R), i32)
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
         bar_q = T.alloc_barrier(256)

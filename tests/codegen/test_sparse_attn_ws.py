@@ -140,6 +140,8 @@ def _build_ws(name, func):
         (sad.Config(64, 256, 2, 2, True, dsplit=True, merge=True), False, 0),
         # the chunk's row ids in shared memory (refills read them there), 3-warpgroup program, two pools
         (sad.Config(64, 384, 1, 2, True, ids_smem=True), False, 128),
+        # FP8, 3 raw staging slots into the 2-stage bf16 ring, split 2, two pools, ids in smem
+        (sad.Config(32, 384, 2, 3, True, ids_smem=True), True, 128),
     ],
     ids=[
         "bf16_n64s2x2",
@@ -150,6 +152,7 @@ def _build_ws(name, func):
         "dsplit_fp8_two_pools_n32s4x2",
         "dsplit_merge_n64s2x2",
         "ids_smem_two_pools_n64s2",
+        "fp8_3slots_ids_two_pools_n32s3x2",
     ],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
