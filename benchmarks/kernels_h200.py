@@ -1126,7 +1126,8 @@ def grouped_cases(quick: bool):
     if not quick:  # a few swap-AB configs at the smallest batch (what the tuner would search)
         # 16 tokens: 16 active experts x 72 N tiles = 1152 CTAs on 528 slots (4/SM) = 2.2 waves; 5-6 CTAs per SM
         # (fewer stages: 40 registers at 6, ptxas cannot go to 7) make it 1.5-1.75 waves
-        for fmt, cfg in (("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
+        for fmt, cfg in (("fp8", moe_grouped_gemm.swab_config(1)),  # the default, for the same-run comparison
+                         ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 6, 4)),
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 256, 4, 3)),
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 4, 5)),
                          ("fp8", moe_grouped_gemm.SwabConfig(64, 16, 128, 3, 6)),
