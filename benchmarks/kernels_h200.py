@@ -513,15 +513,6 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
     sad = sparse_attn_decode
     pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
-    if cfg.merge:  # one kernel: the last CTA of each request folds the chunks (scratch + zeroed counters)
-        k = build(sad.program(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools))
-        scratch = () if dry else sad.merge_scratch(B, cfg.num_split, HEADS, HEAD_DIM, "cuda")
-
-        def launch(q, kv, idx, sink, out):
-            k(q, *(kv if isinstance(kv, tuple) else (kv,)), *(idx if isinstance(idx, tuple) else (idx,)), sink, out,
-              *scratch)  # fmt: skip
-
-        return launch
     if cfg.num_split > 1:
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         part, comb = (build(f) for f in progs)
@@ -645,13 +636,10 @@ def attn_cases(quick: bool):
 
 
 def attn_sweep_cases():
-    """`--only "sparse_attn sweep"` (round 2): Config.ids_smem (the chunk's row ids staged in shared memory
-    once, so no refill waits on a global row-id load issued a block earlier) on the 3-warpgroup program and
-    the split-D form, against the default in the same run at the issue's batches (64, 128, 256), bf16 and
-    FP8 KV, with the two-pool form, the in-kernel merge and the L2-hot diagnostic (entries from 4096 rows).
-    Round 1 (split-D without it: slower than the default everywhere) is in BENCHMARKS.md."""
-    from dataclasses import replace
-
+    """`--only "sparse_attn sweep"`: the default next to its two-pool form (window + compressed pools,
+    n_win = 128) and the L2-hot diagnostic (entries from 4096 rows: the program's bound without HBM latency).
+    The variants measured slower than the default everywhere on the H200 (split-D, in-kernel merge, row ids
+    in shared memory, FP8 with 3-4 staging slots) were removed; their numbers are in BENCHMARKS.md."""
     sad = sparse_attn_decode
     out = []
 
@@ -660,29 +648,13 @@ def attn_sweep_cases():
         out.append((name, f"B{B} H64 k640", lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(
             r, B, 640, q, d, cfg, **kw)))  # fmt: skip
 
-    def ids(cfg):
-        return replace(cfg, ids_smem=True)
-
-    for B in (128, 256, 64):
+    for B in (128, 64):
         base = sad.sm90_config(B, 640)
-        ns = base.num_split
-        cands = [base, ids(base), sad.Config(32, 384, ns, 4, True, ids_smem=True)]
-        cands += [ids(c) for c in sad.dsplit_configs(640, ns)[1:] if B != 256 or c.stages == 4]
-        if B == 64:  # no split (64 CTAs), and the split folded in-kernel
-            cands += [sad.Config(64, 384, 1, 2, True, ids_smem=True), replace(cands[3], merge=True)]
-        for cfg in cands:
-            add("", B, cfg)
+        add("", B, base)
+        add("two-pool", B, base, n_win=128)
+        add("fp8 two-pool", B, sad.sm90_config(B, 640, fp8=True), fp8=True, n_win=128)
         if B == 128:
-            add("two-pool", B, ids(base), n_win=128)
-            add("L2-hot", B, ids(base), hot_rows=4096)
-        fbase = sad.sm90_config(B, 640, fp8=True)
-        fc = [fbase, ids(fbase)] if B != 256 else [ids(fbase)]
-        fc.append(sad.Config(32, 384, fbase.num_split, 4, True, ids_smem=True))  # 4 raw staging slots
-        if B == 128:
-            fc.append(sad.Config(32, 384, 1, 3, True, ids_smem=True))
-            fc.append(sad.Config(32, 256, 1, 3, True, dsplit=True, ids_smem=True))
-        for cfg in fc:
-            add("fp8", B, cfg, fp8=True)
+            add("L2-hot", B, base, hot_rows=4096)
     return out
 
 

@@ -20,14 +20,6 @@ and two PV warpgroups (one per D half) that also gather their half of the rows i
 stages, so the gather, QK^T, the softmax and PV of consecutive blocks overlap. It also reads the FP8 KV
 cache (`kv_fp8`: e4m3 codes + ue8m0 exponents per 32, MODEL_SPEC §3), dequantised to bf16 (exactly) in
 shared memory. `_program_ws_cpu` mirrors it on TileLang's c target (fp32) for the CPU tests.
-
-The split-D form of the ws program (`Config.dsplit`, 256 threads) drops the QK warpgroup: each of two
-warpgroups computes the QK^T partial over its D half, the two partial score tiles are summed through shared
-memory, both run the (identical) softmax and PV on their half from registers. A KV stage is then held by one
-block's math instead of two (QK^T of block i + PV of block i - 1), so more of the ring is loading.
-
-Two pools (`program(n_win=...)`): the window entries come from one KV pool through one index list and
-the selected compressed entries from another, as the graph's fused_attention op takes them; see `program`.
 Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
@@ -49,35 +41,21 @@ class Config:
     stages: int = 1  # software pipeline depth of the KV gather (2: the next block's rows load during the math)
     ws: bool = False  # warp-specialised sm90 program (3 warpgroups, mbarrier ring of `stages` KV blocks)
     lookahead: bool = False  # ws: QK^T of the next block is issued before this block's softmax
-    # ws, split-D form: two warpgroups, each the QK^T partial, softmax and PV of one D half (partial scores
-    # exchanged through shared memory), so a KV stage is held by one block's math only (`_program_ws`)
-    dsplit: bool = False
-    # split-D with num_split > 1: the request's last CTA to finish folds the other chunks' partial outputs
-    # into its registers and writes O (an arrival counter per request; no combine kernel)
-    merge: bool = False
-    # ws: the chunk's row ids are copied to shared memory once (with Q), so a refill's row ids are a shared
-    # load instead of a global load issued one block earlier (whose latency otherwise paces every block)
-    ids_smem: bool = False
 
     def __post_init__(self):
-        want = (WSD_THREADS if self.dsplit else WS_THREADS) if self.ws else self.threads
-        assert self.ws or not self.dsplit, "dsplit is a form of the ws program"
-        assert not self.merge or (self.dsplit and self.num_split > 1), "merge: split-D with split-K"
-        if self.threads != want:
-            object.__setattr__(self, "threads", want)
+        if self.ws and self.threads != WS_THREADS:
+            object.__setattr__(self, "threads", WS_THREADS)
 
     @property
     def tag(self) -> str:
         if self.ws:
-            head = f"ws{'D' if self.dsplit else ''}{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
+            head = f"ws{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
-        tail = ("m" if self.merge else "") + ("i" if self.ids_smem else "")
-        return head + (f"x{self.num_split}" if self.num_split > 1 else "") + tail
+        return head + (f"x{self.num_split}" if self.num_split > 1 else "")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
-WSD_THREADS = 256  # split-D form: one warpgroup per D half (QK^T partial, softmax, PV and the half's gathers)
 WS_HEADS = 64  # the ws program's head block: one wgmma M tile (V4.1-Flash has 64 heads)
 # Every shared-memory hand-off of the ws program is ordered by its own mbarriers; TileLang's automatic
 # thread syncs would only add named barriers (and could reuse a barrier id across warpgroups). The ws
@@ -111,42 +89,6 @@ def ws_configs(topk: int, num_split: int, *, fp8: bool = False) -> list[Config]:
         if topk % (num_split * bn) == 0:
             out += [Config(bn, WS_THREADS, num_split, stages, True, la) for la in (False, True)]
     return out
-
-
-SMEM_LIMIT = 232448  # bytes of shared memory a CTA may take on sm90 (227 KB)
-
-
-def ws_smem_bytes(H: int, D: int, cfg: Config, kv_fp8: bool = False) -> int:
-    """Shared memory of the ws program's buffers (barriers and alignment aside): Q, the KV ring and the row
-    ids; the 3-warpgroup form adds P and alpha per stage (and FP8 staging), the split-D form the two halves'
-    partial score tiles; cfg.ids_smem the chunk's row ids (counted at V4.1's 640 entries, the most a chunk has)."""
-    ids = 640 * 4 if cfg.ids_smem else 0
-    return ids + _ws_smem_core(H, D, cfg, kv_fp8)
-
-
-def _ws_smem_core(H: int, D: int, cfg: Config, kv_fp8: bool) -> int:
-    bn, NS = cfg.block_n, cfg.stages
-    if cfg.dsplit:  # FP8: a 2-stage bf16 ring and `stages` raw slots (codes, a 4-byte exponent word a thread, ids)
-        ring = 2 if kv_fp8 else NS
-        raw = NS * bn * (D + 2 * (D // 32) * 4 + 2 * 4) if kv_fp8 else 0
-        return H * D * 2 + ring * bn * D * 2 + 2 * H * bn * 4 + 2 * ring * bn * 4 + raw
-    ring = 2 if kv_fp8 else NS  # FP8: `stages` raw slots (codes, a 4-byte exponent word a thread, ids)
-    out = H * D * 2 + ring * bn * D * 2
-    out += ring * (H * bn * 2 + H * 4 + bn * 4) + H * 4
-    if kv_fp8:
-        out += NS * (bn * D + bn * D // 4 + bn * 4)
-    return out
-
-
-def dsplit_configs(topk: int, num_split: int, *, fp8: bool = False) -> list[Config]:
-    """The split-D ws configs that fit for one split count: 64-row blocks in 2 stages (one block in the math,
-    one loading), 32-row blocks in 4 or 3 stages (up to three loading). FP8 KV: 32-row blocks, 4 or 3 raw
-    staging slots in flight (the bf16 ring is 2 stages)."""
-    shapes = ((32, 4), (32, 3)) if fp8 else ((64, 2), (32, 4), (32, 3))
-    out = [Config(bn, WSD_THREADS, num_split, st, True, dsplit=True) for bn, st in shapes]
-    return [
-        c for c in out if topk % (num_split * c.block_n) == 0 and ws_smem_bytes(WS_HEADS, 512, c, fp8) <= SMEM_LIMIT
-    ]
 
 
 def sm90_config_space(B: int, topk: int, *, fp8: bool = False) -> list[Config]:
@@ -203,11 +145,6 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     over the concatenated entry order, so cfg's divisibility rules apply to topk, and the ws program needs
     n_win % 4 == 0 (its row-id copies move 4 ids). A window-only layer passes its one pool with n_win = 0.
     The ws program's pool sizes are symbolic (S / S_cmp are ignored); the others take them as given.
-
-    cfg.merge (split-D, num_split > 1): one kernel, no combine: the split signature's outputs become
-        (..., Sink, O, Op, Mp, Lp, Cnt [B] int32)      (`merge_scratch` allocates Op, Mp, Lp and a zeroed Cnt)
-    Every CTA writes its chunk's partial to Op/Mp/Lp and counts itself in Cnt[b]; the last one folds the
-    others' partials into its own and writes O, then resets Cnt[b] to 0 (so Cnt stays zeroed across calls).
     """
     import tilelang.language as T
 
@@ -374,7 +311,6 @@ class _Src(NamedTuple):
     kvs2: object = None
     idx2: object = None
     n_win: int = 0
-    ids: object = None  # cfg.ids_smem: the CTA's chunk of row ids in shared memory (chunk-local index)
 
     def row_id(self, b, e):
         """The pool row of entry e of request b (-1: invalid)."""
@@ -403,28 +339,16 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
       WG1 / WG2   O[:, half] = alpha * O[:, half] + P V[:, half] (V = K) for the two D halves (64 x 256 fp32
                   accumulators: 128 registers a thread), then refill the stage they just freed with their
                   half of block i + stages: bf16 rows by cp.async (16 B a thread, rows clamped to >= 0);
-                  FP8 KV: raw e4m3 bytes and ue8m0 exponent words were cp.async'd `stages` blocks earlier
-                  into a staging slot (cfg.stages slots, one cp.async group a block) and are dequantised to
-                  bf16 (exact) into the freed stage of a 2-stage bf16 ring by the thread that loaded them
-                  (so only that thread's cp.async groups need to have landed).
-      cfg.ids_smem: the chunk's row ids are cp.async'd into shared memory with Q (by WG1), so a refill
-                  reads its rows' ids there: no global load on the refill path.
+                  FP8 KV: raw e4m3 bytes and ue8m0 exponent words were cp.async'd a ring earlier into a
+                  staging buffer and are dequantised to bf16 (exact) into the freed stage by the thread that
+                  loaded them (so only that thread's cp.async groups need to have landed).
 
     mbarriers: full[half, stage] (the half's 128 loaders: cp.async.mbarrier.arrive.noinc for bf16; a release
     arrive after the dequant stores and a proxy fence for FP8), p_full[stage] (WG0), p_empty[stage] (WG1 +
-    WG2), bar_q (Q and, with ids_smem, the ids loaded), fin (WG0's final max and sum). Parity of block i:
-    (i // stages) & 1 (FP8: i // 2, the bf16 ring).
+    WG2), bar_q (Q loaded), fin (WG0's final max and sum). Parity of block i: (i // stages) & 1.
     Base-2 softmax: s2 = (q.k) * d^-0.5 * log2(e); invalid entries are -inf before the max (weight exactly
     0); the running max starts at a finite -1e30, so a chunk of only invalid entries has l = 0, o = 0.
     Registers: ptxas caps every thread at 65536 / 384 = 168 (setmaxnreg does not raise the compile cap).
-
-    Split-D form (cfg.dsplit, 256 threads, `d_role`): warpgroup hf loads Q[:, half] and its half of every
-    block's rows (and its own copy of the block's row ids), then per block: S_hf = Q_hf K_hf^T (wgmma),
-    S_hf -> xs[hf] (fp32 smem), named barrier 1 (256), S = S_hf + xs[1 - hf], named barrier 2 (256: xs
-    may be overwritten), base-2 online softmax (the same m, l in both warpgroups), P cast to bf16 in
-    registers, O_hf = alpha O_hf + P V_hf (wgmma with A from registers), named barrier 3 + hf (128: the
-    stage is no longer read), refill the stage with block i + stages. mbarriers: full[half, stage] and
-    bar_q[half] only. Registers: o 128 + S 32 + P 16 a thread, under the 255 cap at 256 threads.
     """
     import tilelang.language as T
 
@@ -433,14 +357,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
-    if kv_fp8 and not cfg.dsplit:
-        assert bn == 32, "FP8 KV: 32-row blocks (the staging slots need the room)"
-    assert not cfg.dsplit or not la, "split-D form: no lookahead"
-    # FP8 split-D: cfg.stages raw staging slots in flight (cp.async), dequantised into a 2-stage bf16 ring
-    # FP8: cfg.stages raw staging slots in flight (cp.async), dequantised into a 2-stage bf16 ring
-    SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
     if kv_fp8:
-        NS = 2
+        assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
     rounds, tail = divmod(nb, NS)
     bf, f32, i32 = "bfloat16", "float32", "int32"
@@ -449,9 +367,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     NEG = -1.0e30
     split = ns > 1
     pre = min(NS, nb)  # blocks loaded before the loop
+    SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
     # Python lists: these loops unroll at trace time, so stage indices and branches are static
     ring, tail_blocks, pre_blocks = list(range(NS)), list(range(tail)), list(range(pre))
-    slots = list(range(SL))
     la_rounds, la_tail = (nb - 1) // NS, list(range((nb - 1) % NS))  # lookahead: the blocks that issue a next
 
     @T.macro
@@ -489,14 +407,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(p_full[st])
 
     @T.macro
-    def load_rid(src, b, base, blk, t, rid, k, late: bool = True):
-        """Row ids of this thread's rows of block blk into rid[k]: from the shared copy of the chunk's ids
-        (cfg.ids_smem, once it has landed: `late`), else from global memory."""
+    def load_rid(src, b, base, blk, t, rid, k):
         for r in T.unroll(R, explicit=True):
-            if late and src.ids is not None:
-                rid[k, r] = src.ids[blk * bn + g.row(r, t)]
-            else:
-                rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
+            rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
 
     @T.macro
     def cp_row(src, dst, e, row, col, n: int, scales: bool):
@@ -538,13 +451,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.ptx_cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
 
     @T.macro
-    def cp_chunk_ids(src, ids_s, b, base, t):
-        """cfg.ids_smem: cp.async the chunk's row ids (4 a thread, 128 threads a pass) into ids_s."""
-        for c in T.unroll((chunk // 4 + 127) // 128, explicit=True):
-            if c * 128 + t < chunk // 4:
-                cp_ids(src, (ids_s, ((c * 128 + t) * 4,)), b, base + (c * 128 + t) * 4)
-
-    @T.macro
     def gather(src, kvh, raw, sc, stg_idx, full, b, base, blk, st, hf: int, t, rid, k):
         """bf16: cp.async this half of block blk's rows into stage st and arm full[hf, st].
         FP8: cp.async the raw bytes and scale words into staging slot st (completion: cp.async groups)."""
@@ -560,33 +466,31 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
-        if hf == 0 or cfg.dsplit:  # split-D: each warpgroup masks with its own copy
-            if t < bn // 4:  # the block's row ids, for the mask
+        if hf == 0:
+            if t < bn // 4:  # the block's row ids, for WG0's mask
                 cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
         if not kv_fp8:
             T.cp_async_barrier_noinc(full[hf * NS + st])
 
     @T.macro
-    def dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf: int, t, buf, obuf, slot=None):
-        """FP8: staging slot `slot` (default st) -> bf16 stage st (e4m3 x 2^(e - 127) is exact in bf16); arm
-        full[hf, st]. The thread converts what it copied itself, so its own cp.async groups suffice."""
-        sl = st if slot is None else slot
-        T.ptx_wait_group(SL - 1)  # this thread's copies of the block (SL groups in flight, oldest done)
+    def dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf: int, t, buf, obuf):
+        """FP8: staging slot st -> bf16 stage st (e4m3 x 2^(e - 127) is exact in bf16); arm full[hf, st]."""
+        T.ptx_wait_group(NS - 1)  # this thread's copies of the block (NS groups in flight, oldest done)
         for r in T.unroll(R, explicit=True):
             for v in T.vectorized(16):
-                buf[v] = raw[sl, g.row(r, t), g.col8(t) + v]
+                buf[v] = raw[st, g.row(r, t), g.col8(t) + v]
             for v in T.unroll(16, explicit=True):
                 obuf[v] = T.cast(
                     T.cast(buf[v], f32)
-                    * T.exp2(T.cast(sc[sl, g.row(r, t), t % g.tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0),
+                    * T.exp2(T.cast(sc[st, g.row(r, t), t % g.tpr * 4 + g.scale_byte(hf, t)], f32) - 127.0),
                     bf,
                 )
             for v in T.vectorized(16):
                 kvh[st, g.row(r, t), g.col8(t) + v] = obuf[v]
-        if hf == 0 or cfg.dsplit:
+        if hf == 0:
             if t < bn // 4:
                 for v in T.vectorized(4):
-                    idx_s[st, t * 4 + v] = stg_idx[sl, t * 4 + v]
+                    idx_s[st, t * 4 + v] = stg_idx[st, t * 4 + v]
         T.fence_proxy_async()  # generic stores read by wgmma
         T.barrier_arrive(full[hf * NS + st])
 
@@ -594,13 +498,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
         """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
         ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
-        if kv_fp8:  # slot blk % SL (SL = NS: st) held block blk; it stages block blk + SL next
-            dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf, t, buf, obuf, blk % SL)
-            if blk + SL < nb:
-                gather(src, kvh, raw, sc, stg_idx, full, b, base, blk + SL, blk % SL, hf, t, rid, 0)
-            T.ptx_commit_group()  # always: keeps SL groups in flight for wait_group
-            if blk + SL + 1 < nb:
-                load_rid(src, b, base, blk + SL + 1, t, rid, 0)
+        if kv_fp8:
+            dequant(raw, sc, stg_idx, kvh, idx_s, full, st, hf, t, buf, obuf)
+            if blk + NS < nb:
+                gather(src, kvh, raw, sc, stg_idx, full, b, base, blk + NS, st, hf, t, rid, 0)
+            T.ptx_commit_group()  # always: keeps NS groups in flight for wait_group
+            if blk + NS + 1 < nb:
+                load_rid(src, b, base, blk + NS + 1, t, rid, 0)
         else:
             gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
@@ -656,35 +560,28 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
                 8,
             )
-        if src.ids is not None and hf == 0:
-            cp_chunk_ids(src, src.ids, b, base, t)
         T.cp_async_barrier_noinc(bar_q)
-        for j in slots if kv_fp8 else pre_blocks:
-            if j < nb:
-                load_rid(src, b, base, j, t, rid, j, False)
-        if kv_fp8:  # the first SL blocks staged (one cp.async group each), the first NS dequantised
-            for j in slots:
+        for j in pre_blocks:
+            load_rid(src, b, base, j, t, rid, j)
+        if kv_fp8:
+            for j in ring:
                 if j < nb:
                     gather(src, kvh, raw, sc, stg_idx, full, b, base, j, j, hf, t, rid, j)
                 T.ptx_commit_group()
-            if SL < nb:
-                load_rid(src, b, base, SL, t, rid, 0, False)
-            if src.ids is not None:
-                T.barrier_wait(bar_q, 0)  # the chunk's ids (and Q) have landed: later row ids from smem
+            if NS < nb:
+                load_rid(src, b, base, NS, t, rid, 0)
             for j in pre_blocks:
-                dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf, j)
-                if j + SL < nb:
-                    gather(src, kvh, raw, sc, stg_idx, full, b, base, j + SL, j, hf, t, rid, 0)
+                dequant(raw, sc, stg_idx, kvh, idx_s, full, j, hf, t, buf, obuf)
+                if j + NS < nb:
+                    gather(src, kvh, raw, sc, stg_idx, full, b, base, j + NS, j, hf, t, rid, 0)
                 T.ptx_commit_group()
-                if j + SL + 1 < nb:
-                    load_rid(src, b, base, j + SL + 1, t, rid, 0)
+                if j + NS + 1 < nb:
+                    load_rid(src, b, base, j + NS + 1, t, rid, 0)
         else:
             for j in pre_blocks:
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
             if NS < nb:
-                load_rid(src, b, base, NS, t, rid, 0, False)
-            if src.ids is not None:
-                T.barrier_wait(bar_q, 0)  # the chunk's ids (and Q) have landed: later row ids from smem
+                load_rid(src, b, base, NS, t, rid, 0)
         for it in T.serial(rounds):
             for st in ring:
                 pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
@@ -716,8 +613,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         sc_l = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
         sc_r = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
         stg_idx = T.alloc_shared((SL, bn), i32)
-        ids_s = T.alloc_shared((chunk if cfg.ids_smem else 4,), i32)
-        srci = src._replace(ids=ids_s) if cfg.ids_smem else src
         s0 = T.alloc_fragment((H, bn), f32)
         s1 = T.alloc_fragment((H, bn), f32)
         o_l = T.alloc_fragment((H, D2), f32)
@@ -727,7 +622,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         l = T.alloc_fragment((H,), f32)
         lblk = T.alloc_fragment((H,), f32)
         alpha = T.alloc_fragment((H,), f32)
-        rid = T.alloc_local((max(NS, SL), R), i32)
+        rid = T.alloc_local((NS, R), i32)
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
         bar_q = T.alloc_barrier(256)
@@ -785,220 +680,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
             T.barrier_arrive(fin)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
-            pv_role(Q, srci, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
+            pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
-            pv_role(Q, srci, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
+            pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
-
-    # ------------------------------------------------------------------------------ split-D form (cfg.dsplit)
-
-    @T.macro
-    def d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, ph, hf: int):
-        """One block of one D half: the half's QK^T partial, the exchange with the other half (named barriers
-        1 and 2 over both warpgroups: both partials written / both read), the base-2 online softmax on the
-        full scores (identical in both warpgroups: a + b == b + a), then PV on the half from registers."""
-        T.barrier_wait(full[hf * NS + st], ph)
-        T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by wgmma
-        for h, j in T.Parallel(H, bn):
-            s[h, j] = T.if_then_else(idx_h[st, j] >= 0, T.float32(0), -T.infinity(f32))
-        T.wgmma_gemm(q_h, kvh[st, :, :], s, transpose_B=True)
-        T.wait_wgmma(0)
-        # columns XOR-swizzled by (row % 4) * 8: a warp's 8 accumulator rows would hit the same 8 banks
-        for h, j in T.Parallel(H, bn):
-            xs[hf, h, j ^ (h % 4 * 8)] = s[h, j]
-        T.sync_threads(1, 2 * 128)
-        for h, j in T.Parallel(H, bn):
-            s[h, j] = s[h, j] + xs[1 - hf, h, j ^ (h % 4 * 8)]
-        T.sync_threads(2, 2 * 128)  # the other half has read this half's partial: the next block may overwrite
-        T.copy(m, m_prev)
-        T.reduce_max(s, m, dim=1, clear=False)
-        for h in T.Parallel(H):
-            alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
-        for h, j in T.Parallel(H, bn):
-            s[h, j] = T.exp2(s[h, j] * c2 - m[h] * c2)
-        T.reduce_sum(s, lblk, dim=1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * alpha[h] + lblk[h]
-        T.copy(s, p)
-        for h, d in T.Parallel(H, D2):
-            o[h, d] = o[h, d] * alpha[h]
-        T.gemm(p, kvh[st, :, :], o)
-        # every warp's MMAs have read the stage before any thread of the warpgroup refills it (3 + hf, 128)
-        T.sync_threads(3 + hf, 128)
-
-    @T.macro
-    def d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, x, slot, st, hf: int, t, rid, buf, obuf):
-        """FP8 split-D: block x (staged in `slot` SL blocks ago) -> bf16 stage st, then the slot stages block
-        x + SL (a group is committed even when there is none: SL groups stay in flight for wait_group)."""
-        dequant(raw, sc, stg, kvh, idx_h, full, st, hf, t, buf, obuf, slot)
-        if x + SL < nb:
-            gather(src, kvh, raw, sc, stg, full, b, base, x + SL, slot, hf, t, rid, 0)
-        T.ptx_commit_group()
-        if x + SL + 1 < nb:
-            load_rid(src, b, base, x + SL + 1, t, rid, 0)
-
-    @T.macro
-    def d_merge(Sink, O, Op, Mp, Lp, Cnt, b, sp, hf: int, t, o, m, m_prev, l, lblk, alpha, arrived):
-        """cfg.merge: this CTA's partial is written; make it visible GPU-wide and count the CTA in (named
-        barrier 1 over both warpgroups around the one arrival); the request's last CTA folds every other
-        chunk (m_k = Mp / scale in score units) into its registers, adds the sink and writes O."""
-        T.evaluate(T.call_extern("handle", "__threadfence"))
-        T.sync_threads(1, 2 * 128)
-        if hf == 0:
-            if t == 0:
-                arrived[0] = T.atomic_add(Cnt[b], 1, memory_order="acq_rel", return_prev=True)
-        T.sync_threads(1, 2 * 128)
-        if arrived[0] == ns - 1:
-            T.evaluate(T.call_extern("handle", "__threadfence"))  # (acquire side, every reading thread)
-            for k in T.serial(ns):
-                if k != sp:
-                    for h in T.Parallel(H):
-                        m_prev[h] = m[h]
-                        m[h] = T.max(m[h], Mp[b, k, h] * (1.0 / scale))
-                        alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
-                        lblk[h] = T.exp2(Mp[b, k, h] * LOG2E - m[h] * c2)
-                        l[h] = l[h] * alpha[h] + Lp[b, k, h] * lblk[h]
-                    for h, d in T.Parallel(H, D2):
-                        o[h, d] = o[h, d] * alpha[h] + Op[b, k, h, hf * D2 + d] * lblk[h]
-            for h in T.Parallel(H):  # the sink joins the denominator only
-                alpha[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
-            for h, d in T.Parallel(H, D2):
-                O[b, h, hf * D2 + d] = T.cast(o[h, d] * alpha[h], bf)
-            if hf == 0:
-                if t == 0:
-                    Cnt[b] = 0  # ready for the next call (every CTA of this request has arrived)
-
-    @T.macro
-    def d_role(Q, src, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, hf: int, t, q_h, kvh, idx_h, xs, s, p, o, m, m_prev,
-               l, lblk, alpha, full, bar_q, rid, raw, sc, stg, buf, obuf, arrived):  # fmt: skip
-        T.fill(o, 0.0)
-        T.fill(m, NEG)
-        T.fill(l, 0.0)
-        for k in T.unroll(g.QC, explicit=True):  # this half of Q: the only Q this warpgroup reads
-            T.ptx_cp_async(
-                T.access_ptr(q_h[g.q_row(k, t), g.q_col(k, t)], "w", 8),
-                T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
-                8,
-            )
-        if src.ids is not None and hf == 0:
-            cp_chunk_ids(src, src.ids, b, base, t)
-        T.cp_async_barrier_noinc(bar_q[hf])
-        if kv_fp8:
-            for j in slots:  # the first SL blocks' codes in flight, one cp.async group each
-                if j < nb:
-                    load_rid(src, b, base, j, t, rid, j, False)
-            for j in slots:
-                if j < nb:
-                    gather(src, kvh, raw, sc, stg, full, b, base, j, j, hf, t, rid, j)
-                T.ptx_commit_group()
-            if SL < nb:
-                load_rid(src, b, base, SL, t, rid, 0, False)
-            if src.ids is not None:
-                T.barrier_wait(bar_q[0], 0)  # the chunk's ids (loaded by warpgroup 0's threads)
-            for j in pre_blocks:
-                d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, j, j, j, hf, t, rid, buf, obuf)
-        else:
-            for j in pre_blocks:
-                load_rid(src, b, base, j, t, rid, j, False)
-            for j in pre_blocks:
-                gather(src, kvh, None, None, idx_h, full, b, base, j, j, hf, t, rid, j)
-            if NS < nb:
-                load_rid(src, b, base, NS, t, rid, 0, False)
-            if src.ids is not None:
-                T.barrier_wait(bar_q[0], 0)  # the chunk's ids (loaded by warpgroup 0's threads)
-        T.barrier_wait(bar_q[hf], 0)
-        for it in T.serial(rounds):
-            for st in ring:
-                d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, it & 1, hf)
-                if (it + 1) * NS + st < nb:
-                    if kv_fp8:
-                        x = (it + 1) * NS + st
-                        d_refill8(src, kvh, raw, sc, stg, idx_h, full, b, base, x, x % SL, st, hf, t, rid, buf, obuf)
-                    else:
-                        refill(src, kvh, None, None, None, idx_h, full, b, base, (it + 1) * NS + st, st, hf, t,
-                               rid, None, None)  # fmt: skip
-        for st in tail_blocks:
-            d_block(q_h, kvh, idx_h, xs, s, p, o, m, m_prev, l, lblk, alpha, full, st, rounds & 1, hf)
-        if split:
-            if hf == 0:
-                for h in T.Parallel(H):
-                    Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
-                    Lp[b, sp, h] = l[h]
-            for h, d in T.Parallel(H, D2):
-                Op[b, sp, h, hf * D2 + d] = o[h, d]
-        if cfg.merge:
-            d_merge(Sink, O, Op, Mp, Lp, Cnt, b, sp, hf, t, o, m, m_prev, l, lblk, alpha, arrived)
-        elif not split:
-            for h in T.Parallel(H):  # the sink joins the denominator only
-                alpha[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
-            for h, d in T.Parallel(H, D2):
-                O[b, h, hf * D2 + d] = T.cast(o[h, d] * alpha[h], bf)
-
-    @T.macro
-    def body_dsplit(Q, src, Sink, O, Op, Mp, Lp, sp, b, Cnt=None):
-        q_l = T.alloc_shared((H, D2), bf)
-        q_r = T.alloc_shared((H, D2), bf)
-        kv_l = T.alloc_shared((NS, bn, D2), bf)
-        kv_r = T.alloc_shared((NS, bn, D2), bf)
-        idx_l = T.alloc_shared((NS, bn), i32)
-        idx_r = T.alloc_shared((NS, bn), i32)
-        xs = T.alloc_shared((2, H, bn), f32)  # the two halves' partial scores
-        s_l = T.alloc_fragment((H, bn), f32)
-        s_r = T.alloc_fragment((H, bn), f32)
-        p_l = T.alloc_fragment((H, bn), bf)
-        p_r = T.alloc_fragment((H, bn), bf)
-        o_l = T.alloc_fragment((H, D2), f32)
-        o_r = T.alloc_fragment((H, D2), f32)
-        m_l = T.alloc_fragment((H,), f32)
-        m_r = T.alloc_fragment((H,), f32)
-        mp_l = T.alloc_fragment((H,), f32)
-        mp_r = T.alloc_fragment((H,), f32)
-        l_l = T.alloc_fragment((H,), f32)
-        l_r = T.alloc_fragment((H,), f32)
-        lb_l = T.alloc_fragment((H,), f32)
-        lb_r = T.alloc_fragment((H,), f32)
-        a_l = T.alloc_fragment((H,), f32)
-        a_r = T.alloc_fragment((H,), f32)
-        rid = T.alloc_local((max(NS, SL), R), i32)
-        # FP8: per half, SL staging slots of raw codes, exponent words and row ids (1-element dummies for bf16)
-        raw_l = T.alloc_shared((SL, bn, D2) if kv_fp8 else (1, 16), "float8_e4m3fn")
-        raw_r = T.alloc_shared((SL, bn, D2) if kv_fp8 else (1, 16), "float8_e4m3fn")
-        sc_l = T.alloc_shared((SL, bn, g.tpr * 4) if kv_fp8 else (1, 4), "uint8")
-        sc_r = T.alloc_shared((SL, bn, g.tpr * 4) if kv_fp8 else (1, 4), "uint8")
-        stg_l = T.alloc_shared((SL, bn) if kv_fp8 else (1, 4), i32)
-        stg_r = T.alloc_shared((SL, bn) if kv_fp8 else (1, 4), i32)
-        buf = T.alloc_local((16,), "float8_e4m3fn")
-        obuf = T.alloc_local((16,), bf)
-        arrived = T.alloc_shared((1,), i32)  # merge: this CTA's place among the request's arrivals
-        ids_s = T.alloc_shared((chunk if cfg.ids_smem else 4,), i32)
-        srci = src._replace(ids=ids_s) if cfg.ids_smem else src
-        bar_q = T.alloc_barrier([128, 128])
-        full = T.alloc_barrier([128] * (2 * NS))
-        base = sp * chunk
-        tx = T.get_thread_binding()
-        if tx < 128:
-            d_role(Q, srci, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 0, tx, q_l, kv_l, idx_l, xs, s_l, p_l, o_l, m_l,
-                   mp_l, l_l, lb_l, a_l, full, bar_q, rid, raw_l, sc_l, stg_l, buf, obuf, arrived)  # fmt: skip
-        else:
-            d_role(Q, srci, Sink, O, Op, Mp, Lp, Cnt, b, sp, base, 1, tx - 128, q_r, kv_r, idx_r, xs, s_r, p_r, o_r,
-                   m_r, mp_r, l_r, lb_r, a_r, full, bar_q, rid, raw_r, sc_r, stg_r, buf, obuf, arrived)  # fmt: skip
-
-    if cfg.dsplit:
-        body = body_dsplit  # noqa: F811 (the entry points below take whichever body the config selects)
-    threads = cfg.threads
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
-    if cfg.merge:
-        return _merge_entry(body, B=Bd, H=H, D=D, S=Sd, Sw=Sd, Sc=Sc, nw=nw, nc=nc, topk=topk, ns=ns, kvt=kvt,
-                            fp8=kv_fp8, threads=threads)  # fmt: skip
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split, threads=threads)  # fmt: skip
+                                  fp8=kv_fp8, split=split)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -1011,7 +706,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=threads) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
                 body(Q, _Src(KV, KVs, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_fp8_split
@@ -1026,7 +721,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Sink: T.Tensor((H,), f32),
             O: T.Tensor((Bd, H, D), bf),
         ):
-            with T.Kernel(ns, Bd, threads=threads) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
                 body(Q, _Src(KV, KVs, Idx), Sink, O, None, None, None, sp, b)
 
         return sparse_attn_decode_ws_fp8
@@ -1041,7 +736,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=threads) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
                 body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_split
@@ -1054,7 +749,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with T.Kernel(ns, Bd, threads=threads) as (sp, b):
+        with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
@@ -1138,92 +833,6 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
     return sparse_attn_decode_ws2
 
 
-def _merge_entry(body, *, B, H, D, S, Sw, Sc, nw, nc, topk, ns, kvt, fp8: bool, threads, act="bfloat16"):
-    """cfg.merge prim_funcs (one or two pools, bf16 or FP8 KV; signatures: `program`) around a CTA
-    body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Cnt); threads None: TileLang's c target."""
-    import tilelang.language as T
-
-    f32, i32 = "float32", "int32"
-    if nw and fp8:
-
-        @T.prim_func
-        def sparse_attn_decode_ws2_fp8_merge(
-            Q: T.Tensor((B, H, D), act),
-            KVw: T.Tensor((Sw, D), kvt),
-            KVsw: T.Tensor((Sw, D // 32), "uint8"),
-            KVc: T.Tensor((Sc, D), kvt),
-            KVsc: T.Tensor((Sc, D // 32), "uint8"),
-            IdxW: T.Tensor((B, nw), i32),
-            IdxC: T.Tensor((B, nc), i32),
-            Sink: T.Tensor((H,), f32),
-            O: T.Tensor((B, H, D), act),
-            Op: T.Tensor((B, ns, H, D), f32),
-            Mp: T.Tensor((B, ns, H), f32),
-            Lp: T.Tensor((B, ns, H), f32),
-            Cnt: T.Tensor((B,), i32),
-        ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
-                body(Q, _Src(KVw, KVsw, IdxW, KVc, KVsc, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, Cnt)
-
-        return sparse_attn_decode_ws2_fp8_merge
-    if nw:
-
-        @T.prim_func
-        def sparse_attn_decode_ws2_merge(
-            Q: T.Tensor((B, H, D), act),
-            KVw: T.Tensor((Sw, D), kvt),
-            KVc: T.Tensor((Sc, D), kvt),
-            IdxW: T.Tensor((B, nw), i32),
-            IdxC: T.Tensor((B, nc), i32),
-            Sink: T.Tensor((H,), f32),
-            O: T.Tensor((B, H, D), act),
-            Op: T.Tensor((B, ns, H, D), f32),
-            Mp: T.Tensor((B, ns, H), f32),
-            Lp: T.Tensor((B, ns, H), f32),
-            Cnt: T.Tensor((B,), i32),
-        ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
-                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, Cnt)
-
-        return sparse_attn_decode_ws2_merge
-    if fp8:
-
-        @T.prim_func
-        def sparse_attn_decode_ws_fp8_merge(
-            Q: T.Tensor((B, H, D), act),
-            KV: T.Tensor((S, D), kvt),
-            KVs: T.Tensor((S, D // 32), "uint8"),
-            Idx: T.Tensor((B, topk), i32),
-            Sink: T.Tensor((H,), f32),
-            O: T.Tensor((B, H, D), act),
-            Op: T.Tensor((B, ns, H, D), f32),
-            Mp: T.Tensor((B, ns, H), f32),
-            Lp: T.Tensor((B, ns, H), f32),
-            Cnt: T.Tensor((B,), i32),
-        ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
-                body(Q, _Src(KV, KVs, Idx), Sink, O, Op, Mp, Lp, sp, b, Cnt)
-
-        return sparse_attn_decode_ws_fp8_merge
-
-    @T.prim_func
-    def sparse_attn_decode_ws_merge(
-        Q: T.Tensor((B, H, D), act),
-        KV: T.Tensor((S, D), kvt),
-        Idx: T.Tensor((B, topk), i32),
-        Sink: T.Tensor((H,), f32),
-        O: T.Tensor((B, H, D), act),
-        Op: T.Tensor((B, ns, H, D), f32),
-        Mp: T.Tensor((B, ns, H), f32),
-        Lp: T.Tensor((B, ns, H), f32),
-        Cnt: T.Tensor((B,), i32),
-    ):
-        with T.Kernel(ns, B, threads=threads) as (sp, b):
-            body(Q, _Src(KV, None, Idx), Sink, O, Op, Mp, Lp, sp, b, Cnt)
-
-    return sparse_attn_decode_ws_merge
-
-
 def _program_ws_cpu(
     B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp8: bool, n_win: int = 0, S_cmp: int = 0
 ):
@@ -1232,9 +841,7 @@ def _program_ws_cpu(
     ring and chunking, the mask (-inf before the max, finite -1e30 start), the base-2 online softmax with
     alpha applied to O before P V, the split outputs and the sink. The warpgroups run one after another
     for each block and each thread's copies are a serial loop over t; the barriers' ordering is program
-    order here. It checks the index arithmetic and the math, not the synchronisation. It also stands for
-    the split-D form (`Config.dsplit`: the same geometry, gathers and math; its score exchange through shared
-    memory and the per-half row-id copies are synchronisation, checked on the H200 only)."""
+    order here. It checks the index arithmetic and the math, not the synchronisation."""
     import tilelang.language as T
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
@@ -1248,7 +855,7 @@ def _program_ws_cpu(
     split = ns > 1
 
     @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Cnt=None):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
         q = T.alloc_local((2, H, D2), f32)
         kv = T.alloc_local((2, NS, bn, D2), f32)  # [half, stage, row, column]
         raw = T.alloc_local((2, NS, bn, D2), f32)
@@ -1261,17 +868,9 @@ def _program_ws_cpu(
         m = T.alloc_local((H,), f32)
         m_prev = T.alloc_local((H,), f32)
         l = T.alloc_local((H,), f32)
-        acc = T.alloc_local((2,), f32)
-        arrived = T.alloc_local((1,), i32)
+        acc = T.alloc_local((1,), f32)
         rid = T.alloc_local((R,), i32)
-        ids = T.alloc_local((chunk,), i32)  # cfg.ids_smem: the chunk's row ids, copied as cp_chunk_ids does
         base = sp * chunk
-        if cfg.ids_smem:
-            for c in T.serial((chunk // 4 + 127) // 128):
-                for t in T.serial(128):
-                    if c * 128 + t < chunk // 4:
-                        for v in T.serial(4):
-                            ids[(c * 128 + t) * 4 + v] = src.row_id(b, base + (c * 128 + t) * 4 + v)
         for hf in T.serial(2):
             for t in T.serial(128):
                 for k in T.serial(g.QC):
@@ -1288,10 +887,7 @@ def _program_ws_cpu(
             for hf in T.serial(2):  # the PV warpgroups' loaders fill block i into stage st
                 for t in T.serial(128):
                     for r in T.serial(R):
-                        if cfg.ids_smem:
-                            rid[r] = ids[i * bn + g.row(r, t)]
-                        else:
-                            rid[r] = src.row_id(b, base + i * bn + g.row(r, t))
+                        rid[r] = src.row_id(b, base + i * bn + g.row(r, t))
                     for r in T.serial(R):
                         row, pr, e = g.row(r, t), T.max(rid[r], 0), base + i * bn + g.row(r, t)
                         if kv_fp8:
@@ -1343,30 +939,7 @@ def _program_ws_cpu(
                 for hf in T.serial(2):
                     for d in T.serial(D2):
                         O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
-        if cfg.merge:  # CTAs run one after another here: the arrival counter is a plain read-modify-write
-            arrived[0] = Cnt[b]
-            Cnt[b] = arrived[0] + 1
-            if arrived[0] == ns - 1:
-                for h in T.serial(H):
-                    for k in T.serial(ns):
-                        if k != sp:  # fold chunk k in (its max in score units: Mp / scale), as d_merge
-                            m_prev[h] = m[h]
-                            m[h] = T.max(m[h], Mp[b, k, h] * (1.0 / scale))
-                            acc[0] = T.exp2((m_prev[h] - m[h]) * c2)
-                            acc[1] = T.exp2(Mp[b, k, h] * LOG2E - m[h] * c2)
-                            l[h] = l[h] * acc[0] + Lp[b, k, h] * acc[1]
-                            for hf in T.serial(2):
-                                for d in T.serial(D2):
-                                    o[hf, h, d] = o[hf, h, d] * acc[0] + Op[b, k, h, hf * D2 + d] * acc[1]
-                    acc[0] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
-                    for hf in T.serial(2):
-                        for d in T.serial(D2):
-                            O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
-                Cnt[b] = 0
 
-    if cfg.merge:
-        return _merge_entry(body, B=B, H=H, D=D, S=S, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, topk=topk,
-                            ns=ns, kvt=f32, fp8=kv_fp8, threads=None, act=f32)  # fmt: skip
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,
                                   kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32)  # fmt: skip
@@ -1498,17 +1071,6 @@ def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
     kernels[0](q, *_as_args(kv), *_as_args(idx), op, mp, lp)
     kernels[1](op, mp, lp, sink, out)
     return out
-
-
-def merge_scratch(B: int, num_split: int, H: int, D: int, device) -> tuple:
-    """(Op, Mp, Lp, Cnt) for a cfg.merge kernel: partials (any contents) and the zeroed arrival counters the
-    kernel leaves zeroed (allocate once, e.g. per CUDA-graph bucket)."""
-    return (
-        torch.empty(B, num_split, H, D, device=device, dtype=torch.float32),
-        torch.empty(B, num_split, H, device=device, dtype=torch.float32),
-        torch.empty(B, num_split, H, device=device, dtype=torch.float32),
-        torch.zeros(B, device=device, dtype=torch.int32),
-    )
 
 
 # ---------------------------------------------------------------------------------------------- reference
