@@ -309,7 +309,7 @@ def case_grouped_gemm_masked(row: Row, tokens: int, E: int, max_rows: int, quick
         func = moe_grouped_gemm.program(M, N, K, E, act_group=g, weight_block=g, target="sm90", cfg=cfg,
                                         max_rows=max_rows)  # fmt: skip
     else:
-        cfg = cfg or moe_grouped_gemm.swab_config(int(counts.max()), fmt)
+        cfg = cfg or moe_grouped_gemm.swab_config(int(counts.max()), fmt, active_experts=active, N=N)
         func = moe_grouped_gemm.swab_program(M, N, K, E, fmt=fmt, cfg=cfg, max_rows=max_rows, swiglu_limit=lim)
         row.shape += f" {cfg.tag}"
     if swiglu:
