@@ -500,7 +500,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args) -> list[dict]:
-    """Also takes `deepinfer bench`'s arguments (one --context integer, no --experts)."""
+    """Also takes `deepinfer bench`'s arguments (no --moe-glu there: auto)."""
     return run(out_dir=args.out, budget_s=args.budget_s, jobs=args.jobs,
                layers=tuple(int(x) for x in args.layers.split(",")),
                batches=tuple(int(x) for x in args.batches.split(",") if x),
