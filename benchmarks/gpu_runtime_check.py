@@ -33,25 +33,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-tilelang-cache"))
-os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-triton-cache"))
-
-_ROOT = Path(__file__).resolve().parents[1]
-try:
-    import deepinfer  # noqa: F401
-except ImportError:  # a checkout without `pip install -e .`: the repo root is the package
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("deepinfer", _ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(_ROOT)])  # fmt: skip
-    sys.modules["deepinfer"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["deepinfer"])
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _checkout  # noqa: E402,F401  (kernel cache dirs; `deepinfer` importable from a plain checkout)
 import torch  # noqa: E402
 
 T0 = time.time()
@@ -225,8 +212,7 @@ NEW_FAMILIES = ("sparse_attn_decode", "moe_grouped_gemm", "moe_routing", "hyper_
 
 def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, jobs: int, deadline: float) -> dict:
     """The runtime's kernels at the real dims against their node references (module doc)."""
-    sys.path.insert(0, str(_ROOT / "benchmarks"))
-    import bench_slice as bs
+    import bench_slice as bs  # a sibling: benchmarks/ is on sys.path (above)
 
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
 
@@ -318,7 +304,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="build the adapters' slice graph(s) only (no GPU)")
     args = ap.parse_args(argv)
     if args.dry_run:
-        sys.path.insert(0, str(_ROOT / "benchmarks"))
         import bench_slice as bs
 
         for experts in args.experts.split(","):

@@ -17,28 +17,13 @@ import argparse
 import functools
 import os
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-tilelang-cache"))
-os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-triton-cache"))
-
-# Run from a checkout without installing: the repo root is the package `deepinfer`.
-_ROOT = Path(__file__).resolve().parents[1]
-try:
-    import deepinfer  # noqa: F401
-except ImportError:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "deepinfer", _ROOT / "__init__.py", submodule_search_locations=[str(_ROOT)]
-    )
-    sys.modules["deepinfer"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["deepinfer"])
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _checkout  # noqa: E402,F401  (kernel cache dirs; `deepinfer` importable from a plain checkout)
 import torch  # noqa: E402
 
 from deepinfer.codegen.kernels import (  # noqa: E402
