@@ -1026,22 +1026,16 @@ def _indexer_cases(quick: bool):
 
 def new_family_cases(quick: bool):
     """Rows for indexer_topk, compressor and engram (appended to `cases`)."""
-    out = _indexer_cases(quick) + [
-        ("compressor r2", "4096x512", lambda r, q, d: case_compressor(r, 4096, 2, q, d)),
-        ("engram_embed", "4096x24x256 fp8", lambda r, q, d: case_engram_embed(r, 4096, q, d)),
-        ("engram_gate", f"4096x4x{HIDDEN}", lambda r, q, d: case_engram_gate(r, 4096, q, d)),
-    ]  # fmt: skip
-    if not quick:
+    out = _indexer_cases(quick)
+    for T_ in (4096,) if quick else (4096, 64):
         out += [
-            ("compressor r2", "64x512", lambda r, q, d: case_compressor(r, 64, 2, q, d)),
-            ("compressor r1", "4096x512", lambda r, q, d: case_compressor(r, 4096, 1, q, d)),
-            ("engram_embed", "64x24x256 fp8", lambda r, q, d: case_engram_embed(r, 64, q, d)),
-            ("engram_gate", f"64x4x{HIDDEN}", lambda r, q, d: case_engram_gate(r, 64, q, d)),
+            ("compressor r2", f"{T_}x512", lambda r, q, d, T_=T_: case_compressor(r, T_, 2, q, d)),
+            ("engram_embed", f"{T_}x24x256 fp8", lambda r, q, d, T_=T_: case_engram_embed(r, T_, q, d)),
+            ("engram_gate", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_engram_gate(r, T_, q, d)),
         ]  # fmt: skip
+    if not quick:
+        out.append(("compressor r1", "4096x512", lambda r, q, d: case_compressor(r, 4096, 1, q, d)))
     return out
-
-
-# ---------------------------------------------------------------------------------------------- plan
 
 
 def grouped_cases(quick: bool):
