@@ -14,22 +14,10 @@ from deepinfer.runtime.cuda_executor import (
     CudaRunner,
     GraphExecutor,
     KernelCache,
-    restack_experts,
 )
 from deepinfer.runtime.session import allocate_caches
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
-
-
-@pytest.fixture(scope="module")
-def sm90_tiny():
-    from deepinfer.compiler import compile_model
-    from deepinfer.runtime.plan import bind_weights
-
-    plan = compile_model("deepseek-v4.1-flash:tiny", "sm90").plan
-    params, _ = bind_weights(plan)
-    restack_experts(plan.graph, params)
-    return plan, params
 
 
 def _feeds(g, tokens):

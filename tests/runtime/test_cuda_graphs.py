@@ -19,7 +19,7 @@ from deepinfer.ir.ops import attention, v41
 from deepinfer.ir.ops.attention import apply_rope, last_rows_slots
 from deepinfer.ir.registry import get_op
 from deepinfer.runtime import cuda_graphs as cg
-from deepinfer.runtime.cuda_executor import CudaRunner, GraphExecutor, restack_experts
+from deepinfer.runtime.cuda_executor import CudaRunner, GraphExecutor
 from deepinfer.runtime.engine import LLM
 from deepinfer.runtime.kv_cache import KVCacheManager
 from deepinfer.runtime.sampler import SamplingParams
@@ -195,17 +195,6 @@ def test_sync_free_e8m0_matches_and_patches_are_scoped():
 # ---------------------------------------------------------------------------------------------- decode steps
 
 
-@pytest.fixture(scope="module")
-def sm90_tiny_plan():
-    from deepinfer.compiler import compile_model
-    from deepinfer.runtime.plan import bind_weights
-
-    plan = compile_model("deepseek-v4.1-flash:tiny", "sm90").plan
-    params, _ = bind_weights(plan)
-    restack_experts(plan.graph, params)
-    return plan, params
-
-
 def _decode_positions_check(g, params, prompt_len: int, steps: int, max_len: int = 40) -> None:
     """Prefill, then decode steps: each under a strict HostSyncGuard, identical to the plain references."""
     names = [e["name"] for e in g.meta["caches"]]
@@ -247,11 +236,11 @@ def test_the_guard_catches_host_reads():
     assert len(guard.hits) == 1 and "test_cuda_graphs.py" in next(iter(guard.hits))
 
 
-def test_sm90_decode_step_on_meta_tensors_copies_only_memoised_constants(sm90_tiny_plan):
+def test_sm90_decode_step_on_meta_tensors_copies_only_memoised_constants(sm90_tiny):
     """Meta tensors have no values: a host read fails, and every host tensor that reaches them is a copy the
     guard sees. Only constant tables copied to the device (rope frequencies, the Engram token map) appear, and
     the memo serves those from one copy -- so nothing in the step would break a CUDA capture."""
-    plan, params = sm90_tiny_plan
+    plan, params = sm90_tiny
     g = plan.graph
     ex = GraphExecutor(g, {k: v.to("meta") for k, v in params.items()}, compiled=False, sync_free=True)
     feeds = {k: v.to("meta") for k, v in allocate_caches(g, 40).items()}
@@ -396,8 +385,8 @@ def _gpu_llm(plan, params, kernels, **kw):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny_plan, gpu_kernels):
-    plan, params = sm90_tiny_plan
+def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny, gpu_kernels):
+    plan, params = sm90_tiny
     prompts = prompts_of_lengths([5, 9, 3, 12, 7], seed=2, vocab=120000)
     runs = {}
     for name, kw in (("graphs", {}), ("eager", {"cuda_graphs": False}), ("host", {"kv_cache_device": "cpu"})):
@@ -418,10 +407,10 @@ def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny_plan, gpu_kern
 
 
 @pytest.mark.gpu
-def test_gpu_decode_graph_replay_matches_eager_at_every_bucket(sm90_tiny_plan, gpu_kernels):
+def test_gpu_decode_graph_replay_matches_eager_at_every_bucket(sm90_tiny, gpu_kernels):
     """Batches of 1, 2, 3 and 8 sequences (buckets 1, 2, 4 with a padding slot, 8): every step's logits equal
     the eager ones."""
-    plan, params = sm90_tiny_plan
+    plan, params = sm90_tiny
     graphs, eager = _gpu_llm(plan, params, gpu_kernels), _gpu_llm(plan, params, gpu_kernels, cuda_graphs=False)
     for n in (1, 2, 3, 8):
         prompts = prompts_of_lengths([3 + i for i in range(n)], seed=n, vocab=120000)
