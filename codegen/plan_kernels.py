@@ -95,7 +95,7 @@ def _gemm_fields(cfg: dict) -> dict:
 def _spec_for(b: dict, attrs: dict, target: str, db, versions) -> KernelSpec | None:
     """One bucket's binding -> the kernel it needs (shapes normalised as the runtime adapters do)."""
     fam, prog, shape, cfg = b["family"], b["program"], b["shape"], b["config"]
-    if fam == "fp8_gemm":
+    if fam == "fp8_gemm" and prog == "program":
         group = attrs["act_group"] or attrs["block"]
         tshape = {"M": shape["M"], "N": shape["N"], "K": shape["K"], "g": min(group, attrs["block"])}
         tuned = _tuned(fam, tshape, target, db, versions)

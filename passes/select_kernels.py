@@ -86,6 +86,22 @@ def bind_linear_fp8(c: _Ctx):
 GEMM_REDUCE = ("block_k", "split_k")
 
 
+def bind_grouped_out_proj(c: _Ctx):
+    """wo_a's G group GEMMs as one swap-AB grouped launch (a group is an expert with all T rows), then wo_b
+    through fp8_gemm (runtime/kernel_adapters.GroupedOutProjAdapter); block-scaled FP8 weights only."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm
+
+    x, wa, wb, sa, sb = c.node.inputs
+    if sa is None or sb is None:
+        raise Fallback("the compiled grouped_out_proj takes block-scaled FP8 wo_a and wo_b")
+    t, g, k = c.shape(x)
+    rows_a, n = c.shape(wa)[0], c.shape(wb)[0]
+    cfg = moe_grouped_gemm.swab_config(t, "fp8")
+    programs = ["moe_grouped_gemm.swab_program (masked, one expert per group)", "fp8_gemm.program"]
+    shape = {"T": t, "G": g, "K": k, "R": rows_a // g, "N": n, "programs": programs}
+    return "fp8_gemm", "grouped_out_proj", shape, asdict(cfg), ("block_k",)
+
+
 def bind_moe(c: _Ctx):
     a = c.node.attrs
     x, idx = c.node.inputs[0], c.node.inputs[2]
@@ -266,6 +282,7 @@ def bind_hc_post(c: _Ctx):
 
 BINDERS: dict[str, Callable] = {
     "linear_fp8": bind_linear_fp8,
+    "grouped_out_proj": bind_grouped_out_proj,
     "moe_experts": bind_moe,
     "moe_experts_local": bind_moe,
     "moe_grouped_experts": bind_moe,

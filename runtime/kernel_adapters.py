@@ -199,6 +199,75 @@ class LinearFP8Adapter:
         return [fp8_linear(call, kernels[0], call.args[0], 1, 2, group, block, info)]
 
 
+class GroupedOutProjAdapter:
+    """grouped_out_proj (the attention's wo_a per group, then wo_b), both GEMMs compiled: the G groups' GEMMs as
+    one swap-AB launch over the masked layout (moe_grouped_gemm.swab_program, group g = expert g with T rows:
+    wo_a [G*R, K] is already the [G, R, K] expert stack, a view), then the [T, G*R] intermediate quantised per
+    mid_group (the op's Q/DQ) into fp8_gemm. x arrives dequantised from the attention's FP8 epilogue: its
+    re-quantisation per block_a reproduces those codes exactly (power-of-two scales, same group), so the first
+    GEMM sees the reference's operands; the intermediate is the kernel's bf16 (the reference keeps fp32)."""
+
+    family = "fp8_gemm"
+    ops = ("grouped_out_proj",)
+    dense = LinearFP8Adapter()
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+        _cuda_only(call)
+        x, wa, wb, sa, sb = call.args
+        a = call.attrs
+        if sa is None or sb is None or wa.dtype != torch.float8_e4m3fn or wb.dtype != torch.float8_e4m3fn:
+            raise Decline("the compiled grouped_out_proj takes block-scaled FP8 wo_a and wo_b")
+        t, g, k = x.shape
+        r, block = wa.shape[0] // g, a["block_a"]
+        if r % block or k % block:
+            raise Decline(f"wo_a's groups of R={r} x K={k} do not split into {block}-blocks")
+        fields = {f: call.config[f] for f in vars(mg.SwabConfig()) if f in call.config}
+        cfg = mg.SwabConfig(**fields) if fields else mg.swab_config(t, "fp8")
+        why = _swab_unfit(r, k, "fp8", cfg, block, block, False)
+        if why is not None:
+            raise Decline(f"grouped wo_a (R={r}, K={k}): {why}")
+        max_rows = -(-t // cfg.block_t) * cfg.block_t
+        key = _key("moe_grouped_gemm", "swab_program", (g * max_rows, r, k, g), cfg, act_group=block,
+                   swiglu_limit=None, fmt="fp8", weight_block=block, max_rows=max_rows)  # fmt: skip
+        u_stub = x.new_empty((t, g * r))
+        sub = self._wo_b_call(call, u_stub)
+        return key, max_rows, sub, self.dense._plan(sub)[0]
+
+    def _wo_b_call(self, call: Call, u: torch.Tensor) -> Call:
+        a = call.attrs
+        attrs = {"block": a["block_b"], "act_group": a["mid_group"]}
+        n, p = call.names, call.is_param
+        # no config: the binding's is the grouped GEMM's (fp8_gemm takes its tuned sm90 one)
+        return Call("linear_fp8", attrs, [u, call.args[2], call.args[4]], [f"{n[0]}.u", n[2], n[4]],
+                    [False, p[2], p[4]], {}, call.cache)  # fmt: skip
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        key, _, _, (wo_b_key, _, _) = self._plan(call)
+        return [key, wo_b_key]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        key, max_rows, _, _ = self._plan(call)
+        x, wa, _, sa, _ = call.args
+        t, g, k = x.shape
+        r, block = wa.shape[0] // g, call.attrs["block_a"]
+        w, s = call.prep("wo_a_stack", (1, 3), lambda: (wa.view(g, r, k), scales_f32(sa).view(g, r // block, -1)))
+        q, qs = quant_act(x, block)  # [T, G, K] codes, [T, G, K/block] scales
+        a_m = torch.empty(g, max_rows, k, dtype=q.dtype, device=x.device)
+        a_m.view(torch.uint8)[:, :t] = q.view(torch.uint8).transpose(0, 1)
+        sa_m = torch.empty(k // block, g, max_rows, device=x.device)
+        sa_m[:, :, :t] = qs.permute(2, 1, 0)
+        counts = torch.full((g,), t, dtype=torch.int32, device=x.device)
+        c = torch.empty(g * max_rows, r, dtype=torch.bfloat16, device=x.device)
+        kernels[0](a_m.view(g * max_rows, k), sa_m.view(-1, g * max_rows), w, s, counts, c)
+        u = c.view(g, max_rows, r)[:, :t].transpose(0, 1).reshape(t, g * r).float()
+        sub = self._wo_b_call(call, u)
+        a = call.attrs
+        group = a["mid_group"] or a["block_b"]
+        return [fp8_linear(sub, kernels[1], u, 1, 2, group, a["block_b"], self.dense._plan(sub)[0]).to(x.dtype)]
+
+
 # ---------------------------------------------------------------------------------------------- rmsnorm
 
 
@@ -1094,7 +1163,7 @@ class EngramGateAdapter:
 
 
 ADAPTERS: dict[str, object] = {
-    "fp8_gemm": LinearFP8Adapter(),
+    "fp8_gemm": (LinearFP8Adapter(), GroupedOutProjAdapter()),
     "rmsnorm_quant": RMSNormAdapter(),
     "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter(), HCPostPreCollapseAdapter()),
     "moe_routing": MoERoutingAdapter(),

@@ -1,0 +1,110 @@
+"""GroupedOutProjAdapter (issue 8): grouped_out_proj's wo_a groups through the swap-AB masked program (a group is an
+expert with all T rows) and wo_b through fp8_gemm. CPU: emulated stand-ins (from the programs' docstrings) and,
+at small shapes, the real swap-AB program on TileLang's `c` target; the oracle is the op's own fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.ir import dtypes as dt
+from deepinfer.ir.ops.quant import quant_fp8_groups
+from deepinfer.ir.registry import get_op
+from deepinfer.passes.select_kernels import bind_grouped_out_proj
+from deepinfer.runtime import kernel_adapters as ka
+
+# the intermediate is the kernel's bf16, re-quantised to e4m3 per 32 (the reference quantises its fp32): at most
+# one e4m3 step on a few values; a wrong group, row or transpose is O(1)
+TOL = 0.05
+
+
+def _fp8_weight(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    s = dt.pow2_scale(w.view(n // 32, 32, k // 32, 32).abs().amax(dim=(1, 3)), dt.FP8_MAX)
+    q = (w / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(torch.float8_e4m3fn)
+    return q, dt.float_to_e8m0(s)
+
+
+def out_proj_call(t: int, g: int = 2, k: int = 128, r: int = 64, n: int = 96, seed: int = 0) -> ka.Call:
+    """x as the graph hands it over: the attention's FP8 epilogue dequantised (per 32)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, s = quant_fp8_groups(torch.randn(t, g, k, generator=gen) * 3, 32)
+    x = get_op("dequant_fp8").run([q, s], {"group": 32, "dtype": dt.f32})[0]
+    wa, sa = _fp8_weight(g * r, k, gen)
+    wb, sb = _fp8_weight(n, g * r, gen)
+    attrs = {"block_a": 32, "block_b": 32, "mid_group": 32}
+    return ka.Call("grouped_out_proj", attrs, [x, wa, wb, sa, sb], ["x", "wa", "wb", "sa", "sb"],
+                   [False, True, True, True, True], {}, {})  # fmt: skip
+
+
+def run_adapter(call: ka.Call, builder) -> torch.Tensor:
+    adapter = ka.adapter_for("fp8_gemm", "grouped_out_proj")
+    return adapter.run(call, [builder(key) for key in adapter.keys(call)])[0]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def reference(call: ka.Call) -> torch.Tensor:
+    return get_op("grouped_out_proj").run(call.args, call.attrs)[0]
+
+
+@pytest.fixture(autouse=True)
+def _emulate(monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_emulated_kernels_match_the_reference(t):
+    call = out_proj_call(t, g=4)
+    got, ref = run_adapter(call, ka.emulated_kernel), reference(call)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert rel_err(got, ref) < TOL
+
+
+def test_the_first_gemm_sees_the_reference_operands():
+    """Re-quantising the dequantised x per block_a reproduces it exactly (power-of-two scales, same group): the
+    grouped GEMM multiplies the reference's own operands."""
+    call = out_proj_call(4, g=2)
+    x = call.args[0]
+    q, s = ka.quant_act(x, 32)
+    assert torch.equal((q.float().unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2), x)
+
+
+def test_a_wrong_group_mapping_is_caught():
+    call = out_proj_call(3, g=2)
+    ref = reference(call)
+    swapped = ka.Call(call.op, call.attrs, [call.args[0].flip(1), *call.args[1:]], call.names, call.is_param, {}, {})
+    assert rel_err(run_adapter(swapped, ka.emulated_kernel), ref) > 10 * TOL
+
+
+def test_bf16_weights_decline():
+    call = out_proj_call(2)
+    call.args[3] = None
+    with pytest.raises(ka.Decline, match="block-scaled FP8"):
+        ka.adapter_for("fp8_gemm", "grouped_out_proj").keys(call)
+
+
+def test_on_the_c_target_program():
+    call = out_proj_call(3, g=2, k=128, r=64)
+    adapter = ka.adapter_for("fp8_gemm", "grouped_out_proj")
+    keys = adapter.keys(call)
+    kernels = [ka.c_target_kernel(keys[0]), ka.emulated_kernel(keys[1])]  # the swap-AB program itself; wo_b emulated
+    got = adapter.run(call, kernels)[0]
+    assert rel_err(got, reference(call)) < TOL
+
+
+def test_binding_names_the_adapter_family():
+    from deepinfer.codegen.targets import get_target
+    from deepinfer.ir.builder import GraphBuilder
+    from deepinfer.passes.select_kernels import _Ctx
+
+    b = GraphBuilder("t")
+    x = b.input("x", "f32", [64, 8, 4096])
+    wa, sa = b.param("wa", "f8e4m3", [8192, 4096]), b.param("sa", "e8m0", [256, 128])
+    wb, sb = b.param("wb", "f8e4m3", [5120, 8192]), b.param("sb", "e8m0", [160, 256])
+    y = b.op("grouped_out_proj", x, wa, wb, sa, sb, block_a=32, block_b=32, mid_group=32)
+    fam, prog, shape, cfg, _ = bind_grouped_out_proj(_Ctx(y.producer, {}, get_target("sm90")))
+    assert (fam, prog, shape["R"], shape["N"]) == ("fp8_gemm", "grouped_out_proj", 1024, 5120)
+    assert ka.adapter_for(fam, "grouped_out_proj") is not None
