@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "deepinfer-tilelang-cache"))
@@ -65,11 +66,12 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------- the slice
 
 
-def slice_config(layers=DEFAULT_LAYERS) -> dict:
-    """The real V4.1-Flash config cut to `layers` (renumbered 0..n-1), roles kept, Engram and MTP off."""
+def slice_config(layers=DEFAULT_LAYERS, preset: str = "real") -> dict:
+    """The V4.1-Flash config (real dims, or a smaller preset for the CPU smoke mode) cut to `layers` (renumbered
+    0..n-1), roles kept, Engram and MTP off."""
     from deepinfer.models.presets import preset_config
 
-    cfg = preset_config("deepseek-v4.1-flash", "real")
+    cfg = preset_config("deepseek-v4.1-flash", preset)
     t = cfg["text_config"]
     layers = sorted(layers)
     new = {old: i for i, old in enumerate(layers)}
@@ -106,13 +108,13 @@ def slice_pipeline(experts: str = "fp8"):
     return pipe
 
 
-def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8"):
+def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8", preset: str = "real"):
     from deepinfer.models import get_model
     from deepinfer.passes import select_kernels as sk
     from deepinfer.passes.pipeline import run_pipeline
 
     mod = get_model("deepseek-v4.1-flash")
-    g = mod.build_graph(mod.parse_config(slice_config(layers)))
+    g = mod.build_graph(mod.parse_config(slice_config(layers, preset)))
     saved, sk.DECODE_ATTN_MAX_T = sk.DECODE_ATTN_MAX_T, DECODE_MAX_T
     try:
         opt, _ = run_pipeline(g, slice_pipeline(experts))
@@ -127,6 +129,7 @@ def gpu_weights(g, device="cuda", seed: int = 0) -> dict:
 
     torch.manual_seed(seed)
     params: dict = {}
+    n_experts = max((n.attrs["n_experts"] for n in g.nodes if "n_experts" in n.attrs), default=384)
     for n in g.nodes:
         if n.op == "moe_grouped_experts" and n.attrs.get("fmt") == "fp8":
             _stacked_experts(n, params, device)
@@ -144,7 +147,7 @@ def gpu_weights(g, device="cuda", seed: int = 0) -> dict:
         elif d.is_float:
             params[p.name] = _float(p.name, shape, device).to(d.torch_dtype)
         elif p.name.endswith("tid2eid"):
-            params[p.name] = torch.randint(0, 384, shape, device=device).to(d.torch_dtype)
+            params[p.name] = torch.randint(0, n_experts, shape, device=device).to(d.torch_dtype)
         else:
             params[p.name] = torch.zeros(shape, dtype=d.torch_dtype, device=device)
     return params
@@ -264,10 +267,29 @@ def layer_roofline(g, params, t: int) -> dict[str, tuple[float, float]]:
 def _inputs(g, t: int, context: int, device="cuda") -> dict:
     from deepinfer.runtime.session import allocate_caches
 
-    feeds = {"tokens": torch.randint(3, 120000, (t,), device=device),
+    feeds = {"tokens": torch.randint(3, 120000 if device == "cuda" else 500, (t,), device=device),
              "positions": torch.arange(context, context + t, device=device)}  # fmt: skip
     feeds.update(allocate_caches(g, context + t, device=device))
     return feeds
+
+
+def _mark():
+    if torch.cuda.is_available():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return time.perf_counter()
+
+
+def _elapsed_ms(a, b) -> float:
+    if isinstance(a, float):
+        return (b - a) * 1e3
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
 def time_layers(ex, feeds, reps: int) -> tuple[dict, float]:
@@ -279,94 +301,218 @@ def time_layers(ex, feeds, reps: int) -> tuple[dict, float]:
         for k, v in ex.layer_times.items():
             per.setdefault(k, []).append(v)
         totals.append(sum(ex.layer_times.values()))
-    med = {k: sorted(v)[len(v) // 2] for k, v in per.items()}
-    return med, sorted(totals)[len(totals) // 2]
+    return {k: _median(v) for k, v in per.items()}, _median(totals)
+
+
+def time_graph_layers(lg, reps: int) -> tuple[dict, float]:
+    """Median per-layer ms of the layer graphs' replays (CUDA events between the segments) and the whole step."""
+    per: dict[str, list] = {}
+    totals = []
+    for _ in range(reps):
+        lg.run(timed=True)
+        for k, v in lg.layer_ms().items():
+            per.setdefault(k, []).append(v)
+        totals.append(sum(lg.segment_ms))
+    return {k: _median(v) for k, v in per.items()}, _median(totals)
 
 
 def time_call(fn, reps: int) -> float:
     ts = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        a = _mark()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+        ts.append(_elapsed_ms(a, _mark()))
+    return _median(ts)
 
 
-def compile_baseline(eager, feeds, reps: int, budget_s: float):
-    """torch.compile around the reference function of the whole slice; (ms, note)."""
-    if budget_s < 150:  # dynamo over ~180 nodes can take minutes and cannot be interrupted
-        return float("nan"), "skipped (time budget)"
+def rel_err(got: list, want: list) -> float:
+    """max over outputs of max |got - want| / max |want| (floats; FP8 / integer outputs compared as floats)."""
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a.shape != b.shape:
+            return float("inf")
+        if not b.numel():
+            continue
+        a32, b32 = a.float(), b.float()
+        err = float((a32 - b32).abs().max() / b32.abs().max().clamp_min(1e-30))
+        worst = err if err != err else max(worst, err)  # NaN sticks
+        if worst != worst:
+            return worst
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+# Per layer (segment of the layer graphs): the same nodes' torch references as a straight-line function
+# (runtime/layer_export.py), eager and under torch.compile; the executor's reference run of the same segment.
+
+COMPILE_TOL = 2e-2  # torch.compile's fusions round differently; a wrong graph is O(1)
+# References whose work is a loop over data (the routed experts: unique + nonzero per expert): dynamo would
+# graph-break there and run them eagerly anyway; marking them so saves tracing a loop it must abandon (minutes
+# at 384 experts, and a compile cannot be interrupted). Every other node is traced and compiled.
+DYNAMO_OPAQUE = ("moe_experts", "moe_grouped_experts")
+
+
+def _opaque(op: str, ref):
+    return torch.compiler.disable(ref) if op in DYNAMO_OPAQUE else ref
+
+
+def layer_baselines(lg, ref_ex, params, reps: int, compile_on: bool, compile_mode: str, deadline: float) -> dict:
+    """{layer: {"line_ms", "line_vs_exec", "compile_ms", "compile_s", "compile_err" | "compile_note"}}"""
+    from deepinfer.runtime.layer_export import export_segment
+
+    out: dict[str, dict] = {}
+    for i, seg in enumerate(lg.segments):
+        if not seg.name.startswith("l"):
+            continue
+        rec = out.setdefault(seg.name, {})
+        vals = lg._vals(i, lg._warm_source(i))
+        fn = export_segment(seg, lg.ex.graph, lg.env)
+        x, p = fn.arguments(vals, params)
+        want = fn(x, p)
+        # the straight line must be the executor's references, node for node (same functions, same inputs)
+        exec_vals = dict(vals)
+        ref_ex.run_steps(seg.steps, exec_vals, lg.env, lg.t)
+        rec["line_vs_exec"] = rel_err(want, [exec_vals[n] for n in seg.outputs])
+        rec["line_ms"] = rec.get("line_ms", 0.0) + time_call(lambda fn=fn, x=x, p=p: fn(x, p), reps)
+        if not compile_on:
+            rec["compile_note"] = "off (--no-torch-compile)"
+            continue
+        if deadline - time.time() < 90:  # a compile cannot be interrupted: start one only with room left
+            rec["compile_note"] = "skipped (time budget)"
+            continue
+        cfn = export_segment(seg, lg.ex.graph, lg.env, wrap=_opaque)
+        rec.update(_compiled(cfn, x, p, want, reps, compile_mode))
+    return out
+
+
+def _compiled(fn, x, p, want, reps: int, mode: str) -> dict:
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = 64
-    fn = torch.compile(lambda f: eager.run(f), dynamic=False)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    cfn = torch.compile(fn.fn, mode=None if mode == "default" else mode, dynamic=False)
     t0 = time.time()
     try:
-        fn(feeds)
-        torch.cuda.synchronize()
+        got = cfn(x, p)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     except Exception as e:
-        return float("nan"), f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    note = f"compiled in {time.time() - t0:.0f} s"
-    return time_call(lambda: fn(feeds), reps), note
+        return {"compile_note": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    res = {"compile_s": time.time() - t0, "compile_err": rel_err(got, want)}
+    if not res["compile_err"] <= COMPILE_TOL:
+        res["compile_note"] = f"output differs from the eager reference (rel err {res['compile_err']:.2e})"
+        return res
+    res["compile_ms"] = time_call(lambda: cfn(x, p), reps)
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- run
 
 
+@dataclass
+class Setup:
+    """What every case shares: the slice graph, weights, executors, limits and the graph backend."""
+
+    g: object
+    params: dict
+    comp: object  # compiled executor (sync-free at every T: its layers are captured)
+    eager: object  # every node's reference
+    lim: object
+    device: str
+    backend_factory: object  # () -> graph backend, or None (graphs off)
+    nominal_limits: bool
+
+
 def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layers=DEFAULT_LAYERS,
         batches=(1, 16, 64, 256), context=(4096, 32768), prefill: int = 8192, reps: int = 5,
-        torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto") -> list[dict]:  # fmt: skip
+        torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto", graphs: bool = True,
+        preset: str = "real", compile_mode: str = "default", compile_batches=None) -> list[dict]:  # fmt: skip
     """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir).
-    context: one cached length or several (each decode batch runs at each)."""
-    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
-    from deepinfer.runtime.kernel_adapters import GLU_POLICY
-
-    require_cuda("the slice benchmark")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import kernels_h200
-
+    context: one cached length or several (each decode batch runs at each). preset "tiny": the CPU smoke mode
+    (tiny dims, CPU stand-ins of the kernels, emulated graphs, nominal H200 limits): checks the plumbing only."""
     end = time.time() + budget_s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lim = kernels_h200.measure_limits(quick=True)
-    log(f"limits: HBM copy {lim.hbm / 1e12:.2f} TB/s, FP8 {lim.fp8 / 1e12:.0f} TFLOPS, "
-        f"BF16 {lim.bf16 / 1e12:.0f} TFLOPS")
-    g = slice_graph(layers, experts)
-    params = gpu_weights(g)
-    torch.cuda.synchronize()
-    log(f"slice layers {list(layers)} ({experts} experts): {len(g.nodes)} nodes, weights "
-        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU")  # fmt: skip
-    kernels = KernelCache(budget_s=max(30.0, budget_s * 0.4))
-    comp = GraphExecutor(g, params, kernels=kernels)
-    comp.prep_cache[GLU_POLICY] = moe_glu  # the fused SwiGLU's interleaved w1|w3 copies (kernel_adapters)
-    eager = GraphExecutor(g, params, compiled=False)
     contexts = (context,) if isinstance(context, int) else tuple(context)
+    st = _setup(layers, experts, moe_glu, graphs, preset, budget_s, max(contexts) + max(batches or (1,)) + prefill)
     cases = [("decode", b, ctx) for ctx in contexts for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
+    compile_batches = set(batches if compile_batches is None else compile_batches)
     rows = []
-    compile_tried = False
     for kind, t, ctx in cases:
         if end - time.time() < 25:
             log(f"{kind} T={t} ctx {ctx}: skipped (time budget)")
             rows.append({"case": _case_name(kind, t, ctx), "skipped": "time budget"})
             continue
-        with_compile = torch_compile and kind == "decode" and t == 1 and not compile_tried
-        compile_tried |= with_compile
-        row = _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compile)
-        if kind == "decode" and "compile_note" not in row:
-            row["compile_note"] = ("off (--no-torch-compile)" if not torch_compile else
-                                   "tried once, at decode 1 of the first context (dynamo over the whole slice "
-                                   "takes minutes)")  # fmt: skip
+        comp_on = torch_compile and kind == "decode" and t in compile_batches
+        row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode)
+        if kind == "decode" and not comp_on:
+            row["compile_note"] = "off (--no-torch-compile)" if not torch_compile else "not in --compile-batches"
         rows.append(row)
-        torch.cuda.empty_cache()
-    print(comp.report(), flush=True)
-    (out / "bench_slice.json").write_text(json.dumps({"limits": vars(lim), "layers": list(layers), "experts": experts,
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(st.comp.report(), flush=True)
+    (out / "bench_slice.json").write_text(json.dumps({"limits": vars(st.lim), "nominal_limits": st.nominal_limits,
+                                                      "layers": list(layers), "experts": experts, "preset": preset,
                                                       "rows": rows}, indent=1, default=str))  # fmt: skip
     _plot(rows, out / "bench_slice.png")
     print_table(rows)
     return rows
+
+
+@dataclass
+class _Limits:
+    hbm: float
+    fp8: float
+    bf16: float
+
+
+def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions) -> Setup:
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
+    from deepinfer.runtime.kernel_adapters import GLU_POLICY, MAX_POSITIONS
+
+    if preset == "real":
+        require_cuda("the slice benchmark")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import kernels_h200
+
+        lim, nominal, device = kernels_h200.measure_limits(quick=True), False, "cuda"
+        kernels = KernelCache(budget_s=max(30.0, budget_s * 0.4))
+        backend_factory = (lambda: cg.CudaGraphBackend(torch.device("cuda"))) if graphs else None
+    else:
+        from deepinfer.runtime import kernel_adapters as ka
+
+        lim, nominal, device = _Limits(4.3e12, 1.98e15, 0.99e15), True, "cpu"  # H200 datasheet-ish: CPU smoke only
+        ka.EMULATE = True  # the adapters take CPU tensors (their kernels are the stand-ins below)
+        kernels = KernelCache(builder=_cpu_stand_in)
+        backend_factory = cg.EmulatedGraphBackend if graphs else None
+    log(f"limits{' (nominal, CPU smoke mode)' if nominal else ''}: HBM copy {lim.hbm / 1e12:.2f} TB/s, "
+        f"FP8 {lim.fp8 / 1e12:.0f} TFLOPS, BF16 {lim.bf16 / 1e12:.0f} TFLOPS")  # fmt: skip
+    g = slice_graph(layers, experts, preset)
+    params = gpu_weights(g, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        log(f"slice layers {list(layers)} ({experts} experts): {len(g.nodes)} nodes, weights "
+            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU")  # fmt: skip
+    comp = GraphExecutor(g, params, kernels=kernels, sync_free="always", max_positions=max_positions)
+    comp.prep_cache[GLU_POLICY] = moe_glu  # the fused SwiGLU's interleaved w1|w3 copies (kernel_adapters)
+    comp.prep_cache[MAX_POSITIONS] = max_positions  # rope tables sized once: no host read of the positions
+    eager = GraphExecutor(g, params, compiled=False)
+    return Setup(g, params, comp, eager, lim, device, backend_factory, nominal)
+
+
+def _cpu_stand_in(key):
+    """CPU smoke mode: the kernel's torch stand-in (kernel_adapters.emulated_kernel), run with the host-read guard
+    paused (it is a reference that reads values on the host; the compiled kernel it stands for does not)."""
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime import kernel_adapters as ka
+
+    kernel = ka.emulated_kernel(key)
+
+    def run(*args):
+        with cg.unguarded():
+            return kernel(*args)
+
+    return run
 
 
 def _case_name(kind: str, t: int, ctx: int) -> str:
@@ -382,18 +528,20 @@ def _node_runs(ex, fn) -> dict:
     return {"compiled": comp, "reference": ref}
 
 
-def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compile) -> dict:
+def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode) -> dict:
     row: dict = {"case": _case_name(kind, t, ctx), "tokens": t}
+    comp, eager = st.comp, st.eager
     try:
-        feeds = _inputs(g, t, ctx)
-        if jobs:
+        feeds = _inputs(st.g, t, ctx, st.device)
+        if jobs and st.device == "cuda":
             keys = [k for k in comp.kernel_keys(feeds) if k not in comp.kernels.kernels]
             from deepinfer.runtime.kernel_adapters import prebuild
 
             prebuild(keys, jobs, max(10.0, (end - time.time()) * 0.5), log)
         t0 = time.time()
         comp.run(feeds)  # builds (from the cache) and checks every kernel once
-        torch.cuda.synchronize()
+        if st.device == "cuda":
+            torch.cuda.synchronize()
         log(f"{row['case']}: first compiled call {time.time() - t0:.1f} s")
         row["node_runs"] = _node_runs(comp, lambda: comp.run(feeds))
         nc, nr = sum(row["node_runs"]["compiled"].values()), sum(row["node_runs"]["reference"].values())
@@ -402,57 +550,139 @@ def _case(g, params, comp, eager, kind, t, ctx, reps, lim, jobs, end, with_compi
         n = reps if kind == "decode" else max(2, reps // 2)
         layers_c, total_c = time_layers(comp, feeds, n)
         layers_e, total_e = time_layers(eager, feeds, max(2, n // 2))
-        roof = layer_roofline(g, params, t)
-        row["layers"] = {}
-        for layer, ms in layers_c.items():
-            b, f = roof.get(layer, (0.0, 0.0))
-            bound_ms = max(b / lim.hbm, f / lim.fp8) * 1e3
-            row["layers"][layer] = {"ms": ms, "eager_ms": layers_e.get(layer, float("nan")),
-                                    "tok_s": t / (ms * 1e-3), "roofline_pct": 100 * bound_ms / ms if ms else 0.0,
-                                    "bytes": b, "flops": f}  # fmt: skip
         row.update(ms=total_c, eager_ms=total_e, tok_s=t / (total_c * 1e-3))
+        graph_ms, base = {}, {}
+        if kind == "decode":
+            graph_ms = _graph_case(st, row, feeds, n)
+            base = layer_baselines(row.pop("_lg"), eager, st.params, n, compile_on, compile_mode, end) \
+                if "_lg" in row else {}  # fmt: skip
+        row["layers"] = _layer_rows(st, t, feeds, layers_c, layers_e, graph_ms, base)
         comp.run(feeds, profile=True)  # where the time goes, per op and how it ran (one more call)
         row["op_times"] = comp.op_times
-        log(f"{row['case']}: slowest ops (ms): " + "; ".join(f"{k} {v:.2f}" for k, v in
-                                                             list(comp.op_times.items())[:10]))  # fmt: skip
+        log(f"{row['case']}: slowest ops of the executor (ms): " + "; ".join(
+            f"{k} {v:.2f}" for k, v in list(comp.op_times.items())[:10]))  # fmt: skip
         if kind == "decode" and t > 1:
             row["note"] = "one sequence, T new tokens (see module doc)"
-        if with_compile:
-            row["compile_ms"], row["compile_note"] = compile_baseline(eager, feeds, n, end - time.time() - 20)
-        log(f"{row['case']}: compiled {total_c:.2f} ms, eager {total_e:.2f} ms, {row['tok_s']:.0f} tok/s")
+        log(f"{row['case']}: executor {total_c:.2f} ms, graphs {row.get('graph_total_ms', float('nan')):.2f} ms, "
+            f"eager {total_e:.2f} ms, {row['tok_s']:.0f} tok/s")  # fmt: skip
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         log(f"{row['case']}: ERROR {row['error']}")
-        traceback.print_exc(limit=4)
+        traceback.print_exc(limit=6)
+    row.pop("_lg", None)
     return row
 
 
+def _graph_case(st: Setup, row: dict, feeds: dict, reps: int) -> dict:
+    """The decode step as per-layer graphs (runtime/layer_graphs.py): median ms per layer; the fallbacks in row."""
+    from deepinfer.runtime.layer_graphs import LayerGraphs
+
+    if st.backend_factory is None:
+        row["graphs"] = "off (--graphs off)"
+        return {}
+    lg = LayerGraphs(st.comp, feeds, st.backend_factory())
+    t0 = time.time()
+    lg.prepare()
+    row["graphs_prepare_s"] = time.time() - t0
+    row["graphs_report"] = lg.report()
+    row["fell_back"] = lg.fell_back()
+    log(f"{row['case']}: {lg.report()}")
+    per, total = time_graph_layers(lg, reps)
+    row["graph_total_ms"] = total
+    row["_lg"] = lg
+    return per
+
+
+def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, base) -> dict:
+    """Per layer: executor / graph / eager / straight-line / compiled times, % roofline (of the graph time when
+    there is one), and the KV bytes a true batch of t sequences would add (see _kv_bytes)."""
+    roof = layer_roofline(st.g, st.params, t)
+    kv = _kv_bytes(st.comp, feeds)
+    rows = {}
+    for layer, ms in layers_c.items():
+        b, f = roof.get(layer, (0.0, 0.0))
+        bound_ms = max(b / st.lim.hbm, f / st.lim.fp8) * 1e3
+        ours = graph_ms.get(layer, ms)
+        extra = (t - 1) * kv.get(layer, 0)
+        with_kv_ms = max((b + extra) / st.lim.hbm, f / st.lim.fp8) * 1e3
+        r = {"ms": ms, "graph_ms": graph_ms.get(layer, float("nan")), "eager_ms": layers_e.get(layer, float("nan")),
+             "tok_s": t / (ours * 1e-3), "roofline_pct": 100 * bound_ms / ours if ours else 0.0,
+             "bound_ms": bound_ms, "bytes": b, "flops": f, "kv_bytes_per_seq": kv.get(layer, 0),
+             "kv_extra_bytes": extra, "roofline_with_kv_pct": 100 * with_kv_ms / ours if ours else 0.0}  # fmt: skip
+        r.update(base.get(layer, {}))
+        torch_eager = min(x for x in (r["eager_ms"], r.get("line_ms", float("inf"))) if x == x)
+        r["torch_eager_ms"] = torch_eager
+        rows[layer] = r
+    return rows
+
+
+def _kv_bytes(ex, feeds: dict) -> dict[str, int]:
+    """Per layer: bytes of the cache inputs its nodes read at this context (one sequence). A batch of B
+    sequences reads B of these where "decode B" (one sequence) reads one: B-1 more (an upper estimate of
+    the attention's share -- the sparse attention reads its top-k rows, the indexer every index key)."""
+    out: dict[str, int] = {}
+    seen: set = set()
+    for st in ex.steps:
+        for n in st.inputs:
+            if n in feeds and n not in ("tokens", "positions") and (st.layer, n) not in seen:
+                seen.add((st.layer, n))
+                out[st.layer] = out.get(st.layer, 0) + feeds[n].numel() * feeds[n].element_size()
+    return out
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or x != x or x == float("inf") else format(x, spec)
+
+
 def print_table(rows: list) -> None:
-    print(f"\n{'case':<26} {'layer':<6} {'ms':>9} {'tok/s':>10} {'%roof':>6} {'vs eager':>8} {'vs compile':>10}")
+    print(f"\n{'case':<24} {'layer':<6} {'graph ms':>9} {'exec ms':>9} {'%roof':>6} {'%roof+kv':>8} "
+          f"{'eager ms':>9} {'line ms':>9} {'compile ms':>10} {'vs eager':>8} {'vs compile':>10}")  # fmt: skip
     decode1 = {}
     for r in rows:
         if "layers" not in r:
-            print(f"{r['case']:<26} {r.get('error') or r.get('skipped', '')}")
+            print(f"{r['case']:<24} {r.get('error') or r.get('skipped', '')}")
             continue
         for layer, m in r["layers"].items():
-            sp = m["eager_ms"] / m["ms"] if m["ms"] else float("nan")
-            print(f"{r['case']:<26} {layer:<6} {m['ms']:>9.3f} {m['tok_s']:>10.0f} {m['roofline_pct']:>5.1f}% "
-                  f"{sp:>7.2f}x {'':>10}")  # fmt: skip
-        cms = r.get("compile_ms", float("nan"))
-        vs_c = f"{cms / r['ms']:.2f}x" if cms == cms else "-"
-        print(f"{r['case']:<26} {'all':<6} {r['ms']:>9.3f} {r['tok_s']:>10.0f} {'':>6} "
-              f"{r['eager_ms'] / r['ms']:>7.2f}x {vs_c:>10}")  # fmt: skip
-        if r.get("compile_note") and cms != cms:
-            print(f"{'':<26} torch.compile: {r['compile_note']}")
-        runs = r.get("node_runs") or {}
-        nc, nr = sum(runs.get("compiled", {}).values()), sum(runs.get("reference", {}).values())
-        print(f"{'':<26} node executions: {nc} compiled, {nr} torch reference")
+            ours = m["graph_ms"] if m["graph_ms"] == m["graph_ms"] else m["ms"]
+            cms = m.get("compile_ms", float("nan"))
+            print(f"{r['case']:<24} {layer:<6} {_fmt(m['graph_ms']):>9} {m['ms']:>9.3f} {m['roofline_pct']:>5.1f}% "
+                  f"{m['roofline_with_kv_pct']:>7.1f}% {_fmt(m['eager_ms']):>9} {_fmt(m.get('line_ms')):>9} "
+                  f"{_fmt(cms):>10} {m['torch_eager_ms'] / ours:>7.2f}x "
+                  f"{_fmt(cms / ours if ours else float('nan'), '.2f') + 'x':>10}")  # fmt: skip
+        gms = r.get("graph_total_ms", float("nan"))
+        print(f"{r['case']:<24} {'all':<6} {_fmt(gms):>9} {r['ms']:>9.3f} {'':>6} {'':>8} {r['eager_ms']:>9.3f}")
+        _print_notes(r)
         if r["case"].startswith("decode 1 "):
-            decode1[r["case"].split("ctx ")[-1]] = r["ms"]
+            decode1[r["case"].split("ctx ")[-1]] = gms if gms == gms else r["ms"]
         elif r["case"].startswith("decode ") and r["case"].split("ctx ")[-1] in decode1:
             b = r["tokens"]
-            print(f"{'':<26} B={b} sequences as B calls of decode 1: {b * decode1[r['case'].split('ctx ')[-1]]:.3f} ms"
+            print(f"{'':<24} B={b} sequences as B calls of decode 1: {b * decode1[r['case'].split('ctx ')[-1]]:.3f} ms"
                   f" (upper bound; this row, one sequence with B tokens, is the lower bound)")  # fmt: skip
+
+
+def _print_notes(r: dict) -> None:
+    pad = " " * 25
+    for layer, why in (r.get("fell_back") or {}).items():
+        print(f"{pad}{layer} runs eagerly in the graph step: {why}")
+    if r.get("graphs"):
+        print(f"{pad}graphs: {r['graphs']}")
+    for layer, m in r["layers"].items():
+        notes = []
+        if m.get("compile_note"):
+            notes.append(f"torch.compile: {m['compile_note']}")
+        if m.get("compile_s") is not None:
+            notes.append(f"compiled in {m['compile_s']:.0f} s, rel err vs eager {m['compile_err']:.1e}")
+        if m.get("line_vs_exec") is not None:
+            notes.append(f"straight line vs executor references: rel err {m['line_vs_exec']:.1e}")
+        if m.get("kv_bytes_per_seq"):
+            notes.append(f"KV read per sequence {m['kv_bytes_per_seq'] / 1e6:.1f} MB: a true batch of "
+                         f"{r['tokens']} sequences adds {m['kv_extra_bytes'] / 1e6:.0f} MB "
+                         f"(roofline {m['bound_ms']:.3f} ms -> with KV {m['roofline_with_kv_pct']:.1f}%)")  # fmt: skip
+        if notes:
+            print(f"{pad}{layer}: " + "; ".join(notes))
+    runs = r.get("node_runs") or {}
+    nc, nr = sum(runs.get("compiled", {}).values()), sum(runs.get("reference", {}).values())
+    print(f"{pad}node executions: {nc} compiled, {nr} torch reference")
 
 
 def _plot(rows: list, path: Path) -> None:
@@ -491,22 +721,40 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
                     help="the decode MoE's fused SwiGLU epilogue (needs an interleaved w1|w3 copy per layer: auto "
                          "makes it while memory allows)")  # fmt: skip
+    add_graph_arguments(ap)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0)
-    ap.add_argument("--jobs", type=int, default=0, help="pre-build kernels in this many processes")
-    ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--jobs", "-j", type=int, default=0, help="pre-build kernels in this many processes")
     ap.add_argument("--dry-run", action="store_true", help="build the slice graph and print its bindings (no GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_slice_out")
 
 
+def add_graph_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments `deepinfer bench` shares with this script beyond the slice's own."""
+    ap.add_argument("--graphs", choices=("on", "off"), default="on",
+                    help="decode rows also as per-layer CUDA graphs (runtime/layer_graphs.py)")  # fmt: skip
+    ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
+                    help="torch.compile mode of the per-layer straight-line baseline")  # fmt: skip
+    ap.add_argument("--compile-batches", default="",
+                    help="decode batches that get the torch.compile baseline (comma list; default: all)")
+    ap.add_argument("--preset", choices=("real", "tiny"), default="real",
+                    help="tiny: CPU smoke mode (tiny dims, kernel stand-ins, emulated graphs; checks plumbing only)")
+
+
+def _ints(text) -> tuple[int, ...]:
+    return tuple(int(x) for x in str(text).split(",") if x)
+
+
 def run_from_args(args) -> list[dict]:
     """Also takes `deepinfer bench`'s arguments (no --moe-glu there: auto)."""
-    return run(out_dir=args.out, budget_s=args.budget_s, jobs=args.jobs,
-               layers=tuple(int(x) for x in args.layers.split(",")),
-               batches=tuple(int(x) for x in args.batches.split(",") if x),
-               context=tuple(int(x) for x in str(args.context).split(",") if x), prefill=args.prefill,
+    return run(out_dir=args.out, budget_s=args.budget_s, jobs=args.jobs, layers=_ints(args.layers),
+               batches=_ints(args.batches), context=_ints(args.context), prefill=args.prefill,
                reps=args.reps, torch_compile=not args.no_torch_compile,
-               experts=getattr(args, "experts", "fp8"), moe_glu=getattr(args, "moe_glu", "auto"))  # fmt: skip
+               experts=getattr(args, "experts", "fp8"), moe_glu=getattr(args, "moe_glu", "auto"),
+               graphs=getattr(args, "graphs", "on") == "on", preset=getattr(args, "preset", "real"),
+               compile_mode=getattr(args, "compile_mode", "default"),
+               compile_batches=_ints(getattr(args, "compile_batches", "")) or None)  # fmt: skip
 
 
 def dry_run(args) -> int:
@@ -514,7 +762,7 @@ def dry_run(args) -> int:
     from deepinfer.passes.select_kernels import format_kernel_report
 
     t0 = time.time()
-    g = slice_graph(tuple(int(x) for x in args.layers.split(",")), args.experts)
+    g = slice_graph(_ints(args.layers), args.experts, getattr(args, "preset", "real"))
     log(f"slice graph: {len(g.nodes)} nodes in {time.time() - t0:.1f} s")
     print(format_kernel_report(g))
     return 0
@@ -526,8 +774,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         return dry_run(args)
-    if not torch.cuda.is_available():
-        print("bench_slice: error: needs a CUDA device (an H200); this machine has none", file=sys.stderr)
+    if args.preset == "real" and not torch.cuda.is_available():
+        print("bench_slice: error: needs a CUDA device (an H200; --preset tiny is the CPU smoke mode); this machine "
+              "has none", file=sys.stderr)  # fmt: skip
         return 2
     run_from_args(args)
     return 0

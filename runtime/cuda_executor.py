@@ -26,6 +26,7 @@ how the accounting is tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
@@ -148,11 +149,12 @@ class GraphExecutor:
     torch eager baseline of the same graph).
 
     ``sync_free``: single-token steps (T=1) run the references that read device values on the host through
-    their sync-free equivalents (same numbers; runtime/cuda_graphs.py), so a decode step can be captured.
+    their sync-free equivalents (same numbers; runtime/cuda_graphs.py), so a decode step can be captured;
+    "always": every call does (the multi-token decode steps that runtime/layer_graphs.py captures).
     ``max_positions``: every position stays below it (rope tables are sized by it, not by a host read)."""
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], *, compiled: bool = True,
-                 kernels: KernelCache | None = None, verify: bool = True, sync_free: bool = False,
+                 kernels: KernelCache | None = None, verify: bool = True, sync_free: bool | str = False,
                  max_positions: int | None = None):  # fmt: skip
         self.graph, self.params = g, params
         self.compiled, self.verify, self.sync_free = compiled, verify, sync_free
@@ -190,22 +192,28 @@ class GraphExecutor:
         """timed: per-layer times in ``layer_times``; profile: per-op times in ``op_times`` (both ms, events
         around every layer / node: the device time of each node including its launch gaps)."""
         t = int(inputs["tokens"].shape[0]) if "tokens" in inputs else 1
-        if not (self.sync_free and t == 1):
+        with self.sync_free_scope(t):
             return self._run(inputs, t, timed, profile)
-        with cg.sync_free_references():
-            self._sync_free_now = True
-            try:
-                return self._run(inputs, t, timed, profile)
-            finally:
-                self._sync_free_now = False
 
-    def _run(self, inputs: Mapping[str, torch.Tensor], t: int, timed: bool, profile: bool) -> list[torch.Tensor]:
-        env = bind_symbols(self.graph, inputs)  # shapes only
-        vals: dict = dict(inputs)
-        vals.update({p.name: self.params[p.name] for p in self.graph.params})
-        marks = [] if timed else None
-        nodes = [] if profile else None
-        for step in self.steps:
+    @contextlib.contextmanager
+    def sync_free_scope(self, t: int):
+        """The sync-free references for this call: at T=1 when ``sync_free`` is True, at every T when it is
+        "always" (the per-layer graphs of runtime/layer_graphs.py capture multi-token decode steps too)."""
+        if not (self.sync_free == "always" or (self.sync_free and t == 1)):
+            yield
+            return
+        with cg.sync_free_references():
+            saved, self._sync_free_now = self._sync_free_now, True
+            try:
+                yield
+            finally:
+                self._sync_free_now = saved
+
+    def run_steps(self, steps: list[Step], vals: dict, env: dict, t: int, marks: list | None = None,
+                  nodes: list | None = None) -> None:  # fmt: skip
+        """Run ``steps`` in order on ``vals`` (value name -> tensor, updated in place), dropping each value after
+        its last use; ``env`` binds the graph's symbols (bind_symbols), ``t`` is the call's token count."""
+        for step in steps:
             if marks is not None and (not marks or marks[-1][0] != step.layer):
                 marks.append((step.layer, _event()))
             if nodes is not None:
@@ -217,6 +225,14 @@ class GraphExecutor:
             vals.update(zip(step.outputs, outs))
             for name in step.free:
                 vals.pop(name, None)
+
+    def _run(self, inputs: Mapping[str, torch.Tensor], t: int, timed: bool, profile: bool) -> list[torch.Tensor]:
+        env = bind_symbols(self.graph, inputs)  # shapes only
+        vals: dict = dict(inputs)
+        vals.update({p.name: self.params[p.name] for p in self.graph.params})
+        marks = [] if timed else None
+        nodes = [] if profile else None
+        self.run_steps(self.steps, vals, env, t, marks, nodes)
         if marks is not None:
             self.layer_times = _layer_times(marks)
         if nodes is not None:

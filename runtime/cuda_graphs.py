@@ -200,9 +200,12 @@ class HostSyncGuard(TorchDispatchMode):
         self._thread = threading.get_ident()
 
     # -- python-level reads the dispatcher does not see on CPU tensors ---------------------------------
+    _active: list = []  # guards entered and not exited (unguarded() pauses them all)
+
     def __enter__(self):
         guard = self
         self._thread = threading.get_ident()
+        HostSyncGuard._active.append(self)
         for name in ("tolist", "numpy"):
             orig = getattr(torch.Tensor, name)
             self._saved[name] = orig
@@ -222,6 +225,8 @@ class HostSyncGuard(TorchDispatchMode):
             for name, orig in self._saved.items():
                 setattr(torch.Tensor, name, orig)
             self._saved = {}
+            with contextlib.suppress(ValueError):
+                HostSyncGuard._active.remove(self)
 
     @contextlib.contextmanager
     def paused(self):
@@ -273,6 +278,16 @@ class HostSyncGuard(TorchDispatchMode):
         if key not in self.memo:
             self.memo[key] = func(*args, **kwargs)
         return self.memo[key]
+
+
+@contextlib.contextmanager
+def unguarded():
+    """Every active HostSyncGuard paused inside (the CPU stand-ins of compiled kernels in tests and in the
+    benchmarks' CPU smoke mode: they are torch references that read values on the host; the kernels are not)."""
+    with contextlib.ExitStack() as stack:
+        for guard in list(HostSyncGuard._active):
+            stack.enter_context(guard.paused())
+        yield
 
 
 def _index_problem(name: str, args, kwargs) -> str | None:
