@@ -37,6 +37,7 @@ Triton interpreter) is kept for comparison.
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -295,21 +296,12 @@ def _make_block_sum(NT: int):
     return block_sum, red_total
 
 
-def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
-    """Macro: exact threshold of the `kk_req` largest of a per-thread set of int32 keys, keyf(i, q) for thread
-    i's q-th (NONE = not a member). Adaptive radix select: each round histograms the members inside the current
-    key range [lo, hi] into NB bins of equal key width (shared-memory atomics), keeps the bin holding the wanted
-    rank, and stops when that bin is taken whole or one key is left: at most ceil(32 / 8) = 4 rounds.
-    Out: st[0] = threshold key lo; st[1] = 1 when every member >= lo is taken, else 0 (lo is the kk-th key and
-    only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members).
-    warp_reduce (GPU): the member count / min / max by warp reductions and one exchange (block_reduce3: 2
-    barriers, not 3 x 6) -- for the streamed programs; the one-CTA-per-row one keeps TileLang's AllReduce (the
-    warp reductions took it from 56 to 104 registers)."""
+def _make_find_bin(NT: int):
+    """GPU macro find_bin over NB bins: the radix rounds' bin search and the histogram bound's coarse level."""
     import tilelang.language as T
 
     BPT = max(NB // NT, 1)  # bins a thread owns (contiguous)
     NWARP = NT // 32
-    block_reduce3, red3_total = _make_block_reduce3(NT)
 
     @T.macro
     def find_bin(hist, wsum, bc, r, own, sfx):
@@ -348,6 +340,24 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
             if hit >= 0:
                 bc[0] = hit
                 bc[1] = hit_above
+
+    return find_bin
+
+
+def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
+    """Macro: exact threshold of the `kk_req` largest of a per-thread set of int32 keys, keyf(i, q) for thread
+    i's q-th (NONE = not a member). Adaptive radix select: each round histograms the members inside the current
+    key range [lo, hi] into NB bins of equal key width (shared-memory atomics), keeps the bin holding the wanted
+    rank, and stops when that bin is taken whole or one key is left: at most ceil(32 / 8) = 4 rounds.
+    Out: st[0] = threshold key lo; st[1] = 1 when every member >= lo is taken, else 0 (lo is the kk-th key and
+    only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members).
+    warp_reduce (GPU): the member count / min / max by warp reductions and one exchange (block_reduce3: 2
+    barriers, not 3 x 6) -- for the streamed programs; the one-CTA-per-row one keeps TileLang's AllReduce (the
+    warp reductions took it from 56 to 104 registers)."""
+    import tilelang.language as T
+
+    block_reduce3, red3_total = _make_block_reduce3(NT)
+    find_bin = _make_find_bin(NT)
 
     @T.macro
     def radix(keyf, kk_req, st, hist, cum, bc, ra, rb, rc, r1):
@@ -513,32 +523,13 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int):
     return emit
 
 
-def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str, has_pos: bool = True):
-    """prim_func(S [T, C] f32, Pos [T] i32, Idx [T, k] i32, CKey, CIdx, CCnt, Arrive (int32 scratch, see
-    `scratch_shapes`; Arrive zeroed once, the kernel leaves it zeroed)), grid (segments, T)."""
+def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
+    """The streamed programs' shared pieces: chunk loads (thread i's j-th score of a chunk: float4 j // 4, strided
+    by the threads) and keys, warp-aggregated pushes into a shared buffer, the buffer back into registers (EB a
+    thread), the bitmap marking of selected columns (NW words), L2 reads of other CTAs' scratch."""
     import tilelang.language as T
 
-    check_config(C, k, cfg)
-    ops = _Ops(target == "cpu")
-    NT, E, G, SEG = cfg.threads, cfg.per_thread, cfg.group, cfg.seg
-    CH, NSEG, FILTER = cfg.chunk, n_segments(C, cfg), cfg.filter
-    MERGE_ALL = cfg.merge_all and NSEG > 1
-    NCH, EG = SEG // CH, E // G
-    # the shared candidate buffer, also held in registers (EB per thread) when it is cut to its top-k: the filter's
-    # (the exact top-k plus one chunk's candidates) or the last CTA's (the top-k so far plus one segment's set;
-    # merge_all: every segment's set, loaded at once and selected once -- no serial cuts in the merge)
-    STREAM = FILTER or NSEG > 1 or NCH > 1  # chunks / segment sets stream through a shared candidate buffer
-    BUF = _round_up(max(k + (cfg.cap if FILTER else k), NT, NSEG * k if MERGE_ALL else 0), NT)
-    EB = BUF // NT
-    NW = -(-C // 32)
-    sh = scratch_shapes(T_, C, k, cfg)
     NEG = -T.infinity("float32")
-
-    select_c = _make_select(ops, NT, E, STREAM)
-    radix_g = _make_radix(ops, NT, max(EG, 1), STREAM)
-    select_b = _make_select(ops, NT, EB, STREAM)
-    emit = _make_emit(ops, NT, C, k)
-    block_sum, red_total = _make_block_sum(NT)
 
     def ld_cg(buf, idx):  # a global int32 another CTA wrote during this kernel: read it at L2 (no stale L1 line)
         return buf[idx] if ops.cpu else T.call_extern("int32", "__ldcg", T.address_of(buf[idx]))
@@ -607,9 +598,6 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     def col_of(c0, i, j):  # thread i's j-th score of the chunk at c0: float4 j // 4, strided by the threads
         return c0 + ((j // 4) * NT + i) * 4 + j % 4
 
-    def c0_of(sg, it):  # first column of chunk `it` of segment `sg` (an expression: keeps float4 alignment)
-        return sg * SEG + it * CH
-
     # per-element accessors of the two candidate sets (chunk registers kc; buffer/union registers bk, bi)
     def key_c(kc):
         return lambda i, j: kc[i, j]
@@ -660,6 +648,62 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
             for q in ops.unroll(EB):
                 bk[i, q] = T.if_then_else(q * NT + i < nb, bufk[q * NT + i], NONE)
                 bi[i, q] = bufi[q * NT + i]
+
+    return SimpleNamespace(
+        ld_cg=ld_cg,
+        atomic_add_ret=atomic_add_ret,
+        warp_reserve=warp_reserve,
+        mark=mark,
+        push=push,
+        col_of=col_of,
+        key_c=key_c,
+        id_c=id_c,
+        take_c=take_c,
+        key_b=key_b,
+        id_b=id_b,
+        take_b=take_b,
+        cand=cand,
+        fetch_chunk=fetch_chunk,
+        chunk_keys=chunk_keys,
+        load_chunk=load_chunk,
+        load_buffer=load_buffer,
+    )
+
+
+def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str, has_pos: bool = True):
+    """prim_func(S [T, C] f32, Pos [T] i32, Idx [T, k] i32, CKey, CIdx, CCnt, Arrive (int32 scratch, see
+    `scratch_shapes`; Arrive zeroed once, the kernel leaves it zeroed)), grid (segments, T)."""
+    import tilelang.language as T
+
+    check_config(C, k, cfg)
+    ops = _Ops(target == "cpu")
+    NT, E, G, SEG = cfg.threads, cfg.per_thread, cfg.group, cfg.seg
+    CH, NSEG, FILTER = cfg.chunk, n_segments(C, cfg), cfg.filter
+    MERGE_ALL = cfg.merge_all and NSEG > 1
+    NCH, EG = SEG // CH, E // G
+    # the shared candidate buffer, also held in registers (EB per thread) when it is cut to its top-k: the filter's
+    # (the exact top-k plus one chunk's candidates) or the last CTA's (the top-k so far plus one segment's set;
+    # merge_all: every segment's set, loaded at once and selected once -- no serial cuts in the merge)
+    STREAM = FILTER or NSEG > 1 or NCH > 1  # chunks / segment sets stream through a shared candidate buffer
+    BUF = _round_up(max(k + (cfg.cap if FILTER else k), NT, NSEG * k if MERGE_ALL else 0), NT)
+    EB = BUF // NT
+    NW = -(-C // 32)
+    sh = scratch_shapes(T_, C, k, cfg)
+
+    select_c = _make_select(ops, NT, E, STREAM)
+    radix_g = _make_radix(ops, NT, max(EG, 1), STREAM)
+    select_b = _make_select(ops, NT, EB, STREAM)
+    emit = _make_emit(ops, NT, C, k)
+    block_sum, red_total = _make_block_sum(NT)
+
+    io = _make_row_io(ops, NT, E, NW, EB)
+    ld_cg, mark, push, cand = io.ld_cg, io.mark, io.push, io.cand
+    key_c, id_c, take_c = io.key_c, io.id_c, io.take_c
+    key_b, id_b, take_b = io.key_b, io.id_b, io.take_b
+    fetch_chunk, chunk_keys, load_chunk, load_buffer = io.fetch_chunk, io.chunk_keys, io.load_chunk, io.load_buffer
+
+    def c0_of(sg, it):  # first column of chunk `it` of segment `sg` (an expression: keeps float4 alignment)
+        return sg * SEG + it * CH
 
     @T.prim_func
     def topk_select(
