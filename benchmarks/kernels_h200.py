@@ -511,6 +511,13 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
         def launch(q, kv, idx, sink, out):
             sad.run_split((part, comb), q, kv, idx, sink, out, ns, scratch)
 
+        def launch_part(q, kv, idx, sink, out):  # diagnostics: the first kernel alone
+            part(q, *(kv if isinstance(kv, tuple) else (kv,)), *(idx if isinstance(idx, tuple) else (idx,)), *scratch)
+
+        def launch_combine(q, kv, idx, sink, out):  # diagnostics: the combine alone
+            comb(*scratch, sink, out)
+
+        launch.pieces = {"part": launch_part, "combine": launch_combine}
         return launch
     k = build(sad.program(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools))
 
@@ -534,7 +541,7 @@ def _attn_two_pool_args(kv_in, idx, n_win: int):
 
 
 def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False,
-                     n_win: int = 0, hot_rows: int = 0):  # fmt: skip
+                     n_win: int = 0, hot_rows: int = 0, piece: str = ""):  # fmt: skip
     """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
     cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
     fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
@@ -542,7 +549,9 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     n_win: the two-pool form (the first n_win entries from a 32K-row window pool, the rest from the other
     224K rows), checked against the single-pool reference over the concatenated pools.
     hot_rows (diagnostic): entries drawn from the first hot_rows rows only (4096: 4 MB, L2-resident), so the
-    time is the program's own bound without HBM latency; %limit is still against the HBM roofline."""
+    time is the program's own bound without HBM latency; %limit is still against the HBM roofline.
+    piece (diagnostic, split configs): after the check of the pair, time only "part" (the first kernel) or
+    "combine"; %limit is still against the whole operation's roofline."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
@@ -584,7 +593,14 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     if n_win:
         kv_in, idx_in = _attn_two_pool_args(kv_in, idx, n_win)
     kernel(q, kv_in, idx_in, sink, out)
+    if cfg.skipped:  # a diagnostic build (Config.skip): its output is wrong by design
+        row.check = f"none (diagnostic: {'+'.join(cfg.skipped)} left out)"
+        row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
+        return
     row.check = expect(rel_err(out, eager()), 2e-2)
+    if piece:
+        row.ms = bench(lambda: kernel.pieces[piece](q, kv_in, idx_in, sink, out), quick)
+        return
     row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
     row.eager_ms = bench(eager, quick)
 
@@ -617,7 +633,7 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
-    return out + ([] if quick else attn_sweep_cases())
+    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_try_cases())
 
 
 def attn_sweep_cases():
@@ -640,6 +656,57 @@ def attn_sweep_cases():
         add("fp8 two-pool", B, sad.sm90_config(B, 640, fp8=True), fp8=True, n_win=128)
         if B == 128:
             add("L2-hot", B, base, hot_rows=4096)
+    return out
+
+
+ATTN_DIAG_SKIPS = ("gather", "qk", "pv", "softmax", "qk,pv", "gather,qk,pv", "gather,qk,softmax,pv")
+
+
+def attn_diag_cases():
+    """`--only "sparse_attn diag"`: the default ws program with parts left out of the build (Config.skip: the
+    KV gather, the QK^T or PV wgmmas, the softmax math), unchecked, next to the full program and its L2-hot
+    form, at B128 (no split) and B64 (split 2): which part bounds the CTA's time."""
+    import dataclasses
+
+    sad = sparse_attn_decode
+    out = []
+
+    def add(what, B, cfg, **kw):
+        out.append((f"sparse_attn diag {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
+
+    for B in (128, 64):
+        base = sad.sm90_config(B, 640)
+        add("", B, base)
+        if B == 128:
+            add("L2-hot", B, base, hot_rows=4096)
+        for parts in ATTN_DIAG_SKIPS if B == 128 else ("gather",):
+            add("", B, dataclasses.replace(base, skip=parts))
+        if base.num_split > 1:
+            add("first kernel only", B, base, piece="part")
+            add("combine only", B, base, piece="combine")
+    return out
+
+
+def attn_try_cases():
+    """`--only "sparse_attn try"`: candidate programs next to the default, same run (checked rows)."""
+    import dataclasses
+
+    sad = sparse_attn_decode
+    out = []
+
+    def add(what, B, cfg, **kw):
+        out.append((f"sparse_attn try {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
+
+    for B in (128, 64, 256):
+        base = sad.sm90_config(B, 640)
+        add("", B, base)
+        add("", B, dataclasses.replace(base, pv_first=True))
+        if B == 128:
+            add("L2-hot", B, dataclasses.replace(base, pv_first=True), hot_rows=4096)
+        if B == 64:
+            add("", B, dataclasses.replace(sad.ws_configs(640, 1)[0], pv_first=True))  # no split
     return out
 
 
@@ -1318,10 +1385,15 @@ def sweep_cases():
     return sorted(out, key=lambda c: _sweep_risk(c[0]))  # stable: table order inside each risk class
 
 
+def selected(sweep: bool, quick: bool, only: str, shape: str) -> list:
+    """The rows --only (kernel name) and --shape (shape column) select, in table order."""
+    return [c for c in (sweep_cases() if sweep else cases(quick)) if only in c[0] and shape in c[1]]
+
+
 def _prebuild(job):
-    """Worker: build case `index` only (dry run) so the main process finds it in TileLang's cache."""
-    sweep, quick, index = job
-    name, _, run = (sweep_cases() if sweep else cases(quick))[index]
+    """Worker: build selected row `index` only (dry run) so the main process finds it in TileLang's cache."""
+    sweep, quick, only, shape, index = job
+    name, _, run = selected(sweep, quick, only, shape)[index]
     try:
         run(Row(name, ""), True, True)
         return ""
@@ -1329,13 +1401,14 @@ def _prebuild(job):
         return f"{name}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def prebuild(sweep: bool, quick: bool, indices: list[int], jobs: int) -> None:
+def prebuild(sweep: bool, quick: bool, only: str, shape: str, jobs: int) -> None:
     import multiprocessing as mp
 
     t0 = time.time()
+    n = len(selected(sweep, quick, only, shape))
     with mp.get_context("spawn").Pool(jobs) as pool:
-        errs = [e for e in pool.map(_prebuild, [(sweep, quick, i) for i in indices]) if e]
-    print(f"pre-built {len(indices)} kernels in {time.time() - t0:.0f} s with {jobs} processes; {len(errs)} failed")
+        errs = [e for e in pool.map(_prebuild, [(sweep, quick, only, shape, i) for i in range(n)]) if e]
+    print(f"pre-built {n} kernels in {time.time() - t0:.0f} s with {jobs} processes; {len(errs)} failed")
     for e in errs:
         print("  build error:", e)
 
@@ -1360,12 +1433,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--dry-run", action="store_true", help="only build every kernel (works without a GPU)")
     ap.add_argument("--only", default="", help="substring filter on kernel names")
+    ap.add_argument("--shape", default="", help="substring filter on the shape column (e.g. 4096x32768x)")
     ap.add_argument("--gemm-sweep", action="store_true", help="FP8 GEMM formulations at V4/V4.1 prefill shapes")
     ap.add_argument("-j", "--jobs", type=int, default=0, help="pre-build all kernels in this many processes")
     args = ap.parse_args(argv)
-    todo = sweep_cases() if args.gemm_sweep else cases(args.quick)
+    todo = selected(args.gemm_sweep, args.quick, args.only, args.shape)
     if args.jobs > 0:  # only the rows --only selects
-        prebuild(args.gemm_sweep, args.quick, [i for i, c in enumerate(todo) if args.only in c[0]], args.jobs)
+        prebuild(args.gemm_sweep, args.quick, args.only, args.shape, args.jobs)
     dry = args.dry_run or not torch.cuda.is_available()
     if dry and not args.dry_run:
         print("no CUDA device: building only (--dry-run)")
@@ -1380,8 +1454,6 @@ def main(argv=None) -> int:
     print(f"{'kernel':<40} {'shape':<18} {'time':>12} {'achieved':>14} {'%limit':>7} {'vs eager':>7}")
     failures = 0
     for name, shape, run in todo:
-        if args.only and args.only not in name:
-            continue
         row = Row(name, shape)
         t0 = time.time()
         try:
