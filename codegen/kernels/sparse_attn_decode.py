@@ -41,18 +41,35 @@ class Config:
     stages: int = 1  # software pipeline depth of the KV gather (2: the next block's rows load during the math)
     ws: bool = False  # warp-specialised sm90 program (3 warpgroups, mbarrier ring of `stages` KV blocks)
     lookahead: bool = False  # ws: QK^T of the next block is issued before this block's softmax
+    # Diagnostics only (ws, wrong results): comma-separated parts of the ws program left out of the build --
+    # "gather" (the KV row copies), "qk" (the QK^T wgmmas), "softmax" (max / exp / sum: P = S, alpha = 1),
+    # "pv" (the PV wgmmas) -- so that one H200 run shows which part bounds the CTA's time.
+    skip: str = ""
+    # ws: WG0 issues QK^T of block i only after both PV warpgroups have issued PV of block i - 1, so the tensor
+    # cores run PV(i - 1) first and the stage it frees is refilled ~1 QK^T earlier (more gather slack)
+    pv_first: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
             object.__setattr__(self, "threads", WS_THREADS)
+        assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
+        assert set(self.skipped) <= set(SKIPPABLE), self.skip
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(p for p in self.skip.split(",") if p)
 
     @property
     def tag(self) -> str:
         if self.ws:
-            head = f"ws{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
+            head = f"ws{'L' if self.lookahead else ''}{'P' if self.pv_first else ''}n{self.block_n}s{self.stages}"
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
-        return head + (f"x{self.num_split}" if self.num_split > 1 else "")
+        head += f"x{self.num_split}" if self.num_split > 1 else ""
+        return head + "".join(f"-no{p}" for p in self.skipped)
+
+
+SKIPPABLE = ("gather", "qk", "softmax", "pv")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -354,9 +371,11 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
+    skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
+    assert not (la and cfg.pv_first), "pv_first orders QK^T after the previous PV: no lookahead"
     if kv_fp8:
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
@@ -383,22 +402,35 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         wait_kv(full, st, ph)
         for h, j in T.Parallel(H, bn):
             Sacc[h, j] = T.if_then_else(idx_s[st, j] >= 0, T.float32(0), -T.infinity(f32))
-        T.wgmma_gemm(q_l, kv_l[st, :, :], Sacc, transpose_B=True)  # both halves back to back, one wait
-        T.wgmma_gemm(q_r, kv_r[st, :, :], Sacc, transpose_B=True)
+        if "qk" not in skip:
+            T.wgmma_gemm(q_l, kv_l[st, :, :], Sacc, transpose_B=True)  # both halves back to back, one wait
+            T.wgmma_gemm(q_r, kv_r[st, :, :], Sacc, transpose_B=True)
         if sync:
             T.wait_wgmma(0)
 
     @T.macro
+    def wait_pv_issued(p_empty, it, st: int):
+        """pv_first: before QK^T of block it * NS + st, wait until PV of the block before it is issued."""
+        if st > 0:
+            T.barrier_wait(p_empty[NS + st - 1], it & 1)
+        elif it > 0:  # block 0 has no predecessor
+            T.barrier_wait(p_empty[2 * NS - 1], (it - 1) & 1)
+
+    @T.macro
     def softmax(Sacc, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph):
-        T.copy(m, m_prev)
-        T.reduce_max(Sacc, m, dim=1, clear=False)
-        for h in T.Parallel(H):
-            alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
-        for h, j in T.Parallel(H, bn):
-            Sacc[h, j] = T.exp2(Sacc[h, j] * c2 - m[h] * c2)
-        T.reduce_sum(Sacc, lblk, dim=1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * alpha[h] + lblk[h]
+        if "softmax" in skip:
+            for h in T.Parallel(H):
+                alpha[h] = T.float32(1)
+        else:
+            T.copy(m, m_prev)
+            T.reduce_max(Sacc, m, dim=1, clear=False)
+            for h in T.Parallel(H):
+                alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
+            for h, j in T.Parallel(H, bn):
+                Sacc[h, j] = T.exp2(Sacc[h, j] * c2 - m[h] * c2)
+            T.reduce_sum(Sacc, lblk, dim=1)
+            for h in T.Parallel(H):
+                l[h] = l[h] * alpha[h] + lblk[h]
         T.barrier_wait(p_empty[st], ph ^ 1)
         T.copy(Sacc, p_s[st, :, :])
         for h in T.Parallel(H):
@@ -462,7 +494,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 # the aligned 4 exponent bytes holding this chunk's group
                 cp_row(src, (sc, (st, g.row(r, t), t % g.tpr * 4)), e, rid[k, r],
                        g.scale_word(hf, t), 4, True)  # fmt: skip
-            else:
+            elif "gather" not in skip:
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
@@ -517,7 +549,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.fence_proxy_async()
         for h, d in T.Parallel(H, D2):
             o[h, d] = o[h, d] * alpha_s[st, h]
-        T.gemm(p_s[st, :, :], kvh[st, :, :], o)
+        if cfg.pv_first:  # issue, let WG0 queue its next QK^T behind these MMAs, then wait
+            if "pv" not in skip:
+                T.wgmma_gemm(p_s[st, :, :], kvh[st, :, :], o)
+            T.barrier_arrive(p_empty[NS + st])
+            T.wait_wgmma(0)
+        elif "pv" not in skip:
+            T.gemm(p_s[st, :, :], kvh[st, :, :], o)
         T.barrier_arrive(p_empty[st])
         # wgmma.wait_group is per warp: before any thread of this warpgroup refills the stage, all four warps'
         # MMAs (which all read the whole stage) must be done. Named barrier 1 + hf, 128 threads.
@@ -628,7 +666,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         bar_q = T.alloc_barrier(256)
         full = T.alloc_barrier([128] * (2 * NS))
         p_full = T.alloc_barrier([128] * NS)
-        p_empty = T.alloc_barrier([256] * NS)
+        p_empty = T.alloc_barrier([256] * (2 * NS if cfg.pv_first else NS))  # pv_first: [NS + st] = PV issued
         fin = T.alloc_barrier(128)
         base = sp * chunk
         tx = T.get_thread_binding()
@@ -666,9 +704,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             else:
                 for it in T.serial(rounds):
                     for st in ring:
+                        if cfg.pv_first:
+                            wait_pv_issued(p_empty, it, st)
                         qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, it & 1, True)
                         softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
                 for st in tail_blocks:
+                    if cfg.pv_first:
+                        wait_pv_issued(p_empty, rounds, st)
                     qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, rounds & 1, True)
                     softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rounds & 1)
             if split:

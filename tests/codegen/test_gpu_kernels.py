@@ -134,7 +134,9 @@ def test_sparse_attn_decode_fp8_kv(kb, run_case, B):
     run_case(functools.partial(kb.case_attn_decode, fp8=True), B, 640)  # e4m3 + ue8m0 KV, dequant in smem
 
 
-@pytest.mark.parametrize("name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split"])
+@pytest.mark.parametrize(
+    "name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split", "pv_first", "pv_first_nosplit"]
+)
 def test_sparse_attn_decode_other_configs(kb, run_case, name):
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
@@ -144,6 +146,8 @@ def test_sparse_attn_decode_other_configs(kb, run_case, name):
         "n32s4": (sad.Config(32, 384, 2, 4, True), False),  # 10 blocks in a 4-stage ring: 2 rounds + 2 tail
         "n64_nosplit": (sad.Config(64, 384, 1, 2, True), False),
         "portable_split": (sad.portable_split_config(64, 640), False),  # the previous default
+        "pv_first": (sad.Config(64, 384, 2, 2, True, pv_first=True), False),  # 5 blocks: a ring tail
+        "pv_first_nosplit": (sad.Config(64, 384, 1, 2, True, pv_first=True), False),
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8), 64, 640)
 

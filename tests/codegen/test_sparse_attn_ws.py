@@ -131,8 +131,10 @@ def _build_ws(name, func):
         (sad.Config(32, 384, 1, 2, True), True, 0),
         # two pools (V4.1: 128 window + 512 compressed entries), the B128 default blocking
         (sad.Config(64, 384, 1, 2, True), False, 128),
+        # QK^T queued behind the previous block's PV (explicit async PV wgmma + "issued" barriers)
+        (sad.Config(64, 384, 2, 2, True, pv_first=True), False, 0),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_pv_first_n64s2x2"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -146,8 +148,9 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     assert ops["HGMMA"] > 0, "bf16 wgmma (HGMMA) for QK^T and PV"
     assert ops["LDGSTS"] > 0, "cp.async gathers"
     assert ops["SYNCS"] > 0, "mbarrier waits / arrives"
-    # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes)
-    assert ops["LDL"] + ops["STL"] <= 2, "register spills"
+    # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes), pv_first's WG0
+    # three around its ring-tail QK^T (once per CTA, outside the loop)
+    assert ops["LDL"] + ops["STL"] <= (6 if cfg.pv_first else 2), "register spills"
     # named barriers: only the PV warpgroups' own (ids 1, 2: all four warps' MMAs done before a refill);
     # none inserted automatically (they could share an id across warpgroups)
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
