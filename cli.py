@@ -264,11 +264,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.target != "sm90":
         raise DeepInferError(f"bench runs on sm90 (an H200) today, not {args.target!r}")
-    if not torch.cuda.is_available():
-        raise DeepInferError("bench needs a CUDA device (an H200 for sm90); this machine has none")
+    if args.preset == "real" and not torch.cuda.is_available():
+        raise DeepInferError("bench needs a CUDA device (an H200 for sm90; --preset tiny is the CPU smoke mode); "
+                             "this machine has none")  # fmt: skip
     path = Path(__file__).resolve().parent / "benchmarks" / "bench_slice.py"
     spec = importlib.util.spec_from_file_location("bench_slice", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_slice", mod)  # what the module's own imports and pickling expect
     spec.loader.exec_module(mod)
     mod.run_from_args(args)
     return 0
@@ -344,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this")
     b.add_argument("--jobs", type=int, default=0, help="pre-build kernels in this many processes")
     b.add_argument("--no-torch-compile", action="store_true")
+    b.add_argument("--graphs", choices=("on", "off"), default="on",
+                   help="decode rows also as per-layer CUDA graphs (runtime/layer_graphs.py)")  # fmt: skip
+    b.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode of the per-layer straight-line baseline")  # fmt: skip
+    b.add_argument("--compile-batches", default="", help="decode batches with the torch.compile baseline (default all)")
+    b.add_argument("--preset", choices=("real", "tiny"), default="real",
+                   help="tiny: CPU smoke mode (tiny dims, kernel stand-ins, emulated graphs)")  # fmt: skip
     b.add_argument("--out", default=os.environ.get("OUT") or "bench_slice_out", help="JSON + PNG go here")
     b.set_defaults(func=cmd_bench)
 

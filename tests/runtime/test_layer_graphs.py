@@ -238,3 +238,15 @@ def test_bench_slice_tiny_smoke_mode_reports_graph_rows(tiny_slice, tmp_path, mo
         assert m["compile_note"].startswith("off")
     out = capsys.readouterr().out
     assert "graph ms" in out and "4 of 4 segments replay a graph" in out
+
+
+def test_deepinfer_bench_tiny_runs_on_cpu(tmp_path, monkeypatch):
+    """`deepinfer bench` loads bench_slice.py by path (no package around it) and passes the graph arguments."""
+    from deepinfer.cli import main
+
+    monkeypatch.setattr(ka, "EMULATE", False)
+    rc = main(["bench", "--preset", "tiny", "--layers", "2,6", "--batches", "1", "--context", "12", "--prefill", "0",
+               "--reps", "1", "--no-torch-compile", "--graphs", "off", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "bench_slice.json").read_text())["rows"]
+    assert row["graphs"] == "off (--graphs off)" and row["layers"]["l0"]["line_ms"] >= 0
