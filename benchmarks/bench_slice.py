@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_slice.py [--layers 0,2,3,20,21,24] [--batches 1,16,64,256] [--context 4096,32768]
                                       [--prefill 8192] [--experts fp8|fp4] [--out DIR] [--budget-s 480]
+                                      [--graphs on|off] [--compile-batches 64] [--preset real|tiny] [-j 15]
     deepinfer bench ...                                   (the same arguments)
 
 The slice: real layers renumbered into one graph by config surgery (slice_config): their compress ratios, kv /
@@ -27,14 +28,26 @@ context), an upper bound. A multi-sequence graph (batched KV pools) is what clos
 Prefill: T tokens from an empty cache.
 
 Per case: the node executions (compiled kernels vs torch references, with the reasons) of one call and the time
-per op (CUDA events around every node of one more call: which references to replace next). Per layer:
-time (CUDA events between layers, median of reps), tokens/s, % of roofline and the speedup over the torch eager
-reference of the same graph (the interpreter's references on the GPU). Roofline per layer: weight bytes that must
-be read (dense weights + the expected distinct experts E(1-(1-k/E)^T)) over the measured HBM copy bandwidth, and
-2 x tokens x weights used per token over the measured FP8 peak; attention/KV bytes and attention flops are not
-counted (a floor). torch.compile wraps the whole-slice reference function at decode 1 of the first context (per-
-layer times are not separable there; dynamo traces the executor's ~1,000-node loop, minutes, so it is tried once
-within the budget); every other row says why it has no torch.compile figure.
+per op (CUDA events around every node of one more call: which references to replace next). Per layer (CUDA
+events between layers, median of reps):
+  graph ms     decode rows, --graphs on: the step as one CUDA graph per layer (runtime/layer_graphs.py: warm-up,
+               host reads named, capture, replay checked against the eager step); a layer that cannot be captured
+               runs eagerly inside the step and the row says why
+  exec ms      the executor node by node from Python (what the runtime does without graphs)
+  eager ms     the executor with every node's torch reference (the torch eager baseline of the same graph)
+  line ms      the same references as one straight-line Python function per layer (runtime/layer_export.py),
+               eager: the baseline without the executor's per-node overhead; "vs eager" uses the faster of the two
+  compile ms   that function under torch.compile (--compile-mode; dynamic=False, per batch in
+               --compile-batches, while the budget leaves room for a compile), its output checked against the
+               eager function; the routed-expert references stay eager inside it (a loop over data dynamo
+               would break on anyway)
+Roofline per layer: weight bytes that must be read (dense weights + the expected distinct experts
+E(1-(1-k/E)^T)) over the measured HBM copy bandwidth, and 2 x tokens x weights used per token over the measured
+FP8 peak; attention/KV bytes and attention flops are not counted (a floor). "%roof+kv" adds the cache bytes a
+true batch of B sequences would read beyond "decode B"'s one sequence ((B-1) x the layer's cache inputs at that
+context: an upper estimate), so the reader sees how far the lower bound can be from the real batch.
+--preset tiny is a CPU smoke mode (tiny dims, torch stand-ins of the kernels, emulated graphs, nominal limits):
+it checks the plumbing, not performance.
 """
 
 from __future__ import annotations
@@ -388,7 +401,7 @@ def layer_baselines(lg, ref_ex, params, reps: int, compile_on: bool, compile_mod
         if not compile_on:
             rec["compile_note"] = "off (--no-torch-compile)"
             continue
-        if deadline - time.time() < 90:  # a compile cannot be interrupted: start one only with room left
+        if deadline - time.time() < 150:  # a compile cannot be interrupted: start one only with room left
             rec["compile_note"] = "skipped (time budget)"
             continue
         cfn = export_segment(seg, lg.ex.graph, lg.env, wrap=_opaque)
@@ -482,13 +495,20 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
         rows.append(row)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        # each case's table and the JSON so far as soon as it is done: a run cut short keeps what it measured
+        print_table([row], flush=True)
+        _write_json(out, st, layers, experts, preset, rows)
     print(st.comp.report(), flush=True)
+    _plot(rows, out / "bench_slice.png")
+    print("\nAll cases:")
+    print_table(rows)
+    return rows
+
+
+def _write_json(out: Path, st, layers, experts: str, preset: str, rows: list) -> None:
     (out / "bench_slice.json").write_text(json.dumps({"limits": vars(st.lim), "nominal_limits": st.nominal_limits,
                                                       "layers": list(layers), "experts": experts, "preset": preset,
                                                       "rows": rows}, indent=1, default=str))  # fmt: skip
-    _plot(rows, out / "bench_slice.png")
-    print_table(rows)
-    return rows
 
 
 def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions) -> Setup:
@@ -661,7 +681,7 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or x != x or x == float("inf") else format(x, spec)
 
 
-def print_table(rows: list) -> None:
+def print_table(rows: list, flush: bool = False) -> None:
     print(f"\n{'case':<24} {'layer':<6} {'graph ms':>9} {'exec ms':>9} {'%roof':>6} {'%roof+kv':>8} "
           f"{'eager ms':>9} {'line ms':>9} {'compile ms':>10} {'vs eager':>8} {'vs compile':>10}")  # fmt: skip
     decode1 = {}
@@ -685,6 +705,8 @@ def print_table(rows: list) -> None:
             b = r["tokens"]
             print(f"{'':<24} B={b} sequences as B calls of decode 1: {b * decode1[r['case'].split('ctx ')[-1]]:.3f} ms"
                   f" (upper bound; this row, one sequence with B tokens, is the lower bound)")  # fmt: skip
+    if flush:
+        sys.stdout.flush()
 
 
 def _print_notes(r: dict) -> None:
