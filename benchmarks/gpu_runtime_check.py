@@ -23,7 +23,9 @@ fused SwiGLU epilogue or W4A8, routing, mHC post+pre, and the older families) at
 real layers (--adapter-layers, bench_slice.py's construction, random weights in the checkpoint formats) runs
 through the compiled executor at each token count with 4096 cached tokens; every kernel set meets its node's
 torch reference on the same inputs at its first call (the executor's check; a mismatch disables it and counts
-as FAIL here), each new family must take its nodes, and the call is timed against the all-reference executor.
+as FAIL here), each new family must take its nodes, and the call is timed against the all-reference executor;
+then (--adapter-graphs on) the same step as one CUDA graph per layer (runtime/layer_graphs.py): every layer must
+be captured and replay the eager step (else the check FAILs and names the layer and the reason), per-layer ms.
 Results go to $OUT/gpu_adapters.json.
 """
 
@@ -210,11 +212,13 @@ def run_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
 NEW_FAMILIES = ("sparse_attn_decode", "moe_grouped_gemm", "moe_routing", "hyper_connection")
 
 
-def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, jobs: int, deadline: float) -> dict:
+def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, jobs: int, deadline: float,
+                   graphs: bool = True) -> dict:  # fmt: skip
     """The runtime's kernels at the real dims against their node references (module doc)."""
     import bench_slice as bs  # a sibling: benchmarks/ is on sys.path (above)
 
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
+    from deepinfer.runtime.kernel_adapters import MAX_POSITIONS
 
     t0 = time.time()
     g = bs.slice_graph(layers, experts)
@@ -222,7 +226,10 @@ def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, job
     torch.cuda.synchronize()
     log(f"adapters ({experts} experts, layers {list(layers)}): {len(g.nodes)} nodes, "
         f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights, {time.time() - t0:.0f} s")  # fmt: skip
-    comp = GraphExecutor(g, params, kernels=KernelCache(budget_s=max(30.0, deadline - time.time() - 60)))
+    # sync-free references at every T and rope tables sized once: the per-layer graphs capture these steps
+    comp = GraphExecutor(g, params, kernels=KernelCache(budget_s=max(30.0, deadline - time.time() - 60)),
+                         sync_free="always", max_positions=context + max(tokens))  # fmt: skip
+    comp.prep_cache[MAX_POSITIONS] = context + max(tokens)
     eager = GraphExecutor(g, params, compiled=False)
     feeds = {t: bs._inputs(g, t, context) for t in tokens}
     keys: list = []
@@ -244,6 +251,13 @@ def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, job
         res["rows"].append(row)
         log(f"adapters T={t}: slowest ops (ms, summed over nodes): "
             + "; ".join(f"{k} {v:.2f}" for k, v in list(comp.op_times.items())[:10]))  # fmt: skip
+        if graphs and time.time() < deadline - 20:
+            try:
+                _graph_check(bs, comp, f, t, row, res)
+            except Exception as e:  # the executor's rows above stand; the graph check FAILs with the error
+                traceback.print_exc(limit=6)
+                res["checks"].append({"check": f"T={t}: per-layer CUDA graphs", "pass": False,
+                                      "detail": f"{type(e).__name__}: {str(e)[:200]}"})  # fmt: skip
         missing = [fam for fam in NEW_FAMILIES if not runs["compiled"].get(fam)]
         res["checks"].append({"check": f"T={t}: every new family takes its nodes", "pass": not missing,
                               "detail": f"compiled {runs['compiled']}" + (f"; MISSING {missing}" if missing else "")})
@@ -259,6 +273,24 @@ def check_adapters(layers: tuple, experts: str, tokens: tuple, context: int, job
         verdict = "PASS" if c["pass"] else "FAIL" if c["pass"] is False else "SKIP"
         log(f"adapters: {verdict} {c['check']}: {c['detail']}")
     return res  # the weights go with this frame; the caller empties the allocator's cache
+
+
+def _graph_check(bs, comp, feeds: dict, t: int, row: dict, res: dict) -> None:
+    """The same step as one CUDA graph per layer (runtime/layer_graphs.py): every layer must be captured and
+    replay the eager step; per-layer replay ms next to the executor's."""
+    from deepinfer.runtime.cuda_graphs import CudaGraphBackend
+    from deepinfer.runtime.layer_graphs import LayerGraphs
+
+    lg = LayerGraphs(comp, feeds, CudaGraphBackend(torch.device(DEVICE)))
+    lg.prepare()
+    per, total = bs.time_graph_layers(lg, 5)
+    row.update(graph_ms=total, graph_layers=per, fell_back=lg.fell_back())
+    log(f"adapters T={t}: {lg.report()}")
+    log(f"adapters T={t}: per-layer graphs {total:.2f} ms vs executor {row['ms']:.2f} ms; per layer (ms) "
+        + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))  # fmt: skip
+    res["checks"].append({"check": f"T={t}: every layer replays a CUDA graph of the eager step", "pass": not lg.eager,
+                          "detail": "; ".join(f"{k}: {v}" for k, v in lg.fell_back().items()) or
+                          f"{len(lg.segments)} segments, {total:.2f} ms"})  # fmt: skip
 
 
 def summary(all_res: list[dict]) -> None:
@@ -301,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter-layers", default="2,20", help="real layer ids of the adapters' slice")
     ap.add_argument("--adapter-tokens", default="1,16,64", help="token counts of the adapters' check")
     ap.add_argument("--experts", default="fp8", help="fp8 and/or fp4 (W4A8), comma separated")
+    ap.add_argument("--adapter-graphs", choices=("on", "off"), default="on",
+                    help="the adapters' steps also as per-layer CUDA graphs (runtime/layer_graphs.py)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="build the adapters' slice graph(s) only (no GPU)")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -328,7 +362,7 @@ def main(argv=None) -> int:
             try:
                 res = check_adapters(tuple(int(x) for x in args.adapter_layers.split(",")), experts,
                                      tuple(int(x) for x in args.adapter_tokens.split(",")), 4096, args.jobs,
-                                     deadline)  # fmt: skip
+                                     deadline, args.adapter_graphs == "on")  # fmt: skip
             except Exception as e:
                 log(f"adapters ({experts}): ERROR {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=6)
