@@ -19,6 +19,7 @@ torch reference), so the adapters' layout work is tested on CPU, without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -535,13 +536,16 @@ class _MoEPlan:
     half: int  # gate rows per tile of the interleaved w1|w3 stack (glu only)
     keys: list
     layout: tuple  # masked: (dest, counts, merged weights); contiguous: (slot, tile_expert, m_rows)
+    split: bool = False  # glu from the plain w1|w3 stack (swab_program glu_split): no interleaved copy
 
 
 SWAB_DOWN_ACT_GROUP = 32  # the SwiGLU output is quantised per 32 columns (what the fused epilogue writes)
 # the interleaved w1|w3 copy is made only if it takes at most this share of the free memory and leaves this much
 GLU_COPY_HEADROOM = 0.25
 GLU_COPY_LEAVE_BYTES = 24 << 30
-GLU_POLICY = "moe_glu_policy"  # Call.cache key: "on" / "off" forces the fused epilogue's copy (benchmarks)
+# Call.cache key (benchmarks): "auto" (the interleaved copy where it fits, else glu_split), "on" / "off" force the
+# copy / no copy (then glu_split), "split" always glu_split, "torch" the SwiGLU in torch (no fused epilogue)
+GLU_POLICY = "moe_glu_policy"
 
 
 def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int):
@@ -598,6 +602,15 @@ def _swab_unfit(n: int, k: int, fmt: str, cfg, wb: int, ag: int, glu: bool) -> s
     return None
 
 
+def _split_glu_unfit(inter: int, fmt: str, cfg, wb: int) -> str | None:
+    """Why swab_program(glu_split=True) cannot take I = inter with this tile (its asserts), or None."""
+    if inter % cfg.block_n or cfg.block_n % 32:
+        return f"I={inter} does not split into {cfg.block_n}-row gate/up tiles"
+    if fmt == "fp8" and cfg.block_n % wb and wb % cfg.block_n:
+        return f"weight block {wb} does not align with block_n {cfg.block_n}"
+    return None
+
+
 def _swab_decode_cfg(call: Call, t: int, k: int, e: int, fmt: str, dims: tuple):
     """The binding's swap-AB config when it has one, else moe_grouped_gemm.swab_config for the expected busiest
     expert (mean + 3 sigma of T*K/E pairs per expert: a config choice, not a bound); block_k narrowed when the
@@ -625,7 +638,8 @@ class MoEGroupedAdapter:
     the token tile: an expert sees each token at most once), so a decode step can be captured. Where the tiles
     allow it the w1|w3 GEMM ends in the fused clamped-SwiGLU epilogue (FP8 codes + per-32 scales, read directly
     by the w2 GEMM); its interleaved w1|w3 copy is made only while memory allows (the per-expert parameters must
-    stay the plain stacks: the references read them), else the SwiGLU runs in torch on the T*K real rows.
+    stay the plain stacks: the references read them), else the epilogue reads the plain stack (glu_split: two
+    weight tiles per CTA, no copy); the SwiGLU runs in torch on the T*K real rows only where neither fits.
     fmt "fp4" (V4.1's routed experts kept FP4, the convert pass off) runs W4A8 (FP4 dequantised in registers):
     masked at decode, the contiguous swap-AB program at prefill. fp8 prefill: the contiguous 2-warpgroup grouped
     main loop (the previous path; also the fallback when the swap-AB tiles do not fit the expert dims).
@@ -686,7 +700,10 @@ class MoEGroupedAdapter:
         fmt = call.attrs["fmt"]
         ag = 32 if fmt == "fp4" else block
         limit = float(call.attrs["swiglu_limit"])
-        glu = _swab_unfit(2 * inter, d, fmt, cfg, block, ag, True) is None and self._glu_copy_ok(call, fmt, inter, d)
+        mode = self._glu_mode(call, cfg, fmt, inter, d, block, ag)
+        glu, split = mode != "", mode == "split"
+        # glu_split reads two weight tiles per CTA: half the CTAs per SM keep the same weight bytes in flight
+        cfg1 = dataclasses.replace(cfg, min_blocks=max(1, cfg.min_blocks // 2)) if split else cfg
         if masked:
             max_rows = -(-t // cfg.block_t) * cfg.block_t
             rows = e * max_rows
@@ -696,12 +713,24 @@ class MoEGroupedAdapter:
             slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_t)
             layout, extra = (slot, tile_expert, rows), {}
         common = {"fmt": fmt, "weight_block": block, **extra}
-        k1 = _key("moe_grouped_gemm", "swab_program", (rows, 2 * inter, d, e), cfg, act_group=ag,
-                  swiglu_limit=limit if glu else None, **common)  # fmt: skip
+        common1 = {**common, "glu_split": True} if split else common
+        k1 = _key("moe_grouped_gemm", "swab_program", (rows, 2 * inter, d, e), cfg1, act_group=ag,
+                  swiglu_limit=limit if glu else None, **common1)  # fmt: skip
         k2 = _key("moe_grouped_gemm", "swab_program", (rows, d, inter, e), cfg, act_group=SWAB_DOWN_ACT_GROUP,
                   swiglu_limit=None, **common)  # fmt: skip
         path = "swab_masked" if masked else "swab_contiguous"
-        return _MoEPlan(path, fmt, rows, glu, cfg.block_n // 2, [k1, k2], layout)
+        return _MoEPlan(path, fmt, rows, glu, cfg.block_n // 2, [k1, k2], layout, split)
+
+    def _glu_mode(self, call: Call, cfg, fmt: str, inter: int, d: int, block: int, ag: int) -> str:
+        """How the w1|w3 GEMM ends: "tiles" (fused SwiGLU on the tile-interleaved copy, where it fits), "split"
+        (fused SwiGLU on the plain stack, two weight tiles per CTA: no copy), "" (bf16 out, SwiGLU in torch)."""
+        policy = call.cache.get(GLU_POLICY, "auto")
+        if policy == "torch":
+            return ""
+        tiles_fit = _swab_unfit(2 * inter, d, fmt, cfg, block, ag, True) is None
+        if policy != "split" and tiles_fit and self._glu_copy_ok(call, fmt, inter, d):
+            return "tiles"
+        return "split" if _split_glu_unfit(inter, fmt, cfg, block) is None else ""
 
     def _glu_copy_ok(self, call: Call, fmt: str, inter: int, d: int) -> bool:
         """The fused epilogue reads w1|w3 interleaved in tiles (a copy of the stack): only while it fits."""
@@ -751,7 +780,7 @@ class MoEGroupedAdapter:
     def path(self, call: Call) -> str:
         """Which routed path this call takes (tests and reports)."""
         p = self._plan(call)
-        return p.path + ("+swiglu" if p.glu else "")
+        return p.path + ("+swiglu" if p.glu else "") + ("(split)" if p.split else "")
 
     # -- running -----------------------------------------------------------------------------------------
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
@@ -797,13 +826,14 @@ class MoEGroupedAdapter:
 
     def _swab_weights(self, call: Call, p: _MoEPlan, e: int):
         """The swap-AB operands, once per layer: fp8 stacks with fp32 block scales, or (W4A8) the packed FP4
-        codes as int16 words with MN-major ue8m0 bytes; w1|w3 tile-interleaved for the fused epilogue."""
+        codes as int16 words with MN-major ue8m0 bytes; w1|w3 tile-interleaved for the fused epilogue (not with
+        glu_split: the plain stack)."""
         from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 
         params = tuple(range(9, len(call.args)))
         if p.fmt == "fp8":
             b13, s13, b2, s2 = call.prep("moe_stack", params, lambda: stack_experts(call, e))
-            if p.glu:
+            if p.glu and not p.split:
                 wb = call.attrs["block"]
                 b13, s13 = call.prep(f"moe_glu{p.half}", params, lambda: (
                     mg.gate_up_tiles(b13, p.half), mg.gate_up_tiles(s13, p.half // wb)))  # fmt: skip
@@ -811,11 +841,11 @@ class MoEGroupedAdapter:
 
         def fp4_operands():
             b13, s13, b2, s2 = stack_experts(call, e, scales_as=scale_bytes)
-            if p.glu:
+            if p.glu and not p.split:
                 b13, s13 = mg.gate_up_tiles(b13, p.half), mg.gate_up_tiles(s13, p.half)
             return (*mg.w4a8_weights(b13, s13), *mg.w4a8_weights(b2, s2))
 
-        return call.prep(f"moe_w4a8_{p.half if p.glu else 0}", params, fp4_operands)
+        return call.prep(f"moe_w4a8_{p.half if p.glu and not p.split else 0}", params, fp4_operands)
 
     def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
         from deepinfer.ir.ops.moe import swiglu
@@ -1443,6 +1473,7 @@ def _emulated_swab(key: KernelKey) -> Callable:
     m, n, k, e = key.args
     fmt, ag, wb, max_rows, limit = kw["fmt"], kw["act_group"], kw["weight_block"], kw.get("max_rows", 0), \
         kw.get("swiglu_limit")  # fmt: skip
+    tiled = limit is not None and not kw.get("glu_split", False)  # B (and SB) gate/up tile-interleaved
     half = cfg["block_n"] // 2
 
     def swab(a, sa_t, b, sb, meta, *outs):
@@ -1455,11 +1486,11 @@ def _emulated_swab(key: KernelKey) -> Callable:
         if fp4:
             packed = b.view(torch.uint8).view(e, n, k // 2)
             scale = sb.transpose(1, 2).view(torch.float8_e8m0fnu)
-            if limit is not None:
+            if tiled:
                 packed, scale = _untile_gate_up(packed, half), _untile_gate_up(scale, half)
             h = mg.reference_w4a8(a, sa_t.T, packed, scale, rows, ag)
         else:
-            if limit is not None:
+            if tiled:
                 b, sb = _untile_gate_up(b, half), _untile_gate_up(sb, half // wb)
             h = torch.zeros(m, n, device=a.device)
             for ex in torch.unique(rows[rows >= 0]).tolist():

@@ -514,6 +514,7 @@ def swab_program(
     max_rows: int = 0,
     swiglu_limit: float | None = None,
     fast_dequant: bool = True,
+    glu_split: bool = False,
     target: str = "sm90",
 ):
     """Swap-AB grouped GEMM (module docstring), sm90 (target "cpu": the same program on TileLang's `c` target,
@@ -525,7 +526,13 @@ def swab_program(
       out: C [M, N] bf16, or with swiglu_limit: Hq [M, N/2] e4m3 and Hs [N/64, M] fp32 (B and its scales then
       tile-interleaved by `gate_up_tiles(..., block_n // 2)`).
     Rows past an expert's count (masked) or of padding tiles hold junk / are not written; never read them.
-    fast_dequant: fp4 fragments filled by `deepinfer_fp4_frag` (else TileLang's element-wise lowering)."""
+    fast_dequant: fp4 fragments filled by `deepinfer_fp4_frag` (else TileLang's element-wise lowering).
+    glu_split (with swiglu_limit): B and SB are the plain w1|w3 stacks (gate rows [0, I), up rows [I, 2I)), not
+    tile-interleaved, so no interleaved copy of the experts is needed (9 GB per V4.1 layer in fp8). A CTA then
+    takes block_n gate rows and the matching block_n up rows as two weight tiles, each a whole TMA box and its
+    own MMA + promotion (a wgmma needs 64 rows, and TileLang's TMA lowering refuses a box into half of a
+    swizzled tile), and writes block_n SwiGLU columns: the grid has I / block_n column CTAs, each reading
+    2 x block_n weight rows per K stage (the interleaved form: N / block_n CTAs of block_n rows)."""
     import tilelang.language as T
 
     cfg = cfg or swab_config(4, fmt, contiguous=not max_rows)
@@ -538,10 +545,18 @@ def swab_program(
     assert cpu or bN % 64 == 0
     assert fp4 or (wb % sub == 0 and (bN % wb == 0 or wb % bN == 0))
     glu = swiglu_limit is not None
+    split = glu and glu_split
+    assert glu or not glu_split, "glu_split needs the fused SwiGLU (swiglu_limit)"
     I, bNh = N // 2, bN // 2
     assert N % bN == 0
-    if glu:  # B (and its scales) tile-interleaved by `gate_up_tiles(..., bN // 2)`
+    if split:  # bN gate rows + the bN matching up rows per CTA, read from the plain stack
+        assert I % bN == 0 and bN % 32 == 0
+    elif glu:  # B (and its scales) tile-interleaved by `gate_up_tiles(..., bN // 2)`
         assert bNh % 32 == 0 and (fp4 or bNh % wb == 0)
+    halves = (0, 1) if split else (0,)
+    n_halves = len(halves)
+    out_cols = bN if split else bNh  # output columns per CTA with glu (Hq's; C's without glu: bN)
+    n_cta_cols = I // bN if split else N // bN
     if max_rows:
         assert max_rows % bT == 0 and M == E * max_rows
     else:
@@ -551,7 +566,7 @@ def swab_program(
     fp8 = "float32" if cpu else "float8_e4m3fn"
     n_meta = E if max_rows else M // bT
     n_grid = E if max_rows else M // bT
-    epilogue = _swiglu_epilogue(bT, bNh, swiglu_limit, target) if glu else None
+    epilogue = _swiglu_epilogue(bT, out_cols, swiglu_limit, target) if glu else None
     # fp8 weight scales of this CTA's rows, staged once
     nsb = max(1, bN // wb) if not fp4 else 1
     kb_w = ceil_div(K, wb)
@@ -563,8 +578,45 @@ def swab_program(
     out_dt = "float32" if cpu else "bfloat16"
 
     @T.macro
+    def _mma_step(u, ko, A_s, SA_s, p0, acc, W, W_f, S):
+        """One 32-K sub-block of one weight tile W (scales S): the MMA into p0, then the exact promotion into acc."""
+        if cpu:  # plain loops: the dequantised value (e2m1 * 2^-6) and the partial product
+            if fp4:
+                for j, k in T.grid(bN, sub):
+                    W_f[j, k] = T.call_extern("float32", "deepinfer_fp4_value",
+                                              W[j, u * (sub // 4) + k // 4], k % 4)  # fmt: skip
+            for j, t in T.grid(bN, bT):
+                p0[j, t] = 0.0
+                for k in T.serial(sub):
+                    if fp4:
+                        p0[j, t] += W_f[j, k] * A_s[t, u * sub + k]
+                    else:
+                        p0[j, t] += W[j, u * sub + k] * A_s[t, u * sub + k]
+        elif fp4 and fast_dequant:
+            T.evaluate(T.call_extern("handle", f"deepinfer_fp4_frag<{bN // 64}>",
+                                     W_f.data, T.address_of(W[0, u * (sub // 4)]), bK // 4))  # fmt: skip
+            T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
+        elif fp4:  # element-wise (what TileLang lowers by itself; ~2x the integer work)
+            for j, k in T.Parallel(bN, sub):
+                w4 = T.call_extern("uint32", "deepinfer_fp4x4_to_e4m3",
+                                   T.Cast("uint32", W[j, u * (sub // 4) + k // 4]))  # fmt: skip
+                W_f[j, k] = T.reinterpret(T.Cast("uint8", (w4 >> T.Cast("uint32", (k % 4) * 8)) & T.uint32(255)), fp8)
+            T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
+        else:
+            T.gemm(W[:, u * sub : (u + 1) * sub], A_s[:, u * sub : (u + 1) * sub], p0,
+                   transpose_B=True, clear_accum=True)  # fmt: skip
+        for j, t in mem.par(bN, bT):
+            if fp4:
+                # 2^(byte - 127) * 2^6 (the dequantised codes are the e2m1 values * 2^-6)
+                sbyte = T.Cast("uint32", S[u, j])
+                sb = T.reinterpret(T.shift_left(sbyte + T.uint32(6), T.uint32(23)), "float32")
+            else:
+                sb = S[j // wb if bN > wb else 0, (ko * bK + u * sub) // wb]
+            acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
+
+    @T.macro
     def kernel(A, SA, B, SB, Meta, C, CS):
-        with T.Kernel(N // bN, n_grid, threads=cfg.threads) as (bx, slot):
+        with T.Kernel(n_cta_cols, n_grid, threads=cfg.threads) as (bx, slot):
             if not cpu:
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()
@@ -572,6 +624,8 @@ def swab_program(
                 T.import_source(_FP4_SRC_CPU if cpu else _FP4_SRC)
             A_s = mem.shared((bT, bK), fp8)
             SA_s = mem.shared((sa_rows, bT), "float32")
+            # one weight tile of bN rows per half (glu_split: the gate half and the up half, each its own MMA);
+            # named allocations (a list comprehension would name every buffer `v` in the generated source)
             p0 = mem.fragment((bN, bT), "float32")
             acc = mem.fragment((bN, bT), "float32")
             if fp4:
@@ -581,6 +635,21 @@ def swab_program(
             else:
                 W_s = mem.shared((bN, bK), fp8)
                 SB_s = mem.shared((nsb, kb_w), "float32")
+            if split:
+                p0_up = mem.fragment((bN, bT), "float32")
+                acc_up = mem.fragment((bN, bT), "float32")
+                if fp4:
+                    P_up_s = mem.shared((bN, bK // 4), "int16")
+                    SG_up_s = mem.shared((bK // 32, bN), "uint8")
+                    Wt, St = [P_s, P_up_s], [SG_s, SG_up_s]
+                else:
+                    W_up_s = mem.shared((bN, bK), fp8)
+                    SB_up_s = mem.shared((nsb, kb_w), "float32")
+                    Wt, St = [W_s, W_up_s], [SB_s, SB_up_s]
+                P0, Acc = [p0, p0_up], [acc, acc_up]
+            else:
+                Wt, St = ([P_s], [SG_s]) if fp4 else ([W_s], [SB_s])
+                P0, Acc = [p0], [acc]
             # -------- which expert and rows this CTA works on
             info = T.alloc_var("int32")
             cnt = T.alloc_var("int32")
@@ -599,66 +668,38 @@ def swab_program(
                 n_tt = T.if_then_else(info >= 0, T.min(T.ceildiv(Meta[e], bT), max_rows // bT), 0)
             else:
                 n_tt = T.if_then_else(info >= 0, 1, 0)
-            row_g = bx * bN  # first weight row (with glu: of the gate/up tile-interleaved stack)
+            # first weight row of each half's tile (with glu and not split: of the tile-interleaved stack)
+            row_g = [h * I + bx * bN for h in halves]
             if not fp4:
-                for i, k in mem.par(nsb, kb_w):
-                    SB_s[i, k] = SB[e, row_g // wb + i, k]
+                for h in halves:
+                    for i, k in mem.par(nsb, kb_w):
+                        St[h][i, k] = SB[e, row_g[h] // wb + i, k]
             for tt in T.serial(n_tt):
                 if max_rows:
                     row0 = e * max_rows + tt * bT
                 else:
                     row0 = slot * bT
-                T.clear(acc)
+                for h in halves:
+                    T.clear(Acc[h])
                 for ko in T.Pipelined(nk, num_stages=cfg.stages):
-                    if fp4:
-                        T.copy(B[e, row_g : row_g + bN, ko * (bK // 4) : (ko + 1) * (bK // 4)], P_s)
-                        T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), row_g : row_g + bN], SG_s)
-                    else:
-                        T.copy(B[e, row_g : row_g + bN, ko * bK : (ko + 1) * bK], W_s)
+                    for h in halves:
+                        r0 = row_g[h]
+                        if fp4:
+                            T.copy(B[e, r0 : r0 + bN, ko * (bK // 4) : (ko + 1) * (bK // 4)], Wt[h])
+                            T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), r0 : r0 + bN], St[h])
+                        else:
+                            T.copy(B[e, r0 : r0 + bN, ko * bK : (ko + 1) * bK], Wt[h])
                     T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], A_s)
                     T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
                     for u in units:
-                        if cpu:  # plain loops: the dequantised value (e2m1 * 2^-6) and the partial product
-                            if fp4:
-                                for j, k in T.grid(bN, sub):
-                                    W_f[j, k] = T.call_extern("float32", "deepinfer_fp4_value",
-                                                              P_s[j, u * (sub // 4) + k // 4], k % 4)  # fmt: skip
-                            for j, t in T.grid(bN, bT):
-                                p0[j, t] = 0.0
-                                for k in T.serial(sub):
-                                    if fp4:
-                                        p0[j, t] += W_f[j, k] * A_s[t, u * sub + k]
-                                    else:
-                                        p0[j, t] += W_s[j, u * sub + k] * A_s[t, u * sub + k]
-                        elif fp4 and fast_dequant:
-                            T.evaluate(T.call_extern("handle", f"deepinfer_fp4_frag<{bN // 64}>",
-                                                     W_f.data, T.address_of(P_s[0, u * (sub // 4)]),
-                                                     bK // 4))  # fmt: skip
-                            T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
-                        elif fp4:  # element-wise (what TileLang lowers by itself; ~2x the integer work)
-                            for j, k in T.Parallel(bN, sub):
-                                w4 = T.call_extern("uint32", "deepinfer_fp4x4_to_e4m3",
-                                                   T.Cast("uint32", P_s[j, u * (sub // 4) + k // 4]))  # fmt: skip
-                                W_f[j, k] = T.reinterpret(
-                                    T.Cast("uint8", (w4 >> T.Cast("uint32", (k % 4) * 8)) & T.uint32(255)), fp8
-                                )
-                            T.gemm(W_f, A_s[:, u * sub : (u + 1) * sub], p0, transpose_B=True, clear_accum=True)
-                        else:
-                            T.gemm(W_s[:, u * sub : (u + 1) * sub], A_s[:, u * sub : (u + 1) * sub], p0,
-                                   transpose_B=True, clear_accum=True)  # fmt: skip
-                        for j, t in mem.par(bN, bT):
-                            if fp4:
-                                # 2^(byte - 127) * 2^6 (the dequantised codes are the e2m1 values * 2^-6)
-                                sbyte = T.Cast("uint32", SG_s[u, j])
-                                sb = T.reinterpret(T.shift_left(sbyte + T.uint32(6), T.uint32(23)), "float32")
-                            else:
-                                sb = SB_s[j // wb if bN > wb else 0, (ko * bK + u * sub) // wb]
-                            acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
+                        for h in halves:
+                            _mma_step(u, ko, A_s, SA_s, P0[h], Acc[h], Wt[h], W_f if fp4 else None, St[h])
                 if glu:
-                    H_s = mem.shared((bT, bN), "float32")
-                    for j, t in mem.par(bN, bT):
-                        H_s[t, j] = acc[j, t]
-                    epilogue(H_s, C, CS, row0, bx * bNh)
+                    H_s = mem.shared((bT, n_halves * bN), "float32")
+                    for h in halves:
+                        for j, t in mem.par(bN, bT):
+                            H_s[t, h * bN + j] = Acc[h][j, t]
+                    epilogue(H_s, C, CS, row0, bx * out_cols)
                 else:
                     C_s = mem.shared((bT, bN), out_dt)
                     for j, t in mem.par(bN, bT):

@@ -105,11 +105,30 @@ def test_a_token_listing_an_expert_twice_is_merged_not_dropped():
     assert rel_err(run_adapter(call, ka.emulated_kernel), reference(call)) < TOL
 
 
-def test_without_room_for_the_interleaved_copy_the_swiglu_runs_in_torch():
-    call = moe_call(3, 256, 128, 8, 2)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_without_room_for_the_interleaved_copy_the_epilogue_reads_the_plain_stack(fmt):
+    call = moe_call(3, 256, 128, 8, 2, fmt=fmt)
     call.cache[("moe_glu_ok", call.names[9])] = False
+    assert ka.MoEGroupedAdapter().path(call) == "swab_masked+swiglu(split)"
+    keys = ka.MoEGroupedAdapter().keys(call)
+    assert dict(keys[0].kwargs)["glu_split"] is True and "glu_split" not in dict(keys[1].kwargs)
+    assert rel_err(run_adapter(call, ka.emulated_kernel), reference(call)) < TOL
+
+
+def test_the_torch_policy_runs_the_swiglu_in_torch():
+    call = moe_call(3, 256, 128, 8, 2)
+    call.cache[ka.GLU_POLICY] = "torch"
     assert ka.MoEGroupedAdapter().path(call) == "swab_masked"
     assert rel_err(run_adapter(call, ka.emulated_kernel), reference(call)) < TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_split_glu_on_the_c_target_program(fmt):
+    """The real swab_program(glu_split=True) on TileLang's `c` target behind the adapter (plain stacks passed)."""
+    call = moe_call(3, 256, 128, 8, 2, fmt=fmt)
+    call.cache[ka.GLU_POLICY] = "split"
+    assert ka.MoEGroupedAdapter().path(call) == "swab_masked+swiglu(split)"
+    assert rel_err(run_adapter(call, ka.c_target_kernel), reference(call)) < TOL
 
 
 def test_expert_dims_no_tile_fits_decline_with_the_reason():
