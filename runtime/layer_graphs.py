@@ -203,8 +203,11 @@ class LayerGraphs:
             self.ex.stats = saved
         if guard.hits:
             self.host_reads[i] = [f"{what} (x{k})" for what, k in guard.hits.most_common()]
-            self.eager[i] = "reads device values on the host: " + "; ".join(self.host_reads[i][:4]) + (
-                f"; and {len(self.host_reads[i]) - 4} more" if len(self.host_reads[i]) > 4 else "")
+            self.eager[i] = (
+                "reads device values on the host: "
+                + "; ".join(self.host_reads[i][:4])
+                + (f"; and {len(self.host_reads[i]) - 4} more" if len(self.host_reads[i]) > 4 else "")
+            )
 
     def _capture(self, i: int) -> None:
         saved = copy.deepcopy(self.ex.stats)  # captured node runs are not executions
