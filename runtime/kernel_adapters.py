@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -546,6 +547,7 @@ GLU_COPY_LEAVE_BYTES = 24 << 30
 # Call.cache key (benchmarks): "auto" (the interleaved copy where it fits, else glu_split), "on" / "off" force the
 # copy / no copy (then glu_split), "split" always glu_split, "torch" the SwiGLU in torch (no fused epilogue)
 GLU_POLICY = "moe_glu_policy"
+GLU_POLICY_ENV = "DEEPINFER_MOE_GLU"  # the same values, where the runner sets no policy (checks of the split path)
 
 
 def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int):
@@ -724,7 +726,7 @@ class MoEGroupedAdapter:
     def _glu_mode(self, call: Call, cfg, fmt: str, inter: int, d: int, block: int, ag: int) -> str:
         """How the w1|w3 GEMM ends: "tiles" (fused SwiGLU on the tile-interleaved copy, where it fits), "split"
         (fused SwiGLU on the plain stack, two weight tiles per CTA: no copy), "" (bf16 out, SwiGLU in torch)."""
-        policy = call.cache.get(GLU_POLICY, "auto")
+        policy = call.cache.get(GLU_POLICY) or os.environ.get(GLU_POLICY_ENV, "auto")
         if policy == "torch":
             return ""
         tiles_fit = _swab_unfit(2 * inter, d, fmt, cfg, block, ag, True) is None
@@ -736,7 +738,7 @@ class MoEGroupedAdapter:
         """The fused epilogue reads w1|w3 interleaved in tiles (a copy of the stack): only while it fits."""
         k = ("moe_glu_ok", call.names[9])
         if k not in call.cache:
-            policy = call.cache.get(GLU_POLICY, "auto")
+            policy = call.cache.get(GLU_POLICY) or os.environ.get(GLU_POLICY_ENV, "auto")
             x = call.args[0]
             nbytes = call.attrs["n_experts"] * 2 * inter * d // (2 if fmt == "fp4" else 1)
             free = torch.cuda.mem_get_info(x.device)[0] if x.device.type == "cuda" else float("inf")
