@@ -260,7 +260,7 @@ class GroupedOutProjAdapter:
         a_m.view(torch.uint8)[:, :t] = q.view(torch.uint8).transpose(0, 1)
         sa_m = torch.empty(k // block, g, max_rows, device=x.device)
         sa_m[:, :, :t] = qs.permute(2, 1, 0)
-        counts = torch.full((g,), t, dtype=torch.int32, device=x.device)
+        counts = _const_counts(call, g, t, x.device)
         c = torch.empty(g * max_rows, r, dtype=torch.bfloat16, device=x.device)
         kernels[0](a_m.view(g * max_rows, k), sa_m.view(-1, g * max_rows), w, s, counts, c)
         u = c.view(g, max_rows, r)[:, :t].transpose(0, 1).reshape(t, g * r).float()
@@ -802,7 +802,7 @@ class MoEGroupedAdapter:
         w13, s13, w2, s2 = self._swab_weights(call, p, e)
         if p.path == "swab_masked":
             dest, meta, w = p.layout
-            a, sa = quant_act(x, 32 if p.fmt == "fp4" else block)
+            a, sa = _quant_x(call, 32 if p.fmt == "fp4" else block)
             tok = torch.arange(t, device=x.device).repeat_interleave(k)
             a_m, sa_m = _scatter_rows(p.rows, a[tok], dest), _scatter_cols(p.rows, sa[tok], dest)
         else:
@@ -871,9 +871,46 @@ class MoEGroupedAdapter:
         return c
 
     # -- the shared expert ---------------------------------------------------------------------------------
+    # Decode: one more swap-AB pair, the shared expert as a 1-expert stack with all T rows (fused clamped SwiGLU
+    # + per-32 quant, then w2), reusing the routed path's quantised x: 2 launches instead of 3 dense GEMMs with
+    # their own activation quantisation and a torch SwiGLU (~40 small launches). Prefill, or dims / groups the
+    # swap-AB program does not take: the dense fp8_gemm path.
+
+    def _shared_swab(self, call: Call):
+        """(config, max_rows) of the shared expert's swap-AB pair, or None (then the dense path)."""
+        if "shared_swab" not in call.memo:
+            call.memo["shared_swab"] = self._make_shared_swab(call)
+        return call.memo["shared_swab"]
+
+    def _make_shared_swab(self, call: Call):
+        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+        a = call.attrs
+        x, sw1 = call.args[0], call.args[3]
+        t, d = x.shape
+        inter, wb = sw1.shape[0], a["shared_block"]
+        if t > SHARED_SWAB_MAX_T or a["shared_mid_group"] not in (0, SWAB_DOWN_ACT_GROUP) or wb % 32:
+            return None
+        bt = min(64, -(-t // 16) * 16)
+        bt = 1 << (bt - 1).bit_length()  # 16, 32 or 64 tokens per tile: one pass over the weights at T <= 64
+        cfg = mg.SwabConfig(64, bt, 128, 4, 4 if bt == 16 else 3 if bt == 32 else 2)
+        if _swab_unfit(2 * inter, d, "fp8", cfg, wb, wb, True) or _swab_unfit(d, inter, "fp8", cfg, wb, 32, False):
+            return None
+        return cfg, bt
+
     def _shared_keys(self, call: Call) -> list[KernelKey]:
         if call.args[3] is None:
             return []
+        sw = self._shared_swab(call)
+        if sw is not None:
+            cfg, rows = sw
+            a = call.attrs
+            d, inter = call.args[0].shape[1], call.args[3].shape[0]
+            common = {"fmt": "fp8", "weight_block": a["shared_block"], "max_rows": rows}
+            return [_key("moe_grouped_gemm", "swab_program", (rows, 2 * inter, d, 1), cfg,
+                         act_group=a["shared_block"], swiglu_limit=float(a["shared_limit"]), **common),
+                    _key("moe_grouped_gemm", "swab_program", (rows, d, inter, 1), cfg, act_group=SWAB_DOWN_ACT_GROUP,
+                         swiglu_limit=None, **common)]  # fmt: skip
         x = call.args[0]
         # the down GEMM reads the SwiGLU output [T, I], not x [T, D]: key it on that K (a stand-in of that shape)
         h = x.new_empty((x.shape[0], call.args[5].shape[1]))
@@ -891,6 +928,38 @@ class MoEGroupedAdapter:
                     call.config, call.cache)  # fmt: skip
 
     def _shared(self, call: Call, kernels: list) -> torch.Tensor:
+        if self._shared_swab(call) is not None:
+            return self._shared_by_swab(call, kernels)
+        return self._shared_dense(call, kernels)
+
+    def _shared_by_swab(self, call: Call, kernels: list) -> torch.Tensor:
+        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+        cfg, rows = self._shared_swab(call)
+        a = call.attrs
+        x = call.args[0]
+        t, d = x.shape
+        inter = call.args[3].shape[0]
+
+        def stack():  # [1, 2I, D] w1|w3 tile-interleaved for the fused epilogue (a 2I x D copy), w2 as [1, D, I]
+            half, wb = cfg.block_n // 2, a["shared_block"]
+            b13 = torch.cat([call.args[3], call.args[4]]).unsqueeze(0)
+            s13 = torch.cat([scales_f32(call.args[6]), scales_f32(call.args[7])]).unsqueeze(0)
+            w2, s2 = call.args[5].unsqueeze(0), scales_f32(call.args[8]).unsqueeze(0).contiguous()
+            return mg.gate_up_tiles(b13, half), mg.gate_up_tiles(s13, half // wb), w2, s2
+
+        w13, s13, w2, s2 = call.prep(f"moe_shared_swab{cfg.block_n}", (3, 4, 5, 6, 7, 8), stack)
+        q, qs = _quant_x(call, a["shared_block"])
+        a_m, sa_m = pad_rows(q, rows), pad_rows(qs, rows).T.contiguous()
+        counts = _const_counts(call, 1, t, x.device)
+        hq = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(inter // SWAB_DOWN_ACT_GROUP, rows, device=x.device)
+        kernels[0](a_m, sa_m, w13, s13, counts, hq, hs)
+        c = torch.empty(rows, d, dtype=torch.bfloat16, device=x.device)
+        kernels[1](hq, hs, w2, s2, counts, c)
+        return c[:t].float()
+
+    def _shared_dense(self, call: Call, kernels: list) -> torch.Tensor:
         from deepinfer.ir.ops.moe import swiglu
 
         a = call.attrs
@@ -903,6 +972,26 @@ class MoEGroupedAdapter:
         sc = self._shared_call(call, 5, h)
         group = a["shared_mid_group"] or a["shared_block"]
         return fp8_linear(sc, kernels[2], h, 1, 2, group, a["shared_block"], self.dense._plan(sc)[0])
+
+
+SHARED_SWAB_MAX_T = 64  # above this the shared expert runs the dense fp8_gemm path (tiles of all T rows)
+
+
+def _quant_x(call: Call, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_act of the call's x, once per call and group (the routed and the shared GEMMs read the same codes)."""
+    k = ("x_quant", group)
+    if k not in call.memo:
+        call.memo[k] = quant_act(call.args[0], group)
+    return call.memo[k]
+
+
+def _const_counts(call: Call, n: int, t: int, device) -> torch.Tensor:
+    """Counts [n] int32 all equal to t (every expert takes all T rows): made once per (n, t, device) and reused,
+    so a step adds no fill launch and a captured graph reads a tensor that outlives it."""
+    k = ("const_counts", n, t, str(device))
+    if k not in call.cache:
+        call.cache[k] = torch.full((n,), t, dtype=torch.int32, device=device)
+    return call.cache[k]
 
 
 def stack_experts(call: Call, n_experts: int, scales_as: Callable = scales_f32):
