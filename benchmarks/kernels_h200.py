@@ -102,14 +102,29 @@ def _copy_bandwidth(quick: bool) -> float:
     return 2 * n / (bench(lambda: dst.copy_(src), quick) * 1e-3)
 
 
-def _matmul_peaks(quick: bool) -> tuple[float, float]:
-    """flop/s of torch._scaled_mm (FP8 e4m3 -> bf16) and bf16 matmul at 8192^3."""
-    s = 8192
+PEAK_SIZE = 8192
+
+
+@functools.cache
+def _peak_operands():
+    s = PEAK_SIZE
     a = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
-    one = torch.ones((), device="cuda")
+    return a, b, torch.ones((), device="cuda")
+
+
+def fp8_peak_now(quick: bool) -> float:
+    """flop/s of torch._scaled_mm (FP8 e4m3 -> bf16) at 8192^3, timed now (same protocol as the rows)."""
+    a, b, one = _peak_operands()
+    return 2 * PEAK_SIZE**3 / (bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), quick) * 1e-3)
+
+
+def _matmul_peaks(quick: bool) -> tuple[float, float]:
+    """flop/s of torch._scaled_mm (FP8 e4m3 -> bf16) and bf16 matmul at 8192^3."""
+    s = PEAK_SIZE
+    a, b, one = _peak_operands()
     _sustain(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), 0.3 if quick else 2.0)
-    fp8 = 2 * s**3 / (bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), quick) * 1e-3)
+    fp8 = fp8_peak_now(quick)
     x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
     bf16 = 2 * s**3 / (bench(lambda: x @ x, quick) * 1e-3)
     return fp8, bf16
@@ -1424,6 +1439,16 @@ def prebuild(sweep: bool, quick: bool, only: str, shape: str, jobs: int) -> None
         print("  build error:", e)
 
 
+def _adjacent_peak(row: Row, lim: Limits | None, quick: bool) -> str:
+    """For an FP8 compute-bound row: the `_scaled_mm` peak timed right after it, and the row's share of it (the
+    peak drifts by up to ~18% within one call with the card's clocks, so a neighbouring measurement is the
+    steadier ratio)."""
+    if lim is None or row.error or row.ms != row.ms or row.peak != "fp8" or row.flops / lim.fp8 <= row.bytes_ / lim.hbm:
+        return ""
+    now = fp8_peak_now(quick)
+    return f"  (peak now {now / 1e12:.0f} TFLOPS: {100 * row.flops / (row.ms * 1e-3) / now:.1f}%)"
+
+
 def fmt_row(row: Row, lim: Limits | None) -> str:
     head = f"{row.kernel:<40} {row.shape:<18}"
     if row.error:
@@ -1474,7 +1499,7 @@ def main(argv=None) -> int:
             failures += 1
             if os.environ.get("DEEPINFER_BENCH_TRACEBACK"):
                 traceback.print_exc()
-        print(fmt_row(row, lim), f"[{time.time() - t0:.0f}s]", flush=True)
+        print(fmt_row(row, lim), f"[{time.time() - t0:.0f}s]{_adjacent_peak(row, lim, args.quick)}", flush=True)
     if lim is not None:  # the spread of the limit within this run (the rows' %limit use the first value)
         again = measure_limits(args.quick)
         print(f"limits again at the end: HBM copy {again.hbm / 1e12:.2f} TB/s, FP8 _scaled_mm "
