@@ -524,7 +524,7 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
     sad = sparse_attn_decode
     pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
-    if cfg.num_split > 1:
+    if cfg.num_split > 1 and not cfg.cluster_merge:  # (cluster_merge: one kernel, the single-pass signature)
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         part, comb = (build(f) for f in progs)
         ns = cfg.num_split
@@ -733,6 +733,10 @@ def attn_try_cases():
             add("L2-hot", B, dataclasses.replace(base, pv_first=True), hot_rows=4096)
         if B == 64:
             add("", B, dataclasses.replace(sad.ws_configs(640, 1)[0], pv_first=True))  # no split
+            merged = dataclasses.replace(base, cluster_merge=True)  # 2-CTA clusters, no combine kernel
+            add("", B, merged)
+            add("two-pool", B, merged, n_win=128)
+            add("", B, dataclasses.replace(merged, pv_first=True))
     return out
 
 

@@ -48,12 +48,17 @@ class Config:
     # ws: WG0 issues QK^T of block i only after both PV warpgroups have issued PV of block i - 1, so the tensor
     # cores run PV(i - 1) first and the stage it frees is refilled ~1 QK^T earlier (more gather slack)
     pv_first: bool = False
+    # ws, num_split 2, bf16 KV: the two chunks of a request run as a 2-CTA cluster and merge through
+    # distributed shared memory (no partial outputs in HBM, no combine kernel): program()'s single-pass
+    # signature. Each CTA finishes one D half: it pulls the peer's unnormalised half and (max, sum).
+    cluster_merge: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
             object.__setattr__(self, "threads", WS_THREADS)
         assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
+        assert not self.cluster_merge or (self.ws and self.num_split == 2), "cluster_merge: ws, 2 chunks"
 
     @property
     def skipped(self) -> tuple[str, ...]:
@@ -66,6 +71,7 @@ class Config:
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
+        head += "c" if self.cluster_merge else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -166,6 +172,8 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     import tilelang.language as T
 
     assert 0 <= n_win < topk, (n_win, topk)
+    assert not cfg.cluster_merge or (cfg.ws and ws_supported(H, D, target) and target == "sm90" and not kv_fp8), (
+        "cluster_merge: the sm90 ws program, bf16 KV")
     if cfg.ws and ws_supported(H, D, target):
         assert n_win % 4 == 0, "the ws program copies row ids 4 at a time: n_win % 4 == 0"
         if Mem(target).cpu:
@@ -384,7 +392,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     scale = D**-0.5
     c2 = scale * LOG2E
     NEG = -1.0e30
-    split = ns > 1
+    merge = cfg.cluster_merge
+    split = ns > 1 and not merge  # partial outputs for the combine kernel
+    if merge:  # a CTA parks its fp32 D half for the peer in its own KV half-ring (two bf16 planes of H rows)
+        assert bn == H and NS >= 2 and not kv_fp8, "cluster_merge: 64-row blocks, >= 2 stages, bf16 KV"
     pre = min(NS, nb)  # blocks loaded before the loop
     SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
     # Python lists: these loops unroll at trace time, so stage indices and branches are static
@@ -543,6 +554,57 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 load_rid(src, b, base, blk + 1, t, rid, 0)
 
     @T.macro
+    def cluster_sync():
+        T.cluster_arrive()
+        T.cluster_wait()
+
+    @T.macro
+    def merge_half(O, b, sp, hf: int, o, kvh, fin_s, fin):
+        """cluster_merge, PV warpgroup hf after its loop: CTA sp finishes D half sp. The other warpgroup parks
+        its unnormalised half in its own (now idle) half-ring for the peer to pull, as two bf16 planes (stage 0:
+        bf16(o), stage 1: bf16(o - bf16(o)): 16 significand bits); this one waits for the peer's, then
+        O = o * fin_s[0] + peer * fin_s[1]. Two cluster syncs: halves parked / pulls done (a CTA's shared
+        memory must outlive the peer's reads). The ring is idle: this warpgroup's last PV has completed, and
+        it needed P of the last block, so WG0's last QK^T too."""
+        if sp != hf:
+            for h, d in T.Parallel(H, D2):
+                kvh[0, h, d] = T.cast(o[h, d], bf)
+                kvh[1, h, d] = T.cast(o[h, d] - T.cast(T.cast(o[h, d], bf), f32), bf)
+            cluster_sync()
+            cluster_sync()
+        else:
+            cluster_sync()
+            T.barrier_wait(fin, 0)
+            for h, d in T.Parallel(H, D2):
+                O[b, h, hf * D2 + d] = T.cast(
+                    o[h, d] * fin_s[0, h]
+                    + (_peer_load(T.address_of(kvh[0, h, d]), 1 - sp) + _peer_load(T.address_of(kvh[1, h, d]), 1 - sp))
+                    * fin_s[1, h],
+                    bf,
+                )
+            cluster_sync()
+
+    @T.macro
+    def merge_weights(Sink, sp, m, l, ml_s, fin_s, fin):
+        """cluster_merge, WG0 after its loop: publish (max, sum), then from the peer's pair the two chunks'
+        weights over the common denominator (sink included; the max counts the sink, as the combine does,
+        so every exponent is <= 0 and an all-invalid chunk weighs exactly 0)."""
+        for h in T.Parallel(H):
+            ml_s[0, h] = m[h]
+            ml_s[1, h] = l[h]
+        cluster_sync()
+        for h in T.Parallel(H):
+            top = T.max(T.max(m[h], _peer_load(T.address_of(ml_s[0, h]), 1 - sp)) * c2, Sink[h] * LOG2E)
+            den = (l[h] * T.exp2(m[h] * c2 - top)
+                   + _peer_load(T.address_of(ml_s[1, h]), 1 - sp)
+                   * T.exp2(_peer_load(T.address_of(ml_s[0, h]), 1 - sp) * c2 - top)
+                   + T.exp2(Sink[h] * LOG2E - top))  # fmt: skip
+            fin_s[0, h] = T.exp2(m[h] * c2 - top) / den
+            fin_s[1, h] = T.exp2(_peer_load(T.address_of(ml_s[0, h]), 1 - sp) * c2 - top) / den
+        T.barrier_arrive(fin)
+        cluster_sync()
+
+    @T.macro
     def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
         T.barrier_wait(p_full[st], ph)
         T.barrier_wait(full[hf * NS + st], ph)
@@ -628,11 +690,14 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                            t, rid, buf, obuf)  # fmt: skip
         for st in tail_blocks:
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
-        T.barrier_wait(fin, 0)
-        if split:
+        if merge:
+            merge_half(O, b, sp, hf, o, kvh, fin_s, fin)
+        elif split:
+            T.barrier_wait(fin, 0)
             for h, d in T.Parallel(H, D2):
                 Op[b, sp, h, hf * D2 + d] = o[h, d]
         else:
+            T.barrier_wait(fin, 0)
             for h, d in T.Parallel(H, D2):
                 O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
 
@@ -645,7 +710,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         p_s = T.alloc_shared((NS, H, bn), bf)
         alpha_s = T.alloc_shared((NS, H), f32)
         idx_s = T.alloc_shared((NS, bn), i32)
-        fin_s = T.alloc_shared((H,), f32)
+        fin_s = T.alloc_shared((2, H) if merge else (H,), f32)  # merge: [0] own chunk's weight, [1] the peer's
+        ml_s = T.alloc_shared((2, H) if merge else (1, 1), f32)  # merge: this chunk's (max, sum) for the peer
         raw_l = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
         raw_r = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
         sc_l = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
@@ -713,14 +779,17 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                         wait_pv_issued(p_empty, rounds, st)
                     qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, rounds & 1, True)
                     softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rounds & 1)
-            if split:
+            if merge:
+                merge_weights(Sink, sp, m, l, ml_s, fin_s, fin)
+            elif split:
                 for h in T.Parallel(H):
                     Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
                     Lp[b, sp, h] = l[h]
+                T.barrier_arrive(fin)
             else:
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
-            T.barrier_arrive(fin)
+                T.barrier_arrive(fin)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
@@ -735,7 +804,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split)  # fmt: skip
+                                  fp8=kv_fp8, split=split, cluster=merge)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -791,16 +860,41 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+        with _cta_grid(ns, Bd, WS_THREADS, merge) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
 
 
+# cluster_merge: a CTA reads its peer's shared memory through the cluster's distributed shared memory window
+_PEER_LOAD_PRELUDE = r"""
+#include <cooperative_groups.h>
+template <typename T> __device__ __forceinline__ float tl_peer_load(T* own, int rank) {
+  return float(*cooperative_groups::this_cluster().map_shared_rank(own, rank));
+}
+"""
+
+
+def _peer_load(addr, rank):
+    """The value at shared address `addr` (this CTA's view) in cluster CTA `rank`'s shared memory, as float."""
+    import tilelang.language as T
+
+    return T.call_extern("float32", "tl_peer_load", addr, rank)
+
+
+def _cta_grid(ns, B, threads, cluster: bool):
+    """The launch frame: (chunk, request) CTAs; cluster: the ns chunks of a request form one cluster."""
+    import tilelang.language as T
+
+    if cluster:
+        return T.ClusterKernel(ns, B, cluster_dims=(ns, 1, 1), threads=threads, prelude=_PEER_LOAD_PRELUDE)
+    return T.Kernel(ns, B, threads=threads)
+
+
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16"):  # fmt: skip
+                       act="bfloat16", cluster: bool = False):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
-    of any of the programs; threads None: TileLang's c target."""
+    of any of the programs; threads None: TileLang's c target; cluster: cluster_merge's 2-CTA clusters."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
@@ -869,7 +963,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((B, H, D), act),
     ):
-        with T.Kernel(ns, B, threads=threads) as (sp, b):
+        with _cta_grid(ns, B, threads, cluster) as (sp, b):
             body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws2
@@ -1086,8 +1180,9 @@ def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, thre
 
 def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False,
                    n_win: int = 0, S_cmp: int = 0):  # fmt: skip
-    """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
-    assert cfg.num_split > 1
+    """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order. (cluster_merge
+    configs are one kernel: program().)"""
+    assert cfg.num_split > 1 and not cfg.cluster_merge
     return (
         program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
         combine_program(B, H, D, cfg.num_split, target=target),

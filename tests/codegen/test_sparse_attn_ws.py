@@ -133,8 +133,10 @@ def _build_ws(name, func):
         (sad.Config(64, 384, 1, 2, True), False, 128),
         # QK^T queued behind the previous block's PV (explicit async PV wgmma + "issued" barriers)
         (sad.Config(64, 384, 2, 2, True, pv_first=True), False, 0),
+        # 2 chunks as a 2-CTA cluster merging through distributed shared memory, two pools (the runtime's form)
+        (sad.Config(64, 384, 2, 2, True, cluster_merge=True), False, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_pv_first_n64s2x2"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_pv_first_n64s2x2", "bf16_cluster_merge_two_pools"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -149,12 +151,17 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     assert ops["LDGSTS"] > 0, "cp.async gathers"
     assert ops["SYNCS"] > 0, "mbarrier waits / arrives"
     # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes), pv_first's WG0
-    # three around its ring-tail QK^T (once per CTA, outside the loop)
-    assert ops["LDL"] + ops["STL"] <= (6 if cfg.pv_first else 2), "register spills"
+    # three around its ring-tail QK^T, cluster_merge's pull of the peer's half 8-byte words (all once per CTA,
+    # after the loop)
+    assert ops["LDL"] + ops["STL"] <= (128 if cfg.cluster_merge else 6 if cfg.pv_first else 2), "register spills"
     # named barriers: only the PV warpgroups' own (ids 1, 2: all four warps' MMAs done before a refill);
     # none inserted automatically (they could share an id across warpgroups)
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
     assert "__launch_bounds__(384, 1)" in art.source and "setmaxnreg" not in art.source
+    if cfg.cluster_merge:  # one kernel (no partial outputs), two cluster barriers, the peer's half pulled
+        assert "float* __restrict__ Op" not in art.source and "Sink" in art.source
+        assert ops["UCGABAR_ARV"] >= 2 and ops["UCGABAR_WAIT"] >= 2
+        assert "map_shared_rank" in art.source and ops["LD"] > 0
     if fp8:
         assert "cp_async_wait<1>" in art.source and "fence_proxy_async" in art.source
 
