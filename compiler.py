@@ -32,8 +32,10 @@ def default_pipeline(target: str):
     if target == "cpu":
         return pipe
     quantize = [("quantize_activations", {"enabled": True}), ("convert_fp4_to_fp8", {"target": target})]
+    # after the fusions (which match the Q/DQ form): the pairs left fold into their readers (passes/fold_qdq.py)
+    fuse = [*pipe.phases["fuse"], ("fold_qdq", {})]
     select = [("select_kernels", {"target": target}), "check_batch_invariance"]
-    return pipe.with_phase("quantize", quantize).with_phase("select_kernels", select)
+    return pipe.with_phase("quantize", quantize).with_phase("fuse", fuse).with_phase("select_kernels", select)
 
 
 @dataclass

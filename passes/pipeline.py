@@ -112,6 +112,7 @@ def _ensure_loaded() -> None:
             dce,
             expert_parallel,
             fold_constants,
+            fold_qdq,
             fuse_attention,
             fuse_compressor,
             fuse_hyper_connection,
