@@ -246,11 +246,29 @@ def bind_compressor(c: _Ctx):
     return "compressor", "program", shape, {"block_g": 4 if t >= 64 else 1, "threads": 128}, ("threads",)
 
 
-def bind_indexer(c: _Ctx):
+def bind_index_scores(c: _Ctx):
     raise Fallback(
-        "indexer_topk fuses index_scores and topk_entries into one kernel over FP8 keys with a merge plan; "
-        "the graph keeps them as two ops (f32 scores in between), so neither binds alone"
+        "the indexer's scores kernels (indexer_topk.py) read FP8/bf16 q and keys; the graph's index keys are f32, "
+        "so they would not give the reference's scores (nor, at near-ties, its top-k); topk_entries binds alone"
     )
+
+
+def bind_topk_entries(c: _Ctx):
+    """One-level topk_entries -> topk_select's exact program (the runtime puts its set back in score order)."""
+    from deepinfer.codegen.kernels import topk_select
+
+    scores, blocks = c.node.inputs
+    if blocks is not None or c.node.attrs["block"] != 1:
+        raise Fallback("two-level topk_entries (candidate blocks): no kernel; topk_select takes one level")
+    t, cols = c.shape(scores)
+    k = c.node.attrs["topk"]
+    cfg = topk_select.default_config(t, cols, k)
+    try:
+        assert cols >= k, f"C={cols} < k={k}"
+        topk_select.check_config(cols, k, cfg)
+    except AssertionError as e:
+        raise Fallback(f"topk_select does not take C={cols}, k={k}: {e}") from None
+    return "topk_select", "program", {"T": t, "C": cols, "k": k}, asdict(cfg), ()  # exact: nothing to pin
 
 
 def bind_hc_pre(c: _Ctx):
@@ -297,8 +315,8 @@ BINDERS: dict[str, Callable] = {
     "engram_gate": bind_engram_gate,
     "pair_compressor_keys": bind_compressor,  # pooling + norm in the kernel; RoPE, wk GEMM, k_norm in torch
     "compressor_keys": bind_compressor,
-    "index_scores": bind_indexer,
-    "topk_entries": bind_indexer,
+    "index_scores": bind_index_scores,
+    "topk_entries": bind_topk_entries,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
     "hc_post": bind_hc_post,
     "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program

@@ -1167,6 +1167,68 @@ class SparseAttnAdapter:
         return [codes, to_e8m0(scale)]
 
 
+# ---------------------------------------------------------------------------------------------- top-k select
+
+
+class TopKEntriesAdapter:
+    """topk_entries (one level: no candidate blocks) through topk_select's exact program: f32 scores in (the
+    -inf entries are the invisible ones, so no positions), the top-k SET out in ascending column order; the set
+    is put back in the op's order (score descending, ties to the lower column: a stable sort of the set's
+    scores, which is already in ascending column order) -- the reference's indices exactly. Rows are padded to a
+    power of two with -inf rows (no entry: all -1); the scratch (arrival counters the kernel leaves zeroed) is
+    made once per kernel and reused."""
+
+    family = "topk_select"
+    ops = ("topk_entries",)
+
+    def _plan(self, call: Call):
+        from deepinfer.codegen.kernels import topk_select as ts
+
+        _cuda_only(call)
+        scores, blocks = call.args
+        if blocks is not None or call.attrs["block"] != 1:
+            raise Decline("topk_select takes the one-level top-k (no candidate blocks)")
+        t, c = scores.shape
+        k = int(call.attrs["topk"])
+        if c < k or c % 4:
+            raise Decline(f"topk_select needs C >= k and C % 4 == 0 (C={c}, k={k})")
+        rows = bucket_rows(t, 1)
+        cfg = ts.default_config(rows, c, k)
+        try:
+            ts.check_config(c, k, cfg)
+        except AssertionError as e:
+            raise Decline(f"topk_select config for C={c}: {e}") from None
+        prog = "hist_program" if isinstance(cfg, ts.HistConfig) else "program"
+        return _key("topk_select", prog, (rows, c), cfg, k=k, ratio=1, has_pos=False), rows, cfg
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return [self._plan(call)[0]]
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import topk_select as ts
+
+        key, rows, cfg = self._plan(call)
+        scores = call.args[0].float()
+        t, c = scores.shape
+        k = int(call.attrs["topk"])
+        dev = scores.device
+        sk = ("topk_scratch", key)
+        if sk not in call.cache:
+            call.cache[sk] = (torch.zeros(rows, dtype=torch.int32, device=dev), *ts.make_scratch(rows, c, k, cfg, dev))
+        pos, *scratch = call.cache[sk]
+        s = scores if rows == t else torch.cat([scores, scores.new_full((rows - t, c), float("-inf"))])
+        idx = torch.empty(rows, k, dtype=torch.int32, device=dev)
+        kernels[0](s.contiguous(), pos, idx, *scratch)
+        return [_score_order(scores, idx[:t].long())]
+
+
+def _score_order(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A top-k set in ascending column order (-1 padding last) -> score descending, ties to the lower column."""
+    picked = torch.where(idx >= 0, torch.gather(scores, 1, idx.clamp(min=0)), float("-inf"))
+    order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
+    return torch.gather(idx, 1, order)
+
+
 # ---------------------------------------------------------------------------------------------- rope / engram
 
 
@@ -1292,6 +1354,7 @@ ADAPTERS: dict[str, object] = {
     "rope": RopeAdapter(),
     "engram": (EngramEmbedAdapter(), EngramGateAdapter()),
     "sparse_attn_decode": SparseAttnAdapter(),
+    "topk_select": TopKEntriesAdapter(),
 }
 
 
@@ -1405,6 +1468,14 @@ def emulated_kernel(key: KernelKey) -> Callable:
         return _emulated_swab(key)
     if key.family == "sparse_attn_decode":
         return _emulated_attention(key)
+    if key.family == "topk_select":
+        from deepinfer.codegen.kernels import topk_select
+
+        def select(s, pos, idx, *scratch):
+            _check_abi(key, (s, key.args), (pos, key.args[:1]), (idx, (key.args[0], kw["k"])))
+            idx.copy_(topk_select.reference(s, kw["k"]))
+
+        return select
     if key.family == "moe_routing":
         from deepinfer.codegen.kernels import moe_routing
 

@@ -1,0 +1,60 @@
+"""TopKEntriesAdapter (issue 8): topk_entries through topk_select's exact program, its set put back in the op's
+order. The oracle is the op's torch reference; the comparison is exact (indices, order and -1 padding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.ir.registry import get_op
+from deepinfer.runtime import kernel_adapters as ka
+
+
+def topk_call(t: int, c: int, k: int, seed: int = 0) -> ka.Call:
+    """Indexer-like scores: ReLU ties (many exact zeros and repeated values), -inf past a causal limit per row."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.relu(torch.randn(t, c, generator=g)).round(decimals=1)
+    lim = torch.randint(k // 2, c + 1, (t,), generator=g)
+    s[torch.arange(c) >= lim.unsqueeze(1)] = float("-inf")
+    return ka.Call("topk_entries", {"topk": k, "block": 1}, [s, None], ["s", "blocks"], [False, False], {}, {})
+
+
+def reference(call: ka.Call) -> torch.Tensor:
+    return get_op("topk_entries").run(call.args, call.attrs)[0]
+
+
+def run_adapter(call: ka.Call, builder) -> torch.Tensor:
+    adapter = ka.adapter_for("topk_select", "topk_entries")
+    return adapter.run(call, [builder(key) for key in adapter.keys(call)])[0]
+
+
+@pytest.fixture(autouse=True)
+def _emulate(monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_emulated_select_gives_the_reference_indices(t):
+    call = topk_call(t, 256, 32, seed=t)
+    got, ref = run_adapter(call, ka.emulated_kernel), reference(call)
+    assert got.dtype == ref.dtype == torch.int64 and torch.equal(got, ref)
+
+
+def test_the_set_order_is_what_the_adapter_fixes():
+    """The kernel's ascending-column set is not the op's order: without _score_order the indices differ."""
+    from deepinfer.codegen.kernels import topk_select
+
+    call = topk_call(4, 256, 32)
+    assert not torch.equal(topk_select.reference(call.args[0], 32), reference(call))
+
+
+def test_on_the_c_target_program():
+    call = topk_call(2, 256, 16, seed=7)
+    assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
+
+
+def test_two_level_topk_declines():
+    call = topk_call(2, 256, 16)
+    call.args[1] = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ka.Decline, match="candidate blocks"):
+        ka.adapter_for("topk_select", "topk_entries").keys(call)
