@@ -62,12 +62,24 @@ def rope_inv_freq(rope_dim, theta, yarn_factor=1.0, yarn_orig_len=0, beta_fast=3
     return freq / yarn_factor * ramp + freq * (1 - ramp)
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def _inv_freq_on(device, *freq_args) -> torch.Tensor:
+    """rope_inv_freq(*freq_args) on `device`, made once per (device, args): the same values without a CPU
+    computation and a host -> device copy on every call (a pageable copy a CUDA graph could not capture)."""
+    key = (str(device), *freq_args)
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = rope_inv_freq(*freq_args).to(device)
+    return _INV_FREQ[key]
+
+
 def apply_rope(x, positions, *, rope_dim, theta, yarn_factor, yarn_orig_len, beta_fast, beta_slow, inverse=False):
     """Rotate the LAST rope_dim channels of x [T, ..., d] as interleaved pairs (x[2i] + i*x[2i+1]) * e^{i*p*f_i}.
 
     Computed in fp32 and cast back; inverse=True applies the conjugate rotation (RoPE^-1, §2.10).
     """
-    freq = rope_inv_freq(rope_dim, theta, yarn_factor, yarn_orig_len, beta_fast, beta_slow).to(x.device)
+    freq = _inv_freq_on(x.device, rope_dim, theta, yarn_factor, yarn_orig_len, beta_fast, beta_slow)
     angle = positions.float().unsqueeze(-1) * freq  # [T, r/2]
     angle = angle.reshape(angle.shape[:1] + (1,) * (x.dim() - 2) + angle.shape[1:])
     cos, sin = angle.cos(), angle.sin()
