@@ -1060,6 +1060,22 @@ def case_engram_gate(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: eg.gate_reference(x, kv, qk, tok, eps=EPS, clamp=1e-6, image_token_id=img), quick)
 
 
+def _topk_hist_sweep():
+    """topk_select.HistConfig (histogram bound) rows: (threads, scores a thread) per chunk at prefill (one CTA
+    streams a row) and segments per row at decode (the last CTA merges segments x k)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    H = ts.HistConfig
+    return [
+        *[(4096, 65536, H(nt, e, 65536)) for nt, e in ((256, 16), (128, 32), (256, 32), (512, 16))],
+        *[(4096, 16384, H(nt, e, 16384)) for nt, e in ((256, 16), (128, 32), (256, 32))],
+        (4096, 2048, H(128, 16, 2048)),
+        *[(64, 65536, H(256, 16, seg)) for seg in (8192, 16384)],
+        (64, 65536, H(128, 32, 16384)),
+        *[(1, 65536, H(256, 16, seg)) for seg in (4096, 8192)],
+    ]
+
+
 def _indexer_cases(quick: bool):
     """Split indexer rows (scores, top-k, end to end) over T in {1, 64, 4096} x C in {2048, 16384, 65536}
     (scores of at most 1 GiB), the Triton top-k for comparison, and the fused kernel as before."""
@@ -1093,6 +1109,9 @@ def _indexer_cases(quick: bool):
         ]
         for T_, C, cfg in topk_sweep:
             out.append(("indexer_topk_select sweep", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
+        for T_, C, cfg in _topk_hist_sweep():
+            out.append(("indexer_topk_select hist", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         scores_sweep = [  # longer key walks per CTA: the q tile load and the CTA start amortised over more tiles
             (4096, 65536, it.ScoresConfig(128, 8, 16, 256, 2)),

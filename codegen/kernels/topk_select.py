@@ -74,6 +74,38 @@ class Config:
         return f"t{self.threads}e{self.per_thread}s{self.seg}{f}{'m' if self.merge_all else ''}"
 
 
+HB = 4096  # fine bins of the histogram bound: the key's top 12 bits (sign, exponent, 3 mantissa bits)
+HSHIFT = 20  # key >> HSHIFT is the fine bin (minus HB / 2)
+HSUB = HB // NB  # fine bins per coarse bin (the coarse level has NB bins)
+
+
+@dataclass(frozen=True)
+class HistConfig:
+    """`hist_program`: a CTA streams `seg` columns of a row (a multiple of the chunk) in chunks of threads x
+    per_thread scores; `buf`: entries of the shared candidate buffer (0: the least that always fits, k + chunk,
+    or segments x k for the last CTA's merge)."""
+
+    threads: int = 256
+    per_thread: int = 16
+    seg: int = 4096
+    buf: int = 0
+
+    @property
+    def chunk(self) -> int:
+        return self.threads * self.per_thread
+
+    @property
+    def tag(self) -> str:
+        return f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
+
+
+def hist_buffer(C: int, k: int, cfg: HistConfig) -> int:
+    """Candidate buffer entries: room for the exact top-k plus a whole chunk (a cut always makes room), and for
+    every segment's top-k (the merge)."""
+    nseg = n_segments(C, cfg)
+    return _round_up(max(cfg.buf, k + cfg.chunk, nseg * k if nseg > 1 else 0), cfg.threads)
+
+
 def n_segments(C: int, cfg: Config) -> int:
     return -(-C // cfg.seg)
 
@@ -82,8 +114,12 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
-def check_config(C: int, k: int, cfg: Config) -> None:
+def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
     nt, e = cfg.threads, cfg.per_thread
+    if isinstance(cfg, HistConfig):
+        assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
+        assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
+        return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
     assert not cfg.filter or (e % cfg.group == 0 and cfg.chunk // cfg.group >= 2 * k and cfg.cap >= k), cfg
@@ -675,6 +711,8 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     `scratch_shapes`; Arrive zeroed once, the kernel leaves it zeroed)), grid (segments, T)."""
     import tilelang.language as T
 
+    if isinstance(cfg, HistConfig):
+        return hist_program(T_, C, k=k, ratio=ratio, cfg=cfg, target=target, has_pos=has_pos)
     check_config(C, k, cfg)
     ops = _Ops(target == "cpu")
     NT, E, G, SEG = cfg.threads, cfg.per_thread, cfg.group, cfg.seg
@@ -870,6 +908,273 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                     emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select
+
+
+def _make_hist_bound(ops: _Ops, NT: int):
+    """Macros of the histogram bound (`hist_program`): count(hist_f, hist_c, keyf, Q, beta) adds the members >= beta
+    of a per-thread key set to the fine (HB bins: the key's top 12 bits) and coarse (NB bins: top 8 bits)
+    histograms; threshold(...) finds the fine bin holding rank r from the top: the coarse bin by find_bin's
+    shuffle scan, then its HSUB fine bins (one thread each, no scan of all HB bins)."""
+    import tilelang.language as T
+
+    find_bin = _make_find_bin(NT)
+    NWARP = NT // 32
+
+    @T.macro
+    def count(hist_f, hist_c, keyf, Q, beta):
+        for i in ops.par(NT):
+            for q in ops.unroll(Q):
+                kq = keyf(i, q)
+                if T.And(kq != NONE, kq >= beta):
+                    f = T.shift_right(kq, HSHIFT) + HB // 2
+                    if ops.cpu:
+                        hist_f[f] = hist_f[f] + 1
+                        hist_c[f // HSUB] = hist_c[f // HSUB] + 1
+                    else:
+                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
+                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+
+    @T.macro
+    def threshold(hist_f, hist_c, cum, bc, r, own, sfx):
+        """bc[2] = the fine bin holding rank r from the top, -1 when fewer than r are counted; bc[3] = the count at
+        and above it (the total when -1). After a barrier behind the counts; ends with a barrier."""
+        if ops.cpu:
+            acc = T.alloc_var("int32", init=0)
+            bc[2] = -1
+            for bb in T.serial(HB):
+                h = hist_f[HB - 1 - bb]
+                if T.And(acc < r, acc + h >= r):
+                    bc[2] = HB - 1 - bb
+                    bc[3] = acc + h
+                acc = acc + h
+            if bc[2] < 0:
+                bc[3] = acc
+        else:
+            for i in T.Parallel(NT):
+                if i == 0:
+                    bc[0] = -1  # (find_bin writes it only when the rank is reached)
+            find_bin(hist_c, cum, bc, r, own, sfx)
+            T.evaluate(T.call_extern("handle", "__syncthreads"))
+            for i in T.Parallel(NT):
+                cb = bc[0]
+                s = T.alloc_var("int32", init=0)
+                if T.And(i < HSUB, cb >= 0):  # fine bin i of the coarse bin: the count at and above it
+                    for u in T.unroll(HSUB):
+                        if u >= i:
+                            s = s + hist_f[cb * HSUB + u]
+                    s = s + bc[1]
+                    if T.And(s >= r, s - hist_f[cb * HSUB + i] < r):
+                        bc[2] = cb * HSUB + i
+                        bc[3] = s
+                if T.And(i == 0, cb < 0):
+                    for w in T.unroll(NWARP):
+                        s = s + cum[w]  # (find_bin's warp totals)
+                    bc[2] = -1
+                    bc[3] = s
+            T.evaluate(T.call_extern("handle", "__syncthreads"))
+
+    return count, threshold
+
+
+def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, target: str, has_pos: bool = True):
+    """`program` for a HistConfig: the same arguments and output, a histogram bound instead of the group maxima.
+
+    A CTA streams its segment in chunks (the next one fetched during the current one). Every chunk's keys at or
+    above the running bound beta are counted in a 12-bit histogram (shared atomics; before the bound rises
+    that is the whole first chunk, later only the few keys above it); the fine bin holding rank k of what was
+    counted gives beta = that bin's lowest key (a lower bound of the row's k-th key: at least k counted keys are
+    >= it), and the chunk's keys >= beta are appended to a shared candidate buffer. On random scores that is
+    about k + one bin's share of the first chunk and ~k / j of the j-th. The exact selection (`_make_select`)
+    runs once, on the buffer's members >= beta. A buffer that might not hold the next chunk's candidates (the
+    bin's count bounds them) is first cut to its exact top-k: beta is then its k-th key + 1 (later chunks
+    have higher columns, so a tie with the k-th loses; the buffer's own members keep the histogram's bound),
+    which always leaves room for a whole chunk.
+    Several segments: each hands on its exact top-k; the last CTA of the row selects from all of them."""
+    import tilelang.language as T
+
+    check_config(C, k, cfg)
+    ops = _Ops(target == "cpu")
+    NT, E, SEG, CH = cfg.threads, cfg.per_thread, cfg.seg, cfg.chunk
+    NSEG, NCH = n_segments(C, cfg), cfg.seg // cfg.chunk
+    BUF = hist_buffer(C, k, cfg)
+    EB, NW = BUF // NT, -(-C // 32)
+    sh = scratch_shapes(T_, C, k, cfg)
+
+    select_b = _make_select(ops, NT, EB, True)
+    emit = _make_emit(ops, NT, C, k)
+    count, threshold = _make_hist_bound(ops, NT)
+    io = _make_row_io(ops, NT, E, NW, EB)
+    ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
+    key_c, id_c = io.key_c, io.id_c
+    KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
+
+    def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
+        return sg * SEG + it * CH
+
+    def at_least(kc, beta):
+        return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
+
+    # the buffer's members, read in shared memory where they are used (not held in registers: the chunk in flight
+    # and its keys are what the registers hold): thread i's q-th is entry q * NT + i, if below nb and >= beta
+    def key_s(bufk, nb, beta):
+        return lambda i, q: T.if_then_else(
+            T.And(q * NT + i < nb, bufk[q * NT + i] >= beta), bufk[q * NT + i], NONE
+        )  # fmt: skip
+
+    def id_s(bufi):
+        return lambda i, q: bufi[q * NT + i]
+
+    def take_s(bufk, bufi, nb, beta, st, st2):
+        return lambda i, q: _taken(key_s(bufk, nb, beta)(i, q), bufi[q * NT + i], st, st2)
+
+    @T.macro
+    def keep(bufk, bufi, nb, beta, st, st2, tk, ti, ctl, rc, tmp):
+        """Cut the buffer to the selected members: through the staging area to its front; ctl[0] = their count."""
+        ops.sync()
+        for _z in ops.par(1):
+            ctl[1] = 0
+        push(tk, ti, 0, ctl, 1, key_s(bufk, nb, beta), id_s(bufi), take_s(bufk, bufi, nb, beta, st, st2), EB, rc,
+             tmp)  # fmt: skip
+        for e in ops.par(KT):
+            if e < ctl[1]:
+                bufk[e] = tk[e]
+                bufi[e] = ti[e]
+        for _z in ops.par(1):
+            ctl[0] = ctl[1]
+        ops.sync()
+
+    @T.macro
+    def hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg):
+        """(several segments) the segment's top-k (the buffer's ctl[0] entries) to the scratch slot, then the
+        row's arrival: bc[2] = how many segments arrived before this one."""
+        nb = ctl[0]
+        for e in ops.par(BUF):
+            if e < T.min(nb, k):
+                CKey[(t * NSEG + sg) * k + e] = bufk[e]
+                CIdx[(t * NSEG + sg) * k + e] = bufi[e]
+        if not ops.cpu:  # every thread's scratch writes are visible GPU-wide before the arrival
+            T.evaluate(T.call_extern("handle", "__threadfence"))
+            T.evaluate(T.call_extern("handle", "__syncthreads"))  # (opaque: never elided)
+        for _z in ops.par(1):
+            CCnt[t * NSEG + sg] = nb
+            if ops.cpu:
+                bc[2] = Arrive[t]
+                Arrive[t] = Arrive[t] + 1
+            else:
+                T.evaluate(T.call_extern("handle", "__threadfence"))
+                bc[2] = T.atomic_add(Arrive[t], 1, memory_order="acq_rel", return_prev=True)
+        ops.sync()
+
+    @T.macro
+    def load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t):
+        """(the row's last CTA) every segment's set into the buffer, NONE-padded to k each (L2 reads: other CTAs
+        wrote them during this kernel); the arrival counter reset for the next call."""
+        for e in ops.par(NSEG * k):
+            ok = (e % k) < ld_cg(CCnt, t * NSEG + e // k)
+            bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
+            bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
+        for _z in ops.par(1):
+            ctl[0] = NSEG * k
+            Arrive[t] = 0
+        ops.sync()
+
+    @T.prim_func
+    def topk_select_hist(
+        S: T.Tensor((T_, C), "float32"),
+        Pos: T.Tensor((T_,), "int32"),
+        Idx: T.Tensor((T_, k), "int32"),
+        CKey: T.Tensor(sh["CKey"], "int32"),
+        CIdx: T.Tensor(sh["CIdx"], "int32"),
+        CCnt: T.Tensor(sh["CCnt"], "int32"),
+        Arrive: T.Tensor(sh["Arrive"], "int32"),
+    ):
+        with T.Kernel(NSEG, T_, threads=NT) as (sg, t):
+            hist_f = ops.sh((HB,), "int32")
+            hist_c = ops.sh((NB,), "int32")
+            hist = ops.sh((NB,), "int32")  # the exact selection's radix rounds
+            cum = ops.sh((cum_size(NT),), "int32")
+            bc = ops.sh((8,), "int32")
+            ctl = ops.sh((4,), "int32")
+            bitmap = ops.sh((NW,), "int32")
+            wcnt = ops.sh((NT,), "int32")
+            wbase = ops.sh((NT,), "int32")
+            bufk = ops.sh((BUF,), "int32")
+            bufi = ops.sh((BUF,), "int32")
+            ra = ops.fr((NT,), "int32")
+            rb = ops.fr((NT,), "int32")
+            rc = ops.fr((NT,), "int32")
+            r1 = ops.fr((1,), "int32")
+            stb = T.alloc_local((4,), "int32")
+            stb2 = T.alloc_local((4,), "int32")
+            tmp = T.alloc_local((1,), "int32")
+            xr = ops.fr((NT, E), "float32")
+            kc = ops.fr((NT, E), "int32")
+            tk = ops.sh((KT,), "int32")
+            ti = ops.sh((KT,), "int32")
+            nb = T.alloc_var("int32", init=0)  # the buffer's entries at the last selection
+            lim = T.alloc_var("int32", init=C)
+            if has_pos:
+                lim = T.min((Pos[t] + 1) // ratio, C)
+            beta = T.alloc_var("int32", init=NONE)  # the histogram's bound: keys below it are not in the top-k
+            floor = T.alloc_var("int32", init=NONE)  # the last cut's k-th key + 1: later columns need at least it
+            cut = T.alloc_var("int32", init=0)
+            last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
+            for u in T.serial(4):
+                stb[u] = 0
+                stb2[u] = NONE
+            for b in ops.par(HB):
+                hist_f[b] = 0
+            for b in ops.par(NB):
+                hist_c[b] = 0
+            for _z in ops.par(1):
+                ctl[0] = 0
+            ops.barrier()  # (shared atomics next)
+            if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
+                fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
+            # iterations: the chunks, the segment's selection, (several segments, the row's last CTA) the merge
+            for it in T.serial(NCH + (1 if NSEG == 1 else 2)):
+                cut = 0
+                if it < NCH:
+                    if c0_of(sg, it) < lim:
+                        chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
+                            if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                                fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
+                        count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                        ops.barrier()
+                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                        if bc[2] >= 0:
+                            beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))  # the bin's lowest key
+                        # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
+                        if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
+                            cut = 1
+                elif it == NCH:
+                    cut = 1
+                elif last == 1:
+                    load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
+                    beta = NONE
+                    floor = NONE
+                    cut = 1
+                if cut == 1:  # the exact top-k of the buffer's members
+                    nb = ctl[0]
+                    select_b(key_s(bufk, nb, beta), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                    if T.Or(it < NCH, T.And(NSEG > 1, it == NCH)):  # kept: the buffer cut to it
+                        keep(bufk, bufi, nb, beta, stb, stb2, tk, ti, ctl, rc, tmp)
+                        if stb[3] == k:  # later columns tied with the k-th key lose to it
+                            floor = stb[0] + 1
+                    if T.And(NSEG > 1, it == NCH):
+                        hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
+                        if bc[2] == NSEG - 1:
+                            last = 1
+                if it < NCH:
+                    if c0_of(sg, it) < lim:
+                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
+                             E, rc, tmp)  # fmt: skip
+            if last == 1:
+                mark(bitmap, id_s(bufi), take_s(bufk, bufi, nb, beta, stb, stb2), EB)
+                emit(bitmap, wcnt, wbase, Idx, t, stb[3])
+
+    return topk_select_hist
 
 
 # ---------------------------------------------------------------------------------------------- triton

@@ -25,6 +25,11 @@ def _scores(kind: str, T_: int, C: int, seed: int = 0) -> torch.Tensor:
         return torch.zeros(T_, C)
     if kind == "ramp":  # increasing: the group maxima bound is loose, later chunks beat earlier ones
         return torch.arange(C).float().repeat(T_, 1) * 0.5 - 7.0
+    if kind == "limits":  # +inf, the largest finite, subnormals, both zeros, -inf (= not visible) among randoms
+        s = torch.randn(T_, C, generator=g)
+        special = torch.tensor([float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 0.0, -0.0, float("-inf")])
+        pick = torch.randint(0, 8, (T_, C), generator=g)
+        return torch.where(torch.rand(T_, C, generator=g) < 0.3, special[pick], s)
     raise ValueError(kind)
 
 
@@ -91,6 +96,33 @@ def test_c_target_filter_and_multi_cta_rows(c_kernels, kind, which):
     s = _scores(kind, 3, 1024, seed=1)
     pos = torch.tensor([5, 700, 5000])  # ratio 1: 6, 701 (the 2nd segment half visible) and 1024 visible
     want = ts.reference(s, 16, pos, 1)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+
+
+@pytest.fixture(scope="module")
+def c_hist_kernels(tilelang_required):
+    """The histogram-bound program: one CTA streaming 4 chunks of a row, and 2 segments of 2 chunks (merge)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    one, two = ts.HistConfig(32, 8, 1024), ts.HistConfig(32, 8, 512)
+    return {
+        "one": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one, target="cpu")), one, 2, [0, 2, 40, 5000]),
+        "two": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two, target="cpu")), two, 1, [5, 700, 5000]),
+    }
+
+
+@pytest.mark.parametrize("which", ["one", "two"])
+@pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits"])
+def test_c_target_hist_bound(c_hist_kernels, kind, which):
+    """The histogram bound (12-bit bins; the first chunk counted whole, later ones above the bound), the buffer
+    cut to its exact top-k when the next chunk might not fit (every chunk of `const` and `ramp`) and the strict
+    bound after it (a later tie with the k-th loses), several segments merged by the last CTA; rows with 0, 1,
+    fewer than k and all columns visible; infinities, subnormals, -0.0 next to +0.0. Run twice (arrivals)."""
+    kernel, cfg, ratio, pos = c_hist_kernels[which]
+    s = _scores(kind, len(pos), 1024, seed=3)
+    pos = torch.tensor(pos)
+    want = ts.reference(s, 16, pos, ratio)
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
