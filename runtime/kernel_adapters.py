@@ -113,6 +113,23 @@ def quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-2), scale.squeeze(-1)
 
 
+ACT_QUANT_ENV = "DEEPINFER_ACT_QUANT"  # "torch": quantise activations with the torch ops, not act_quant's kernel
+ACT_QUANT_KERNEL_ON_CPU = False  # tests: the kernel under the Triton interpreter on CPU tensors
+
+
+def quant_rows(x2d: torch.Tensor, group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_act of x [M, K] as the GEMMs read it: (e4m3 codes [rows, K], MN-major fp32 scales [K/group, rows]),
+    rows >= M padded. On CUDA one act_quant launch (codegen/kernels/act_quant.py: the same codes and scales bit for
+    bit) instead of ~12 torch launches; padding rows hold zero codes (their scales differ: never read)."""
+    if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch":
+        from deepinfer.codegen.kernels import act_quant
+
+        q, s = act_quant.triton_act_quant(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), group, rows)
+        return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
+    a, sa = quant_act(x2d, group)
+    return pad_rows(a, rows), pad_rows(sa, rows).T.contiguous()
+
+
 def scale_bytes(s: torch.Tensor) -> torch.Tensor:
     """ue8m0 scales as their uint8 bytes (what the W4A8 kernels read)."""
     return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s.to(torch.uint8)
@@ -121,6 +138,11 @@ def scale_bytes(s: torch.Tensor) -> torch.Tensor:
 def to_e8m0(s: torch.Tensor) -> torch.Tensor:
     """Positive power-of-two fp32 scales as ue8m0 (dt.float_to_e8m0 without its synchronising check)."""
     return (torch.ceil(torch.log2(s.float())).clamp(-127, 127) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _pow2_to_e8m0(s: torch.Tensor) -> torch.Tensor:
+    """Exact powers of two (normal fp32) as ue8m0: their exponent byte (to_e8m0's numbers in 2 launches, not 5)."""
+    return (s.contiguous().view(torch.int32) >> 23).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _cuda_only(call: Call) -> None:
@@ -170,8 +192,7 @@ def fp8_linear(call: Call, kernel, x: torch.Tensor, wi: int, si: int, group: int
     _, rows, n_pad = key_info
     n = call.args[wi].shape[0]
     x2d = x.reshape(-1, x.shape[-1])
-    a, sa = quant_act(x2d, group)
-    a, sa_t = pad_rows(a, rows), pad_rows(sa, rows).T.contiguous()  # the kernel reads MN-major scales
+    a, sa_t = quant_rows(x2d, group, rows)  # the kernel reads MN-major scales
     b, sb = _gemm_weight(call, wi, si, n_pad, block)
     c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=x.device)
     kernel(a, sa_t, b, sb, c)
@@ -255,14 +276,13 @@ class GroupedOutProjAdapter:
         t, g, k = x.shape
         r, block = wa.shape[0] // g, call.attrs["block_a"]
         w, s = call.prep("wo_a_stack", (1, 3), lambda: (wa.view(g, r, k), scales_f32(sa).view(g, r // block, -1)))
-        q, qs = quant_act(x, block)  # [T, G, K] codes, [T, G, K/block] scales
-        a_m = torch.empty(g, max_rows, k, dtype=q.dtype, device=x.device)
-        a_m.view(torch.uint8)[:, :t] = q.view(torch.uint8).transpose(0, 1)
-        sa_m = torch.empty(k // block, g, max_rows, device=x.device)
-        sa_m[:, :, :t] = qs.permute(2, 1, 0)
+        # the masked layout (group g's T rows at g*max_rows ...) in the activations, quantised there in one pass
+        xg = x.new_zeros(g, max_rows, k)
+        xg[:, :t] = x.transpose(0, 1)
+        a_m, sa_m = quant_rows(xg.view(g * max_rows, k), block, g * max_rows)
         counts = _const_counts(call, g, t, x.device)
         c = torch.empty(g * max_rows, r, dtype=torch.bfloat16, device=x.device)
-        kernels[0](a_m.view(g * max_rows, k), sa_m.view(-1, g * max_rows), w, s, counts, c)
+        kernels[0](a_m, sa_m, w, s, counts, c)
         u = c.view(g, max_rows, r)[:, :t].transpose(0, 1).reshape(t, g * r).float()
         sub = self._wo_b_call(call, u)
         a = call.attrs
@@ -802,9 +822,11 @@ class MoEGroupedAdapter:
         w13, s13, w2, s2 = self._swab_weights(call, p, e)
         if p.path == "swab_masked":
             dest, meta, w = p.layout
-            a, sa = _quant_x(call, 32 if p.fmt == "fp4" else block)
+            a, sa_t = _quant_x(call, 32 if p.fmt == "fp4" else block)  # [R >= T, K] codes, [K/g, R] scales
             tok = torch.arange(t, device=x.device).repeat_interleave(k)
-            a_m, sa_m = _scatter_rows(p.rows, a[tok], dest), _scatter_cols(p.rows, sa[tok], dest)
+            a_m = _scatter_rows(p.rows, a[tok], dest)
+            sa_m = torch.empty(sa_t.shape[0], p.rows, device=x.device)
+            sa_m[:, dest] = sa_t[:, tok]
         else:
             dest, meta, _ = p.layout
             w = call.args[1].float()
@@ -891,8 +913,7 @@ class MoEGroupedAdapter:
         inter, wb = sw1.shape[0], a["shared_block"]
         if t > SHARED_SWAB_MAX_T or a["shared_mid_group"] not in (0, SWAB_DOWN_ACT_GROUP) or wb % 32:
             return None
-        bt = min(64, -(-t // 16) * 16)
-        bt = 1 << (bt - 1).bit_length()  # 16, 32 or 64 tokens per tile: one pass over the weights at T <= 64
+        bt = _shared_rows(t)  # 16, 32 or 64 tokens per tile: one pass over the weights at T <= 64
         cfg = mg.SwabConfig(64, bt, 128, 4, 4 if bt == 16 else 3 if bt == 32 else 2)
         if _swab_unfit(2 * inter, d, "fp8", cfg, wb, wb, True) or _swab_unfit(d, inter, "fp8", cfg, wb, 32, False):
             return None
@@ -949,8 +970,8 @@ class MoEGroupedAdapter:
             return mg.gate_up_tiles(b13, half), mg.gate_up_tiles(s13, half // wb), w2, s2
 
         w13, s13, w2, s2 = call.prep(f"moe_shared_swab{cfg.block_n}", (3, 4, 5, 6, 7, 8), stack)
-        q, qs = _quant_x(call, a["shared_block"])
-        a_m, sa_m = pad_rows(q, rows), pad_rows(qs, rows).T.contiguous()
+        a_m, sa_m = _quant_x(call, a["shared_block"])  # rows = the token tile (>= T): as the quantiser padded them
+        assert a_m.shape[0] == rows, (a_m.shape, rows)
         counts = _const_counts(call, 1, t, x.device)
         hq = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
         hs = torch.empty(inter // SWAB_DOWN_ACT_GROUP, rows, device=x.device)
@@ -978,11 +999,21 @@ SHARED_SWAB_MAX_T = 64  # above this the shared expert runs the dense fp8_gemm p
 
 
 def _quant_x(call: Call, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant_act of the call's x, once per call and group (the routed and the shared GEMMs read the same codes)."""
+    """quant_rows of the call's x, once per call and group (the routed and the shared GEMMs read the same codes),
+    padded to the shared expert's token tile at decode (_shared_rows) so its swap-AB pair reads them as they are."""
     k = ("x_quant", group)
     if k not in call.memo:
-        call.memo[k] = quant_act(call.args[0], group)
+        x = call.args[0]
+        call.memo[k] = quant_rows(x, group, _shared_rows(x.shape[0]))
     return call.memo[k]
+
+
+def _shared_rows(t: int) -> int:
+    """The shared expert's token tile at decode (16, 32 or 64 rows: one pass over its weights), else T."""
+    if t > SHARED_SWAB_MAX_T:
+        return t
+    bt = min(64, -(-t // 16) * 16)
+    return 1 << (bt - 1).bit_length()
 
 
 def _const_counts(call: Call, n: int, t: int, device) -> torch.Tensor:
@@ -1163,8 +1194,9 @@ class SparseAttnAdapter:
         group = call.attrs["quant_group"]
         if not group:
             return [o]
-        codes, scale = quant_act(o, group)  # quant_fp8_groups' numbers without its synchronising e8m0 check
-        return [codes, to_e8m0(scale)]
+        o2 = o.reshape(-1, o.shape[-1])
+        codes, scale_t = quant_rows(o2, group, o2.shape[0])  # quant_fp8_groups' numbers, no synchronising check
+        return [codes.view(o.shape), _pow2_to_e8m0(scale_t.T).reshape(*o.shape[:-1], -1)]
 
 
 # ---------------------------------------------------------------------------------------------- top-k select

@@ -1,0 +1,96 @@
+"""Per-token-group FP8 activation quantisation as one launch (the FP8 GEMMs' A operand), Triton.
+
+    s[g, m] = 2^ceil(log2(max(amax_g(x[m]), 1e-4) / 448))        MN-major fp32 scales [K/group, rows]
+    q[m, k] = e4m3(clamp(x[m, k] / s[k // group, m], -448, 448))  codes [rows, K]
+
+exactly what runtime/kernel_adapters.quant_act computes (ir/ops/quant.py's quant_fp8 numbers): the exponent comes
+from the float's bits, not from log2 (Triton's log2 is an approximation): with amax = 1.m * 2^p,
+amax / 448 = (1.m / 1.75) * 2^(p - 8), and 1.m / 1.75 lies in (4/7, 8/7), so the ceiling is p - 8, plus one when
+1.m > 1.75 (mantissa bits above 0x600000) -- moe_grouped_gemm.ue8m0_exponent, the fused SwiGLU epilogue's rule.
+Dividing by a power of two is multiplying by its inverse (both exact or both one IEEE rounding), so the codes
+match torch's bit for bit.
+
+Why a kernel: the torch formulation is ~10 element-wise launches per quantisation (abs, amax, clamp, div, log2,
+ceil, exp2, div, clamp, cast) plus the padding and the scales' transpose; at decode every FP8 GEMM pays them
+(the MoE's routed and shared experts, linear_fp8, grouped_out_proj), where the GEMM itself is a few
+microseconds. One program per row (rows past M are written as zero codes with the floor's scale: the GEMM's
+padding rows), the row held as [groups, group] so each group's amax is one axis reduction.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # optional dependency (deepinfer[codegen])
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = tl = None
+
+FAMILY = "act_quant"
+FP8_MAX = 448.0
+SCALE_FLOOR = 1e-4  # dt.pow2_scale's floor: an all-zero group gets 2^ceil(log2(1e-4 / 448)) = 2^-22
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
+    if triton is None:
+        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+
+    @triton.jit
+    def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS, G: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_G: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        c = tl.arange(0, GROUP)[None, :]
+        mask = (g < G) & (row < M)
+        x = tl.load(x_ptr + row * stride_x + g * GROUP + c, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # SCALE_FLOOR
+        bits = amax.to(tl.uint32, bitcast=True)
+        ex = ((bits >> 23) & 0xFF).to(tl.int32) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        scale = ((ex + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - ex).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        q = tl.clamp(x * inv[:, None], -448.0, 448.0)  # FP8_MAX
+        tl.store(q_ptr + row * K + g * GROUP + c, q.to(q_ptr.dtype.element_ty), mask=g < G)
+        gs = tl.arange(0, BLOCK_G)
+        tl.store(s_ptr + gs * ROWS + row, scale, mask=gs < G)
+
+    return act_quant_kernel
+
+
+def triton_act_quant(x: torch.Tensor, group: int, rows: int | None = None, out_dtype=None):
+    """x [M, K] (any float dtype, unit stride along K) -> (q [rows, K], s [K/group, rows] fp32); rows >= M (default
+    M). `out_dtype` defaults to float8_e4m3fn on CUDA and float32 under the CPU interpreter (no fp8 stores there:
+    the values are the e4m3 codes' values, the cast to fp8 is exact)."""
+    m, k = x.shape
+    assert k % group == 0 and x.stride(1) == 1, (x.shape, x.stride(), group)
+    rows = m if rows is None else rows
+    assert rows >= m
+    if out_dtype is None:
+        out_dtype = torch.float8_e4m3fn if x.is_cuda else torch.float32
+    q = torch.empty(rows, k, dtype=out_dtype, device=x.device)
+    s = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(rows,)](
+            x, q, s, m, k, x.stride(0), rows, G=k // group, GROUP=group, BLOCK_G=triton.next_power_of_2(k // group)
+        )
+    return q, s
+
+
+def reference(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch: the same (q [rows, K] e4m3, s [K/group, rows]) from quant_fp8's formula (pow2_scale, division, clamp,
+    cast), padding rows as zero codes with the floor's scale."""
+    from deepinfer.ir import dtypes as dt
+
+    m, k = x.shape
+    rows = m if rows is None else rows
+    xp = torch.zeros(rows, k, dtype=torch.float32, device=x.device)
+    xp[:m] = x.float()
+    g = xp.unflatten(-1, (-1, group))
+    scale = dt.pow2_scale(g.abs().amax(-1, keepdim=True), dt.FP8_MAX)
+    q = (g / scale).clamp(-dt.FP8_MAX, dt.FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale.squeeze(-1).T.contiguous()

@@ -1,0 +1,78 @@
+"""act_quant (Triton): per-token-group FP8 activation quantisation in one launch, bit for bit the runtime's torch
+quant_act (the oracle) -- scales from the float's bits, codes, padding rows. CPU: the Triton interpreter; the
+gpu test runs the compiled kernel against the same oracle at the real V4.1 widths."""
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import act_quant
+from deepinfer.runtime.kernel_adapters import quant_act
+
+
+def _hard_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """Values spread over 60 binades, exact powers of two and 1.75 * 2^p (the exponent rule's boundary) as group
+    maxima, zero groups, a row of zeros, and values that round to the e4m3 boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-20, 20, k, base=2.0)
+    x[0, :32] = 0.0
+    x[1] = 0.0
+    x[2, 0], x[2, 32], x[2, 64] = 1.75 * 2.0**3, 2.0**5, -1.75 * 2.0**-7
+    x[2, 33], x[2, 65] = 1.75 * 2.0**5 * (1 + 2.0**-23), 2.0**-9 * (1 - 2.0**-24)
+    x[3, 96:128] = 448.0 * 2.0 ** torch.arange(32).float().sub(16)
+    return x
+
+
+@pytest.mark.parametrize("m,rows,k", [(5, 5, 256), (4, 16, 160)])
+def test_interpreter_matches_quant_act_bit_for_bit(interpret, m, rows, k):
+    x = _hard_rows(max(m, 4), k, seed=m)[:m]
+    q, s = act_quant.triton_act_quant(x, 32, rows)
+    rq, rs = quant_act(x, 32)
+    assert torch.equal(s[:, :m], rs.T) and torch.equal(q[:m].to(torch.float8_e4m3fn).float(), rq.float())
+    assert (q[m:] == 0).all() and (s[:, m:] == 2.0**-22).all()  # padding rows: zero codes, the floor's scale
+    aq, asc = act_quant.reference(x, 32, rows)
+    assert torch.equal(aq.float(), q.to(torch.float8_e4m3fn).float()) and torch.equal(asc, s)
+
+
+def test_interpreter_bf16_input(interpret):
+    x = (torch.randn(3, 128) * 5).bfloat16()
+    q, s = act_quant.triton_act_quant(x, 32)
+    rq, rs = quant_act(x, 32)
+    assert torch.equal(s, rs.T) and torch.equal(q.to(torch.float8_e4m3fn).float(), rq.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [5120, 4096, 1280, 8192])
+def test_cuda_kernel_matches_quant_act(k):
+    x = _hard_rows(64, k, seed=k).cuda()
+    q, s = act_quant.triton_act_quant(x, 32, 128)
+    rq, rs = quant_act(x, 32)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(s[:, :64], rs.T) and torch.equal(q[:64].view(torch.uint8), rq.view(torch.uint8))
+
+
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer.codegen.kernels import act_quant
+sig = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32",
+       "ROWS": "i32", "G": "constexpr", "GROUP": "constexpr", "BLOCK_G": "constexpr"}
+k = triton.compile(ASTSource(fn=act_quant._kernel(False), signature=sig, constexprs=dict(G=160, GROUP=32, BLOCK_G=256)),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(k.asm["ptx"])
+"""
+
+
+def test_compiles_for_hopper_without_approximate_log2():
+    """sm_90a PTX: an e4m3 conversion with saturation, and no lg2/ex2 (the scale comes from the bits)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptx = proc.stdout
+    assert ".target sm_90a" in ptx and "e4m3x2" in ptx
+    assert "lg2." not in ptx and "ex2." not in ptx
