@@ -567,7 +567,7 @@ def _attn_two_pool_args(kv_in, idx, n_win: int):
 
 
 def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False,
-                     n_win: int = 0, hot_rows: int = 0, piece: str = ""):  # fmt: skip
+                     n_win: int = 0, hot_rows: int = 0, piece: str = "", contiguous: bool = False):  # fmt: skip
     """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
     cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
     fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
@@ -577,7 +577,9 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     hot_rows (diagnostic): entries drawn from the first hot_rows rows only (4096: 4 MB, L2-resident), so the
     time is the program's own bound without HBM latency; %limit is still against the HBM roofline.
     piece (diagnostic, split configs): after the check of the pair, time only "part" (the first kernel) or
-    "combine"; %limit is still against the whole operation's roofline."""
+    "combine"; %limit is still against the whole operation's roofline.
+    contiguous (diagnostic): each request's entries are consecutive pool rows from a random start (HBM pages
+    streamed in order) instead of random rows: the gather's DRAM-locality bound."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
@@ -590,6 +592,9 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     q = torch.randn(B, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(ATTN_POOL, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     idx = torch.randint(0, hot_rows or ATTN_POOL, (B, topk), device="cuda", dtype=torch.int32)
+    if contiguous:
+        start = torch.randint(0, ATTN_POOL - topk, (B, 1), device="cuda", dtype=torch.int32)
+        idx = start + torch.arange(topk, device="cuda", dtype=torch.int32)
     if n_win:  # window entries in the window pool, the others above it
         idx[:, :n_win] %= ATTN_WIN_POOL
         idx[:, n_win:] = ATTN_WIN_POOL + idx[:, n_win:] % (ATTN_POOL - ATTN_WIN_POOL)
@@ -715,7 +720,9 @@ def attn_diag_cases():
 
 
 def attn_try_cases():
-    """`--only "sparse_attn try"`: candidate programs next to the default, same run (checked rows)."""
+    """`--only "sparse_attn try"`: candidate programs next to the default, same run (checked rows): the
+    L2 prefetch ahead of the ring (l2_ahead), the 2-CTA cluster merge at B64 (no combine kernel); and the
+    gather path's DRAM-locality probe (QK^T and PV left out, random vs contiguous vs L2-hot rows)."""
     import dataclasses
 
     sad = sparse_attn_decode
@@ -728,15 +735,22 @@ def attn_try_cases():
     for B in (128, 64, 256):
         base = sad.sm90_config(B, 640)
         add("", B, base)
-        add("", B, dataclasses.replace(base, pv_first=True))
+        for ahead in (1, 2, 4) if B == 128 else (2,):
+            add("", B, dataclasses.replace(base, l2_ahead=ahead))
         if B == 128:
-            add("L2-hot", B, dataclasses.replace(base, pv_first=True), hot_rows=4096)
+            add("contiguous rows", B, base, contiguous=True)
+            gather_only = dataclasses.replace(base, skip="qk,pv")
+            add("", B, gather_only)
+            add("contiguous rows", B, gather_only, contiguous=True)
+            add("L2-hot", B, gather_only, hot_rows=4096)
+            add("", B, dataclasses.replace(gather_only, l2_ahead=2))
         if B == 64:
-            add("", B, dataclasses.replace(sad.ws_configs(640, 1)[0], pv_first=True))  # no split
             merged = dataclasses.replace(base, cluster_merge=True)  # 2-CTA clusters, no combine kernel
             add("", B, merged)
             add("two-pool", B, merged, n_win=128)
             add("", B, dataclasses.replace(merged, pv_first=True))
+            add("", B, dataclasses.replace(merged, l2_ahead=2))
+            add("two-pool", B, dataclasses.replace(merged, l2_ahead=2), n_win=128)
     return out
 
 

@@ -52,6 +52,9 @@ class Config:
     # distributed shared memory (no partial outputs in HBM, no combine kernel): program()'s single-pass
     # signature. Each CTA finishes one D half: it pulls the peer's unnormalised half and (max, sum).
     cluster_merge: bool = False
+    # ws, bf16 KV: when a PV warpgroup refills block i, it also prefetches its half of block i + l2_ahead's
+    # rows into L2 (cp.async.bulk.prefetch, 512 B a row): HBM requests in flight beyond the 2-stage ring.
+    l2_ahead: int = 0
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -72,6 +75,7 @@ class Config:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
         head += "c" if self.cluster_merge else ""
+        head += f"p{self.l2_ahead}" if self.l2_ahead else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -394,6 +398,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     NEG = -1.0e30
     merge = cfg.cluster_merge
     split = ns > 1 and not merge  # partial outputs for the combine kernel
+    ahead = cfg.l2_ahead
+    assert not (ahead and kv_fp8), "l2_ahead: bf16 KV"
+    prelude = (_PEER_LOAD_PRELUDE if merge else "") + (_PREFETCH_PRELUDE if ahead else "") or None
     if merge:  # a CTA parks its fp32 D half for the peer in its own KV half-ring (two bf16 planes of H rows)
         assert bn == H and NS >= 2 and not kv_fp8, "cluster_merge: 64-row blocks, >= 2 stages, bf16 KV"
     pre = min(NS, nb)  # blocks loaded before the loop
@@ -538,7 +545,29 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(full[hf * NS + st])
 
     @T.macro
-    def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
+    def prefetch_half_row(src, e, row, hf: int):
+        """l2_ahead: prefetch this half of entry e's pool row (skipped for -1) into L2."""
+        if row >= 0:
+            if src.n_win:
+                if e < src.n_win:
+                    T.call_extern("handle", "tl_prefetch_l2_512", T.access_ptr(src.kv[row, hf * D2], "r", D2))
+                else:
+                    T.call_extern("handle", "tl_prefetch_l2_512", T.access_ptr(src.kv2[row, hf * D2], "r", D2))
+            else:
+                T.call_extern("handle", "tl_prefetch_l2_512", T.access_ptr(src.kv[row, hf * D2], "r", D2))
+
+    @T.macro
+    def prefetch_ahead(src, b, base, blk, hf: int, t, pid):
+        """l2_ahead: thread t < bn prefetches row t of block blk + ahead (its id loaded one refill ago) and
+        loads the id for the next refill's prefetch."""
+        if t < bn:
+            if blk + ahead < nb:
+                prefetch_half_row(src, base + (blk + ahead) * bn + t, pid[0], hf)
+            if blk + ahead + 1 < nb:
+                pid[0] = src.row_id(b, base + (blk + ahead + 1) * bn + t)
+
+    @T.macro
+    def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf, pid):
         """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
         ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
         if kv_fp8:
@@ -552,6 +581,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
                 load_rid(src, b, base, blk + 1, t, rid, 0)
+            if ahead:
+                prefetch_ahead(src, b, base, blk, hf, t, pid)
 
     @T.macro
     def cluster_sync():
@@ -652,6 +683,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         rid,
         buf,
         obuf,
+        pid,
     ):
         T.fill(o, 0.0)
         for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
@@ -682,12 +714,19 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
             if NS < nb:
                 load_rid(src, b, base, NS, t, rid, 0)
+            if ahead:  # blocks NS .. NS + ahead - 1 now; the first refill (block NS) prefetches NS + ahead
+                for k in range(ahead):
+                    if NS + k < nb and t < bn:
+                        e = base + (NS + k) * bn + t
+                        prefetch_half_row(src, e, src.row_id(b, e), hf)
+                if NS + ahead < nb and t < bn:
+                    pid[0] = src.row_id(b, base + (NS + ahead) * bn + t)
         for it in T.serial(rounds):
             for st in ring:
                 pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
-                           t, rid, buf, obuf)  # fmt: skip
+                           t, rid, buf, obuf, pid)  # fmt: skip
         for st in tail_blocks:
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
         if merge:
@@ -727,6 +766,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         lblk = T.alloc_fragment((H,), f32)
         alpha = T.alloc_fragment((H,), f32)
         rid = T.alloc_local((NS, R), i32)
+        pid = T.alloc_local((1,), i32)  # l2_ahead: the row id thread t < bn prefetches at the next refill
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
         bar_q = T.alloc_barrier(256)
@@ -792,10 +832,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 T.barrier_arrive(fin)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
-                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, pid)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
-                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, pid)  # fmt: skip
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
@@ -804,7 +844,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split, cluster=merge)  # fmt: skip
+                                  fp8=kv_fp8, split=split, cluster=merge, prelude=prelude)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -847,7 +887,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with _cta_grid(ns, Bd, WS_THREADS, False, prelude) as (sp, b):
                 body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_split
@@ -860,7 +900,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with _cta_grid(ns, Bd, WS_THREADS, merge) as (sp, b):
+        with _cta_grid(ns, Bd, WS_THREADS, merge, prelude) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
@@ -882,17 +922,31 @@ def _peer_load(addr, rank):
     return T.call_extern("float32", "tl_peer_load", addr, rank)
 
 
-def _cta_grid(ns, B, threads, cluster: bool):
-    """The launch frame: (chunk, request) CTAs; cluster: the ns chunks of a request form one cluster."""
+# l2_ahead: prefetch 512 bytes (half a bf16 row of 512) into L2, no shared memory or register result: four
+# per-thread line prefetches (the bulk form takes a warp-uniform address: ptxas loops over the lanes)
+_PREFETCH_PRELUDE = r"""
+__device__ __forceinline__ void tl_prefetch_l2_512(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(c) : "memory");
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(c + 128) : "memory");
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(c + 256) : "memory");
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(c + 384) : "memory");
+}
+"""
+
+
+def _cta_grid(ns, B, threads, cluster: bool, prelude: str | None = None):
+    """The launch frame: (chunk, request) CTAs; cluster: the ns chunks of a request form one cluster;
+    prelude: device helpers (cluster_merge's peer loads, l2_ahead's prefetch)."""
     import tilelang.language as T
 
     if cluster:
-        return T.ClusterKernel(ns, B, cluster_dims=(ns, 1, 1), threads=threads, prelude=_PEER_LOAD_PRELUDE)
-    return T.Kernel(ns, B, threads=threads)
+        return T.ClusterKernel(ns, B, cluster_dims=(ns, 1, 1), threads=threads, prelude=prelude)
+    return T.Kernel(ns, B, threads=threads, prelude=prelude)
 
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16", cluster: bool = False):  # fmt: skip
+                       act="bfloat16", cluster: bool = False, prelude: str | None = None):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target; cluster: cluster_merge's 2-CTA clusters."""
     import tilelang.language as T
@@ -948,7 +1002,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             Mp: T.Tensor((B, ns, H), f32),
             Lp: T.Tensor((B, ns, H), f32),
         ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
+            with _cta_grid(ns, B, threads, False, prelude) as (sp, b):
                 body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws2_split
@@ -963,7 +1017,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((B, H, D), act),
     ):
-        with _cta_grid(ns, B, threads, cluster) as (sp, b):
+        with _cta_grid(ns, B, threads, cluster, prelude) as (sp, b):
             body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws2

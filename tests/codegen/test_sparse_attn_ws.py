@@ -135,8 +135,11 @@ def _build_ws(name, func):
         (sad.Config(64, 384, 2, 2, True, pv_first=True), False, 0),
         # 2 chunks as a 2-CTA cluster merging through distributed shared memory, two pools (the runtime's form)
         (sad.Config(64, 384, 2, 2, True, cluster_merge=True), False, 128),
+        # L2 prefetch of the rows 2 blocks beyond the ring, two pools
+        (sad.Config(64, 384, 1, 2, True, l2_ahead=2), False, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_pv_first_n64s2x2", "bf16_cluster_merge_two_pools"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_pv_first_n64s2x2", "bf16_cluster_merge_two_pools",
+         "bf16_l2_ahead_two_pools"],  # fmt: skip
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -158,6 +161,11 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     # none inserted automatically (they could share an id across warpgroups)
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
     assert "__launch_bounds__(384, 1)" in art.source and "setmaxnreg" not in art.source
+    if cfg.l2_ahead:  # per-thread L2 line prefetches (not the warp-uniform bulk form); the 128 window entries are
+        # blocks 0-1, loaded by the ring's first fill, so only compressed rows are prefetched
+        assert ops["CCTL"] > 0 and "UBLKPF" not in ops
+        assert re.search(r"tl_prefetch_l2_512\([^;]*KVc\[", art.source)
+        assert not re.search(r"tl_prefetch_l2_512\([^;]*KVw\[", art.source)
     if cfg.cluster_merge:  # one kernel (no partial outputs), two cluster barriers, the peer's half pulled
         assert "float* __restrict__ Op" not in art.source and "Sink" in art.source
         assert ops["UCGABAR_ARV"] >= 2 and ops["UCGABAR_WAIT"] >= 2
