@@ -115,17 +115,22 @@ def quant_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 ACT_QUANT_ENV = "DEEPINFER_ACT_QUANT"  # "torch": quantise activations with the torch ops, not act_quant's kernel
 ACT_QUANT_KERNEL_ON_CPU = False  # tests: the kernel under the Triton interpreter on CPU tensors
+_ACT_QUANT_BROKEN: list = []  # the reason the kernel could not run (then every call takes the torch ops)
 
 
 def quant_rows(x2d: torch.Tensor, group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """quant_act of x [M, K] as the GEMMs read it: (e4m3 codes [rows, K], MN-major fp32 scales [K/group, rows]),
     rows >= M padded. On CUDA one act_quant launch (codegen/kernels/act_quant.py: the same codes and scales bit for
     bit) instead of ~12 torch launches; padding rows hold zero codes (their scales differ: never read)."""
-    if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch":
-        from deepinfer.codegen.kernels import act_quant
+    if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch" and not _ACT_QUANT_BROKEN:
+        try:
+            from deepinfer.codegen.kernels import act_quant
 
-        q, s = act_quant.triton_act_quant(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), group, rows)
-        return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
+            q, s = act_quant.triton_act_quant(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), group, rows)
+            return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
+        except Exception as e:  # no triton, or it cannot build here: the torch ops (same numbers), said once
+            _ACT_QUANT_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
+            print(f"act_quant kernel off, torch quantisation instead: {_ACT_QUANT_BROKEN[0]}", flush=True)
     a, sa = quant_act(x2d, group)
     return pad_rows(a, rows), pad_rows(sa, rows).T.contiguous()
 
