@@ -187,3 +187,31 @@ def test_the_shared_expert_is_one_swab_pair_at_decode(fmt):
 def test_the_shared_swab_pair_on_the_c_target_programs():
     call = moe_call(3, 256, 128, 8, 2, shared=True)
     assert rel_err(run_adapter(call, ka.c_target_kernel), reference(call)) < TOL
+
+
+def _masked_layout_by_sort(idx, weights, n_experts, max_rows):
+    """The previous formulation (stable argsort of the kept pairs' experts): the oracle of the one-hot count."""
+    t, k = idx.shape
+    first = (idx.unsqueeze(2) == idx.unsqueeze(1)).int().argmax(-1)
+    keep = first == torch.arange(k)
+    merged = torch.zeros(t, k).scatter_add_(1, first, weights.float())
+    e_kept = torch.where(keep, idx.long(), torch.full_like(idx.long(), n_experts)).reshape(-1)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long).scatter_add_(0, e_kept, torch.ones_like(e_kept))
+    order = torch.argsort(e_kept, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(e_kept)
+    rank[order] = torch.arange(e_kept.numel()) - start[e_kept[order]]
+    dest = torch.gather((e_kept * max_rows + rank).view(t, k), 1, first)
+    return dest.reshape(-1), counts[:n_experts].to(torch.int32), merged
+
+
+@pytest.mark.parametrize("t,k,e,dups", [(1, 6, 384, False), (64, 6, 384, False), (7, 4, 8, True), (256, 6, 16, True)])
+def test_masked_layout_equals_the_sort_formulation(t, k, e, dups):
+    g = torch.Generator().manual_seed(t)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if dups:  # hash routing: repeated experts within a token
+        idx[:, -1] = idx[:, 0]
+        idx[0] = idx[0, 0]
+    w = torch.rand(t, k, generator=g)
+    got, want = ka.masked_layout(idx, w, e, 256), _masked_layout_by_sort(idx, w, e, 256)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
