@@ -318,6 +318,7 @@ BINDERS: dict[str, Callable] = {
     "index_scores": bind_index_scores,
     "topk_entries": bind_topk_entries,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
+    "hc_stats": bind_hc_pre,  # pre_program's coefficients (its collapse output unused)
     "hc_post": bind_hc_post,
     "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program
 }

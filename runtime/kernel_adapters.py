@@ -434,6 +434,31 @@ class HCPreCollapseAdapter:
         return [y.to(x.dtype), pre, post, comb.reshape(t, n, n)]
 
 
+class HCStatsAdapter:
+    """hc_stats (the model's first sublayer: coefficients without a collapse) through pre_program, which computes
+    the same mixes, RMS and Sinkhorn from one read of X; its collapse output (with a zero previous pre) is
+    dropped. ~135 small torch launches (20 Sinkhorn iterations) become one kernel."""
+
+    family = "hyper_connection"
+    ops = ("hc_stats",)
+    pre = HCPreCollapseAdapter()
+
+    def _call(self, call: Call) -> Call:
+        x = call.args[0]
+        t, n, _ = x.shape
+        k = ("hc_zero_pre", t, n, str(x.device))
+        if k not in call.cache:
+            call.cache[k] = torch.zeros(t, n, device=x.device)
+        return Call("hc_pre_collapse", call.attrs, [*call.args, call.cache[k]], [*call.names, "zero_pre"],
+                    [*call.is_param, False], call.config, call.cache)  # fmt: skip
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        return self.pre.keys(self._call(call))
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        return self.pre.run(self._call(call), kernels)[1:]
+
+
 class HCPostPreCollapseAdapter:
     """hc_post_pre_collapse (V4.1: a sublayer's mHC post and the next sublayer's single-pass pre): the two
     hyper_connection kernels back to back, post_program (X' = post*y + comb^T X) then pre_program on X' (mixes,
@@ -1384,7 +1409,7 @@ class EngramGateAdapter:
 ADAPTERS: dict[str, object] = {
     "fp8_gemm": (LinearFP8Adapter(), GroupedOutProjAdapter()),
     "rmsnorm_quant": RMSNormAdapter(),
-    "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter(), HCPostPreCollapseAdapter()),
+    "hyper_connection": (HCPostAdapter(), HCPreCollapseAdapter(), HCPostPreCollapseAdapter(), HCStatsAdapter()),
     "moe_routing": MoERoutingAdapter(),
     "moe_grouped_gemm": MoEGroupedAdapter(),
     "rope": RopeAdapter(),

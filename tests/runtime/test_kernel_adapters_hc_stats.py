@@ -1,0 +1,45 @@
+"""HCStatsAdapter (issue 8): the first sublayer's hc_stats through hyper_connection's pre_program (its collapse output
+dropped). The oracle is the op's torch reference (mixes, RMS, 20 Sinkhorn iterations)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.ir.registry import get_op
+from deepinfer.runtime import kernel_adapters as ka
+
+ATTRS = {"sinkhorn_iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-20}
+
+
+def stats_call(t: int, d: int = 256, n: int = 4, seed: int = 0) -> ka.Call:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, n, d, generator=g)
+    fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.02
+    base, scale = torch.randn((2 + n) * n, generator=g) * 0.1, torch.rand(3, generator=g) + 0.5
+    return ka.Call("hc_stats", ATTRS, [x, fn, base, scale], ["x", "fn", "base", "scale"], [False, True, True, True],
+                   {}, {})  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _emulate(monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_stats_match_the_reference(t):
+    call = stats_call(t, seed=t)
+    adapter = ka.adapter_for("hyper_connection", "hc_stats")
+    got = adapter.run(call, [ka.emulated_kernel(k) for k in adapter.keys(call)])
+    ref = get_op("hc_stats").run(call.args, call.attrs)
+    assert [g.shape for g in got] == [r.shape for r in ref]
+    # the kernel reads X in bf16 (as hc_pre_collapse's adapter does): ~1e-3 of the coefficients' range
+    assert all((g - r).abs().max() <= 5e-3 * r.abs().max() for g, r in zip(got, ref))
+    # pre, post, comb are three different tensors: a swapped output would not pass
+    assert not torch.allclose(got[0], ref[1], atol=1e-3)
+
+
+def test_binds_to_pre_program():
+    from deepinfer.passes.select_kernels import BINDERS, bind_hc_pre
+
+    assert BINDERS["hc_stats"] is bind_hc_pre
