@@ -42,8 +42,9 @@ class Config:
     ws: bool = False  # warp-specialised sm90 program (3 warpgroups, mbarrier ring of `stages` KV blocks)
     lookahead: bool = False  # ws: QK^T of the next block is issued before this block's softmax
     # Diagnostics only (ws, wrong results): comma-separated parts of the ws program left out of the build --
-    # "gather" (the KV row copies), "qk" (the QK^T wgmmas), "softmax" (max / exp / sum: P = S, alpha = 1),
-    # "pv" (the PV wgmmas) -- so that one H200 run shows which part bounds the CTA's time.
+    # "gather" (the KV row copies), "ids" (the row-id copies for WG0's mask: with "gather", no global load
+    # arms the ring), "qk" (the QK^T wgmmas), "softmax" (max / exp / sum: P = S, alpha = 1), "pv" (the PV
+    # wgmmas) -- so that one H200 run shows which part bounds the CTA's time.
     skip: str = ""
     # ws: WG0 issues QK^T of block i only after both PV warpgroups have issued PV of block i - 1, so the tensor
     # cores run PV(i - 1) first and the stage it frees is refilled ~1 QK^T earlier (more gather slack)
@@ -79,7 +80,7 @@ class Config:
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
-SKIPPABLE = ("gather", "qk", "softmax", "pv")
+SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -516,7 +517,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
-        if hf == 0:
+        if hf == 0 and "ids" not in skip:
             if t < bn // 4:  # the block's row ids, for WG0's mask
                 cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
         if not kv_fp8:
