@@ -68,3 +68,24 @@ def test_the_gpu_pipeline_runs_it_after_the_fusions():
     fuse = [name for name, _ in default_pipeline("sm90").phases["fuse"]]
     assert fuse[-1] == "fold_qdq" and "fuse_moe_experts" in fuse
     assert "fold_qdq" not in [name for name, _ in Pipeline.default().phases["fuse"]]
+
+
+def test_rmsnorm_quant_pairs_fold_to_rmsnorm():
+    """dequant_fp8(rmsnorm_quant_fp8(v, w)) read by two FP8 GEMMs -> rmsnorm(v, w) read with act_group: the
+    reference (quant_fp8(rmsnorm(v, w)) then dequant) is unchanged bit for bit."""
+    b = GraphBuilder("rq")
+    x = b.input("x", "f32", [6, 64])
+    nw = b.param("nw", "bf16", [64])
+    w, s = b.param("w", "f8e4m3", [32, 64]), b.param("s", "e8m0", [1, 2])
+    q, qs = b.op("rmsnorm_quant_fp8", x, nw, eps=1e-6, group=32)
+    dq = b.op("dequant_fp8", q, qs, group=32)
+    b.output(b.op("linear_fp8", dq, w, s, block=32), b.op("linear_fp8", dq, w, s, block=32))
+    g = b.build()
+    params = {**_params(), "nw": (torch.rand(64) + 0.5).bfloat16()}
+    xin = torch.randn(6, 64) * 3
+    before = interpreter.run(g, {"x": xin}, params)
+    g = fold_qdq(g)
+    assert [n.op for n in g.nodes] == ["rmsnorm", "linear_fp8", "linear_fp8"]
+    assert all(n.attrs["act_group"] == 32 and n.inputs[0] is g.nodes[0].outputs[0] for n in g.nodes[1:])
+    after = interpreter.run(g, {"x": xin}, params)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
