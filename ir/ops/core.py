@@ -375,7 +375,7 @@ class Linear:
         return TensorType(x.dtype, x.shape[:-1] + (weight.shape[0],))
 
     def reference(x, weight, bias):
-        if x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.bfloat16:
+        if x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and weight.numel() >= SPLIT_MIN:
             return linear_f32_bf16(x, weight, bias)
         y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
@@ -392,6 +392,9 @@ def split_f32_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo])
 
 
+# weights from this many elements take linear_f32_bf16 on CUDA (the head: 662M); smaller ones (the compressor and
+# indexer projections, <= 2.6M) keep the fp32 copy: 2 launches, where the split takes ~9 for a few microseconds
+SPLIT_MIN = 1 << 24
 STACKED_OUT_BYTES = 1 << 29  # the three partial products in one GEMM while their fp32 output stays this small
 
 
