@@ -348,11 +348,19 @@ def rel_err(got: list, want: list) -> float:
         if not b.numel():
             continue
         a32, b32 = _as_f32(a, b.dtype), _as_f32(b, a.dtype)
-        err = float((a32 - b32).abs().max() / b32.abs().max().clamp_min(1e-30))
+        diff, _ = float_diff(a32, b32)  # equal infinities (masked scores) are equal
+        finite = b32[b32.isfinite()]
+        err = diff / max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-30)
         worst = err if err != err else max(worst, err)  # NaN sticks
         if worst != worst:
             return worst
     return worst
+
+
+def float_diff(a, b):
+    from deepinfer.runtime.layer_graphs import float_diff as diff
+
+    return diff(a, b)
 
 
 def _as_f32(t: torch.Tensor, other_dtype) -> torch.Tensor:
@@ -404,8 +412,9 @@ def layer_baselines(lg, ref_ex, params, reps: int, compile_on: bool, compile_mod
         if deadline - time.time() < 150:  # a compile cannot be interrupted: start one only with room left
             rec["compile_note"] = "skipped (time budget)"
             continue
+        rec["noise_floor"] = _noise_floor(fn, x, p, want)
         cfn = export_segment(seg, lg.ex.graph, lg.env, wrap=_opaque)
-        rec.update(_compiled(cfn, x, p, want, reps, compile_mode))
+        rec.update(_compiled(cfn, x, p, want, reps, compile_mode, seg.outputs))
     return out
 
 
@@ -431,7 +440,7 @@ def _bytes_for_e8m0(ts: list) -> list:
             for t in ts]  # fmt: skip
 
 
-def _compiled(fn, x, p, want, reps: int, mode: str) -> dict:
+def _compiled(fn, x, p, want, reps: int, mode: str, names: list) -> dict:
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
@@ -445,12 +454,54 @@ def _compiled(fn, x, p, want, reps: int, mode: str) -> dict:
                 torch.cuda.synchronize()
         except Exception as e:
             return {"compile_note": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-        res = {"compile_s": time.time() - t0, "compile_err": rel_err(got, want)}
+        res = {"compile_s": time.time() - t0, "compile_err": rel_err(got, want),
+               "compile_diff": output_diffs(got, want, names)}  # fmt: skip
         if not res["compile_err"] <= COMPILE_TOL:
+            # timed anyway: the figure is the baseline; the difference is shown next to it, output by output
             res["compile_note"] = f"output differs from the eager reference (rel err {res['compile_err']:.2e})"
-            return res
         res["compile_ms"] = time_call(lambda: cfn(xb, pb), reps)
     return res
+
+
+def output_diffs(got: list, want: list, names: list) -> list[dict]:
+    """Per output: dtype, max |a-b| / max |b|, ||a-b|| / ||b||, the share of elements that differ, and for FP8
+    codes the share that differ by more than one e4m3 step (1/8 of the value: a rounding-boundary flip is one)."""
+    out = []
+    for a, b, name in zip(got, want, names):
+        if a.shape != b.shape or not b.numel():
+            out.append({"name": name, "shape_differs": a.shape != b.shape})
+            continue
+        a32, b32 = _as_f32(a, b.dtype), _as_f32(b, a.dtype)
+        same = (a32 == b32) | (a32.isnan() & b32.isnan())  # equal infinities (masked scores) are equal
+        d = torch.where(same, 0.0, (a32 - b32).abs().nan_to_num(nan=float("inf")))
+        fin = b32.isfinite()
+        ref = torch.where(fin, b32, 0.0)
+        rec = {"name": name, "dtype": str(b.dtype).replace("torch.", ""),
+               "max_rel": float(d.max() / ref.abs().max().clamp_min(1e-30)),
+               "l2_rel": float(torch.where(fin, d, 0.0).norm() / ref.norm().clamp_min(1e-30)),
+               "differ": float((~same).float().mean())}  # fmt: skip
+        if b.dtype == torch.float8_e4m3fn:
+            rec["beyond_one_step"] = float((d > b32.abs() / 8 + 1e-30).float().mean())
+        out.append(rec)
+    return out
+
+
+def _noise_floor(fn, x: list, p: list, want: list) -> float | None:
+    """How far the eager layer moves when its floating inputs move by one bf16 ulp at random (the reference's
+    own sensitivity at the format's rounding boundaries): max over outputs of max |a-b| / max |b|."""
+    gen = torch.Generator(device=x[0].device if x else "cpu").manual_seed(0)
+    nudged = []
+    for t in x:
+        if t.dtype in (torch.bfloat16, torch.float32) and t.numel():
+            ulp = t.abs().float() * 2.0**-8  # one bf16 ulp is 2^-7 of the leading power of two: about this
+            sign = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+            nudged.append((t.float() + sign * ulp).to(t.dtype))
+        else:
+            nudged.append(t)
+    try:
+        return rel_err(fn(nudged, p), want)
+    except Exception:  # noqa: BLE001 -- a diagnostic only
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -471,7 +522,8 @@ class Setup:
 def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layers=DEFAULT_LAYERS,
         batches=(1, 16, 64, 256), context=(4096, 32768), prefill: int = 8192, reps: int = 5,
         torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto", graphs: bool = True,
-        preset: str = "real", compile_mode: str = "default", compile_batches=None) -> list[dict]:  # fmt: skip
+        preset: str = "real", compile_mode: str = "default", compile_batches=None,
+        profile_batches=(64,)) -> list[dict]:  # fmt: skip
     """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir).
     context: one cached length or several (each decode batch runs at each). preset "tiny": the CPU smoke mode
     (tiny dims, CPU stand-ins of the kernels, emulated graphs, nominal H200 limits): checks the plumbing only."""
@@ -482,6 +534,7 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     st = _setup(layers, experts, moe_glu, graphs, preset, budget_s, max(contexts) + max(batches or (1,)) + prefill)
     cases = [("decode", b, ctx) for ctx in contexts for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
     compile_batches = set(batches if compile_batches is None else compile_batches)
+    profile_batches = set(profile_batches or ())
     rows = []
     for kind, t, ctx in cases:
         if end - time.time() < 25:
@@ -489,7 +542,7 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
             rows.append({"case": _case_name(kind, t, ctx), "skipped": "time budget"})
             continue
         comp_on = torch_compile and kind == "decode" and t in compile_batches
-        row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode)
+        row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode, t in profile_batches)
         if kind == "decode" and not comp_on:
             row["compile_note"] = "off (--no-torch-compile)" if not torch_compile else "not in --compile-batches"
         rows.append(row)
@@ -575,7 +628,7 @@ def _node_runs(ex, fn) -> dict:
     return {"compiled": comp, "reference": ref}
 
 
-def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode) -> dict:
+def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode, profile_on=False) -> dict:
     row: dict = {"case": _case_name(kind, t, ctx), "tokens": t}
     comp, eager = st.comp, st.eager
     try:
@@ -601,8 +654,15 @@ def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode) ->
         graph_ms, base = {}, {}
         if kind == "decode":
             graph_ms = _graph_case(st, row, feeds, n)
-            base = layer_baselines(row.pop("_lg"), eager, st.params, n, compile_on, compile_mode, end) \
-                if "_lg" in row else {}  # fmt: skip
+            lg = row.pop("_lg", None)
+            if lg is not None and profile_on and st.backend_factory is not None:
+                try:
+                    row["profile"] = profile_step(st, feeds, lg, n)
+                    _print_profile(row)
+                except Exception as e:  # a diagnostic: the case's figures stand without it
+                    row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    traceback.print_exc(limit=4)
+            base = layer_baselines(lg, eager, st.params, n, compile_on, compile_mode, end) if lg else {}
         row["layers"] = _layer_rows(st, t, feeds, layers_c, layers_e, graph_ms, base)
         comp.run(feeds, profile=True)  # where the time goes, per op and how it ran (one more call)
         row["op_times"] = comp.op_times
@@ -638,6 +698,53 @@ def _graph_case(st: Setup, row: dict, feeds: dict, reps: int) -> dict:
     per, total = time_graph_layers(lg, reps)
     row["graph_total_ms"] = total
     return per
+
+
+def profile_step(st: Setup, feeds: dict, lg, reps: int) -> dict:
+    """Where a graph step's time goes: (1) one CUDA graph PER NODE, events between them (each node's device time
+    without host gaps, plus one graph launch each), summed per op and listed per node, slowest first; (2) the
+    kernels torch.profiler sees inside one replay of each layer's graph (names, counts, total)."""
+    from deepinfer.runtime.layer_graphs import LayerGraphs
+
+    ng = LayerGraphs(st.comp, feeds, st.backend_factory(), per_node=True)
+    ng.prepare()
+    per_seg: list[list[float]] = []
+    for _ in range(reps):
+        ng.run(timed=True)
+        per_seg.append(ng.segment_ms)
+    ng.segment_ms = [_median(list(x)) for x in zip(*per_seg)]
+    how = st.comp.stats.per_node
+    nodes = [{"layer": la, "op": op, "node": name, "ms": ms, "how": how.get(name, "?").split(":")[0]}
+             for la, op, name, ms in ng.node_ms()]  # fmt: skip
+    by_op: dict[str, float] = {}
+    for r in nodes:
+        key = f"{r['layer']} {r['op']} ({r['how']})"
+        by_op[key] = by_op.get(key, 0.0) + r["ms"]
+    eager = [f"{ng.segments[i].steps[0].outputs[0]} ({ng.segments[i].steps[0].node.op}): {why}"
+             for i, why in sorted(ng.eager.items())]  # fmt: skip
+    res = {"node_graphs_ms": sum(ng.segment_ms), "eager_nodes": eager, "nodes": nodes,
+           "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])), "kernels": {}}  # fmt: skip
+    if torch.cuda.is_available():
+        for i, seg in enumerate(lg.segments):
+            if seg.name.startswith("l"):
+                res["kernels"][seg.name] = _kernel_table(lambda i=i: lg._run_one(i))
+    return res
+
+
+def _kernel_table(fn, top: int = 15) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, total ms) of one call of fn under torch.profiler, slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if total and getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+            rows.append((e.key[:90], int(e.count), total / 1e3))
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, base) -> dict:
@@ -709,6 +816,25 @@ def print_table(rows: list, flush: bool = False) -> None:
         sys.stdout.flush()
 
 
+def _print_profile(r: dict) -> None:
+    p = r["profile"]
+    print(f"\n{r['case']}: graph per node: {p['node_graphs_ms']:.3f} ms over {len(p['nodes'])} nodes "
+          f"({len(p['eager_nodes'])} eager); per layer-graph step {r.get('graph_total_ms', float('nan')):.3f} ms")
+    for what in p["eager_nodes"][:5]:
+        print(f"  eager node {what[:300]}")
+    print("  by op (layer, op, how it ran: ms):")
+    for k, v in list(p["by_op"].items())[:20]:
+        print(f"    {v:8.3f}  {k}")
+    print("  slowest nodes:")
+    for n in p["nodes"][:15]:
+        print(f"    {n['ms']:8.3f}  {n['layer']:<5} {n['op']:<22} {n['how']:<28} {n['node']}")
+    for layer, rows in p["kernels"].items():
+        print(f"  kernels in one replay of {layer}'s graph (torch.profiler; name, launches, total ms):")
+        for name, count, ms in rows:
+            print(f"    {ms:8.3f}  x{count:<4} {name}")
+    sys.stdout.flush()
+
+
 def _print_notes(r: dict) -> None:
     pad = " " * 25
     for layer, why in (r.get("fell_back") or {}).items():
@@ -720,7 +846,9 @@ def _print_notes(r: dict) -> None:
         if m.get("compile_note"):
             notes.append(f"torch.compile: {m['compile_note']}")
         if m.get("compile_s") is not None:
-            notes.append(f"compiled in {m['compile_s']:.0f} s, rel err vs eager {m['compile_err']:.1e}")
+            floor = m.get("noise_floor")
+            notes.append(f"compiled in {m['compile_s']:.0f} s, rel err vs eager {m['compile_err']:.1e} (eager vs "
+                         f"eager with +-1 ulp inputs: {_fmt(floor, '.1e')})")  # fmt: skip
         if m.get("line_vs_exec") is not None:
             notes.append(f"straight line vs executor references: rel err {m['line_vs_exec']:.1e}")
         if m.get("kv_bytes_per_seq"):
@@ -729,6 +857,11 @@ def _print_notes(r: dict) -> None:
                          f"(roofline {m['bound_ms']:.3f} ms -> with KV {m['roofline_with_kv_pct']:.1f}%)")  # fmt: skip
         if notes:
             print(f"{pad}{layer}: " + "; ".join(notes))
+        for d in sorted(m.get("compile_diff") or [], key=lambda d: -d.get("max_rel", 0))[:4]:
+            if d.get("max_rel"):
+                step = f", {100 * d['beyond_one_step']:.3f}% beyond one e4m3 step" if "beyond_one_step" in d else ""
+                print(f"{pad}  compiled vs eager {d['name']} ({d['dtype']}): max rel {d['max_rel']:.1e}, "
+                      f"norm-wise {d['l2_rel']:.1e}, {100 * d['differ']:.2f}% of elements differ{step}")  # fmt: skip
     runs = r.get("node_runs") or {}
     nc, nr = sum(runs.get("compiled", {}).values()), sum(runs.get("reference", {}).values())
     print(f"{pad}node executions: {nc} compiled, {nr} torch reference")
@@ -787,6 +920,8 @@ def add_graph_arguments(ap: argparse.ArgumentParser) -> None:
                     help="torch.compile mode of the per-layer straight-line baseline")  # fmt: skip
     ap.add_argument("--compile-batches", default="",
                     help="decode batches that get the torch.compile baseline (comma list; default: all)")
+    ap.add_argument("--profile-batches", default="64",
+                    help="decode batches whose graph step is profiled (a graph per node; kernels; '' for none)")
     ap.add_argument("--preset", choices=("real", "tiny"), default="real",
                     help="tiny: CPU smoke mode (tiny dims, kernel stand-ins, emulated graphs; checks plumbing only)")
 
@@ -803,7 +938,8 @@ def run_from_args(args) -> list[dict]:
                experts=getattr(args, "experts", "fp8"), moe_glu=getattr(args, "moe_glu", "auto"),
                graphs=getattr(args, "graphs", "on") == "on", preset=getattr(args, "preset", "real"),
                compile_mode=getattr(args, "compile_mode", "default"),
-               compile_batches=_ints(getattr(args, "compile_batches", "")) or None)  # fmt: skip
+               compile_batches=_ints(getattr(args, "compile_batches", "")) or None,
+               profile_batches=_ints(getattr(args, "profile_batches", "64")))  # fmt: skip
 
 
 def dry_run(args) -> int:

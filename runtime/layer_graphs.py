@@ -57,11 +57,12 @@ class Segment:
     params: list[str] = field(default_factory=list)  # parameters read here
 
 
-def split_segments(steps: list, graph) -> list[Segment]:
-    """The executor's steps as segments (see the module doc)."""
+def split_segments(steps: list, graph, per_node: bool = False) -> list[Segment]:
+    """The executor's steps as segments (see the module doc); ``per_node``: one segment per node, named by its
+    layer (the profile mode: a graph per node, events between them, no host gaps)."""
     runs: list[tuple[str, list]] = []
     for st in steps:
-        if not runs or runs[-1][0] != st.layer:
+        if per_node or not runs or runs[-1][0] != st.layer:
             runs.append((st.layer, []))
         runs[-1][1].append(st)
     returned = {v.name for v in graph.outputs}
@@ -98,8 +99,7 @@ def compare_outputs(got: dict, ref: dict) -> tuple[bool, str]:
         if not r.numel():
             continue
         if r.is_floating_point() and r.element_size() > 1:
-            err = float((g.float() - r.float()).abs().max())
-            scale = max(float(r.float().abs().max()), 1.0)
+            err, scale = float_diff(g, r)
             if not err <= REPLAY_TOL * scale:  # NaN fails too
                 return False, f"{name}: max |replay - eager| {err:.3g} (max |eager| {scale:.3g})"
             worst = worst or (f"{name}: {err:.2g}" if err else "")
@@ -110,6 +110,19 @@ def compare_outputs(got: dict, ref: dict) -> tuple[bool, str]:
     return True, worst or "bit-identical"
 
 
+def float_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a - b| over the elements that differ, max(max finite |b|, 1)); equal infinities (masked scores are
+    -inf) and NaN in both count as equal, a non-finite value in one only as an infinite difference."""
+    af, bf = a.float(), b.float()
+    same = (af == bf) | (af.isnan() & bf.isnan())
+    finite = bf[bf.isfinite()]
+    scale = max(float(finite.abs().max()) if finite.numel() else 0.0, 1.0)
+    if bool(same.all()):
+        return 0.0, scale
+    d = (af - bf).abs()[~same]
+    return float(d.nan_to_num(nan=float("inf")).max()), scale
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).contiguous().view(torch.uint8)
 
@@ -118,10 +131,10 @@ class LayerGraphs:
     """Per-layer graphs of one executor call at fixed shapes; ``feeds`` are the static input buffers (write new
     tokens / positions / cache contents into them in place between runs)."""
 
-    def __init__(self, ex, feeds: dict, backend, *, check_host_reads: bool = True):
+    def __init__(self, ex, feeds: dict, backend, *, check_host_reads: bool = True, per_node: bool = False):
         self.ex, self.feeds, self.backend = ex, feeds, backend
         self.check_host_reads = check_host_reads
-        self.segments = split_segments(ex.steps, ex.graph)
+        self.segments = split_segments(ex.steps, ex.graph, per_node)
         self.env = bind_symbols(ex.graph, feeds)
         self.t = int(feeds["tokens"].shape[0]) if "tokens" in feeds else 1
         self.memo: dict = {}
@@ -290,6 +303,12 @@ class LayerGraphs:
         for seg, ms in zip(self.segments, self.segment_ms or []):
             out[seg.name] = out.get(seg.name, 0.0) + ms
         return out
+
+    def node_ms(self) -> list[tuple[str, str, str, float]]:
+        """Per-node mode: (layer, op, node name, ms) of the last timed run, slowest first."""
+        rows = [(seg.name, seg.steps[0].node.op, seg.steps[0].outputs[0], ms)
+                for seg, ms in zip(self.segments, self.segment_ms or [])]  # fmt: skip
+        return sorted(rows, key=lambda r: -r[3])
 
     def fell_back(self) -> dict[str, str]:
         """Layer name -> why it runs eagerly (segments that replay a graph are absent)."""

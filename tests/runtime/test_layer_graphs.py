@@ -199,6 +199,9 @@ def test_compare_outputs_bounds():
     flipped.view(torch.uint8)[:8] ^= 1
     assert not compare_outputs({"q": flipped}, {"q": q})[0]
     assert compare_outputs({"n": torch.tensor([float("nan")])}, {"n": torch.tensor([1.0])})[0] is False
+    masked = torch.tensor([float("-inf"), 2.0, float("nan")])  # masked scores: equal infinities are equal
+    assert compare_outputs({"s": masked.clone()}, {"s": masked}) == (True, "bit-identical")
+    assert not compare_outputs({"s": torch.tensor([0.0, 2.0, float("nan")])}, {"s": masked})[0]
 
 
 def test_straight_line_layers_are_the_executor_references_node_for_node(tiny_slice):
@@ -226,10 +229,13 @@ def test_bench_slice_tiny_smoke_mode_reports_graph_rows(tiny_slice, tmp_path, mo
     bs, _, _ = tiny_slice
     monkeypatch.setattr(ka, "EMULATE", False)  # the smoke mode turns it on; restored after the test
     rc = bs.main(["--preset", "tiny", "--layers", "2,6", "--batches", "1", "--context", "12", "--prefill", "0",
-                  "--reps", "1", "--no-torch-compile", "--out", str(tmp_path)])  # fmt: skip
+                  "--reps", "1", "--no-torch-compile", "--profile-batches", "1", "--out", str(tmp_path)])  # fmt: skip
     assert rc == 0
     data = json.loads((tmp_path / "bench_slice.json").read_text())
     (row,) = data["rows"]
+    prof = row["profile"]  # a graph per node: every node timed once, none eager, op sums = node sum
+    assert len(prof["nodes"]) == len(tiny_slice[1].nodes) and prof["eager_nodes"] == []
+    assert sum(prof["by_op"].values()) == pytest.approx(prof["node_graphs_ms"])
     assert data["nominal_limits"] and "error" not in row, row.get("error")
     assert set(row["layers"]) == {"embed", "l0", "l1", "head"} and row["fell_back"] == {}
     for layer in ("l0", "l1"):
