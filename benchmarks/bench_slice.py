@@ -412,7 +412,7 @@ def layer_baselines(lg, ref_ex, params, reps: int, compile_on: bool, compile_mod
         if deadline - time.time() < 150:  # a compile cannot be interrupted: start one only with room left
             rec["compile_note"] = "skipped (time budget)"
             continue
-        rec["noise_floor"] = _noise_floor(fn, x, p, want)
+        rec["noise_floor"], rec["noise_diff"] = _noise_floor(fn, x, p, want, seg.outputs)
         cfn = export_segment(seg, lg.ex.graph, lg.env, wrap=_opaque)
         rec.update(_compiled(cfn, x, p, want, reps, compile_mode, seg.outputs))
     return out
@@ -486,9 +486,10 @@ def output_diffs(got: list, want: list, names: list) -> list[dict]:
     return out
 
 
-def _noise_floor(fn, x: list, p: list, want: list) -> float | None:
+def _noise_floor(fn, x: list, p: list, want: list, names: list) -> tuple[float | None, list]:
     """How far the eager layer moves when its floating inputs move by one bf16 ulp at random (the reference's
-    own sensitivity at the format's rounding boundaries): max over outputs of max |a-b| / max |b|."""
+    own sensitivity at the format's rounding boundaries): (max over outputs of max |a-b| / max |b|, per output
+    as output_diffs)."""
     gen = torch.Generator(device=x[0].device if x else "cpu").manual_seed(0)
     nudged = []
     for t in x:
@@ -499,9 +500,10 @@ def _noise_floor(fn, x: list, p: list, want: list) -> float | None:
         else:
             nudged.append(t)
     try:
-        return rel_err(fn(nudged, p), want)
+        got = fn(nudged, p)
+        return rel_err(got, want), output_diffs(got, want, names)
     except Exception:  # noqa: BLE001 -- a diagnostic only
-        return None
+        return None, []
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -857,11 +859,14 @@ def _print_notes(r: dict) -> None:
                          f"(roofline {m['bound_ms']:.3f} ms -> with KV {m['roofline_with_kv_pct']:.1f}%)")  # fmt: skip
         if notes:
             print(f"{pad}{layer}: " + "; ".join(notes))
-        for d in sorted(m.get("compile_diff") or [], key=lambda d: -d.get("max_rel", 0))[:4]:
+        noise = {d["name"]: d for d in m.get("noise_diff") or []}
+        for d in sorted(m.get("compile_diff") or [], key=lambda d: -d.get("max_rel", 0))[:5]:
             if d.get("max_rel"):
                 step = f", {100 * d['beyond_one_step']:.3f}% beyond one e4m3 step" if "beyond_one_step" in d else ""
+                nd = noise.get(d["name"], {})
+                floor = f" | eager +-1ulp: max {nd['max_rel']:.1e}, norm {nd['l2_rel']:.1e}" if "l2_rel" in nd else ""
                 print(f"{pad}  compiled vs eager {d['name']} ({d['dtype']}): max rel {d['max_rel']:.1e}, "
-                      f"norm-wise {d['l2_rel']:.1e}, {100 * d['differ']:.2f}% of elements differ{step}")  # fmt: skip
+                      f"norm-wise {d['l2_rel']:.1e}, {100 * d['differ']:.2f}% differ{step}{floor}")  # fmt: skip
     runs = r.get("node_runs") or {}
     nc, nr = sum(runs.get("compiled", {}).values()), sum(runs.get("reference", {}).values())
     print(f"{pad}node executions: {nc} compiled, {nr} torch reference")
