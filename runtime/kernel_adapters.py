@@ -1341,6 +1341,68 @@ class RopeAdapter:
         return [y[:t].to(x.dtype).reshape(x.shape)]
 
 
+class CompressorKeysAdapter:
+    """pair_compressor_keys / compressor_keys: the pair pooling (ratio 2) and the small wk GEMM stay the op's torch
+    formulas; the two RMSNorms and the two RoPEs (latent -> entry, wk output -> index keys) run the compiled
+    rmsnorm and rope kernels (~40 small torch launches -> 4 kernels). The compressor family's own kernel (pooling
+    + norm) needs the batch's first position parity at build time (a host read), so it is not used here. Needs
+    the runner's position bound (MAX_POSITIONS): without it the rope tables would read the positions on the host."""
+
+    family = "compressor"
+    ops = ("pair_compressor_keys", "compressor_keys")
+    norm = RMSNormAdapter()
+    rope = RopeAdapter()
+
+    def _sub(self, call: Call, op: str, x, w_index: int | None, pos=None) -> Call:
+        from deepinfer.ir.ops.attention import ROPE_ATTRS
+
+        if op == "rmsnorm":
+            w = call.args[w_index]
+            return Call("rmsnorm", {"eps": call.attrs["eps"]}, [x, w], ["", call.names[w_index]],
+                        [False, call.is_param[w_index]], {}, call.cache)  # fmt: skip
+        attrs = {**{k: call.attrs[k] for k in ROPE_ATTRS}, "inverse": False}
+        return Call("rope", attrs, [x, pos], ["", ""], [False, False], {}, call.cache)
+
+    @staticmethod
+    def _layout(call: Call) -> tuple[int, int, int]:
+        """The input indices of (the latent's norm weight, wk, k_norm) in either op."""
+        if call.op == "pair_compressor_keys":
+            return 5, 6, 7
+        return 2, 3, 4
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        if MAX_POSITIONS not in call.cache:
+            raise Decline("the compressor's RoPE kernels need the runner's position bound (max_positions)")
+        kv = call.args[0]
+        n = (kv.shape[0] + 1) // 2 if call.op == "pair_compressor_keys" else kv.shape[0]
+        ni, wi, ki = self._layout(call)
+        di = call.args[wi].shape[0]
+        latent, keys = kv.new_empty((n, kv.shape[1])), kv.new_empty((n, di))
+        pos = kv.new_empty((n,), dtype=torch.long)
+        return [self.norm.keys(self._sub(call, "rmsnorm", latent, ni))[0],
+                self.rope.keys(self._sub(call, "rope", latent, None, pos))[0],
+                self.norm.keys(self._sub(call, "rmsnorm", keys, ki))[0],
+                self.rope.keys(self._sub(call, "rope", keys, None, pos))[0]]  # fmt: skip
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.ir.ops.core import Linear
+        from deepinfer.ir.ops.v41 import PairCompressor
+
+        ni, wi, ki = self._layout(call)
+        if call.op == "pair_compressor_keys":
+            pooled, entry_pos, entry_idx, new_kv, new_score = PairCompressor.reference(*call.args[:5])
+            extra = [entry_idx, new_kv, new_score]
+        else:
+            pooled, entry_pos, extra = call.args[0], call.args[1], []
+        latent = self.norm.run(self._sub(call, "rmsnorm", pooled, ni), kernels[:1])[0]
+        entry = self.rope.run(self._sub(call, "rope", latent, None, entry_pos), kernels[1:2])[0]
+        keys = Linear.reference(latent, call.args[wi], None)
+        keys = self.norm.run(self._sub(call, "rmsnorm", keys, ki), kernels[2:3])[0]
+        keys = self.rope.run(self._sub(call, "rope", keys, None, entry_pos), kernels[3:4])[0]
+        return [entry, keys, *extra]
+
+
 class EngramEmbedAdapter:
     """engram_embed: the FP8 table and its e8m0 scales as the kernel's exponent bytes (a view), int32 ids."""
 
@@ -1416,6 +1478,7 @@ ADAPTERS: dict[str, object] = {
     "engram": (EngramEmbedAdapter(), EngramGateAdapter()),
     "sparse_attn_decode": SparseAttnAdapter(),
     "topk_select": TopKEntriesAdapter(),
+    "compressor": CompressorKeysAdapter(),
 }
 
 
