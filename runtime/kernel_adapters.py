@@ -1166,8 +1166,20 @@ class SparseAttnAdapter:
             keys.append(_key("sparse_attn_decode", "combine_program", (b, h, d, cfg.num_split)))
         return keys, cfg, two, b
 
+    def _o_rope(self, call: Call, o: torch.Tensor) -> Call | None:
+        """fused_attention's inverse RoPE of the output on the rope kernel (o is the kernel's bf16 already, so
+        only the rotated values take one more bf16 rounding before the FP8 epilogue); None without the runner's
+        position bound (then the torch rotation)."""
+        if call.op != "fused_attention" or MAX_POSITIONS not in call.cache:
+            return None
+        attrs = {**self._rope_attrs(call), "inverse": True}
+        return Call("rope", attrs, [o, call.args[1]], ["", ""], [False, False], {}, call.cache)
+
     def keys(self, call: Call) -> list[KernelKey]:
-        return self._plan(call)[0]
+        keys = self._plan(call)[0]
+        q = self._operands(call)[0]
+        rc = self._o_rope(call, q.new_empty(q.shape, dtype=torch.bfloat16))
+        return keys + ([ADAPTERS["rope"].keys(rc)[0]] if rc is not None else [])
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         _, cfg, two, b = self._plan(call)
@@ -1197,6 +1209,10 @@ class SparseAttnAdapter:
             mp, lp = torch.empty(b, ns, h, device=q.device), torch.empty(b, ns, h, device=q.device)
             kernels[0](qb, *kv, *idx, op, mp, lp)
             kernels[1](op, mp, lp, sink, o)
+        rc = self._o_rope(call, o[:t]) if fused else None
+        if rc is not None:
+            o = ADAPTERS["rope"].run(rc, kernels[-1:])[0].to(call.args[0].dtype)
+            return self._epilogue(call, o, rotated=True)
         o = o[:t].to(call.args[0].dtype)
         return self._epilogue(call, o) if fused else [o]
 
@@ -1214,10 +1230,11 @@ class SparseAttnAdapter:
             q = RMSNorm.reference(q, None, eps=call.attrs["eps"])
         return Rope.reference(q, call.args[1], inverse=False, **self._rope_attrs(call))
 
-    def _epilogue(self, call: Call, o: torch.Tensor) -> list[torch.Tensor]:
+    def _epilogue(self, call: Call, o: torch.Tensor, rotated: bool = False) -> list[torch.Tensor]:
         from deepinfer.ir.ops.attention import Rope
 
-        o = Rope.reference(o, call.args[1], inverse=True, **self._rope_attrs(call))
+        if not rotated:
+            o = Rope.reference(o, call.args[1], inverse=True, **self._rope_attrs(call))
         if call.attrs["out_groups"]:
             o = o.reshape(o.shape[0], call.attrs["out_groups"], -1)
         group = call.attrs["quant_group"]
