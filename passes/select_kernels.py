@@ -298,6 +298,14 @@ def bind_hc_post(c: _Ctx):
     return "hyper_connection", "post_program", {"T": t, "D": d}, {"block_m": 1, "block_d": 512, "threads": 128}, ()
 
 
+def bind_fake_quant(c: _Ctx):
+    """fake_quant_fp8 (fold_qdq leaves one where a Q/DQ pair has a reader other than an FP8 GEMM): act_quant's
+    Triton kernel + the exact dequantisation (runtime/kernel_adapters.FakeQuantAdapter)."""
+    x = c.node.inputs[0]
+    m, k = c.rows(x), c.shape(x)[-1]
+    return "act_quant", "triton", {"M": m, "K": k, "group": c.node.attrs["group"]}, {}, ()
+
+
 BINDERS: dict[str, Callable] = {
     "linear_fp8": bind_linear_fp8,
     "grouped_out_proj": bind_grouped_out_proj,
@@ -318,7 +326,8 @@ BINDERS: dict[str, Callable] = {
     "index_scores": bind_index_scores,
     "topk_entries": bind_topk_entries,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
-    "hc_stats": bind_hc_pre,  # pre_program's coefficients (its collapse output unused)
+    "hc_stats": bind_hc_pre,
+    "fake_quant_fp8": bind_fake_quant,  # pre_program's coefficients (its collapse output unused)
     "hc_post": bind_hc_post,
     "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program
 }

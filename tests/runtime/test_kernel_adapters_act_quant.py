@@ -63,6 +63,9 @@ a, b = both(lambda: ka.SparseAttnAdapter()._epilogue(att, o))
 assert a[1].dtype == torch.float8_e8m0fnu and a[1].shape == (3, 4, 2) and same(a, b), "attention epilogue"
 _, s = ka.quant_act(Rope.reference(o, torch.arange(3), inverse=True, **rope), 32)
 assert torch.equal(a[1].view(torch.uint8), ka.to_e8m0(s).view(torch.uint8)), "e8m0 bytes"
+c = ka.Call("fake_quant_fp8", {"group": 32}, [x.view(5, 5, 32)], ["x"], [False], {}, {})
+fq = lambda: ka.FakeQuantAdapter().run(c, [])[0]
+assert torch.equal(*both(fq)), "fake_quant"
 print("OK")
 """
 
@@ -72,3 +75,19 @@ def test_kernel_quantisation_inside_the_adapters_is_bit_exact():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+
+
+def test_fake_quant_adapter_is_the_reference_exactly(monkeypatch):
+    import torch
+
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    x = torch.randn(5, 2, 96) * torch.logspace(-3, 3, 96)
+    x[0, 0] = 0.0
+    call = ka.Call("fake_quant_fp8", {"group": 32}, [x], ["x"], [False], {}, {})
+    adapter = ka.adapter_for("act_quant", "fake_quant_fp8")
+    assert adapter.keys(call) == []
+    got, ref = adapter.run(call, [])[0], get_op("fake_quant_fp8").run([x], {"group": 32})[0]
+    assert got.shape == ref.shape and torch.equal(got, ref)
