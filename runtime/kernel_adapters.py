@@ -623,7 +623,7 @@ GLU_POLICY = "moe_glu_policy"
 GLU_POLICY_ENV = "DEEPINFER_MOE_GLU"  # the same values, where the runner sets no policy (checks of the split path)
 
 
-def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int):
+def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int, consts: dict | None = None):
     """The masked (decode) layout without a device -> host read: expert e's pairs in rows e*max_rows + rank.
 
     A token that lists one expert twice (hash routing can) would need more than T rows for that expert: such
@@ -631,18 +631,33 @@ def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_
     first one's), so every count is at most T <= max_rows. Returns (dest [T*K] row of every pair, counts [E]
     int32, merged weights [T, K] fp32). A pair's rank among its expert's pairs (in flat pair order) is read from
     a running count of a one-hot [T*K, E+1] table: ~15 small launches where a stable sort took ~25 (decode
-    runs it every step; the table is at most T*K x (E+1) = 1536 x 385 at T = 256)."""
+    runs it every step; the table is at most T*K x (E+1) = 1536 x 385 at T = 256). ``consts``: the aranges
+    (layout_consts), made once by the caller instead of two launches per call."""
     t, k = idx.shape
+    c = consts or layout_consts(t, k, n_experts, idx.device)
     idx = idx.long()
     first = (idx.unsqueeze(2) == idx.unsqueeze(1)).int().argmax(-1)  # first slot with the same expert
-    keep = first == torch.arange(k, device=idx.device)
+    keep = first == c["slots"]
     merged = torch.zeros(t, k, device=idx.device).scatter_add_(1, first, weights.float())
     e_kept = torch.where(keep, idx, n_experts).reshape(-1)  # a merged duplicate goes to the spare expert E
-    seen = (e_kept.unsqueeze(1) == torch.arange(n_experts + 1, device=idx.device)).cumsum(0)  # [T*K, E+1]
+    seen = (e_kept.unsqueeze(1) == c["experts"]).cumsum(0)  # [T*K, E+1]
     rank = seen.gather(1, e_kept.unsqueeze(1)).squeeze(1) - 1
     dest = (e_kept * max_rows + rank).view(t, k)
     dest = torch.gather(dest, 1, first)  # a merged duplicate reads (and writes the same data to) its first row
     return dest.reshape(-1), seen[-1, :n_experts].to(torch.int32), merged
+
+
+def layout_consts(t: int, k: int, n_experts: int, device) -> dict:
+    """The masked layout's constant index tensors: slot ids [K], expert ids [E+1], the token of every pair [T*K]."""
+    return {"slots": torch.arange(k, device=device), "experts": torch.arange(n_experts + 1, device=device),
+            "tok": torch.arange(t, device=device).repeat_interleave(k)}  # fmt: skip
+
+
+def _layout_consts(call: Call, t: int, k: int, e: int, device) -> dict:
+    key = ("moe_layout_consts", t, k, e, str(device))
+    if key not in call.cache:
+        call.cache[key] = layout_consts(t, k, e, device)
+    return call.cache[key]
 
 
 def _scatter_rows(rows: int, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -781,7 +796,7 @@ class MoEGroupedAdapter:
         if masked:
             max_rows = -(-t // cfg.block_t) * cfg.block_t
             rows = e * max_rows
-            layout = masked_layout(idx, call.args[1], e, max_rows)
+            layout = masked_layout(idx, call.args[1], e, max_rows, _layout_consts(call, t, idx.shape[1], e, idx.device))
             extra = {"max_rows": max_rows}
         else:
             slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_t)
@@ -875,7 +890,7 @@ class MoEGroupedAdapter:
         if p.path == "swab_masked":
             dest, meta, w = p.layout
             a, sa_t = _quant_x(call, 32 if p.fmt == "fp4" else block)  # [R >= T, K] codes, [K/g, R] scales
-            tok = torch.arange(t, device=x.device).repeat_interleave(k)
+            tok = _layout_consts(call, t, k, e, x.device)["tok"]
             a_m = _scatter_rows(p.rows, a[tok], dest)
             sa_m = torch.empty(sa_t.shape[0], p.rows, device=x.device)
             sa_m[:, dest] = sa_t[:, tok]
