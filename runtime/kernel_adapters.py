@@ -414,7 +414,7 @@ class HCPostAdapter:
         pb, cb = pad_rows(post.float(), rows), pad_rows(comb.float().reshape(t, -1), rows)
         out = torch.empty_like(xb)
         kernels[0](xb, yb, pb, cb, out)
-        return [out[:t].to(x.dtype)]
+        return [out[:t].to(x.dtype)] if not call.memo.get("bf16_out") else [out[:t]]
 
 
 class HCPreCollapseAdapter:
@@ -507,9 +507,12 @@ class HCPostPreCollapseAdapter:
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         post_call, _ = self._calls(call)
-        xn = self.post.run(post_call, kernels[:1])[0]
-        _, pre_call = self._calls(call, xn)
-        return [xn, *self.pre.run(pre_call, kernels[1:])]
+        post_call.memo["bf16_out"] = True  # X' as the kernel wrote it: the pre kernel reads it without a round trip
+        xn_b = self.post.run(post_call, kernels[:1])[0]
+        _, pre_call = self._calls(call, xn_b)
+        y, pre, post, comb = self.pre.run(pre_call, kernels[1:])
+        dtype = call.args[1].dtype  # the node's (the pre adapter returned the collapse in its bf16 input's dtype)
+        return [xn_b.to(dtype), y.to(dtype), pre, post, comb]
 
 
 class MoERoutingAdapter:
