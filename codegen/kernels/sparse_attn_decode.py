@@ -23,6 +23,7 @@ shared memory. `_program_ws_cpu` mirrors it on TileLang's c target (fp32) for th
 Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -138,9 +139,11 @@ def portable_split_config(B: int, topk: int, num_sms: int = 132) -> Config:
     return Config(bn, 256, ns, 2)
 
 
-def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False) -> Config:
+def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, cluster_merge: bool = False) -> Config:
     """The ws program with the fewest splits whose B x num_split CTAs cover ~90% of the SMs. A split adds
-    B x H x D fp32 of partial output written and read back by the combine, so large batches use none."""
+    B x H x D fp32 of partial output written and read back by the combine, so large batches use none.
+    cluster_merge (for callers that run such a config as one kernel, program()): a 2-chunk bf16 choice with
+    64-row blocks merges in 2-CTA clusters instead (no partials, no combine kernel)."""
     best = None
     for ns in SPLITS:
         cands = ws_configs(topk, ns, fp8=fp8)
@@ -149,6 +152,8 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False) -> 
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
         if B * ns >= 0.9 * num_sms:
             break
+    if cluster_merge and best is not None and best.num_split == 2 and best.block_n == WS_HEADS and not fp8:
+        best = dataclasses.replace(best, cluster_merge=True)
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
 
 

@@ -11,6 +11,7 @@ The synchronisation itself (barrier parities, the producer/consumer ring) only r
 (tests/codegen/test_gpu_kernels.py, benchmarks/kernels_h200.py --only sparse_attn).
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -61,6 +62,12 @@ def test_ws_smem_fits_and_configs_are_coherent():
     assert sad.sm90_config(1, 640).num_split != sad.sm90_config(64, 640).num_split  # batch invariance test
     for c in sad.sm90_config_space(64, 640) + sad.sm90_config_space(64, 640, fp8=True):
         assert 640 % (c.block_n * c.num_split) == 0
+    # cluster_merge only where the choice is 2 bf16 chunks of 64-row blocks (B64); the default never merges
+    merged = sad.sm90_config(64, 640, cluster_merge=True)
+    assert merged == dataclasses.replace(sad.sm90_config(64, 640), cluster_merge=True)
+    for B, fp8 in ((128, False), (16, False), (1, False), (64, True)):
+        assert not sad.sm90_config(B, 640, fp8=fp8, cluster_merge=True).cluster_merge
+    assert not sad.sm90_config(64, 640).cluster_merge
     # ws program off its supported shapes: the same chunking on the portable program
     assert not sad.ws_supported(8, 64, "sm90") and not sad.ws_supported(64, 512, "sm100")
 
