@@ -1154,6 +1154,8 @@ def _one_pass(cfg) -> bool:
 
 def _pad_idx(idx: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 indices padded with rows of -1 (a query with no entry: output 0)."""
+    if idx.shape[0] == rows:  # nothing to pad: one conversion, not a fill and a copy
+        return idx.to(torch.int32).contiguous()
     out = torch.full((rows, idx.shape[1]), -1, dtype=torch.int32, device=idx.device)
     out[: idx.shape[0]] = idx
     return out
