@@ -736,7 +736,7 @@ def attn_try_cases():
     for B in (128, 64, 256):
         base = sad.sm90_config(B, 640)
         add("", B, base)
-        for ahead in (1, 2, 4) if B == 128 else (2,):
+        for ahead in (2, 4) if B == 128 else (2,) if B == 256 else ():
             add("", B, dataclasses.replace(base, l2_ahead=ahead))
         if B == 128:
             add("contiguous rows", B, base, contiguous=True)
@@ -745,11 +745,11 @@ def attn_try_cases():
             add("contiguous rows", B, gather_only, contiguous=True)
             add("L2-hot", B, gather_only, hot_rows=4096)
             add("", B, dataclasses.replace(gather_only, l2_ahead=2))
+            add("", B, dataclasses.replace(base, skip="gather,ids"))  # the CTA's own pipeline, no global loads
         if B == 64:
             merged = dataclasses.replace(base, cluster_merge=True)  # 2-CTA clusters, no combine kernel
             add("", B, merged)
             add("two-pool", B, merged, n_win=128)
-            add("", B, dataclasses.replace(merged, pv_first=True))
             add("", B, dataclasses.replace(merged, l2_ahead=2))
             add("two-pool", B, dataclasses.replace(merged, l2_ahead=2), n_win=128)
     return out
