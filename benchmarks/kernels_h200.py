@@ -965,6 +965,12 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
         def run():
             ts.triton_topk(s, IDX_TOPK, pos, 2, cfg=cfg, out=out, ws=ws)
 
+    if variant == "tilelang":  # heavy exact ties first (few values, -0.0 next to +0.0): the cuts, the tie passes
+        ties = torch.randint(-3, 4, s.shape, device="cuda").float()
+        ties[:, ::5] = torch.where(ties[:, ::5] == 0, -0.0, ties[:, ::5])
+        kern(ties, pos, out, *scratch)
+        _idx_topk_exact(out, ties, pos)
+        del ties
     run()
     row.check = _idx_topk_exact(out, s, pos)
     run()  # again: the multi-CTA rows' arrival counters must have been left at zero
@@ -1076,19 +1082,24 @@ def case_engram_gate(row: Row, T_: int, quick: bool, dry: bool):
 
 
 def _topk_hist_sweep():
-    """topk_select.HistConfig (histogram bound) rows: (threads, scores a thread) per chunk at prefill (one CTA
-    streams a row) and segments per row at decode (the last CTA merges segments x k)."""
+    """topk_select.HistConfig (histogram bound) rows next to the previous defaults (same run): threads x scores
+    a thread per chunk and chunks prefetched into L2 at prefill (one CTA streams a row), segments per row at
+    decode (the last CTA merges segments x k). 15 kernels: one -j 15 prebuild wave."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H = ts.HistConfig
     return [
-        *[(4096, 65536, H(nt, e, 65536)) for nt, e in ((256, 16), (128, 32), (256, 32), (512, 16))],
-        *[(4096, 16384, H(nt, e, 16384)) for nt, e in ((256, 16), (128, 32), (256, 32))],
+        (4096, 65536, ts.Config(256, 16, 65536, True, 4, 2048)),
+        *[(4096, 65536, H(nt, e, 65536, l2_ahead=p)) for nt, e, p in ((256, 16, 0), (256, 16, 2), (128, 16, 2),
+                                                                      (128, 32, 2), (128, 16, 4))],
+        *[(4096, 16384, H(nt, e, 16384, l2_ahead=2)) for nt, e in ((256, 16), (128, 16), (128, 32))],
         (4096, 2048, H(128, 16, 2048)),
-        *[(64, 65536, H(256, 16, seg)) for seg in (8192, 16384)],
-        (64, 65536, H(128, 32, 16384)),
-        *[(1, 65536, H(256, 16, seg)) for seg in (4096, 8192)],
-    ]
+        (64, 65536, ts.Config(512, 8, 8192, True, 4, 2048, merge_all=True)),
+        (64, 65536, H(256, 16, 8192)),
+        (64, 65536, H(128, 16, 8192, l2_ahead=2)),
+        (1, 65536, H(256, 16, 8192)),
+        (1, 65536, H(128, 16, 4096)),
+    ]  # fmt: skip
 
 
 def _indexer_cases(quick: bool):

@@ -89,6 +89,7 @@ class HistConfig:
     per_thread: int = 16
     seg: int = 4096
     buf: int = 0
+    l2_ahead: int = 0  # chunks prefetched into L2 beyond the one in flight to registers (one bulk prefetch each)
 
     @property
     def chunk(self) -> int:
@@ -96,7 +97,8 @@ class HistConfig:
 
     @property
     def tag(self) -> str:
-        return f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
+        return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
+                + (f"p{self.l2_ahead}" if self.l2_ahead else ""))  # fmt: skip
 
 
 def hist_buffer(C: int, k: int, cfg: HistConfig) -> int:
@@ -380,7 +382,7 @@ def _make_find_bin(NT: int):
     return find_bin
 
 
-def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
+def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: bool = True):
     """Macro: exact threshold of the `kk_req` largest of a per-thread set of int32 keys, keyf(i, q) for thread
     i's q-th (NONE = not a member). Adaptive radix select: each round histograms the members inside the current
     key range [lo, hi] into NB bins of equal key width (shared-memory atomics), keeps the bin holding the wanted
@@ -389,8 +391,11 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
     only st[2] of the members equal to it are taken); st[3] = kk = min(kk_req, members).
     warp_reduce (GPU): the member count / min / max by warp reductions and one exchange (block_reduce3: 2
     barriers, not 3 x 6) -- for the streamed programs; the one-CTA-per-row one keeps TileLang's AllReduce (the
-    warp reductions took it from 56 to 104 registers)."""
+    warp reductions took it from 56 to 104 registers). unroll=False: plain loops over q (keys read from shared
+    memory need no constant register indices; a much smaller program)."""
     import tilelang.language as T
+
+    qloop = ops.unroll if unroll else T.serial
 
     block_reduce3, red3_total = _make_block_reduce3(NT)
     find_bin = _make_find_bin(NT)
@@ -406,7 +411,7 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
             ra[i] = INT_MAX
             rb[i] = NONE
             rc[i] = 0
-            for q in ops.unroll(Q):
+            for q in qloop(Q):
                 kq = keyf(i, q)
                 if kq != NONE:
                     ra[i] = T.min(ra[i], kq)
@@ -436,7 +441,7 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
                     hist[b] = 0
                 ops.barrier()  # (shared atomics next)
                 for i in ops.par(NT):
-                    for q in ops.unroll(Q):
+                    for q in qloop(Q):
                         kq = keyf(i, q)
                         if T.And(kq != NONE, T.And(kq >= lo, kq <= hi)):
                             bn = T.cast(T.shift_right(T.cast(kq, "int64") - T.cast(lo, "int64"), shift), "int32")
@@ -466,7 +471,7 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
         if done == 0:  # one key left (lo == hi): it is the kk-th; are all its copies taken?
             for i in ops.par(NT):
                 rc[i] = 0
-                for q in ops.unroll(Q):
+                for q in qloop(Q):
                     if keyf(i, q) == lo:
                         rc[i] = rc[i] + 1
             T.reduce_sum(rc, r1, dim=0)
@@ -487,14 +492,14 @@ def _taken(key, idx, st, st2):
     return T.And(T.And(st[3] > 0, key != NONE), T.Or(key > st[0], T.And(key == st[0], tie_ok)))
 
 
-def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False):
+def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: bool = True):
     """Macro: the kk = min(kk_req, members) largest keys of a per-thread set (keyf, idf callables), ties to the
     LOWER id (ids unique); `_taken(key, id, st, st2)` then tells the selected ones. Pass 0 runs the radix select
     on the keys; pass 1 (only when the kk-th key is tied) on -id of the tied keys, to take their lowest `need`
     ids. One radix expansion serves both passes (smaller programs); nothing is stored per element."""
     import tilelang.language as T
 
-    radix = _make_radix(ops, NT, Q, warp_reduce)
+    radix = _make_radix(ops, NT, Q, warp_reduce, unroll)
 
     @T.macro
     def select(keyf, idf, kk_req, st, st2, hist, cum, bc, ra, rb, rc, r1):
@@ -593,12 +598,12 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
         out[0] = T.call_extern("int32", "__shfl_sync", full, base, 31) + incl - x
 
     @T.macro
-    def mark(bitmap, idf, takef, Q):
+    def mark(bitmap, idf, takef, Q, unroll=True):
         for w in ops.par(NW):
             bitmap[w] = 0
         ops.barrier()  # (shared atomics next)
         for i in ops.par(NT):
-            for q in ops.unroll(Q):
+            for q in ops.unroll(Q) if unroll else T.serial(Q):
                 if takef(i, q):
                     c = idf(i, q)
                     if ops.cpu:
@@ -609,14 +614,14 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
         ops.barrier()
 
     @T.macro
-    def push(dst_k, dst_i, base, ctl, slot, keyf, idf, takef, Q, cnt, tmp):
+    def push(dst_k, dst_i, base, ctl, slot, keyf, idf, takef, Q, cnt, tmp, unroll=True):
         """Append the taken (key, id) pairs of every thread at dst[base + ...] (slot order is free); the running
         count is ctl[slot] (atomics: every earlier read of it is behind the first barrier, the count and the
-        entries are complete after the second)."""
+        entries are complete after the second). unroll=False: plain loops (sources in shared memory)."""
         ops.barrier()
         for i in ops.par(NT):
             cnt[i] = 0
-            for q in ops.unroll(Q):
+            for q in ops.unroll(Q) if unroll else T.serial(Q):
                 cnt[i] = cnt[i] + T.if_then_else(takef(i, q), 1, 0)
         for i in ops.par(NT):
             if ops.cpu:
@@ -624,7 +629,7 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
             else:  # one shared atomic per warp (not per thread: they serialise on the one counter)
                 warp_reserve(ctl, slot, cnt[i], i % 32, tmp)
             p = T.alloc_var("int32", init=tmp[0])
-            for q in ops.unroll(Q):
+            for q in ops.unroll(Q) if unroll else T.serial(Q):
                 if takef(i, q):
                     dst_k[base + p] = keyf(i, q)
                     dst_i[base + p] = idf(i, q)
@@ -976,6 +981,14 @@ def _make_hist_bound(ops: _Ops, NT: int):
     return count, threshold
 
 
+# l2_ahead: a bulk L2 prefetch of a chunk's bytes by one thread (no registers, no shared memory)
+_L2_PREFETCH_PRELUDE = r"""
+__device__ __forceinline__ void tl_topk_prefetch_l2(const void* p, int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+"""
+
+
 def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, target: str, has_pos: bool = True):
     """`program` for a HistConfig: the same arguments and output, a histogram bound instead of the group maxima.
 
@@ -1000,13 +1013,14 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     EB, NW = BUF // NT, -(-C // 32)
     sh = scratch_shapes(T_, C, k, cfg)
 
-    select_b = _make_select(ops, NT, EB, True)
+    select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
     emit = _make_emit(ops, NT, C, k)
     count, threshold = _make_hist_bound(ops, NT)
     io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
+    prelude = _L2_PREFETCH_PRELUDE if cfg.l2_ahead > 0 and not ops.cpu else None
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
@@ -1028,13 +1042,24 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return lambda i, q: _taken(key_s(bufk, nb, beta)(i, q), bufi[q * NT + i], st, st2)
 
     @T.macro
+    def prefetch_l2(S, t, sg, it, lim):
+        """(l2_ahead, GPU) chunk `it` of the segment into L2: HBM requests in flight beyond the register chunk."""
+        if not ops.cpu and cfg.l2_ahead > 0 and NCH > 1:
+            for i in T.Parallel(NT):
+                if T.And(i == 0, T.And(it < NCH, c0_of(sg, it) < lim)):
+                    n = T.min(CH, lim - c0_of(sg, it))  # (rounded up to float4s: within the row, C % 4 == 0)
+                    c0 = T.min(c0_of(sg, it), C - 4)  # (= c0_of here; the bound keeps the index provably in the row)
+                    T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", T.address_of(S[t, c0]),
+                                             (n + 3) // 4 * 16))  # fmt: skip
+
+    @T.macro
     def keep(bufk, bufi, nb, beta, st, st2, tk, ti, ctl, rc, tmp):
         """Cut the buffer to the selected members: through the staging area to its front; ctl[0] = their count."""
         ops.sync()
         for _z in ops.par(1):
             ctl[1] = 0
         push(tk, ti, 0, ctl, 1, key_s(bufk, nb, beta), id_s(bufi), take_s(bufk, bufi, nb, beta, st, st2), EB, rc,
-             tmp)  # fmt: skip
+             tmp, unroll=False)  # fmt: skip
         for e in ops.par(KT):
             if e < ctl[1]:
                 bufk[e] = tk[e]
@@ -1088,7 +1113,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         CCnt: T.Tensor(sh["CCnt"], "int32"),
         Arrive: T.Tensor(sh["Arrive"], "int32"),
     ):
-        with T.Kernel(NSEG, T_, threads=NT) as (sg, t):
+        with T.Kernel(NSEG, T_, threads=NT, prelude=prelude) as (sg, t):
             hist_f = ops.sh((HB,), "int32")
             hist_c = ops.sh((NB,), "int32")
             hist = ops.sh((NB,), "int32")  # the exact selection's radix rounds
@@ -1131,12 +1156,16 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             ops.barrier()  # (shared atomics next)
             if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
                 fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
+            if cfg.l2_ahead > 0:
+                for a in T.serial(cfg.l2_ahead):
+                    prefetch_l2(S, t, sg, a + 1, lim)
             # iterations: the chunks, the segment's selection, (several segments, the row's last CTA) the merge
             for it in T.serial(NCH + (1 if NSEG == 1 else 2)):
                 cut = 0
                 if it < NCH:
                     if c0_of(sg, it) < lim:
                         chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
                         if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
                             if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
                                 fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
@@ -1150,11 +1179,12 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             cut = 1
                 elif it == NCH:
                     cut = 1
-                elif last == 1:
-                    load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
-                    beta = NONE
-                    floor = NONE
-                    cut = 1
+                if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
+                    if T.And(it == NCH + 1, last == 1):
+                        load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
+                        beta = NONE
+                        floor = NONE
+                        cut = 1
                 if cut == 1:  # the exact top-k of the buffer's members
                     nb = ctl[0]
                     select_b(key_s(bufk, nb, beta), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
@@ -1162,16 +1192,17 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         keep(bufk, bufi, nb, beta, stb, stb2, tk, ti, ctl, rc, tmp)
                         if stb[3] == k:  # later columns tied with the k-th key lose to it
                             floor = stb[0] + 1
-                    if T.And(NSEG > 1, it == NCH):
-                        hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
-                        if bc[2] == NSEG - 1:
-                            last = 1
+                    if NSEG > 1:
+                        if it == NCH:
+                            hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
+                            if bc[2] == NSEG - 1:
+                                last = 1
                 if it < NCH:
                     if c0_of(sg, it) < lim:
                         push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
                              E, rc, tmp)  # fmt: skip
             if last == 1:
-                mark(bitmap, id_s(bufi), take_s(bufk, bufi, nb, beta, stb, stb2), EB)
+                mark(bitmap, id_s(bufi), take_s(bufk, bufi, nb, beta, stb, stb2), EB, unroll=False)
                 emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select_hist

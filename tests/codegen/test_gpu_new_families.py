@@ -45,16 +45,22 @@ def test_indexer_split_end_to_end(kb, run_case, T_, C):
 
 @pytest.mark.parametrize("T_,C", [(512, 2048), (264, 16384), (64, 65536), (1, 65536)])
 @pytest.mark.parametrize("kind", ["ints", "zeros"])
-def test_topk_select_ties_exact(kb, T_, C, kind):
-    """The default top-k program per shape (one CTA per row / streamed rows / merge_all decode) on scores with
-    heavy exact ties (few distinct values, -0.0 next to +0.0; or all zero: every chunk overflows the filter),
-    causal limits included: exactly topk_entries' set, run twice (the arrival counters reset)."""
+@pytest.mark.parametrize("program", ["default", "hist"])
+def test_topk_select_ties_exact(kb, T_, C, kind, program):
+    """The default top-k program per shape (one CTA per row / streamed rows / merge_all decode), and the
+    histogram-bound program (one CTA streaming a row; at T <= 64, 8192-column segments and the last CTA's merge),
+    on scores with heavy exact ties (few distinct values, -0.0 next to +0.0; or all zero: every chunk overflows
+    the filter / the histogram's bin, so the buffer is cut to its exact top-k), causal limits included: exactly
+    topk_entries' set, run twice (the arrival counters reset)."""
     import torch
 
     from deepinfer.codegen.kernels import topk_select as ts
 
     k = 512
     cfg = ts.default_config(T_, C, k)
+    if program == "hist":
+        seg = 8192 if T_ <= 64 and C > 8192 else C
+        cfg = ts.HistConfig(256, 16, seg, l2_ahead=2) if C >= 4096 else ts.HistConfig(128, 16, C)
     kern = kb.build(ts.program(T_, C, k=k, ratio=2, cfg=cfg, target="sm90"))
     g = torch.Generator().manual_seed(T_)
     s = torch.randint(-3, 4, (T_, C), generator=g).float() if kind == "ints" else torch.zeros(T_, C)
