@@ -524,7 +524,7 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
     sad = sparse_attn_decode
     pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
-    if cfg.num_split > 1 and not cfg.cluster_merge:  # (cluster_merge: one kernel, the single-pass signature)
+    if cfg.num_split > 1:
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         part, comb = (build(f) for f in progs)
         ns = cfg.num_split
@@ -664,7 +664,7 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
-    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_try_cases())
+    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases())
 
 
 def attn_sweep_cases():
@@ -696,8 +696,9 @@ ATTN_DIAG_SKIPS = ("gather", "qk", "pv", "softmax", "qk,pv", "gather,qk,pv", "ga
 
 def attn_diag_cases():
     """`--only "sparse_attn diag"`: the default ws program with parts left out of the build (Config.skip: the
-    KV gather, the QK^T or PV wgmmas, the softmax math), unchecked, next to the full program and its L2-hot
-    form, at B128 (no split) and B64 (split 2): which part bounds the CTA's time."""
+    KV gather, the row-id copies, the QK^T or PV wgmmas, the softmax math), unchecked, next to the full
+    program, at B128 (no split) and B64 (split 2, its two kernels also timed apart); the gather-only build
+    (no QK^T / PV) with random, contiguous and L2-hot rows: which part bounds the CTA's time."""
     import dataclasses
 
     sad = sparse_attn_decode
@@ -712,46 +713,16 @@ def attn_diag_cases():
         add("", B, base)
         if B == 128:
             add("L2-hot", B, base, hot_rows=4096)
+            add("contiguous rows", B, base, contiguous=True)
         for parts in ATTN_DIAG_SKIPS if B == 128 else ("gather",):
             add("", B, dataclasses.replace(base, skip=parts))
+        if B == 128:
+            gather_only = dataclasses.replace(base, skip="qk,pv")
+            add("contiguous rows", B, gather_only, contiguous=True)
+            add("L2-hot", B, gather_only, hot_rows=4096)
         if base.num_split > 1:
             add("first kernel only", B, base, piece="part")
             add("combine only", B, base, piece="combine")
-    return out
-
-
-def attn_try_cases():
-    """`--only "sparse_attn try"`: candidate programs next to the default, same run (checked rows): the
-    L2 prefetch ahead of the ring (l2_ahead), the 2-CTA cluster merge at B64 (no combine kernel); and the
-    gather path's DRAM-locality probe (QK^T and PV left out, random vs contiguous vs L2-hot rows)."""
-    import dataclasses
-
-    sad = sparse_attn_decode
-    out = []
-
-    def add(what, B, cfg, **kw):
-        out.append((f"sparse_attn try {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
-                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
-
-    for B in (128, 64, 256):
-        base = sad.sm90_config(B, 640)
-        add("", B, base)
-        for ahead in (2, 4) if B == 128 else (2,) if B == 256 else ():
-            add("", B, dataclasses.replace(base, l2_ahead=ahead))
-        if B == 128:
-            add("contiguous rows", B, base, contiguous=True)
-            gather_only = dataclasses.replace(base, skip="qk,pv")
-            add("", B, gather_only)
-            add("contiguous rows", B, gather_only, contiguous=True)
-            add("L2-hot", B, gather_only, hot_rows=4096)
-            add("", B, dataclasses.replace(gather_only, l2_ahead=2))
-            add("", B, dataclasses.replace(base, skip="gather,ids"))  # the CTA's own pipeline, no global loads
-        if B == 64:
-            merged = dataclasses.replace(base, cluster_merge=True)  # 2-CTA clusters, no combine kernel
-            add("", B, merged)
-            add("two-pool", B, merged, n_win=128)
-            add("", B, dataclasses.replace(merged, l2_ahead=2))
-            add("two-pool", B, dataclasses.replace(merged, l2_ahead=2), n_win=128)
     return out
 
 

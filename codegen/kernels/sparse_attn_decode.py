@@ -23,7 +23,6 @@ shared memory. `_program_ws_cpu` mirrors it on TileLang's c target (fp32) for th
 Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,25 +44,14 @@ class Config:
     # Diagnostics only (ws, wrong results): comma-separated parts of the ws program left out of the build --
     # "gather" (the KV row copies), "ids" (the row-id copies for WG0's mask: with "gather", no global load
     # arms the ring), "qk" (the QK^T wgmmas), "softmax" (max / exp / sum: P = S, alpha = 1), "pv" (the PV
-    # wgmmas) -- so that one H200 run shows which part bounds the CTA's time.
+    # wgmmas) -- so that one H200 run shows which part bounds the CTA's time (BENCHMARKS.md, session 4).
     skip: str = ""
-    # ws: WG0 issues QK^T of block i only after both PV warpgroups have issued PV of block i - 1, so the tensor
-    # cores run PV(i - 1) first and the stage it frees is refilled ~1 QK^T earlier (more gather slack)
-    pv_first: bool = False
-    # ws, num_split 2, bf16 KV: the two chunks of a request run as a 2-CTA cluster and merge through
-    # distributed shared memory (no partial outputs in HBM, no combine kernel): program()'s single-pass
-    # signature. Each CTA finishes one D half: it pulls the peer's unnormalised half and (max, sum).
-    cluster_merge: bool = False
-    # ws, bf16 KV: when a PV warpgroup refills block i, it also prefetches its half of block i + l2_ahead's
-    # rows into L2 (cp.async.bulk.prefetch, 512 B a row): HBM requests in flight beyond the 2-stage ring.
-    l2_ahead: int = 0
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
             object.__setattr__(self, "threads", WS_THREADS)
         assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
-        assert not self.cluster_merge or (self.ws and self.num_split == 2), "cluster_merge: ws, 2 chunks"
 
     @property
     def skipped(self) -> tuple[str, ...]:
@@ -72,12 +60,10 @@ class Config:
     @property
     def tag(self) -> str:
         if self.ws:
-            head = f"ws{'L' if self.lookahead else ''}{'P' if self.pv_first else ''}n{self.block_n}s{self.stages}"
+            head = f"ws{'L' if self.lookahead else ''}n{self.block_n}s{self.stages}"
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
-        head += "c" if self.cluster_merge else ""
-        head += f"p{self.l2_ahead}" if self.l2_ahead else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -139,11 +125,9 @@ def portable_split_config(B: int, topk: int, num_sms: int = 132) -> Config:
     return Config(bn, 256, ns, 2)
 
 
-def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, cluster_merge: bool = False) -> Config:
+def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False) -> Config:
     """The ws program with the fewest splits whose B x num_split CTAs cover ~90% of the SMs. A split adds
-    B x H x D fp32 of partial output written and read back by the combine, so large batches use none.
-    cluster_merge (for callers that run such a config as one kernel, program()): a 2-chunk bf16 choice with
-    64-row blocks merges in 2-CTA clusters instead (no partials, no combine kernel)."""
+    B x H x D fp32 of partial output written and read back by the combine, so large batches use none."""
     best = None
     for ns in SPLITS:
         cands = ws_configs(topk, ns, fp8=fp8)
@@ -152,8 +136,6 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, clu
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
         if B * ns >= 0.9 * num_sms:
             break
-    if cluster_merge and best is not None and best.num_split == 2 and best.block_n == WS_HEADS and not fp8:
-        best = dataclasses.replace(best, cluster_merge=True)
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
 
 
@@ -182,8 +164,6 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     import tilelang.language as T
 
     assert 0 <= n_win < topk, (n_win, topk)
-    assert not cfg.cluster_merge or (cfg.ws and ws_supported(H, D, target) and target == "sm90" and not kv_fp8), (
-        "cluster_merge: the sm90 ws program, bf16 KV")
     if cfg.ws and ws_supported(H, D, target):
         assert n_win % 4 == 0, "the ws program copies row ids 4 at a time: n_win % 4 == 0"
         if Mem(target).cpu:
@@ -393,7 +373,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
-    assert not (la and cfg.pv_first), "pv_first orders QK^T after the previous PV: no lookahead"
     if kv_fp8:
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
@@ -402,13 +381,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     scale = D**-0.5
     c2 = scale * LOG2E
     NEG = -1.0e30
-    merge = cfg.cluster_merge
-    split = ns > 1 and not merge  # partial outputs for the combine kernel
-    ahead = cfg.l2_ahead
-    assert not (ahead and kv_fp8), "l2_ahead: bf16 KV"
-    prelude = (_PEER_LOAD_PRELUDE if merge else "") + (_PREFETCH_PRELUDE if ahead else "") or None
-    if merge:  # a CTA parks its fp32 D half for the peer in its own KV half-ring (two bf16 planes of H rows)
-        assert bn == H and NS >= 2 and not kv_fp8, "cluster_merge: 64-row blocks, >= 2 stages, bf16 KV"
+    split = ns > 1
     pre = min(NS, nb)  # blocks loaded before the loop
     SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
     # Python lists: these loops unroll at trace time, so stage indices and branches are static
@@ -431,14 +404,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.wgmma_gemm(q_r, kv_r[st, :, :], Sacc, transpose_B=True)
         if sync:
             T.wait_wgmma(0)
-
-    @T.macro
-    def wait_pv_issued(p_empty, it, st: int):
-        """pv_first: before QK^T of block it * NS + st, wait until PV of the block before it is issued."""
-        if st > 0:
-            T.barrier_wait(p_empty[NS + st - 1], it & 1)
-        elif it > 0:  # block 0 has no predecessor
-            T.barrier_wait(p_empty[2 * NS - 1], (it - 1) & 1)
 
     @T.macro
     def softmax(Sacc, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph):
@@ -551,29 +516,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(full[hf * NS + st])
 
     @T.macro
-    def prefetch_half_row(src, e, row, hf: int):
-        """l2_ahead: prefetch this half of entry e's pool row (skipped for -1) into L2."""
-        if row >= 0:
-            if src.n_win:
-                if e < src.n_win:
-                    T.call_extern("handle", "tl_prefetch_l2_512", T.access_ptr(src.kv[row, hf * D2], "r", D2))
-                else:
-                    T.call_extern("handle", "tl_prefetch_l2_512", T.access_ptr(src.kv2[row, hf * D2], "r", D2))
-            else:
-                T.call_extern("handle", "tl_prefetch_l2_512", T.access_ptr(src.kv[row, hf * D2], "r", D2))
-
-    @T.macro
-    def prefetch_ahead(src, b, base, blk, hf: int, t, pid):
-        """l2_ahead: thread t < bn prefetches row t of block blk + ahead (its id loaded one refill ago) and
-        loads the id for the next refill's prefetch."""
-        if t < bn:
-            if blk + ahead < nb:
-                prefetch_half_row(src, base + (blk + ahead) * bn + t, pid[0], hf)
-            if blk + ahead + 1 < nb:
-                pid[0] = src.row_id(b, base + (blk + ahead + 1) * bn + t)
-
-    @T.macro
-    def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf, pid):
+    def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
         """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
         ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
         if kv_fp8:
@@ -587,59 +530,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
                 load_rid(src, b, base, blk + 1, t, rid, 0)
-            if ahead:
-                prefetch_ahead(src, b, base, blk, hf, t, pid)
-
-    @T.macro
-    def cluster_sync():
-        T.cluster_arrive()
-        T.cluster_wait()
-
-    @T.macro
-    def merge_half(O, b, sp, hf: int, o, kvh, fin_s, fin):
-        """cluster_merge, PV warpgroup hf after its loop: CTA sp finishes D half sp. The other warpgroup parks
-        its unnormalised half in its own (now idle) half-ring for the peer to pull, as two bf16 planes (stage 0:
-        bf16(o), stage 1: bf16(o - bf16(o)): 16 significand bits); this one waits for the peer's, then
-        O = o * fin_s[0] + peer * fin_s[1]. Two cluster syncs: halves parked / pulls done (a CTA's shared
-        memory must outlive the peer's reads). The ring is idle: this warpgroup's last PV has completed, and
-        it needed P of the last block, so WG0's last QK^T too."""
-        if sp != hf:
-            for h, d in T.Parallel(H, D2):
-                kvh[0, h, d] = T.cast(o[h, d], bf)
-                kvh[1, h, d] = T.cast(o[h, d] - T.cast(T.cast(o[h, d], bf), f32), bf)
-            cluster_sync()
-            cluster_sync()
-        else:
-            cluster_sync()
-            T.barrier_wait(fin, 0)
-            for h, d in T.Parallel(H, D2):
-                O[b, h, hf * D2 + d] = T.cast(
-                    o[h, d] * fin_s[0, h]
-                    + (_peer_load(T.address_of(kvh[0, h, d]), 1 - sp) + _peer_load(T.address_of(kvh[1, h, d]), 1 - sp))
-                    * fin_s[1, h],
-                    bf,
-                )
-            cluster_sync()
-
-    @T.macro
-    def merge_weights(Sink, sp, m, l, ml_s, fin_s, fin):
-        """cluster_merge, WG0 after its loop: publish (max, sum), then from the peer's pair the two chunks'
-        weights over the common denominator (sink included; the max counts the sink, as the combine does,
-        so every exponent is <= 0 and an all-invalid chunk weighs exactly 0)."""
-        for h in T.Parallel(H):
-            ml_s[0, h] = m[h]
-            ml_s[1, h] = l[h]
-        cluster_sync()
-        for h in T.Parallel(H):
-            top = T.max(T.max(m[h], _peer_load(T.address_of(ml_s[0, h]), 1 - sp)) * c2, Sink[h] * LOG2E)
-            den = (l[h] * T.exp2(m[h] * c2 - top)
-                   + _peer_load(T.address_of(ml_s[1, h]), 1 - sp)
-                   * T.exp2(_peer_load(T.address_of(ml_s[0, h]), 1 - sp) * c2 - top)
-                   + T.exp2(Sink[h] * LOG2E - top))  # fmt: skip
-            fin_s[0, h] = T.exp2(m[h] * c2 - top) / den
-            fin_s[1, h] = T.exp2(_peer_load(T.address_of(ml_s[0, h]), 1 - sp) * c2 - top) / den
-        T.barrier_arrive(fin)
-        cluster_sync()
 
     @T.macro
     def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
@@ -648,12 +538,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.fence_proxy_async()
         for h, d in T.Parallel(H, D2):
             o[h, d] = o[h, d] * alpha_s[st, h]
-        if cfg.pv_first:  # issue, let WG0 queue its next QK^T behind these MMAs, then wait
-            if "pv" not in skip:
-                T.wgmma_gemm(p_s[st, :, :], kvh[st, :, :], o)
-            T.barrier_arrive(p_empty[NS + st])
-            T.wait_wgmma(0)
-        elif "pv" not in skip:
+        if "pv" not in skip:
             T.gemm(p_s[st, :, :], kvh[st, :, :], o)
         T.barrier_arrive(p_empty[st])
         # wgmma.wait_group is per warp: before any thread of this warpgroup refills the stage, all four warps'
@@ -689,7 +574,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         rid,
         buf,
         obuf,
-        pid,
     ):
         T.fill(o, 0.0)
         for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
@@ -720,29 +604,19 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
             if NS < nb:
                 load_rid(src, b, base, NS, t, rid, 0)
-            if ahead:  # blocks NS .. NS + ahead - 1 now; the first refill (block NS) prefetches NS + ahead
-                for k in range(ahead):
-                    if NS + k < nb and t < bn:
-                        e = base + (NS + k) * bn + t
-                        prefetch_half_row(src, e, src.row_id(b, e), hf)
-                if NS + ahead < nb and t < bn:
-                    pid[0] = src.row_id(b, base + (NS + ahead) * bn + t)
         for it in T.serial(rounds):
             for st in ring:
                 pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
-                           t, rid, buf, obuf, pid)  # fmt: skip
+                           t, rid, buf, obuf)  # fmt: skip
         for st in tail_blocks:
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
-        if merge:
-            merge_half(O, b, sp, hf, o, kvh, fin_s, fin)
-        elif split:
-            T.barrier_wait(fin, 0)
+        T.barrier_wait(fin, 0)
+        if split:
             for h, d in T.Parallel(H, D2):
                 Op[b, sp, h, hf * D2 + d] = o[h, d]
         else:
-            T.barrier_wait(fin, 0)
             for h, d in T.Parallel(H, D2):
                 O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
 
@@ -755,8 +629,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         p_s = T.alloc_shared((NS, H, bn), bf)
         alpha_s = T.alloc_shared((NS, H), f32)
         idx_s = T.alloc_shared((NS, bn), i32)
-        fin_s = T.alloc_shared((2, H) if merge else (H,), f32)  # merge: [0] own chunk's weight, [1] the peer's
-        ml_s = T.alloc_shared((2, H) if merge else (1, 1), f32)  # merge: this chunk's (max, sum) for the peer
+        fin_s = T.alloc_shared((H,), f32)
         raw_l = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
         raw_r = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
         sc_l = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
@@ -772,13 +645,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         lblk = T.alloc_fragment((H,), f32)
         alpha = T.alloc_fragment((H,), f32)
         rid = T.alloc_local((NS, R), i32)
-        pid = T.alloc_local((1,), i32)  # l2_ahead: the row id thread t < bn prefetches at the next refill
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
         bar_q = T.alloc_barrier(256)
         full = T.alloc_barrier([128] * (2 * NS))
         p_full = T.alloc_barrier([128] * NS)
-        p_empty = T.alloc_barrier([256] * (2 * NS if cfg.pv_first else NS))  # pv_first: [NS + st] = PV issued
+        p_empty = T.alloc_barrier([256] * NS)
         fin = T.alloc_barrier(128)
         base = sp * chunk
         tx = T.get_thread_binding()
@@ -816,32 +688,25 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             else:
                 for it in T.serial(rounds):
                     for st in ring:
-                        if cfg.pv_first:
-                            wait_pv_issued(p_empty, it, st)
                         qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, it & 1, True)
                         softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
                 for st in tail_blocks:
-                    if cfg.pv_first:
-                        wait_pv_issued(p_empty, rounds, st)
                     qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, rounds & 1, True)
                     softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rounds & 1)
-            if merge:
-                merge_weights(Sink, sp, m, l, ml_s, fin_s, fin)
-            elif split:
+            if split:
                 for h in T.Parallel(H):
                     Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
                     Lp[b, sp, h] = l[h]
-                T.barrier_arrive(fin)
             else:
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
-                T.barrier_arrive(fin)
+            T.barrier_arrive(fin)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
-                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, pid)  # fmt: skip
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
-                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, pid)  # fmt: skip
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
@@ -850,7 +715,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split, cluster=merge, prelude=prelude)  # fmt: skip
+                                  fp8=kv_fp8, split=split)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -893,7 +758,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with _cta_grid(ns, Bd, WS_THREADS, False, prelude) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
                 body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_split
@@ -906,55 +771,16 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with _cta_grid(ns, Bd, WS_THREADS, merge, prelude) as (sp, b):
+        with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
 
 
-# cluster_merge: a CTA reads its peer's shared memory through the cluster's distributed shared memory window
-_PEER_LOAD_PRELUDE = r"""
-#include <cooperative_groups.h>
-template <typename T> __device__ __forceinline__ float tl_peer_load(T* own, int rank) {
-  return float(*cooperative_groups::this_cluster().map_shared_rank(own, rank));
-}
-"""
-
-
-def _peer_load(addr, rank):
-    """The value at shared address `addr` (this CTA's view) in cluster CTA `rank`'s shared memory, as float."""
-    import tilelang.language as T
-
-    return T.call_extern("float32", "tl_peer_load", addr, rank)
-
-
-# l2_ahead: prefetch 512 bytes (half a bf16 row of 512) into L2, no shared memory or register result: four
-# per-thread line prefetches (the bulk form takes a warp-uniform address: ptxas loops over the lanes)
-_PREFETCH_PRELUDE = r"""
-__device__ __forceinline__ void tl_prefetch_l2_512(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(c) : "memory");
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(c + 128) : "memory");
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(c + 256) : "memory");
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(c + 384) : "memory");
-}
-"""
-
-
-def _cta_grid(ns, B, threads, cluster: bool, prelude: str | None = None):
-    """The launch frame: (chunk, request) CTAs; cluster: the ns chunks of a request form one cluster;
-    prelude: device helpers (cluster_merge's peer loads, l2_ahead's prefetch)."""
-    import tilelang.language as T
-
-    if cluster:
-        return T.ClusterKernel(ns, B, cluster_dims=(ns, 1, 1), threads=threads, prelude=prelude)
-    return T.Kernel(ns, B, threads=threads, prelude=prelude)
-
-
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16", cluster: bool = False, prelude: str | None = None):  # fmt: skip
+                       act="bfloat16"):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
-    of any of the programs; threads None: TileLang's c target; cluster: cluster_merge's 2-CTA clusters."""
+    of any of the programs; threads None: TileLang's c target."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
@@ -1008,7 +834,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             Mp: T.Tensor((B, ns, H), f32),
             Lp: T.Tensor((B, ns, H), f32),
         ):
-            with _cta_grid(ns, B, threads, False, prelude) as (sp, b):
+            with T.Kernel(ns, B, threads=threads) as (sp, b):
                 body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws2_split
@@ -1023,7 +849,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((B, H, D), act),
     ):
-        with _cta_grid(ns, B, threads, cluster, prelude) as (sp, b):
+        with T.Kernel(ns, B, threads=threads) as (sp, b):
             body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws2
@@ -1240,9 +1066,8 @@ def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, thre
 
 def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False,
                    n_win: int = 0, S_cmp: int = 0):  # fmt: skip
-    """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order. (cluster_merge
-    configs are one kernel: program().)"""
-    assert cfg.num_split > 1 and not cfg.cluster_merge
+    """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
+    assert cfg.num_split > 1
     return (
         program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
         combine_program(B, H, D, cfg.num_split, target=target),

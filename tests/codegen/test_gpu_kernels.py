@@ -134,11 +134,7 @@ def test_sparse_attn_decode_fp8_kv(kb, run_case, B):
     run_case(functools.partial(kb.case_attn_decode, fp8=True), B, 640)  # e4m3 + ue8m0 KV, dequant in smem
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split", "pv_first", "pv_first_nosplit",
-     "cluster_merge", "l2_ahead"],  # fmt: skip
-)
+@pytest.mark.parametrize("name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split"])
 def test_sparse_attn_decode_other_configs(kb, run_case, name):
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
@@ -148,29 +144,17 @@ def test_sparse_attn_decode_other_configs(kb, run_case, name):
         "n32s4": (sad.Config(32, 384, 2, 4, True), False),  # 10 blocks in a 4-stage ring: 2 rounds + 2 tail
         "n64_nosplit": (sad.Config(64, 384, 1, 2, True), False),
         "portable_split": (sad.portable_split_config(64, 640), False),  # the previous default
-        "pv_first": (sad.Config(64, 384, 2, 2, True, pv_first=True), False),  # 5 blocks: a ring tail
-        "pv_first_nosplit": (sad.Config(64, 384, 1, 2, True, pv_first=True), False),
-        # request 0's second chunk is all -1: its CTA's weight must be exactly 0 in the merge
-        "cluster_merge": (sad.Config(64, 384, 2, 2, True, cluster_merge=True), False),
-        "l2_ahead": (sad.Config(64, 384, 2, 2, True, l2_ahead=2), False),  # prefetch stops at the chunk's end
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8), 64, 640)
 
 
-@pytest.mark.parametrize(
-    "name", ["default_B128", "default_B64_split", "fp8_B64", "cluster_merge_B64", "l2_ahead_B128", "merge_l2_ahead_B64"]
-)
+@pytest.mark.parametrize("name", ["default_B128", "default_B64_split", "fp8_B64"])
 def test_sparse_attn_decode_two_pools(kb, run_case, name):
     """Window + compressed pools, two index lists (program(n_win=128)): request 0's window partly -1."""
-    from deepinfer.codegen.kernels import sparse_attn_decode as sad
-
     B, cfg, fp8 = {
         "default_B128": (128, None, False),
         "default_B64_split": (64, None, False),
         "fp8_B64": (64, None, True),
-        "cluster_merge_B64": (64, sad.Config(64, 384, 2, 2, True, cluster_merge=True), False),
-        "l2_ahead_B128": (128, sad.Config(64, 384, 1, 2, True, l2_ahead=2), False),
-        "merge_l2_ahead_B64": (64, sad.Config(64, 384, 2, 2, True, cluster_merge=True, l2_ahead=2), False),
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8, n_win=128), B, 640)
 

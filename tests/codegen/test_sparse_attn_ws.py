@@ -11,7 +11,6 @@ The synchronisation itself (barrier parities, the producer/consumer ring) only r
 (tests/codegen/test_gpu_kernels.py, benchmarks/kernels_h200.py --only sparse_attn).
 """
 
-import dataclasses
 import re
 
 import pytest
@@ -62,12 +61,6 @@ def test_ws_smem_fits_and_configs_are_coherent():
     assert sad.sm90_config(1, 640).num_split != sad.sm90_config(64, 640).num_split  # batch invariance test
     for c in sad.sm90_config_space(64, 640) + sad.sm90_config_space(64, 640, fp8=True):
         assert 640 % (c.block_n * c.num_split) == 0
-    # cluster_merge only where the choice is 2 bf16 chunks of 64-row blocks (B64); the default never merges
-    merged = sad.sm90_config(64, 640, cluster_merge=True)
-    assert merged == dataclasses.replace(sad.sm90_config(64, 640), cluster_merge=True)
-    for B, fp8 in ((128, False), (16, False), (1, False), (64, True)):
-        assert not sad.sm90_config(B, 640, fp8=fp8, cluster_merge=True).cluster_merge
-    assert not sad.sm90_config(64, 640).cluster_merge
     # ws program off its supported shapes: the same chunking on the portable program
     assert not sad.ws_supported(8, 64, "sm90") and not sad.ws_supported(64, 512, "sm100")
 
@@ -138,15 +131,8 @@ def _build_ws(name, func):
         (sad.Config(32, 384, 1, 2, True), True, 0),
         # two pools (V4.1: 128 window + 512 compressed entries), the B128 default blocking
         (sad.Config(64, 384, 1, 2, True), False, 128),
-        # QK^T queued behind the previous block's PV (explicit async PV wgmma + "issued" barriers)
-        (sad.Config(64, 384, 2, 2, True, pv_first=True), False, 0),
-        # 2 chunks as a 2-CTA cluster merging through distributed shared memory, two pools (the runtime's form)
-        (sad.Config(64, 384, 2, 2, True, cluster_merge=True), False, 128),
-        # L2 prefetch of the rows 2 blocks beyond the ring, two pools
-        (sad.Config(64, 384, 1, 2, True, l2_ahead=2), False, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_pv_first_n64s2x2", "bf16_cluster_merge_two_pools",
-         "bf16_l2_ahead_two_pools"],  # fmt: skip
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -160,23 +146,12 @@ def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n
     assert ops["HGMMA"] > 0, "bf16 wgmma (HGMMA) for QK^T and PV"
     assert ops["LDGSTS"] > 0, "cp.async gathers"
     assert ops["SYNCS"] > 0, "mbarrier waits / arrives"
-    # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes), pv_first's WG0
-    # three around its ring-tail QK^T, cluster_merge's pull of the peer's half 8-byte words (all once per CTA,
-    # after the loop)
-    assert ops["LDL"] + ops["STL"] <= (128 if cfg.cluster_merge else 6 if cfg.pv_first else 2), "register spills"
+    # register cap 168 a thread at 384 threads; the split epilogue spills one word (4 bytes)
+    assert ops["LDL"] + ops["STL"] <= 2, "register spills"
     # named barriers: only the PV warpgroups' own (ids 1, 2: all four warps' MMAs done before a refill);
     # none inserted automatically (they could share an id across warpgroups)
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
     assert "__launch_bounds__(384, 1)" in art.source and "setmaxnreg" not in art.source
-    if cfg.l2_ahead:  # per-thread L2 line prefetches (not the warp-uniform bulk form); the 128 window entries are
-        # blocks 0-1, loaded by the ring's first fill, so only compressed rows are prefetched
-        assert ops["CCTL"] > 0 and "UBLKPF" not in ops
-        assert re.search(r"tl_prefetch_l2_512\([^;]*KVc\[", art.source)
-        assert not re.search(r"tl_prefetch_l2_512\([^;]*KVw\[", art.source)
-    if cfg.cluster_merge:  # one kernel (no partial outputs), two cluster barriers, the peer's half pulled
-        assert "float* __restrict__ Op" not in art.source and "Sink" in art.source
-        assert ops["UCGABAR_ARV"] >= 2 and ops["UCGABAR_WAIT"] >= 2
-        assert "map_shared_rank" in art.source and ops["LD"] > 0
     if fp8:
         assert "cp_async_wait<1>" in art.source and "fence_proxy_async" in art.source
 
@@ -245,3 +220,22 @@ def test_portable_two_pools_c_target(tilelang_required):
     out = torch.empty(B, H, D)
     kernel(q, kvw, kvc, idx_w, idx_c, sink, out)
     assert (out - f64).abs().max() < 1e-5
+
+
+def test_diagnostic_configs_name_and_validate_their_parts():
+    cfg = sad.Config(64, 384, 1, 2, True, skip="qk,pv")
+    assert cfg.skipped == ("qk", "pv") and cfg.tag == "wsn64s2-noqk-nopv"
+    assert sad.Config(64, 384, 1, 2, True).tag == "wsn64s2"  # the default names no part
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 1, 2, True, skip="gemm")  # not a part of the program
+    with pytest.raises(AssertionError):
+        sad.Config(64, 256, 1, 2, skip="qk")  # the portable program has no diagnostic builds
+
+
+def test_diagnostic_build_leaves_out_its_parts(codegen_cache, nvcc_required):
+    """Every global load that arms the ring and every wgmma left out: only the Q copies remain (16 of 16 B a
+    thread in each PV warpgroup's code) and no HGMMA -- the build a 'sparse_attn diag' row times."""
+    cfg = sad.Config(64, 384, 1, 2, True, skip="gather,ids,qk,pv")
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg))
+    assert art.opcodes["HGMMA"] == 0 and art.opcodes["LDGSTS"] == 2 * 16
+    assert art.opcodes["SYNCS"] > 0  # the ring's barriers stay: the skeleton's own cost is what is timed
