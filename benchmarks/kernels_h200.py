@@ -1053,23 +1053,27 @@ def case_engram_gate(row: Row, T_: int, quick: bool, dry: bool):
 
 
 def _topk_hist_sweep():
-    """topk_select.HistConfig (histogram bound) rows next to the previous defaults (same run): threads x scores
-    a thread per chunk and chunks prefetched into L2 at prefill (one CTA streams a row), segments per row at
-    decode (the last CTA merges segments x k). 15 kernels: one -j 15 prebuild wave."""
+    """topk_select.HistConfig (histogram bound) rows, (T, C, cfg, first): `first` rows (row name "indexer_topk_select
+    hist": the decisive 7 kernels, one -j 15 prebuild wave) next to the previous default (same run), the others
+    ("indexer_topk_select hsweep") the rest of the sweep: threads x scores a thread per chunk, chunks prefetched
+    into L2 at prefill (one CTA streams a row); segments per row at decode (the last CTA merges segments x k)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H = ts.HistConfig
     return [
-        (4096, 65536, ts.Config(256, 16, 65536, True, 4, 2048)),
-        *[(4096, 65536, H(nt, e, 65536, l2_ahead=p)) for nt, e, p in ((256, 16, 0), (256, 16, 2), (128, 16, 2),
-                                                                      (128, 32, 2), (128, 16, 4))],
-        *[(4096, 16384, H(nt, e, 16384, l2_ahead=2)) for nt, e in ((256, 16), (128, 16), (128, 32))],
-        (4096, 2048, H(128, 16, 2048)),
-        (64, 65536, ts.Config(512, 8, 8192, True, 4, 2048, merge_all=True)),
-        (64, 65536, H(256, 16, 8192)),
-        (64, 65536, H(128, 16, 8192, l2_ahead=2)),
-        (1, 65536, H(256, 16, 8192)),
-        (1, 65536, H(128, 16, 4096)),
+        (4096, 65536, ts.Config(256, 16, 65536, True, 4, 2048), True),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2), True),
+        (4096, 65536, H(128, 16, 65536, l2_ahead=2), True),
+        (4096, 16384, H(256, 16, 16384, l2_ahead=2), True),
+        (4096, 16384, H(128, 16, 16384, l2_ahead=2), True),
+        (64, 65536, H(128, 16, 8192, l2_ahead=2), True),
+        (1, 65536, H(256, 16, 8192), True),
+        *[(4096, 65536, H(nt, e, 65536, l2_ahead=p), False) for nt, e, p in ((256, 16, 0), (128, 32, 2), (128, 16, 4))],
+        (4096, 16384, H(128, 32, 16384, l2_ahead=2), False),
+        (4096, 2048, H(128, 16, 2048), False),
+        (64, 65536, ts.Config(512, 8, 8192, True, 4, 2048, merge_all=True), False),
+        (64, 65536, H(256, 16, 8192), False),
+        (1, 65536, H(128, 16, 4096), False),
     ]  # fmt: skip
 
 
@@ -1107,8 +1111,8 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in topk_sweep:
             out.append(("indexer_topk_select sweep", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
-        for T_, C, cfg in _topk_hist_sweep():
-            out.append(("indexer_topk_select hist", f"T{T_} C{C} k{IDX_TOPK}",
+        for T_, C, cfg, first in _topk_hist_sweep():
+            out.append((f"indexer_topk_select {'hist' if first else 'hsweep'}", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         scores_sweep = [  # longer key walks per CTA: the q tile load and the CTA start amortised over more tiles
             (4096, 65536, it.ScoresConfig(128, 8, 16, 256, 2)),
