@@ -664,7 +664,7 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
-    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases())
+    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_next_cases())
 
 
 def attn_sweep_cases():
@@ -723,6 +723,35 @@ def attn_diag_cases():
         if base.num_split > 1:
             add("first kernel only", B, base, piece="part")
             add("combine only", B, base, piece="combine")
+    return out
+
+
+ATTN_NEXT_SKIPS = ("pvfence", "gather,ids", "gather,ids,pvfence", "gather,ids,qk,pv", "gather,ids,qk,softmax,pv")
+
+
+def attn_next_cases():
+    """`--only "sparse_attn next"` (prepared in session 4, not yet run): rid_early (the PV warpgroups' row-id
+    loads moved behind their proxy fence, whose MEMBAR.ALL.CTA otherwise waits for them) against the default
+    at B128 / B64 / B256 (checked), the fence itself left out (diagnostic), and the CTA's own pipeline
+    without global loads broken down further (diagnostic)."""
+    import dataclasses
+
+    sad = sparse_attn_decode
+    out = []
+
+    def add(what, B, cfg, **kw):
+        out.append((f"sparse_attn next {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
+
+    for B in (128, 64, 256):
+        base = sad.sm90_config(B, 640)
+        early = dataclasses.replace(base, rid_early=True)
+        add("", B, base)
+        add("", B, early)
+        if B == 128:
+            add("two-pool", B, early, n_win=128)
+            for parts in ATTN_NEXT_SKIPS:
+                add("", B, dataclasses.replace(base, skip=parts))
     return out
 
 

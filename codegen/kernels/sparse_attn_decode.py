@@ -44,14 +44,21 @@ class Config:
     # Diagnostics only (ws, wrong results): comma-separated parts of the ws program left out of the build --
     # "gather" (the KV row copies), "ids" (the row-id copies for WG0's mask: with "gather", no global load
     # arms the ring), "qk" (the QK^T wgmmas), "softmax" (max / exp / sum: P = S, alpha = 1), "pv" (the PV
-    # wgmmas) -- so that one H200 run shows which part bounds the CTA's time (BENCHMARKS.md, session 4).
+    # wgmmas), "pvfence" (the PV warpgroups' proxy fence after their waits: it compiles to MEMBAR.ALL.CTA,
+    # which may hold them until their own outstanding global loads land) -- so that one H200 run shows which
+    # part bounds the CTA's time (BENCHMARKS.md, session 4).
     skip: str = ""
+    # ws, bf16 KV (not yet measured on the H200): the PV warpgroups load the row ids of block i + stages + 1
+    # right after the proxy fence of block i (one id slot per stage) instead of after the refill of block
+    # i + stages, so that no fence waits for those loads
+    rid_early: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
             object.__setattr__(self, "threads", WS_THREADS)
         assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
+        assert not self.rid_early or self.ws, "rid_early: the ws program"
 
     @property
     def skipped(self) -> tuple[str, ...]:
@@ -64,10 +71,11 @@ class Config:
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
+        head += "r" if self.rid_early else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
-SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv")
+SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv", "pvfence")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -370,6 +378,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
+    early = cfg.rid_early
+    assert not (early and kv_fp8), "rid_early: bf16 KV"
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
@@ -526,16 +536,29 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.ptx_commit_group()  # always: keeps NS groups in flight for wait_group
             if blk + NS + 1 < nb:
                 load_rid(src, b, base, blk + NS + 1, t, rid, 0)
+        elif early:  # block blk's ids are in slot blk % NS = st (loaded after an earlier block's fence)
+            gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, st)
         else:
             gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
                 load_rid(src, b, base, blk + 1, t, rid, 0)
 
     @T.macro
-    def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
+    def pv_wait(full, p_full, st, ph, hf: int):
         T.barrier_wait(p_full[st], ph)
         T.barrier_wait(full[hf * NS + st], ph)
-        T.fence_proxy_async()
+        if "pvfence" not in skip:
+            T.fence_proxy_async()
+
+    @T.macro
+    def early_rid(src, b, base, blk, st: int, t, rid):
+        """rid_early, after the fence of block blk: the ids of block blk + NS + 1 into slot (st + 1) % NS
+        (freed by the refill of block blk + 1, done after PV(blk + 1 - NS))."""
+        if blk + NS + 1 < nb:
+            load_rid(src, b, base, blk + NS + 1, t, rid, (st + 1) % NS)
+
+    @T.macro
+    def pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf: int):
         for h, d in T.Parallel(H, D2):
             o[h, d] = o[h, d] * alpha_s[st, h]
         if "pv" not in skip:
@@ -544,6 +567,11 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         # wgmma.wait_group is per warp: before any thread of this warpgroup refills the stage, all four warps'
         # MMAs (which all read the whole stage) must be done. Named barrier 1 + hf, 128 threads.
         T.sync_threads(1 + hf, 128)
+
+    @T.macro
+    def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
+        pv_wait(full, p_full, st, ph, hf)
+        pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf)
 
     @T.macro
     def pv_role(
@@ -606,7 +634,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 load_rid(src, b, base, NS, t, rid, 0)
         for it in T.serial(rounds):
             for st in ring:
-                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
+                if early:
+                    pv_wait(full, p_full, st, it & 1, hf)
+                    early_rid(src, b, base, it * NS + st, st, t, rid)
+                    pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf)
+                else:
+                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip

@@ -134,7 +134,9 @@ def test_sparse_attn_decode_fp8_kv(kb, run_case, B):
     run_case(functools.partial(kb.case_attn_decode, fp8=True), B, 640)  # e4m3 + ue8m0 KV, dequant in smem
 
 
-@pytest.mark.parametrize("name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split"])
+@pytest.mark.parametrize(
+    "name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split", "rid_early", "rid_early_n32s4"]
+)
 def test_sparse_attn_decode_other_configs(kb, run_case, name):
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
@@ -144,17 +146,22 @@ def test_sparse_attn_decode_other_configs(kb, run_case, name):
         "n32s4": (sad.Config(32, 384, 2, 4, True), False),  # 10 blocks in a 4-stage ring: 2 rounds + 2 tail
         "n64_nosplit": (sad.Config(64, 384, 1, 2, True), False),
         "portable_split": (sad.portable_split_config(64, 640), False),  # the previous default
+        "rid_early": (sad.Config(64, 384, 2, 2, True, rid_early=True), False),  # 5 blocks: the last slot unused
+        "rid_early_n32s4": (sad.Config(32, 384, 2, 4, True, rid_early=True), False),  # 4 id slots, 2-block tail
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8), 64, 640)
 
 
-@pytest.mark.parametrize("name", ["default_B128", "default_B64_split", "fp8_B64"])
+@pytest.mark.parametrize("name", ["default_B128", "default_B64_split", "fp8_B64", "rid_early_B128"])
 def test_sparse_attn_decode_two_pools(kb, run_case, name):
     """Window + compressed pools, two index lists (program(n_win=128)): request 0's window partly -1."""
+    from deepinfer.codegen.kernels import sparse_attn_decode
+
     B, cfg, fp8 = {
         "default_B128": (128, None, False),
         "default_B64_split": (64, None, False),
         "fp8_B64": (64, None, True),
+        "rid_early_B128": (128, sparse_attn_decode.Config(64, 384, 1, 2, True, rid_early=True), False),
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8, n_win=128), B, 640)
 

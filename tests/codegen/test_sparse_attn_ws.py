@@ -131,8 +131,10 @@ def _build_ws(name, func):
         (sad.Config(32, 384, 1, 2, True), True, 0),
         # two pools (V4.1: 128 window + 512 compressed entries), the B128 default blocking
         (sad.Config(64, 384, 1, 2, True), False, 128),
+        # row ids loaded behind the PV warpgroups' fence, one slot per stage (B64's split 2: a ring tail)
+        (sad.Config(64, 384, 2, 2, True, rid_early=True), False, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_rid_early_n64s2x2_two_pools"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
