@@ -518,7 +518,7 @@ def _attn_prebuild(quick: bool) -> None:
     print(f"pre-built {len(todo)} sparse-attention cases in {time.time() - t0:.0f} s; {len(errs)} failed", flush=True)
 
 
-def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
+def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0, wide_combine: bool = False):
     """Build one sparse-attention variant: launch(q, kv, idx, sink, out), kv the KV arguments in signature order
     (the bf16 pool, (codes, exps), two pools: (KVw, KVc) / (KVw, KVsw, KVc, KVsc)), idx Idx or (IdxW, IdxC)."""
     sad = sparse_attn_decode
@@ -526,6 +526,8 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0):
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
     if cfg.num_split > 1:
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
+        if wide_combine:  # the candidate combine (same signature)
+            progs = (progs[0], sad.combine_program_wide(B, HEADS, HEAD_DIM, cfg.num_split, target="sm90"))
         part, comb = (build(f) for f in progs)
         ns = cfg.num_split
         scratch = None if dry else (
@@ -567,7 +569,8 @@ def _attn_two_pool_args(kv_in, idx, n_win: int):
 
 
 def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False,
-                     n_win: int = 0, hot_rows: int = 0, piece: str = "", contiguous: bool = False):  # fmt: skip
+                     n_win: int = 0, hot_rows: int = 0, piece: str = "", contiguous: bool = False,
+                     wide_combine: bool = False):  # fmt: skip
     """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
     cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
     fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
@@ -579,12 +582,13 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     piece (diagnostic, split configs): after the check of the pair, time only "part" (the first kernel) or
     "combine"; %limit is still against the whole operation's roofline.
     contiguous (diagnostic): each request's entries are consecutive pool rows from a random start (HBM pages
-    streamed in order) instead of random rows: the gather's DRAM-locality bound."""
+    streamed in order) instead of random rows: the gather's DRAM-locality bound.
+    wide_combine (split configs): the pair runs with combine_program_wide instead of combine_program."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
     cfg = cfg or sad.sm90_config(B, topk, fp8=fp8)
-    kernel = _attn_kernel(B, topk, cfg, fp8, dry, n_win)
+    kernel = _attn_kernel(B, topk, cfg, fp8, dry, n_win, wide_combine)
     row.bytes_, row.flops = sad.roofline(B, HEADS, HEAD_DIM, topk, kv_fp8=fp8)
     row.peak = "bf16"
     if dry:
@@ -748,6 +752,10 @@ def attn_next_cases():
         early = dataclasses.replace(base, rid_early=True)
         add("", B, base)
         add("", B, early)
+        if B == 64:  # the candidate combine: the checked pair, then each combine alone
+            add("wide combine", B, base, wide_combine=True)
+            add("combine only", B, base, piece="combine")
+            add("wide combine only", B, base, piece="combine", wide_combine=True)
         if B == 128:
             add("two-pool", B, early, n_win=128)
             for parts in ATTN_NEXT_SKIPS:

@@ -241,3 +241,26 @@ def test_diagnostic_build_leaves_out_its_parts(codegen_cache, nvcc_required):
     art = _build_ws(f"sparse_attn_ws_{cfg.tag}", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg))
     assert art.opcodes["HGMMA"] == 0 and art.opcodes["LDGSTS"] == 2 * 16
     assert art.opcodes["SYNCS"] > 0  # the ring's barriers stay: the skeleton's own cost is what is timed
+
+
+@pytest.mark.parametrize("ns", [2, 5])
+def test_combine_wide_matches_combine_and_oracle(tilelang_required, ns):
+    """combine_program_wide (CTA per request x 8 heads; 2 chunks: Op preloaded to registers, 5: read after the
+    weights) against combine_program and the formula in float64, with an all-invalid chunk (m = NEG, l = 0)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D = 3, 16, 64
+    torch.manual_seed(31)
+    op, mp, lp = torch.randn(B, ns, H, D), torch.randn(B, ns, H) * 3, torch.rand(B, ns, H) * 5
+    mp[1, 1], lp[1, 1], op[1, 1] = -1.0e30 * D**-0.5, 0.0, 0.0  # what the first kernel writes for such a chunk
+    sink = torch.randn(H)
+    top = torch.maximum(mp.double().amax(1), sink.double().view(1, H))  # [B, H]
+    w = torch.exp(mp.double() - top.unsqueeze(1))  # [B, ns, H]
+    den = (lp.double() * w).sum(1) + torch.exp(sink.double().view(1, H) - top)
+    want = (op.double() * w.unsqueeze(-1)).sum(1) / den.unsqueeze(-1)
+    outs = []
+    for prog in (sad.combine_program, sad.combine_program_wide):
+        out = torch.empty(B, H, D)
+        compile_cpu(prog(B, H, D, ns, target="cpu"))(op, mp, lp, sink, out)
+        outs.append(out)
+    assert (outs[1] - want).abs().max() < 1e-5 and (outs[1] - outs[0]).abs().max() < 1e-5
