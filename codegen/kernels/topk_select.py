@@ -1029,17 +1029,25 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
 
     # the buffer's members, read in shared memory where they are used (not held in registers: the chunk in flight
-    # and its keys are what the registers hold): thread i's q-th is entry q * NT + i, if below nb and >= beta
-    def key_s(bufk, nb, beta):
-        return lambda i, q: T.if_then_else(
-            T.And(q * NT + i < nb, bufk[q * NT + i] >= beta), bufk[q * NT + i], NONE
-        )  # fmt: skip
+    # and its keys are what the registers hold): thread i's q-th is entry q * NT + i (`members` NONE-d the others)
+    def key_s(bufk):
+        return lambda i, q: bufk[q * NT + i]
 
     def id_s(bufi):
         return lambda i, q: bufi[q * NT + i]
 
-    def take_s(bufk, bufi, nb, beta, st, st2):
-        return lambda i, q: _taken(key_s(bufk, nb, beta)(i, q), bufi[q * NT + i], st, st2)
+    def take_s(bufk, bufi, st, st2):
+        return lambda i, q: _taken(bufk[q * NT + i], bufi[q * NT + i], st, st2)
+
+    @T.macro
+    def members(bufk, nb, beta):
+        """NONE in the buffer past its nb entries and below beta (not in the top-k): the selection reads single
+        loads (small programs) and sees only members."""
+        ops.sync()
+        for e in ops.par(BUF):
+            if T.Or(e >= nb, bufk[e] < beta):
+                bufk[e] = NONE
+        ops.sync()
 
     @T.macro
     def prefetch_l2(S, t, sg, it, lim):
@@ -1053,13 +1061,12 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                              (n + 3) // 4 * 16))  # fmt: skip
 
     @T.macro
-    def keep(bufk, bufi, nb, beta, st, st2, tk, ti, ctl, rc, tmp):
+    def keep(bufk, bufi, st, st2, tk, ti, ctl, rc, tmp):
         """Cut the buffer to the selected members: through the staging area to its front; ctl[0] = their count."""
         ops.sync()
         for _z in ops.par(1):
             ctl[1] = 0
-        push(tk, ti, 0, ctl, 1, key_s(bufk, nb, beta), id_s(bufi), take_s(bufk, bufi, nb, beta, st, st2), EB, rc,
-             tmp, unroll=False)  # fmt: skip
+        push(tk, ti, 0, ctl, 1, key_s(bufk), id_s(bufi), take_s(bufk, bufi, st, st2), EB, rc, tmp, unroll=False)
         for e in ops.par(KT):
             if e < ctl[1]:
                 bufk[e] = tk[e]
@@ -1136,7 +1143,6 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             kc = ops.fr((NT, E), "int32")
             tk = ops.sh((KT,), "int32")
             ti = ops.sh((KT,), "int32")
-            nb = T.alloc_var("int32", init=0)  # the buffer's entries at the last selection
             lim = T.alloc_var("int32", init=C)
             if has_pos:
                 lim = T.min((Pos[t] + 1) // ratio, C)
@@ -1186,10 +1192,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         floor = NONE
                         cut = 1
                 if cut == 1:  # the exact top-k of the buffer's members
-                    nb = ctl[0]
-                    select_b(key_s(bufk, nb, beta), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                    members(bufk, ctl[0], beta)
+                    select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
                     if T.Or(it < NCH, T.And(NSEG > 1, it == NCH)):  # kept: the buffer cut to it
-                        keep(bufk, bufi, nb, beta, stb, stb2, tk, ti, ctl, rc, tmp)
+                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp)
                         if stb[3] == k:  # later columns tied with the k-th key lose to it
                             floor = stb[0] + 1
                     if NSEG > 1:
@@ -1202,7 +1208,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
                              E, rc, tmp)  # fmt: skip
             if last == 1:
-                mark(bitmap, id_s(bufi), take_s(bufk, bufi, nb, beta, stb, stb2), EB, unroll=False)
+                mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), EB, unroll=False)
                 emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select_hist
