@@ -166,6 +166,13 @@ def test_sparse_attn_decode_two_pools(kb, run_case, name):
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8, n_win=128), B, 640)
 
 
+@pytest.mark.parametrize("B", [1, 16, 64])
+def test_sparse_attn_decode_wide_combine(kb, run_case, B):
+    """combine_program_wide after the default split kernel: 20 / 10 chunks (Op read after the weights), 2
+    chunks (Op preloaded); request 0's second half of entries is -1 (whole chunks of invalid entries)."""
+    run_case(functools.partial(kb.case_attn_decode, wide_combine=True), B, 640)
+
+
 def test_sparse_attn_decode_single_pass_config(kb, run_case):
     from deepinfer.codegen.kernels import sparse_attn_decode
 
