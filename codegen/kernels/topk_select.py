@@ -1044,9 +1044,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         """NONE in the buffer past its nb entries and below beta (not in the top-k): the selection reads single
         loads (small programs) and sees only members."""
         ops.sync()
-        for e in ops.par(BUF):
-            if T.Or(e >= nb, bufk[e] < beta):
-                bufk[e] = NONE
+        for i in ops.par(NT):
+            for q in T.serial(EB):  # (plain loops over the buffer here and below: unrolled, their loads cost registers)
+                if T.Or(q * NT + i >= nb, bufk[q * NT + i] < beta):
+                    bufk[q * NT + i] = NONE
         ops.sync()
 
     @T.macro
@@ -1080,10 +1081,11 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         """(several segments) the segment's top-k (the buffer's ctl[0] entries) to the scratch slot, then the
         row's arrival: bc[2] = how many segments arrived before this one."""
         nb = ctl[0]
-        for e in ops.par(BUF):
-            if e < T.min(nb, k):
-                CKey[(t * NSEG + sg) * k + e] = bufk[e]
-                CIdx[(t * NSEG + sg) * k + e] = bufi[e]
+        for i in ops.par(NT):
+            for q in T.serial(EB):
+                if q * NT + i < T.min(nb, k):
+                    CKey[(t * NSEG + sg) * k + q * NT + i] = bufk[q * NT + i]
+                    CIdx[(t * NSEG + sg) * k + q * NT + i] = bufi[q * NT + i]
         if not ops.cpu:  # every thread's scratch writes are visible GPU-wide before the arrival
             T.evaluate(T.call_extern("handle", "__threadfence"))
             T.evaluate(T.call_extern("handle", "__syncthreads"))  # (opaque: never elided)
@@ -1101,10 +1103,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t):
         """(the row's last CTA) every segment's set into the buffer, NONE-padded to k each (L2 reads: other CTAs
         wrote them during this kernel); the arrival counter reset for the next call."""
-        for e in ops.par(NSEG * k):
-            ok = (e % k) < ld_cg(CCnt, t * NSEG + e // k)
-            bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
-            bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
+        for i in ops.par(NT):
+            for q in T.serial(-(-NSEG * k // NT)):
+                e = q * NT + i
+                if e < NSEG * k:
+                    ok = (e % k) < ld_cg(CCnt, t * NSEG + e // k)
+                    bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
+                    bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
         for _z in ops.par(1):
             ctl[0] = NSEG * k
             Arrive[t] = 0
