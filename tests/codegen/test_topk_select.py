@@ -177,6 +177,24 @@ def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
     assert regs * cfg.threads <= 65536, f"{regs} registers x {cfg.threads} threads: more than an SM has"
 
 
+def test_sm90_build_hist_prefill(codegen_cache, nvcc_required):
+    """The histogram-bound program at the prefill shape (one 256-thread CTA streams a 64k row, two chunks
+    prefetched into L2) builds for sm90 without local memory and in at most 85 registers: 3 CTAs fit an SM (the
+    occupancy the streaming needs; the T64 regression of the other program was 137 registers = 1 CTA/SM), with
+    a barrier between the histogram atomics and the bin search, and the bulk L2 prefetch."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.HistConfig(256, 16, 65536, l2_ahead=2)
+    art = tb.build("topk_select_sm90", ts.program(4096, 65536, k=512, ratio=2, cfg=cfg, target="sm90"), "sm90")
+    assert art.opcodes["LDL"] == 0 and art.opcodes["STL"] == 0, "no local-memory spills"
+    assert "cp.async.bulk.prefetch.L2.global" in art.source and art.opcodes["ATOMS"] > 0
+    assert _barrier_between(art.source, "atomicAdd((&(((int*)hist_c)", "((int*)hist_c)["), "counts -> bin search"
+    usage = subprocess.run([tb.cuobjdump_path(), "--dump-resource-usage", str(art.cubin_path)],
+                           capture_output=True, text=True).stdout  # fmt: skip
+    regs = int(usage.split("REG:")[1].split()[0])
+    assert regs * cfg.threads * 3 <= 65536, f"{regs} registers x {cfg.threads} threads: fewer than 3 CTAs an SM"
+
+
 _AOT = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
