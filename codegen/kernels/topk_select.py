@@ -36,6 +36,7 @@ A Triton variant (`triton_topk`, the same candidate-filter idea with bisection a
 Triton interpreter) is kept for comparison.
 """
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -127,15 +128,31 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
     assert not cfg.filter or (e % cfg.group == 0 and cfg.chunk // cfg.group >= 2 * k and cfg.cap >= k), cfg
 
 
-def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config:
+def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistConfig:
+    """The histogram-bound program for long rows. Many rows (prefill): one 256-thread CTA (80 registers: 3 an SM)
+    streams a row, two chunks prefetched into L2. Few rows: 128-thread segments of >= 8192 columns (128
+    registers: 4 CTAs an SM) while the grid stays within one wave and the last CTA merges <= MERGE_ALL_MAX."""
+    if T_ >= 2 * sms:
+        return HistConfig(256, 16, _round_up(C, 4096), l2_ahead=2)
+    seg = _round_up(C, 2048)
+    while seg >= 16384 and T_ * -(-C // (seg // 2)) <= 2 * sms and -(-C // (seg // 2)) * k <= MERGE_ALL_MAX:
+        seg //= 2
+    return HistConfig(128, 16, seg, l2_ahead=2)
+
+
+def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | HistConfig:
     """Short rows (C <= 4096): one CTA per row, the row in registers. Long rows: the filter over chunks of
     4096, groups of 4. Many rows (prefill): one 256-thread CTA streams a row. Few rows (decode): a row is split
     into segments (one CTA each) until the grid covers the GPU twice or the last CTA's one-shot merge buffer
-    (segments x k <= MERGE_ALL_MAX) is full; 512 threads x 8 keep that buffer at 16 registers a thread."""
+    (segments x k <= MERGE_ALL_MAX) is full; 512 threads x 8 keep that buffer at 16 registers a thread.
+    DEEPINFER_TOPK_HIST=1: long rows take the histogram-bound program (`hist_default_config`; not yet the
+    default: no H200 figures for it yet)."""
     if C <= 4096 or 4096 // 4 < 2 * k:
         chunk = max(1 << max(C - 1, 1).bit_length(), 512)
         nt = min(max(chunk // 16, 32), 512)
         return Config(nt, chunk // nt, chunk, False, 8, 2048)
+    if os.environ.get("DEEPINFER_TOPK_HIST") == "1":
+        return hist_default_config(T_, C, k, sms)
     nt, e = 256, 16
     chunk = nt * e
     nchunks = -(-C // chunk)

@@ -177,6 +177,22 @@ def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
     assert regs * cfg.threads <= 65536, f"{regs} registers x {cfg.threads} threads: more than an SM has"
 
 
+def test_hist_default_configs(monkeypatch):
+    """DEEPINFER_TOPK_HIST=1: long rows take the histogram-bound program; prefill one CTA a row, decode segments
+    within one wave of 4 CTAs an SM and a merge of at most MERGE_ALL_MAX; short rows keep the one-CTA program."""
+    monkeypatch.setenv("DEEPINFER_TOPK_HIST", "1")
+    for T_, C in ((1, 65536), (64, 65536), (64, 16384), (4096, 16384), (4096, 65536)):
+        cfg = ts.default_config(T_, C)
+        assert isinstance(cfg, ts.HistConfig)
+        ts.check_config(C, 512, cfg)
+        nseg = ts.n_segments(C, cfg)
+        assert nseg == 1 if T_ == 4096 else (T_ * nseg <= 2 * 132 and nseg * 512 <= ts.MERGE_ALL_MAX)
+        assert ts.hist_buffer(C, 512, cfg) >= 512 + cfg.chunk
+    assert isinstance(ts.default_config(4096, 2048), ts.Config)
+    monkeypatch.delenv("DEEPINFER_TOPK_HIST")
+    assert isinstance(ts.default_config(4096, 65536), ts.Config)
+
+
 def test_sm90_build_hist_prefill(codegen_cache, nvcc_required):
     """The histogram-bound program at the prefill shape (one 256-thread CTA streams a 64k row, two chunks
     prefetched into L2) builds for sm90 without local memory and in at most 85 registers: 3 CTAs fit an SM (the
