@@ -1059,8 +1059,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     @T.macro
     def members(bufk, nb, beta):
         """NONE in the buffer past its nb entries and below beta (not in the top-k): the selection reads single
-        loads (small programs) and sees only members."""
-        ops.sync()
+        loads (small programs) and sees only members. Opaque barrier: nb may be ctl[0], just written by one thread."""
+        ops.barrier()
         for i in ops.par(NT):
             for q in T.serial(EB):  # (plain loops over the buffer here and below: unrolled, their loads cost registers)
                 if T.Or(q * NT + i >= nb, bufk[q * NT + i] < beta):
@@ -1091,7 +1091,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 bufi[e] = ti[e]
         for _z in ops.par(1):
             ctl[0] = ctl[1]
-        ops.sync()
+        ops.barrier()  # (every thread reads the count next; TileLang's planner dropped a plain barrier here)
 
     @T.macro
     def hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg):
@@ -1130,7 +1130,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         for _z in ops.par(1):
             ctl[0] = NSEG * k
             Arrive[t] = 0
-        ops.sync()
+        ops.barrier()
 
     @T.prim_func
     def topk_select_hist(
