@@ -1114,7 +1114,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             else:
                 T.evaluate(T.call_extern("handle", "__threadfence"))
                 bc[2] = T.atomic_add(Arrive[t], 1, memory_order="acq_rel", return_prev=True)
-        ops.sync()
+        ops.barrier()  # (every thread reads the arrival next)
 
     @T.macro
     def load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t):
