@@ -1091,7 +1091,7 @@ def case_engram_gate(row: Row, T_: int, quick: bool, dry: bool):
 
 def _topk_hist_sweep():
     """topk_select.HistConfig (histogram bound) rows, (T, C, cfg, first): `first` rows (row name "indexer_topk_select
-    hist": the decisive 7 kernels, one -j 15 prebuild wave) next to the previous default (same run), the others
+    hist": the decisive 5 kernels, one -j 15 prebuild wave) next to the previous default (same run), the others
     ("indexer_topk_select hsweep") the rest of the sweep: threads x scores a thread per chunk, chunks prefetched
     into L2 at prefill (one CTA streams a row); segments per row at decode (the last CTA merges segments x k)."""
     from deepinfer.codegen.kernels import topk_select as ts
@@ -1100,9 +1100,9 @@ def _topk_hist_sweep():
     return [
         (4096, 65536, ts.Config(256, 16, 65536, True, 4, 2048), True),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2), True),
-        (4096, 65536, H(128, 16, 65536, l2_ahead=2), True),
+        (4096, 65536, H(128, 16, 65536, l2_ahead=2), False),
         (4096, 16384, H(256, 16, 16384, l2_ahead=2), True),
-        (4096, 16384, H(128, 16, 16384, l2_ahead=2), True),
+        (4096, 16384, H(128, 16, 16384, l2_ahead=2), False),
         (64, 65536, H(128, 16, 16384, l2_ahead=2), True),
         (1, 65536, H(256, 16, 8192), True),
         *[(4096, 65536, H(nt, e, 65536, l2_ahead=p), False) for nt, e, p in ((256, 16, 0), (128, 32, 2), (128, 16, 4))],
