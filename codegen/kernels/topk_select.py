@@ -32,6 +32,11 @@ Threads are written as `for i in T.Parallel(threads)` phases with per-thread unr
 communication between phases, so the same program also runs serially on TileLang's `c` target (atomics
 become plain read-modify-writes): the CPU tests check exact selection, ties included, on it.
 
+A second TileLang program (`hist_program`, chosen by passing a `HistConfig` to `program`; same arguments and
+output) bounds the k-th key by a 12-bit histogram instead of group maxima: only the keys above a running bound
+are counted and kept, and one exact selection runs on the kept ones (its docstring has the details). It is the
+default for long rows only with DEEPINFER_TOPK_HIST=1 until it has H200 figures.
+
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
 """
