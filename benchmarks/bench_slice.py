@@ -287,21 +287,6 @@ def _inputs(g, t: int, context: int, device="cuda") -> dict:
     return feeds
 
 
-def _mark():
-    if torch.cuda.is_available():
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-    return time.perf_counter()
-
-
-def _elapsed_ms(a, b) -> float:
-    if isinstance(a, float):
-        return (b - a) * 1e3
-    torch.cuda.synchronize()
-    return a.elapsed_time(b)
-
-
 def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
@@ -331,11 +316,16 @@ def time_graph_layers(lg, reps: int) -> tuple[dict, float]:
 
 
 def time_call(fn, reps: int) -> float:
+    from deepinfer.runtime.cuda_executor import elapsed_ms, mark
+
     ts = []
     for _ in range(reps):
-        a = _mark()
+        a = mark()
         fn()
-        ts.append(_elapsed_ms(a, _mark()))
+        b = mark()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        ts.append(elapsed_ms(a, b))
     return _median(ts)
 
 

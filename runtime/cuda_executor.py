@@ -215,9 +215,9 @@ class GraphExecutor:
         its last use; ``env`` binds the graph's symbols (bind_symbols), ``t`` is the call's token count."""
         for step in steps:
             if marks is not None and (not marks or marks[-1][0] != step.layer):
-                marks.append((step.layer, _event()))
+                marks.append((step.layer, mark()))
             if nodes is not None:
-                nodes.append((step, _event()))
+                nodes.append((step, mark()))
             args = [None if n is None else vals[n] for n in step.inputs]
             outs = self._run_node(step, args, self._attrs(step.node, env), t)
             if len(outs) != len(step.outputs):
@@ -241,14 +241,14 @@ class GraphExecutor:
 
     def _op_times(self, nodes: list) -> dict[str, float]:
         """ms per "op (compiled family | reference)" from the events before every node, slowest first."""
-        end = _event()
+        end = mark()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         out: dict[str, float] = defaultdict(float)
         for (step, a), (_, b) in zip(nodes, nodes[1:] + [(None, end)]):
             how = self.stats.per_node.get(step.outputs[0], "?")
             key = f"{step.node.op} ({how.split(':')[0] if how.startswith('reference') else how})"
-            out[key] += a.elapsed_time(b) if not isinstance(a, float) else (b - a) * 1e3
+            out[key] += elapsed_ms(a, b)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def _attrs(self, node: Node, env: dict) -> dict:
@@ -355,7 +355,9 @@ class GraphExecutor:
         return found
 
 
-def _event():
+def mark():
+    """A point in time for elapsed_ms: a CUDA event recorded on the current stream where there is a GPU, the
+    host clock elsewhere (the CPU tests)."""
     if torch.cuda.is_available():
         e = torch.cuda.Event(enable_timing=True)
         e.record()
@@ -363,13 +365,18 @@ def _event():
     return time.perf_counter()
 
 
+def elapsed_ms(a, b) -> float:
+    """Milliseconds from mark a to mark b (CUDA events must have completed: synchronise first)."""
+    return (b - a) * 1e3 if isinstance(a, float) else a.elapsed_time(b)
+
+
 def _layer_times(marks: list) -> dict[str, float]:
-    marks = marks + [("end", _event())]
+    marks = marks + [("end", mark())]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     out: dict[str, float] = defaultdict(float)
     for (layer, a), (_, b) in zip(marks, marks[1:]):
-        out[layer] += a.elapsed_time(b) if not isinstance(a, float) else (b - a) * 1e3
+        out[layer] += elapsed_ms(a, b)
     return dict(out)
 
 

@@ -41,6 +41,7 @@ import torch
 
 from deepinfer.ir.interpreter import bind_symbols
 from deepinfer.runtime import cuda_graphs as cg
+from deepinfer.runtime.cuda_executor import elapsed_ms, mark
 
 REPLAY_TOL = 1e-3  # floats: max |replay - warm-up| <= REPLAY_TOL * max(|warm-up|, 1)
 FLIP_SHARE = 1e-3  # FP8 / e8m0 / integer outputs: at most this share of bytes may differ
@@ -286,14 +287,14 @@ class LayerGraphs:
         CPU)."""
         if not self.prepared:
             self.prepare()
-        marks = [_mark()] if timed else None
+        marks = [mark()] if timed else None
         for i in range(len(self.segments)):
             self._run_one(i)
             if marks is not None:
-                marks.append(_mark())
+                marks.append(mark())
         if marks is not None:
             self._sync()
-            self.segment_ms = [_elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
+            self.segment_ms = [elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
         last = len(self.segments)
         return [self._source(v.name, last) for v in self.ex.graph.outputs]
 
@@ -330,14 +331,3 @@ class LayerGraphs:
                              f"replay check: {self.replay_check.get(i, '-')})")  # fmt: skip
         return "\n".join(lines)
 
-
-def _mark():
-    if torch.cuda.is_available():
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-    return time.perf_counter()
-
-
-def _elapsed_ms(a, b) -> float:
-    return a.elapsed_time(b) if not isinstance(a, float) else (b - a) * 1e3
