@@ -598,6 +598,23 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
         return buf[idx] if ops.cpu else T.call_extern("int32", "__ldcg", T.address_of(buf[idx]))
 
     @T.macro
+    def arrive(CCnt, Arrive, bc, slot, t, nb):
+        """A segment's set is in the scratch: its count nb to CCnt[slot], then the row's arrival (acq_rel, after
+        every thread's writes are fenced GPU-wide); bc[2] = how many segments arrived before, for every thread."""
+        if not ops.cpu:
+            T.evaluate(T.call_extern("handle", "__threadfence"))
+            T.evaluate(T.call_extern("handle", "__syncthreads"))  # (opaque: never elided)
+        for _z in ops.par(1):
+            CCnt[slot] = nb
+            if ops.cpu:
+                bc[2] = Arrive[t]
+                Arrive[t] = Arrive[t] + 1
+            else:
+                T.evaluate(T.call_extern("handle", "__threadfence"))
+                bc[2] = T.atomic_add(Arrive[t], 1, memory_order="acq_rel", return_prev=True)
+        ops.barrier()
+
+    @T.macro
     def atomic_add_ret(buf, idx, val, out):
         if ops.cpu:
             out[0] = buf[idx]
@@ -714,6 +731,7 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
 
     return SimpleNamespace(
         ld_cg=ld_cg,
+        arrive=arrive,
         atomic_add_ret=atomic_add_ret,
         warp_reserve=warp_reserve,
         mark=mark,
@@ -731,6 +749,17 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
         load_chunk=load_chunk,
         load_buffer=load_buffer,
     )
+
+
+def _select_workspace(ops: _Ops, NT: int, NW: int, n_bc: int):
+    """Both programs' selection and output workspace, allocated in the calling kernel: the radix histogram, the
+    reductions' scratch, n_bc bin/arrival words, control words, the output bitmap (NW words) and its per-thread
+    counts/bases, and the per-thread reduction fragments ra, rb, rc, r1."""
+    return (
+        ops.sh((NB,), "int32"), ops.sh((cum_size(NT),), "int32"), ops.sh((n_bc,), "int32"), ops.sh((4,), "int32"),
+        ops.sh((NW,), "int32"), ops.sh((NT,), "int32"), ops.sh((NT,), "int32"),
+        ops.fr((NT,), "int32"), ops.fr((NT,), "int32"), ops.fr((NT,), "int32"), ops.fr((1,), "int32"),
+    )  # fmt: skip
 
 
 def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str, has_pos: bool = True):
@@ -762,7 +791,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     block_sum, red_total = _make_block_sum(NT)
 
     io = _make_row_io(ops, NT, E, NW, EB)
-    ld_cg, mark, push, cand = io.ld_cg, io.mark, io.push, io.cand
+    ld_cg, mark, push, cand, arrive = io.ld_cg, io.mark, io.push, io.cand, io.arrive
     key_c, id_c, take_c = io.key_c, io.id_c, io.take_c
     key_b, id_b, take_b = io.key_b, io.id_b, io.take_b
     fetch_chunk, chunk_keys, load_chunk, load_buffer = io.fetch_chunk, io.chunk_keys, io.load_chunk, io.load_buffer
@@ -781,17 +810,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
         Arrive: T.Tensor(sh["Arrive"], "int32"),
     ):
         with T.Kernel(NSEG, T_, threads=NT) as (sg, t):
-            hist = ops.sh((NB,), "int32")
-            cum = ops.sh((cum_size(NT),), "int32")
-            bc = ops.sh((4,), "int32")
-            ctl = ops.sh((4,), "int32")
-            bitmap = ops.sh((NW,), "int32")
-            wcnt = ops.sh((NT,), "int32")
-            wbase = ops.sh((NT,), "int32")
-            ra = ops.fr((NT,), "int32")
-            rb = ops.fr((NT,), "int32")
-            rc = ops.fr((NT,), "int32")
-            r1 = ops.fr((1,), "int32")
+            hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 4)
             stc = T.alloc_local((4,), "int32")  # the chunk's selection
             stc2 = T.alloc_local((4,), "int32")
             stb = T.alloc_local((4,), "int32")  # the buffer's / the union's selection
@@ -885,18 +904,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                             if e < nb:
                                 CKey[(t * NSEG + sg) * k + e] = bufk[e]
                                 CIdx[(t * NSEG + sg) * k + e] = bufi[e]
-                        if not ops.cpu:  # every thread's scratch writes are visible GPU-wide before the arrival
-                            T.evaluate(T.call_extern("handle", "__threadfence"))
-                            T.evaluate(T.call_extern("handle", "__syncthreads"))  # (opaque: never elided)
-                        for _z in ops.par(1):
-                            CCnt[t * NSEG + sg] = nb
-                            if ops.cpu:
-                                bc[2] = Arrive[t]
-                                Arrive[t] = Arrive[t] + 1
-                            else:
-                                T.evaluate(T.call_extern("handle", "__threadfence"))
-                                bc[2] = T.atomic_add(Arrive[t], 1, memory_order="acq_rel", return_prev=True)
-                        ops.sync()
+                        arrive(CCnt, Arrive, bc, t * NSEG + sg, t, nb)
                         if bc[2] == NSEG - 1:
                             last = 1
                             for _z in ops.par(1):
@@ -1040,6 +1048,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     count, threshold = _make_hist_bound(ops, NT)
     io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
+    arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
     prelude = _L2_PREFETCH_PRELUDE if cfg.l2_ahead > 0 and not ops.cpu else None
@@ -1108,18 +1117,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 if q * NT + i < T.min(nb, k):
                     CKey[(t * NSEG + sg) * k + q * NT + i] = bufk[q * NT + i]
                     CIdx[(t * NSEG + sg) * k + q * NT + i] = bufi[q * NT + i]
-        if not ops.cpu:  # every thread's scratch writes are visible GPU-wide before the arrival
-            T.evaluate(T.call_extern("handle", "__threadfence"))
-            T.evaluate(T.call_extern("handle", "__syncthreads"))  # (opaque: never elided)
-        for _z in ops.par(1):
-            CCnt[t * NSEG + sg] = nb
-            if ops.cpu:
-                bc[2] = Arrive[t]
-                Arrive[t] = Arrive[t] + 1
-            else:
-                T.evaluate(T.call_extern("handle", "__threadfence"))
-                bc[2] = T.atomic_add(Arrive[t], 1, memory_order="acq_rel", return_prev=True)
-        ops.barrier()  # (every thread reads the arrival next)
+        arrive(CCnt, Arrive, bc, t * NSEG + sg, t, nb)
 
     @T.macro
     def load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t):
@@ -1150,19 +1148,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         with T.Kernel(NSEG, T_, threads=NT, prelude=prelude) as (sg, t):
             hist_f = ops.sh((HB,), "int32")
             hist_c = ops.sh((NB,), "int32")
-            hist = ops.sh((NB,), "int32")  # the exact selection's radix rounds
-            cum = ops.sh((cum_size(NT),), "int32")
-            bc = ops.sh((8,), "int32")
-            ctl = ops.sh((4,), "int32")
-            bitmap = ops.sh((NW,), "int32")
-            wcnt = ops.sh((NT,), "int32")
-            wbase = ops.sh((NT,), "int32")
+            hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 8)
             bufk = ops.sh((BUF,), "int32")
             bufi = ops.sh((BUF,), "int32")
-            ra = ops.fr((NT,), "int32")
-            rb = ops.fr((NT,), "int32")
-            rc = ops.fr((NT,), "int32")
-            r1 = ops.fr((1,), "int32")
             stb = T.alloc_local((4,), "int32")
             stb2 = T.alloc_local((4,), "int32")
             tmp = T.alloc_local((1,), "int32")
