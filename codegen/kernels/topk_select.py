@@ -35,7 +35,7 @@ become plain read-modify-writes): the CPU tests check exact selection, ties incl
 A second TileLang program (`hist_program`, chosen by passing a `HistConfig` to `program`; same arguments and
 output) bounds the k-th key by a 12-bit histogram instead of group maxima: only the keys above a running bound
 are counted and kept, and one exact selection runs on the kept ones (its docstring has the details). It is the
-default for long rows only with DEEPINFER_TOPK_HIST=1 until it has H200 figures.
+default for long rows of 32+ queries (`default_config`, H200 figures there).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -58,6 +58,7 @@ NONE = -(2**31) + 1  # key of "not a candidate": below every real key (-inf is 0
 INT_MAX = 2**31 - 1
 NB = 256  # histogram bins per radix round (8 bits)
 MERGE_ALL_MAX = 4096  # candidates of a default merge_all buffer (segments x k; 8192 at 512 threads: spills)
+HIST_MIN_ROWS = 32  # long rows of at least this many queries take the hist program (H200: T64 yes, T1 no)
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,13 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
 
 
 def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistConfig:
-    """The histogram-bound program for long rows. Many rows (prefill): one 256-thread CTA (80 registers: 3 an SM)
-    streams a row, two chunks prefetched into L2. Few rows: 128-thread segments of >= 8192 columns (128
+    """The histogram-bound program for long rows. Many rows (prefill): one CTA streams a row, two chunks
+    prefetched into L2; 256 threads (80 registers: 3 CTAs an SM) for 64k rows, 128 for 16k rows (H200: 761.6 us
+    vs 851.6 at T4096 C65536, 256.1 vs 275.0 at C16384). Few rows: 128-thread segments of >= 8192 columns (128
     registers: 4 CTAs an SM) while the grid stays within one wave and the last CTA merges <= MERGE_ALL_MAX."""
     if T_ >= 2 * sms:
-        return HistConfig(256, 16, _round_up(C, 4096), l2_ahead=2)
+        nt = 256 if C > 16384 else 128
+        return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
     while seg >= 16384 and T_ * -(-C // (seg // 2)) <= 2 * sms and -(-C // (seg // 2)) * k <= MERGE_ALL_MAX:
         seg //= 2
@@ -146,17 +149,19 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
 
 
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | HistConfig:
-    """Short rows (C <= 4096): one CTA per row, the row in registers. Long rows: the filter over chunks of
-    4096, groups of 4. Many rows (prefill): one 256-thread CTA streams a row. Few rows (decode): a row is split
-    into segments (one CTA each) until the grid covers the GPU twice or the last CTA's one-shot merge buffer
-    (segments x k <= MERGE_ALL_MAX) is full; 512 threads x 8 keep that buffer at 16 registers a thread.
-    DEEPINFER_TOPK_HIST=1: long rows take the histogram-bound program (`hist_default_config`; not yet the
-    default: no H200 figures for it yet)."""
+    """Short rows (C <= 4096): one CTA per row, the row in registers (`program`'s group-max filter program).
+    Long rows with T >= HIST_MIN_ROWS: the histogram-bound program (`hist_default_config`; H200, same run, every
+    row exact: T4096 C65536 761.6 us = 32.5% of HBM vs 1225.2 us = 20.2%; C16384 256.1 us vs 408; T64 C65536
+    63.0 us vs 88.4). Fewer rows (T1 C65536: 33.7 us vs 31.2 for the filter program): the filter program, a row
+    split into segments (one CTA each) until the grid covers the GPU twice or the last CTA's one-shot merge
+    buffer (segments x k <= MERGE_ALL_MAX) is full. DEEPINFER_TOPK_HIST=1 / 0: the hist / filter program for
+    every long row."""
     if C <= 4096 or 4096 // 4 < 2 * k:
         chunk = max(1 << max(C - 1, 1).bit_length(), 512)
         nt = min(max(chunk // 16, 32), 512)
         return Config(nt, chunk // nt, chunk, False, 8, 2048)
-    if os.environ.get("DEEPINFER_TOPK_HIST") == "1":
+    force = os.environ.get("DEEPINFER_TOPK_HIST")
+    if force == "1" or (force != "0" and T_ >= HIST_MIN_ROWS):
         return hist_default_config(T_, C, k, sms)
     nt, e = 256, 16
     chunk = nt * e

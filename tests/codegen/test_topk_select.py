@@ -112,6 +112,19 @@ def c_hist_kernels(tilelang_required):
     }
 
 
+def test_c_target_hist_without_positions(tilelang_required):
+    """has_pos=False (the runtime's topk_entries adapter): -inf marks the invisible columns, rows padded with
+    -inf rows give all -1; two segments, so the merge sees empty and partial sets."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 512)
+    kernel = compile_cpu(ts.program(4, 1024, k=16, ratio=1, cfg=cfg, target="cpu", has_pos=False))
+    s = _scores("ints", 4, 1024, seed=4)
+    vis = torch.arange(1024) < torch.tensor([0, 9, 600, 1024]).unsqueeze(-1)
+    s = s.masked_fill(~vis, float("-inf"))
+    assert torch.equal(_run_c(kernel, s, 16, None, cfg), ts.reference(s, 16))
+
+
 @pytest.mark.parametrize("which", ["one", "two"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits"])
 def test_c_target_hist_bound(c_hist_kernels, kind, which):
@@ -159,11 +172,13 @@ def test_triton_variant_interpreter(interpret, C, cfg):
         assert torch.equal(ts.triton_topk(s, 64, pos, 2, cfg=cfg).long(), ts.reference(s, 64, pos, 2))
 
 
-def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
-    """The decode config (T=64 rows of 64k scores: 8 CTAs per row, one-shot merge) builds for sm90 without local
-    memory, with shared atomics, fenced arrivals and L2 reads of the other CTAs' candidates, and fits an SM."""
+def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required, monkeypatch):
+    """The filter program's decode config (T=64 rows of 64k scores: 8 CTAs per row, one-shot merge) builds for
+    sm90 without local memory, with shared atomics, fenced arrivals and L2 reads of the other CTAs' candidates,
+    and fits an SM."""
     from deepinfer.codegen import tilelang_backend as tb
 
+    monkeypatch.setenv("DEEPINFER_TOPK_HIST", "0")
     cfg = ts.default_config(64, 65536)
     assert ts.n_segments(65536, cfg) > 1 and cfg.filter and cfg.merge_all
     art = tb.build("topk_select_sm90", ts.program(64, 65536, k=512, ratio=2, cfg=cfg, target="sm90"), "sm90")
@@ -178,18 +193,22 @@ def test_sm90_build_multi_cta_row(codegen_cache, nvcc_required):
 
 
 def test_hist_default_configs(monkeypatch):
-    """DEEPINFER_TOPK_HIST=1: long rows take the histogram-bound program; prefill one CTA a row, decode segments
-    within one wave of 4 CTAs an SM and a merge of at most MERGE_ALL_MAX; short rows keep the one-CTA program."""
-    monkeypatch.setenv("DEEPINFER_TOPK_HIST", "1")
-    for T_, C in ((1, 65536), (64, 65536), (64, 16384), (4096, 16384), (4096, 65536)):
+    """Long rows of 32+ queries take the histogram-bound program (prefill one CTA a row: 256 threads at 64k, 128
+    at 16k, as measured; decode segments within one wave of 4 CTAs an SM and a merge of at most MERGE_ALL_MAX);
+    T1 and short rows keep the other programs; DEEPINFER_TOPK_HIST=1 / 0 forces hist / filter for long rows."""
+    for T_, C in ((64, 65536), (64, 16384), (4096, 16384), (4096, 65536)):
         cfg = ts.default_config(T_, C)
         assert isinstance(cfg, ts.HistConfig)
         ts.check_config(C, 512, cfg)
         nseg = ts.n_segments(C, cfg)
         assert nseg == 1 if T_ == 4096 else (T_ * nseg <= 2 * 132 and nseg * 512 <= ts.MERGE_ALL_MAX)
         assert ts.hist_buffer(C, 512, cfg) >= 512 + cfg.chunk
-    assert isinstance(ts.default_config(4096, 2048), ts.Config)
-    monkeypatch.delenv("DEEPINFER_TOPK_HIST")
+    assert ts.default_config(4096, 65536).threads == 256 and ts.default_config(4096, 16384).threads == 128
+    assert ts.n_segments(65536, ts.default_config(64, 65536)) == 4  # the measured T64 config
+    assert isinstance(ts.default_config(1, 65536), ts.Config) and isinstance(ts.default_config(4096, 2048), ts.Config)
+    monkeypatch.setenv("DEEPINFER_TOPK_HIST", "1")
+    assert isinstance(ts.default_config(1, 65536), ts.HistConfig)
+    monkeypatch.setenv("DEEPINFER_TOPK_HIST", "0")
     assert isinstance(ts.default_config(4096, 65536), ts.Config)
 
 
