@@ -1146,12 +1146,6 @@ def _two_pool_program() -> bool:
     return "n_win" in inspect.signature(sad.program).parameters
 
 
-def _one_pass(cfg) -> bool:
-    """A split config the program runs as ONE kernel with the single-pass signature (Q, KV.., Idx.., Sink, O):
-    cluster_merge (the chunks merge through DSMEM inside a 2-CTA cluster: no partials, no combine)."""
-    return bool(getattr(cfg, "cluster_merge", False))
-
-
 def _pad_idx(idx: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 indices padded with rows of -1 (a query with no entry: output 0)."""
     if idx.shape[0] == rows:  # nothing to pad: one conversion, not a fill and a copy
@@ -1190,8 +1184,8 @@ class SparseAttnAdapter:
         topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
-        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "cluster_merge",
-                             "l2_ahead", "pv_first") if f in vars(sad.Config())]  # fmt: skip
+        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "rid_early")
+                 if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
         if topk % (cfg.block_n * cfg.num_split):
@@ -1211,7 +1205,7 @@ class SparseAttnAdapter:
             kw.update(n_win=n_win, S_cmp=cmp_kv.shape[0])
         b = bucket_rows(t, 1)  # queries padded to a power of two (rows of -1 entries give 0): few kernels
         keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
-        if cfg.num_split > 1 and not _one_pass(cfg):
+        if cfg.num_split > 1:
             keys.append(_key("sparse_attn_decode", "combine_program", (b, h, d, cfg.num_split)))
         return keys, cfg, two, b
 
@@ -1250,7 +1244,7 @@ class SparseAttnAdapter:
             kv, idx = (win_kv.to(torch.bfloat16).contiguous(),), (_pad_idx(win_idx, b),)
         sink = sink.float().contiguous()
         o = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
-        if cfg.num_split == 1 or _one_pass(cfg):
+        if cfg.num_split == 1:
             kernels[0](qb, *kv, *idx, sink, o)
         else:
             ns = cfg.num_split
@@ -1776,8 +1770,6 @@ def _emulated_attention(key: KernelKey) -> Callable:
         return combine
     b, h, d, s, topk = key.args
     n_win, ns = kw.get("n_win", 0), dict(kw["cfg"])["num_split"]
-    if dict(kw["cfg"]).get("cluster_merge"):
-        ns = 1  # one kernel: the merged output (the chunks' merge happens inside the cluster)
 
     def attn(q, *rest):
         if n_win:

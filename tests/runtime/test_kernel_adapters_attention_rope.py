@@ -30,19 +30,3 @@ def test_output_rotation_on_the_rope_kernel(quant_group):
     call.cache.pop(ka.MAX_POSITIONS)
     assert all(k.family != "rope" for k in ka.SparseAttnAdapter().keys(call))
     assert rel(as_float(run(call)), as_float(ref)) < (0.1 if quant_group else 1e-2)
-
-
-def test_a_cluster_merge_config_runs_as_one_kernel():
-    """D's cluster_merge (2 chunks merged through DSMEM): one key, the single-pass signature, no combine."""
-    from deepinfer.codegen.kernels import sparse_attn_decode as sad
-
-    if "cluster_merge" not in vars(sad.Config()):
-        pytest.skip("sparse_attn_decode has no cluster_merge config here")
-    args = attn_args(2, 64, 512, 132, 256, 128, 256, seed=5)
-    cfg = {"block_n": 64, "threads": 384, "num_split": 2, "stages": 2, "ws": True, "cluster_merge": True}
-    call = fused_call(args, cfg, out_groups=8, quant_group=0)
-    call.attrs.update({**ROPE, "rope_dim": 64})
-    keys = ka.SparseAttnAdapter().keys(call)
-    assert len(keys) == 1 and dict(dict(keys[0].kwargs)["cfg"])["cluster_merge"] is True
-    got, ref = run(call), get_op("fused_attention").run(call.args, call.attrs)
-    assert rel(as_float(got), as_float(ref)) < 1e-2
