@@ -453,9 +453,29 @@ def case_routing(row: Row, T_: int, quick: bool, dry: bool, triton_variant: bool
     row.eager_ms = bench(lambda: moe_routing.reference(logits, bias, TOPK, 1.5), quick)
 
 
-def case_hc_pre(row: Row, T_: int, quick: bool, dry: bool):
+def _hc_pre_split_kernel(T_: int, D: int, splits: int):
+    """pre_split_programs as one callable with pre_program's arguments (partials in scratch made once)."""
+    partial, finish = (build(f) for f in hyper_connection.pre_split_programs(
+        T_, D, eps=EPS, hc_eps=HC_EPS, iters=SINKHORN, target="sm90", splits=splits))  # fmt: skip
+
+    def run(x, fn_p, base, scale, p_prev, y, pre, post, comb):
+        if run.scratch is None:
+            run.scratch = (torch.empty(splits, T_, hyper_connection.MIX_PAD, device="cuda"),
+                           torch.empty(splits, T_, device="cuda"))  # fmt: skip
+        partial(x, fn_p, p_prev, y, *run.scratch)
+        finish(*run.scratch, base, scale, pre, post, comb)
+
+    run.scratch = None
+    return run
+
+
+def case_hc_pre(row: Row, T_: int, quick: bool, dry: bool, splits: int = 0):
+    """splits > 0: the few-token form (D split over `splits` CTAs per 16 tokens + a finish kernel)."""
     D = HIDDEN
-    kernel = build(hyper_connection.pre_program(T_, D, eps=EPS, hc_eps=HC_EPS, iters=SINKHORN, target="sm90"))
+    if splits:
+        kernel = _hc_pre_split_kernel(T_, D, splits)
+    else:
+        kernel = build(hyper_connection.pre_program(T_, D, eps=EPS, hc_eps=HC_EPS, iters=SINKHORN, target="sm90"))
     row.bytes_, row.flops = hyper_connection.pre_roofline(T_, D)
     row.peak = "bf16"  # tf32 MMA: bounded by the 16-bit-class peak at best
     if dry:
@@ -1342,6 +1362,8 @@ def cases(quick: bool):
             ("moe_routing", f"{T_}x{EXPERTS} k{TOPK}", lambda r, q, d, T_=T_: case_routing(r, T_, q, d)),
             ("moe_routing (triton)", f"{T_}x{EXPERTS} k{TOPK}", lambda r, q, d, T_=T_: case_routing(r, T_, q, d, True)),
             ("hc_pre", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_pre(r, T_, q, d)),
+            *[(f"hc_pre split{sp}", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_, sp=sp: case_hc_pre(r, T_, q, d, sp))
+              for sp in ((20, 40) if T_ <= 256 else ())],  # fmt: skip
             ("hc_post", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_post(r, T_, q, d)),
         ]
     for T_ in (4096, 64) if not quick else (4096,):

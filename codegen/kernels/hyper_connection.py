@@ -46,16 +46,10 @@ def pad_fn(fn: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, cfg: Config = Config()):
-    """prim_func(X [T, 4D] act, Fn [32, 4D] f32, Base [24], Scale [3], Pprev [T, 4] f32,
-    Y [T, D] act, Pre [T, 4], Post [T, 4], Comb [T, 16] f32; Comb[t, 4j+k] = C[j, k])."""
+def _coefficients_macro(hc_eps: float, iters: int):
+    """TileLang macro coefficients(m_s, c_s, Base, Scale, i, row0, Pre, Post, Comb): the per-token scalar tail of
+    hc_pre (gates and the Sinkhorn-normalised 4x4 mix) for row i of m_s (normalised mixes), serial in one thread."""
     import tilelang.language as T
-
-    bm, bK = cfg.block_m, cfg.block_k
-    assert D % bK == 0
-    mem = Mem(target)
-    act = "float32" if mem.cpu else "bfloat16"
-    K4 = N_HC * D
 
     @T.macro
     def normalise_cols(c_s, i):
@@ -89,6 +83,22 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
             normalise_cols(c_s, i)
         for j, k in T.grid(N_HC, N_HC):
             Comb[row0 + i, j * N_HC + k] = c_s[i, j, k]
+
+    return coefficients
+
+
+def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, cfg: Config = Config()):
+    """prim_func(X [T, 4D] act, Fn [32, 4D] f32, Base [24], Scale [3], Pprev [T, 4] f32,
+    Y [T, D] act, Pre [T, 4], Post [T, 4], Comb [T, 16] f32; Comb[t, 4j+k] = C[j, k])."""
+    import tilelang.language as T
+
+    bm, bK = cfg.block_m, cfg.block_k
+    assert D % bK == 0
+    mem = Mem(target)
+    act = "float32" if mem.cpu else "bfloat16"
+    K4 = N_HC * D
+
+    coefficients = _coefficients_macro(hc_eps, iters)
 
     @T.prim_func
     def hc_pre(
@@ -146,6 +156,107 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
                     coefficients(m_s, c_s, Base, Scale, tx, bx * bm, Pre, Post, Comb)
 
     return hc_pre
+
+
+def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, splits: int = 20,
+                       cfg: Config = Config(16, 64, 128), finish_rows: int = 64):
+    """hc_pre for few tokens (decode), as two kernels: pre_program gives a CTA all D channels of block_m tokens, so
+    at 64 tokens ONE CTA walks 4 x D serially (~0.23 ms on the H200 whatever block_m). Here a CTA owns
+    D / splits channels of block_m tokens -- grid (T / block_m, splits) -- and writes its partial mixes and sum of
+    squares; its collapse columns of Y are complete (a channel's collapse needs no other channel). The finish
+    kernel sums the partials in split order (deterministic: no atomics), applies the RMS and runs the per-token
+    Sinkhorn, one thread per token. Numerically the same function as pre_program up to the order of the channel sums.
+
+    partial: prim_func(X [T, 4D] act, Fn [32, 4D] f32, Pprev [T, 4] f32, Y [T, D] act, Pm [splits, T, 32] f32,
+                       Psq [splits, T] f32)
+    finish:  prim_func(Pm, Psq, Base [24], Scale [3], Pre [T, 4], Post [T, 4], Comb [T, 16] f32)"""
+    import tilelang.language as T
+
+    bm, bK, bt = cfg.block_m, cfg.block_k, finish_rows
+    assert D % splits == 0 and (D // splits) % bK == 0, f"D={D} must split into {splits} chunks of block_k={bK}"
+    assert T_ % bm == 0 and T_ % bt == 0, f"rows {T_} must be a multiple of block_m={bm} and finish_rows={bt}"
+    mem = Mem(target)
+    act = "float32" if mem.cpu else "bfloat16"
+    K4, per = N_HC * D, D // splits
+    coefficients = _coefficients_macro(hc_eps, iters)
+
+    @T.prim_func
+    def hc_pre_partial(
+        X: T.Tensor((T_, K4), act),
+        Fn: T.Tensor((MIX_PAD, K4), "float32"),
+        Pprev: T.Tensor((T_, N_HC), "float32"),
+        Y: T.Tensor((T_, D), act),
+        Pm: T.Tensor((splits, T_, MIX_PAD), "float32"),
+        Psq: T.Tensor((splits, T_), "float32"),
+    ):
+        with T.Kernel(T_ // bm, splits, threads=cfg.threads) as (bx, sp):
+            x_s = mem.shared((bm, bK), act)
+            xf_s = mem.shared((bm, bK), "float32")
+            fn_s = mem.shared((MIX_PAD, bK), "float32")
+            p_s = mem.shared((bm, N_HC), "float32")
+            mix = mem.fragment((bm, MIX_PAD), "float32")
+            sq = mem.fragment((bm, bK), "float32")
+            y = mem.fragment((bm, bK), "float32")
+            T.clear(mix)
+            T.clear(sq)
+            T.copy(Pprev[bx * bm, 0], p_s)
+            for dk in T.serial(per // bK):
+                T.clear(y)
+                for s in T.serial(N_HC):
+                    T.copy(X[bx * bm, s * D + sp * per + dk * bK], x_s)
+                    T.copy(Fn[0, s * D + sp * per + dk * bK], fn_s)
+                    for i, c in mem.par(bm, bK):
+                        xf_s[i, c] = T.cast(x_s[i, c], "float32")
+                    T.gemm(xf_s, fn_s, mix, transpose_B=True)  # tf32 on GPU
+                    for i, c in mem.par(bm, bK):
+                        sq[i, c] += xf_s[i, c] * xf_s[i, c]
+                        y[i, c] += p_s[i, s] * xf_s[i, c]
+                for i, c in mem.par(bm, bK):
+                    Y[bx * bm + i, sp * per + dk * bK + c] = T.cast(y[i, c], act)
+            rs = mem.fragment((bm,), "float32")
+            T.reduce_sum(sq, rs, dim=1)
+            for i in mem.par(bm):
+                Psq[sp, bx * bm + i] = rs[i]
+            for i, j in mem.par(bm, MIX_PAD):
+                Pm[sp, bx * bm + i, j] = mix[i, j]
+
+    @T.macro
+    def finish_row(Pm, Psq, m_s, i, row0):
+        """Row i's mixes: the partials summed in split order, times rsqrt(mean square + eps)."""
+        tot = T.alloc_local((1,), "float32")
+        tot[0] = 0.0
+        for q in T.serial(splits):
+            tot[0] += Psq[q, row0 + i]
+        r = T.rsqrt(tot[0] / K4 + eps)
+        for j in T.serial(MIX_PAD):
+            tot[0] = 0.0
+            for q in T.serial(splits):
+                tot[0] += Pm[q, row0 + i, j]
+            m_s[i, j] = tot[0] * r
+
+    @T.prim_func
+    def hc_pre_finish(
+        Pm: T.Tensor((splits, T_, MIX_PAD), "float32"),
+        Psq: T.Tensor((splits, T_), "float32"),
+        Base: T.Tensor((N_MIX,), "float32"),
+        Scale: T.Tensor((3,), "float32"),
+        Pre: T.Tensor((T_, N_HC), "float32"),
+        Post: T.Tensor((T_, N_HC), "float32"),
+        Comb: T.Tensor((T_, N_HC * N_HC), "float32"),
+    ):
+        with T.Kernel(T_ // bt, threads=bt) as bx:
+            m_s = mem.shared((bt, MIX_PAD), "float32")
+            c_s = mem.shared((bt, N_HC, N_HC), "float32")
+            if mem.cpu:
+                for i in T.serial(bt):
+                    finish_row(Pm, Psq, m_s, i, bx * bt)
+                    coefficients(m_s, c_s, Base, Scale, i, bx * bt, Pre, Post, Comb)
+            else:
+                tx = T.get_thread_binding()
+                finish_row(Pm, Psq, m_s, tx, bx * bt)
+                coefficients(m_s, c_s, Base, Scale, tx, bx * bt, Pre, Post, Comb)
+
+    return hc_pre_partial, hc_pre_finish
 
 
 def post_program(T_: int, D: int, *, target: str, block_m: int = 1, block_d: int = 512, threads: int = 128):

@@ -137,3 +137,32 @@ def test_sparse_attn_decode_split_c_target(cpu):
     out = torch.empty(B, H, D)
     sad.run_split((part, comb), q, kv, idx, sink, out, ns)
     assert (out - sad.reference(q, kv, idx, sink)).abs().max() < 1e-5
+
+
+def test_hc_pre_split_c_target(cpu):
+    """The few-token hc_pre (D split over CTAs, partials summed in split order by a second kernel) against the
+    reference and against the one-kernel program on the same inputs."""
+    T_, D, splits = 8, 128, 4
+    torch.manual_seed(5)
+    x = torch.randn(T_, 4, D)
+    fn, base, scale = torch.randn(24, 4 * D) * 0.05, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    p_prev = torch.rand(T_, 4)
+    cfg = hyper_connection.Config(4, 32, 128)
+    partial, finish = (
+        cpu(f)
+        for f in hyper_connection.pre_split_programs(
+            T_, D, eps=1e-20, hc_eps=1e-6, iters=20, target="cpu", splits=splits, cfg=cfg, finish_rows=4
+        )
+    )
+    y, pre, post, comb = torch.empty(T_, D), torch.empty(T_, 4), torch.empty(T_, 4), torch.empty(T_, 16)
+    pm, psq = torch.full((splits, T_, 32), float("nan")), torch.full((splits, T_), float("nan"))
+    partial(x.reshape(T_, -1), hyper_connection.pad_fn(fn), p_prev, y, pm, psq)
+    finish(pm, psq, base, scale, pre, post, comb)
+    ry, rpre, rpost, rc = hyper_connection.pre_reference(x, fn, base, scale, p_prev, 1e-20, 1e-6, 20)
+    for got, want in ((y, ry), (pre, rpre), (post, rpost), (comb, rc.reshape(T_, 16))):
+        assert (got - want).abs().max() < 1e-5
+    one = cpu(hyper_connection.pre_program(T_, D, eps=1e-20, hc_eps=1e-6, iters=20, target="cpu", cfg=cfg))
+    y1, pre1, post1, comb1 = torch.empty(T_, D), torch.empty(T_, 4), torch.empty(T_, 4), torch.empty(T_, 16)
+    one(x.reshape(T_, -1), hyper_connection.pad_fn(fn), base, scale, p_prev, y1, pre1, post1, comb1)
+    assert torch.equal(y, y1)  # the collapse does not depend on the split
+    assert (comb - comb1).abs().max() < 1e-6 and (pre - pre1).abs().max() < 1e-6

@@ -219,3 +219,15 @@ def test_sm100_block_scaled_mma_is_available(codegen_cache, nvcc_required):
     assert art.opcodes["UTCQMMA"] > 0 and art.opcodes["UTCCP"] > 0
     scaled = [line for line in art.sass.splitlines() if "UTCQMMA" in line]
     assert all(line.count("tmem[") == 3 for line in scaled), "accumulator + SFA + SFB in tensor memory"
+
+
+def test_sm90_hc_pre_split_builds_with_tensor_core_mixes(codegen_cache, nvcc_required):
+    """The few-token hc_pre pair at V4.1 decode (64 tokens, D 5120 over 20 CTAs per 16 tokens) lowers and
+    compiles; its partial mixes run on the tensor cores (tf32 mma.sync = HMMA) like pre_program's."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    partial, finish = hyper_connection.pre_split_programs(64, D, eps=1e-20, hc_eps=1e-6, iters=20, target="sm90")
+    p = tb.build("hc_pre_partial_sm90", partial, "sm90")
+    f = tb.build("hc_pre_finish_sm90", finish, "sm90")
+    assert p.opcodes.get("HMMA", 0) > 0 and "hc_pre_partial" in p.source
+    assert f.cubin_path is not None and "hc_pre_finish" in f.source
