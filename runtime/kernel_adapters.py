@@ -417,6 +417,19 @@ class HCPostAdapter:
         return [out[:t].to(x.dtype)] if not call.memo.get("bf16_out") else [out[:t]]
 
 
+HC_PRE_SPLIT_MAX_ROWS = 256
+
+
+def _hc_pre_splits(t: int, d: int) -> int:
+    """DEEPINFER_HC_PRE_SPLIT=S (opt-in until the H200 has timed it: kernels_h200 'hc_pre split'): at most 256
+    tokens run hc_pre with D split over S CTAs per 16 tokens (pre_program walks all of D in one CTA per block of
+    tokens: ~0.23 ms at 64 tokens, latency-bound). 0 when off or when D does not split into S chunks of 64."""
+    splits = int(os.environ.get("DEEPINFER_HC_PRE_SPLIT", "0") or 0)
+    if splits <= 0 or t > HC_PRE_SPLIT_MAX_ROWS or d % (splits * 64):
+        return 0
+    return splits
+
+
 class HCPreCollapseAdapter:
     """hc_pre_collapse: mixes + RMS + Sinkhorn + collapse with the previous pre, from one read of X."""
 
@@ -432,18 +445,24 @@ class HCPreCollapseAdapter:
         if n != hc.N_HC or d % cfg.block_k:
             raise Decline(f"hc_pre kernel needs {hc.N_HC} streams and D % {cfg.block_k} == 0 (n={n}, D={d})")
         a = call.attrs
+        kw = {"eps": float(a["norm_eps"]), "hc_eps": float(a["hc_eps"]), "iters": int(a["sinkhorn_iters"])}
+        splits = _hc_pre_splits(t, d)
+        if splits:  # few tokens: D split over CTAs + a finish kernel (pre_split_programs)
+            scfg = hc.Config(16, 64, 128)
+            rows = bucket_rows(t, scfg.block_m)
+            kw.update(splits=splits, finish_rows=min(64, rows))
+            return [_key("hyper_connection", p, (rows, d), scfg, **kw)
+                    for p in ("pre_partial_program", "pre_finish_program")], rows  # fmt: skip
         rows = bucket_rows(t, cfg.block_m)
-        key = _key("hyper_connection", "pre_program", (rows, d), cfg, eps=float(a["norm_eps"]),
-                   hc_eps=float(a["hc_eps"]), iters=int(a["sinkhorn_iters"]))  # fmt: skip
-        return key, rows
+        return [_key("hyper_connection", "pre_program", (rows, d), cfg, **kw)], rows
 
     def keys(self, call: Call) -> list[KernelKey]:
-        return [self._plan(call)[0]]
+        return self._plan(call)[0]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         from deepinfer.codegen.kernels import hyper_connection as hc
 
-        _, rows = self._plan(call)
+        keys, rows = self._plan(call)
         x, fn, base, scale, prev = call.args
         t, n, d = x.shape
         fn_p = call.prep("hc_fn", 1, lambda: hc.pad_fn(fn.float()).contiguous())
@@ -452,7 +471,15 @@ class HCPreCollapseAdapter:
             torch.empty(rows, d, dtype=torch.bfloat16, device=x.device),
             *(torch.empty(rows, k, device=x.device) for k in (n, n, n * n)),
         )
-        kernels[0](xb, fn_p, base.float().contiguous(), scale.float().contiguous(), pad_rows(prev.float(), rows), *outs)
+        base_f, scale_f, prev_p = base.float().contiguous(), scale.float().contiguous(), pad_rows(prev.float(), rows)
+        if len(keys) == 2:  # the split form: partial mixes / sums of squares per split, then the finish kernel
+            splits = dict(keys[0].kwargs)["splits"]
+            pm = torch.empty(splits, rows, hc.MIX_PAD, device=x.device)
+            psq = torch.empty(splits, rows, device=x.device)
+            kernels[0](xb, fn_p, prev_p, outs[0], pm, psq)
+            kernels[1](pm, psq, base_f, scale_f, *outs[1:])
+        else:
+            kernels[0](xb, fn_p, base_f, scale_f, prev_p, *outs)
         y, pre, post, comb = (o[:t] for o in outs)
         return [y.to(x.dtype), pre, post, comb.reshape(t, n, n)]
 

@@ -259,6 +259,20 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
     return hc_pre_partial, hc_pre_finish
 
 
+def pre_partial_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, splits: int,
+                        cfg: Config = Config(16, 64, 128), finish_rows: int = 64):
+    """The first kernel of pre_split_programs (one prim_func per built kernel)."""
+    return pre_split_programs(T_, D, eps=eps, hc_eps=hc_eps, iters=iters, target=target, splits=splits, cfg=cfg,
+                              finish_rows=finish_rows)[0]  # fmt: skip
+
+
+def pre_finish_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, splits: int,
+                       cfg: Config = Config(16, 64, 128), finish_rows: int = 64):
+    """The second kernel of pre_split_programs."""
+    return pre_split_programs(T_, D, eps=eps, hc_eps=hc_eps, iters=iters, target=target, splits=splits, cfg=cfg,
+                              finish_rows=finish_rows)[1]  # fmt: skip
+
+
 def post_program(T_: int, D: int, *, target: str, block_m: int = 1, block_d: int = 512, threads: int = 128):
     """prim_func(X [T, 4, D] act, Y [T, D] act, Post [T, 4], Comb [T, 16], Out [T, 4, D] act)."""
     import tilelang.language as T

@@ -43,3 +43,20 @@ def test_binds_to_pre_program():
     from deepinfer.passes.select_kernels import BINDERS, bind_hc_pre
 
     assert BINDERS["hc_stats"] is bind_hc_pre
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_split_form_matches_the_reference_on_the_c_target(t, monkeypatch):
+    """DEEPINFER_HC_PRE_SPLIT=4: hc_stats through the few-token pair (D split over 4 CTAs + the finish kernel),
+    the real programs built for TileLang's c target, against the op's reference."""
+    pytest.importorskip("tilelang")
+    monkeypatch.setenv("DEEPINFER_HC_PRE_SPLIT", "4")
+    call = stats_call(t, seed=10 + t)
+    adapter = ka.adapter_for("hyper_connection", "hc_stats")
+    keys = adapter.keys(call)
+    assert [k.program for k in keys] == ["pre_partial_program", "pre_finish_program"]
+    got = adapter.run(call, [ka.c_target_kernel(k) for k in keys])
+    ref = get_op("hc_stats").run(call.args, call.attrs)
+    assert all((g - r).abs().max() <= 5e-3 * r.abs().max() for g, r in zip(got, ref))
+    monkeypatch.setenv("DEEPINFER_HC_PRE_SPLIT", "3")  # 256 channels do not split into 3 chunks of 64: one kernel
+    assert [k.program for k in adapter.keys(call)] == ["pre_program"]
