@@ -87,6 +87,31 @@ def _coefficients_macro(hc_eps: float, iters: int):
     return coefficients
 
 
+def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str):
+    """TileLang macro stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, row0, d_first, n_chunks): for
+    n_chunks chunks of bK channels from d_first, the 4 streams' tiles feed the mixes (tf32 MMA on GPU) and the sum
+    of squares, and the chunk's collapse (sum over streams of p_prev * X) is written to Y -- hc_pre's one read of X."""
+    import tilelang.language as T
+
+    @T.macro
+    def stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, row0, d_first, n_chunks):
+        for dk in T.serial(n_chunks):
+            T.clear(y)
+            for s in T.serial(N_HC):
+                T.copy(X[row0, s * D + d_first + dk * bK], x_s)
+                T.copy(Fn[0, s * D + d_first + dk * bK], fn_s)
+                for i, c in mem.par(bm, bK):
+                    xf_s[i, c] = T.cast(x_s[i, c], "float32")
+                T.gemm(xf_s, fn_s, mix, transpose_B=True)  # tf32 on GPU
+                for i, c in mem.par(bm, bK):
+                    sq[i, c] += xf_s[i, c] * xf_s[i, c]
+                    y[i, c] += p_s[i, s] * xf_s[i, c]
+            for i, c in mem.par(bm, bK):
+                Y[row0 + i, d_first + dk * bK + c] = T.cast(y[i, c], act)
+
+    return stream_channels
+
+
 def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, cfg: Config = Config()):
     """prim_func(X [T, 4D] act, Fn [32, 4D] f32, Base [24], Scale [3], Pprev [T, 4] f32,
     Y [T, D] act, Pre [T, 4], Post [T, 4], Comb [T, 16] f32; Comb[t, 4j+k] = C[j, k])."""
@@ -99,6 +124,7 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
     K4 = N_HC * D
 
     coefficients = _coefficients_macro(hc_eps, iters)
+    stream_channels = _stream_macro(mem, D, bm, bK, act)
 
     @T.prim_func
     def hc_pre(
@@ -123,19 +149,7 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
             T.clear(mix)
             T.clear(sq)
             T.copy(Pprev[bx * bm, 0], p_s)
-            for dk in T.serial(D // bK):
-                T.clear(y)
-                for s in T.serial(N_HC):
-                    T.copy(X[bx * bm, s * D + dk * bK], x_s)
-                    T.copy(Fn[0, s * D + dk * bK], fn_s)
-                    for i, c in mem.par(bm, bK):
-                        xf_s[i, c] = T.cast(x_s[i, c], "float32")
-                    T.gemm(xf_s, fn_s, mix, transpose_B=True)  # tf32 on GPU
-                    for i, c in mem.par(bm, bK):
-                        sq[i, c] += xf_s[i, c] * xf_s[i, c]
-                        y[i, c] += p_s[i, s] * xf_s[i, c]
-                for i, c in mem.par(bm, bK):
-                    Y[bx * bm + i, dk * bK + c] = T.cast(y[i, c], act)
+            stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, bx * bm, 0, D // bK)
             rs = mem.fragment((bm,), "float32")
             T.reduce_sum(sq, rs, dim=1)
             # via shared memory: rs and mix come from different thread layouts (reduce vs MMA)
@@ -179,6 +193,7 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
     act = "float32" if mem.cpu else "bfloat16"
     K4, per = N_HC * D, D // splits
     coefficients = _coefficients_macro(hc_eps, iters)
+    stream_channels = _stream_macro(mem, D, bm, bK, act)
 
     @T.prim_func
     def hc_pre_partial(
@@ -200,19 +215,7 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
             T.clear(mix)
             T.clear(sq)
             T.copy(Pprev[bx * bm, 0], p_s)
-            for dk in T.serial(per // bK):
-                T.clear(y)
-                for s in T.serial(N_HC):
-                    T.copy(X[bx * bm, s * D + sp * per + dk * bK], x_s)
-                    T.copy(Fn[0, s * D + sp * per + dk * bK], fn_s)
-                    for i, c in mem.par(bm, bK):
-                        xf_s[i, c] = T.cast(x_s[i, c], "float32")
-                    T.gemm(xf_s, fn_s, mix, transpose_B=True)  # tf32 on GPU
-                    for i, c in mem.par(bm, bK):
-                        sq[i, c] += xf_s[i, c] * xf_s[i, c]
-                        y[i, c] += p_s[i, s] * xf_s[i, c]
-                for i, c in mem.par(bm, bK):
-                    Y[bx * bm + i, sp * per + dk * bK + c] = T.cast(y[i, c], act)
+            stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, bx * bm, sp * per, per // bK)
             rs = mem.fragment((bm,), "float32")
             T.reduce_sum(sq, rs, dim=1)
             for i in mem.par(bm):
