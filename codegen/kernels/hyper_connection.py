@@ -88,13 +88,23 @@ def _coefficients_macro(hc_eps: float, iters: int):
 
 
 def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str):
-    """TileLang macro stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, row0, d_first, n_chunks): for
-    n_chunks chunks of bK channels from d_first, the 4 streams' tiles feed the mixes (tf32 MMA on GPU) and the sum
-    of squares, and the chunk's collapse (sum over streams of p_prev * X) is written to Y -- hc_pre's one read of X."""
+    """TileLang macro stream_channels(X, Fn, Pprev, Y, mix, rs, row0, d_first, n_chunks): for n_chunks chunks of bK
+    channels from d_first, the 4 streams' tiles of rows row0.. feed the mixes (tf32 MMA on GPU, into `mix`) and the
+    sums of squares (into `rs`), and each chunk's collapse (sum over streams of p_prev * X) is written to Y --
+    hc_pre's one read of X. The caller allocates mix [bm, 32] and rs [bm] (what it reads afterwards)."""
     import tilelang.language as T
 
     @T.macro
-    def stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, row0, d_first, n_chunks):
+    def stream_channels(X, Fn, Pprev, Y, mix, rs, row0, d_first, n_chunks):
+        x_s = mem.shared((bm, bK), act)
+        xf_s = mem.shared((bm, bK), "float32")
+        fn_s = mem.shared((MIX_PAD, bK), "float32")
+        p_s = mem.shared((bm, N_HC), "float32")
+        sq = mem.fragment((bm, bK), "float32")
+        y = mem.fragment((bm, bK), "float32")
+        T.clear(mix)
+        T.clear(sq)
+        T.copy(Pprev[row0, 0], p_s)
         for dk in T.serial(n_chunks):
             T.clear(y)
             for s in T.serial(N_HC):
@@ -108,6 +118,7 @@ def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str):
                     y[i, c] += p_s[i, s] * xf_s[i, c]
             for i, c in mem.par(bm, bK):
                 Y[row0 + i, d_first + dk * bK + c] = T.cast(y[i, c], act)
+        T.reduce_sum(sq, rs, dim=1)
 
     return stream_channels
 
@@ -139,19 +150,9 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
         Comb: T.Tensor((T_, N_HC * N_HC), "float32"),
     ):
         with T.Kernel(T.ceildiv(T_, bm), threads=cfg.threads) as bx:
-            x_s = mem.shared((bm, bK), act)
-            xf_s = mem.shared((bm, bK), "float32")
-            fn_s = mem.shared((MIX_PAD, bK), "float32")
-            p_s = mem.shared((bm, N_HC), "float32")
             mix = mem.fragment((bm, MIX_PAD), "float32")
-            sq = mem.fragment((bm, bK), "float32")
-            y = mem.fragment((bm, bK), "float32")
-            T.clear(mix)
-            T.clear(sq)
-            T.copy(Pprev[bx * bm, 0], p_s)
-            stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, bx * bm, 0, D // bK)
             rs = mem.fragment((bm,), "float32")
-            T.reduce_sum(sq, rs, dim=1)
+            stream_channels(X, Fn, Pprev, Y, mix, rs, bx * bm, 0, D // bK)
             # via shared memory: rs and mix come from different thread layouts (reduce vs MMA)
             r_s = mem.shared((bm,), "float32")
             for i in mem.par(bm):
@@ -205,19 +206,9 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
         Psq: T.Tensor((splits, T_), "float32"),
     ):
         with T.Kernel(T_ // bm, splits, threads=cfg.threads) as (bx, sp):
-            x_s = mem.shared((bm, bK), act)
-            xf_s = mem.shared((bm, bK), "float32")
-            fn_s = mem.shared((MIX_PAD, bK), "float32")
-            p_s = mem.shared((bm, N_HC), "float32")
             mix = mem.fragment((bm, MIX_PAD), "float32")
-            sq = mem.fragment((bm, bK), "float32")
-            y = mem.fragment((bm, bK), "float32")
-            T.clear(mix)
-            T.clear(sq)
-            T.copy(Pprev[bx * bm, 0], p_s)
-            stream_channels(X, Fn, Y, x_s, xf_s, fn_s, p_s, mix, sq, y, bx * bm, sp * per, per // bK)
             rs = mem.fragment((bm,), "float32")
-            T.reduce_sum(sq, rs, dim=1)
+            stream_channels(X, Fn, Pprev, Y, mix, rs, bx * bm, sp * per, per // bK)
             for i in mem.par(bm):
                 Psq[sp, bx * bm + i] = rs[i]
             for i, j in mem.par(bm, MIX_PAD):
