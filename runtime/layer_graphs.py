@@ -43,7 +43,7 @@ from deepinfer.ir.interpreter import bind_symbols
 from deepinfer.runtime import cuda_graphs as cg
 from deepinfer.runtime.cuda_executor import elapsed_ms, mark
 
-REPLAY_TOL = 1e-3  # floats: max |replay - warm-up| <= REPLAY_TOL * max(|warm-up|, 1)
+REPLAY_TOL = cg.REPLAY_TOL  # floats: max |replay - warm-up| <= REPLAY_TOL * max(|warm-up|, 1), as DecodeGraphs
 FLIP_SHARE = 1e-3  # FP8 / e8m0 / integer outputs: at most this share of bytes may differ
 
 
