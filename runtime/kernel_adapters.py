@@ -639,7 +639,7 @@ class _MoEPlan:
     glu: bool  # the w1|w3 kernel writes the clamped SwiGLU as FP8 codes + per-32 scales (fused epilogue)
     half: int  # gate rows per tile of the interleaved w1|w3 stack (glu only)
     keys: list
-    layout: tuple  # masked: (dest, counts, merged weights); contiguous: (slot, tile_expert, m_rows)
+    layout: tuple  # masked: (dest, Counts ++ SlotExpert [2E], merged weights); contiguous: (slot, tile_expert, m_rows)
     split: bool = False  # glu from the plain w1|w3 stack (swab_program glu_split): no interleaved copy
 
 
@@ -824,10 +824,17 @@ class MoEGroupedAdapter:
         # glu_split reads two weight tiles per CTA: half the CTAs per SM keep the same weight bytes in flight
         cfg1 = dataclasses.replace(cfg, min_blocks=max(1, cfg.min_blocks // 2)) if split else cfg
         if masked:
+            from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
             max_rows = -(-t // cfg.block_t) * cfg.block_t
             rows = e * max_rows
-            layout = masked_layout(idx, call.args[1], e, max_rows, _layout_consts(call, t, idx.shape[1], e, idx.device))
-            extra = {"max_rows": max_rows}
+            pairs = t * idx.shape[1]
+            dest, counts, merged = masked_layout(idx, call.args[1], e, max_rows,
+                                                 _layout_consts(call, t, idx.shape[1], e, idx.device))  # fmt: skip
+            # Meta = Counts ++ SlotExpert: each CTA finds its expert with one load, not a scan of the E counts; at
+            # most T*K experts have tokens, so fewer pairs than experts trim the grid to T*K slots (keyed on T only)
+            layout = (dest, mg.slot_expert_meta(counts), merged)
+            extra = {"max_rows": max_rows, "slot_map": True, "slots": pairs if pairs < e else 0}
         else:
             slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_t)
             layout, extra = (slot, tile_expert, rows), {}
@@ -1836,9 +1843,10 @@ def _untile_gate_up(w: torch.Tensor, half: int, dim: int = 1) -> torch.Tensor:
 
 
 def _emulated_swab(key: KernelKey) -> Callable:
-    """swab_program's contract from its docstring: C = A @ B[e(row)]^T per row (masked: Counts; contiguous:
-    TileExpert per block_t rows), rows past an expert's count untouched; with swiglu_limit, B is w1|w3
-    tile-interleaved and the outputs are the clamped SwiGLU's e4m3 codes + MN-major per-32 scales."""
+    """swab_program's contract from its docstring: C = A @ B[e(row)]^T per row (masked: Counts, or with slot_map
+    Counts ++ SlotExpert, and only the experts the grid's slots name; contiguous: TileExpert per block_t rows),
+    rows past an expert's count untouched; with swiglu_limit, B is w1|w3 tile-interleaved and the outputs are the
+    clamped SwiGLU's e4m3 codes + MN-major per-32 scales."""
     from deepinfer.codegen.kernels import fp8_gemm
     from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 
@@ -1853,10 +1861,18 @@ def _emulated_swab(key: KernelKey) -> Callable:
     def swab(a, sa_t, b, sb, meta, *outs):
         fp4 = fmt == "fp4"
         b_shape = (e, n, k // 4) if fp4 else (e, n, k)
-        meta_n = e if max_rows else m // cfg["block_t"]
+        slot_map = kw.get("slot_map", False)
+        meta_n = (2 * e if slot_map else e) if max_rows else m // cfg["block_t"]
         out_n = n // 2 if limit is not None else n
         _check_abi(key, (a, (m, k)), (sa_t, (-(-k // ag), m)), (b, b_shape), (meta, (meta_n,)), (outs[0], (m, out_n)))
-        rows = mg.row_experts(meta, max_rows or cfg["block_t"], masked=bool(max_rows)).to(a.device)
+        counts = meta[:e] if max_rows else meta
+        rows = mg.row_experts(counts, max_rows or cfg["block_t"], masked=bool(max_rows)).to(a.device)
+        if max_rows:  # the experts the grid's slots reach (slot s: SlotExpert[s], or the s-th expert with tokens)
+            n_slots = kw.get("slots") or e
+            named = meta[e:][:n_slots] if slot_map else torch.nonzero(counts > 0).flatten()[:n_slots]
+            reached = torch.zeros(e + 1, dtype=torch.bool, device=rows.device)
+            reached[named.long().to(rows.device)] = True
+            rows = torch.where(reached[rows], rows, -1)
         if fp4:
             packed = b.view(torch.uint8).view(e, n, k // 2)
             scale = sb.transpose(1, 2).view(torch.float8_e8m0fnu)

@@ -22,8 +22,9 @@ experts with tokens are read.
 Swap-AB programs (`swab_program`, issue 6). At decode an expert sees 0-16 rows, so the GEMM is a weight
 stream: the weight rows are the wgmma M side (64 per consumer warpgroup) and the few tokens the N side
 (block_t = 16/32, m64n16k32), so no MMA or promotion work is spent on padding rows. CTA (N tile, expert
-slot): slot s takes the s-th expert with a non-zero count (a scan of Counts), so the CTAs of idle experts
-sit at the end of the grid and exit without reading anything; a CTA loops over its expert's token tiles
+slot): slot s takes the s-th expert with a non-zero count (a scan of Counts, or with slot_map one load from
+a SlotExpert map built on the device per call), so the CTAs of idle experts sit at the end of the grid and
+exit without reading anything (`slots` trims that end at T*top-k < E); a CTA loops over its expert's token tiles
 (one pass per block_t rows). No setmaxnreg and a min-blocks-per-SM launch bound, so 3-4 CTAs share an SM
 and keep 12-16 TMA stages of weights in flight. Weight formats:
   * fp8: B [E, N, K] e4m3 with [E, N/wb, K/wb] fp32 block scales (as `program`);
@@ -515,6 +516,8 @@ def swab_program(
     swiglu_limit: float | None = None,
     fast_dequant: bool = True,
     glu_split: bool = False,
+    slot_map: bool = False,
+    slots: int = 0,
     target: str = "sm90",
 ):
     """Swap-AB grouped GEMM (module docstring), sm90 (target "cpu": the same program on TileLang's `c` target,
@@ -532,7 +535,13 @@ def swab_program(
     takes block_n gate rows and the matching block_n up rows as two weight tiles, each a whole TMA box and its
     own MMA + promotion (a wgmma needs 64 rows, and TileLang's TMA lowering refuses a box into half of a
     swizzled tile), and writes block_n SwiGLU columns: the grid has I / block_n column CTAs, each reading
-    2 x block_n weight rows per K stage (the interleaved form: N / block_n CTAs of block_n rows)."""
+    2 x block_n weight rows per K stage (the interleaved form: N / block_n CTAs of block_n rows).
+    slot_map (masked): Meta is [2E] = Counts ++ SlotExpert (`slot_expert_meta`: the experts with tokens first, in
+    expert order, then the idle ones), so a CTA finds its expert with one load instead of scanning all E counts
+    (at E = 384 the scan is 384 dependent loads and branches in every CTA before its first TMA load); the slot ->
+    expert assignment, hence every output bit, is the scan's. A CTA whose slot names an idle expert exits at once.
+    slots (masked): the grid's expert slots, 0 = E. Any count >= the number of experts with tokens is exact (e.g.
+    T * top-k at decode: T = 1 launches 6 slots instead of 384); the grid stays static (CUDA graphs)."""
     import tilelang.language as T
 
     cfg = cfg or swab_config(4, fmt, contiguous=not max_rows)
@@ -564,8 +573,10 @@ def swab_program(
     nk, sa_rows, kb_a = K // bK, bK // ag, ceil_div(K, ag)
     units = list(range(bK // sub))
     fp8 = "float32" if cpu else "float8_e4m3fn"
-    n_meta = E if max_rows else M // bT
-    n_grid = E if max_rows else M // bT
+    assert not slot_map or max_rows, "slot_map is a masked-layout map"
+    assert 0 <= slots <= E and (not slots or max_rows), "slots: 1..E expert slots of the masked layout"
+    n_meta = (2 * E if slot_map else E) if max_rows else M // bT
+    n_grid = (slots or E) if max_rows else M // bT
     epilogue = _swiglu_epilogue(bT, out_cols, swiglu_limit, target) if glu else None
     # fp8 weight scales of this CTA's rows, staged once
     nsb = max(1, bN // wb) if not fp4 else 1
@@ -615,6 +626,36 @@ def swab_program(
             acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
 
     @T.macro
+    def expert_of_slot(Meta, slot):
+        """(expert, token tiles) of this CTA's slot; 0 token tiles: nothing to do (the expert is then any valid id)."""
+        info = T.alloc_var("int32")
+        if slot_map:  # one load: SlotExpert[slot]; an idle expert's count is 0
+            info = Meta[E + slot]
+            return info, T.min(T.ceildiv(Meta[info], bT), max_rows // bT)
+        cnt = T.alloc_var("int32")
+        info = -1
+        cnt = 0
+        if max_rows:  # slot -> the slot-th expert with tokens, by a scan of the counts
+            for i in T.serial(E):
+                if Meta[i] > 0:
+                    if cnt == slot:
+                        info = i
+                    cnt = cnt + 1
+        else:
+            info = Meta[slot]
+        e = T.max(info, 0)
+        if max_rows:
+            return e, T.if_then_else(info >= 0, T.min(T.ceildiv(Meta[e], bT), max_rows // bT), 0)
+        return e, T.if_then_else(info >= 0, 1, 0)
+
+    @T.macro
+    def stage_weight_scales(SB, St, e, row_g):
+        """The fp8 block scales of this CTA's weight rows (all of K), once, with plain loads."""
+        for h in halves:
+            for i, k in mem.par(nsb, kb_w):
+                St[h][i, k] = SB[e, row_g[h] // wb + i, k]
+
+    @T.macro
     def kernel(A, SA, B, SB, Meta, C, CS):
         with T.Kernel(n_cta_cols, n_grid, threads=cfg.threads) as (bx, slot):
             if not cpu:
@@ -651,29 +692,15 @@ def swab_program(
                 Wt, St = ([P_s], [SG_s]) if fp4 else ([W_s], [SB_s])
                 P0, Acc = [p0], [acc]
             # -------- which expert and rows this CTA works on
-            info = T.alloc_var("int32")
-            cnt = T.alloc_var("int32")
-            info = -1
-            cnt = 0
-            if max_rows:  # slot -> the slot-th expert with tokens
-                for i in T.serial(E):
-                    if Meta[i] > 0:
-                        if cnt == slot:
-                            info = i
-                        cnt = cnt + 1
-            else:
-                info = Meta[slot]
-            e = T.max(info, 0)
-            if max_rows:
-                n_tt = T.if_then_else(info >= 0, T.min(T.ceildiv(Meta[e], bT), max_rows // bT), 0)
-            else:
-                n_tt = T.if_then_else(info >= 0, 1, 0)
+            e, n_tt = expert_of_slot(Meta, slot)
             # first weight row of each half's tile (with glu and not split: of the tile-interleaved stack)
             row_g = [h * I + bx * bN for h in halves]
             if not fp4:
-                for h in halves:
-                    for i, k in mem.par(nsb, kb_w):
-                        St[h][i, k] = SB[e, row_g[h] // wb + i, k]
+                if slot_map:  # an idle slot reads nothing
+                    if n_tt > 0:
+                        stage_weight_scales(SB, St, e, row_g)
+                else:
+                    stage_weight_scales(SB, St, e, row_g)
             for tt in T.serial(n_tt):
                 if max_rows:
                     row0 = e * max_rows + tt * bT
@@ -770,6 +797,15 @@ def masked_layout(expert_ids: torch.Tensor, E: int, max_rows: int):
     rank = torch.empty_like(ids)
     rank[order] = torch.arange(ids.numel(), device=ids.device) - start[ids[order]]
     return ids * max_rows + rank, counts.to(torch.int32)
+
+
+def slot_expert_meta(counts: torch.Tensor) -> torch.Tensor:
+    """swab_program(slot_map=True)'s Meta [2E] int32: Counts, then SlotExpert = the experts with a non-zero count
+    in expert order, then the idle ones (slot s of the scan's order is SlotExpert[s]). Two launches, no host
+    read, no data-dependent shape (a stable sort of the 0/1 idle flags), so a decode step can be captured."""
+    counts = counts.to(torch.int32)
+    order = torch.argsort((counts == 0).to(torch.int8), stable=True)
+    return torch.cat([counts, order.to(torch.int32)])
 
 
 def masked_tile_expert(counts: torch.Tensor, max_rows: int, block_m: int) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""swab_program(slot_map=True, slots=S): the masked layout's slot -> expert map (Meta = Counts ++ SlotExpert) that
+replaces every CTA's scan of the E counts, and the grid trimmed to S expert slots.
+
+CPU: the map against a plain Python scan (the order the kernel's scan assigns), the programs on TileLang's `c` target
+(E = 12 with idle experts) against the float64 / W4A8 references and against the scan program bit for bit, the slot
+order made observable by a grid with fewer slots than active experts, and the sm90 source (no E-long loop)."""
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import _common
+from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+E, MR, BT = 12, 8, 4
+# idle experts at the start, in the middle and at the end; one expert past one token tile (block_t 4)
+COUNTS = torch.tensor([0, 3, 1, 0, 0, 8, 2, 0, 5, 1, 0, 0], dtype=torch.int32)
+
+
+def _scan_order(counts: torch.Tensor) -> list[int]:
+    """The kernel's scan: slot s -> the s-th expert with a non-zero count; slots past them -> none."""
+    return [e for e, c in enumerate(counts.tolist()) if c > 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_expert_meta_is_the_scan_order(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = [1, 5, 12, 48, 384, 384][seed]
+    counts = torch.randint(0, 3, (n,), generator=g) * torch.randint(0, 2, (n,), generator=g)
+    if seed == 4:
+        counts.zero_()
+    if seed == 5:
+        counts.fill_(1)
+    meta = mg.slot_expert_meta(counts)
+    assert meta.dtype == torch.int32 and meta.shape == (2 * n,)
+    assert torch.equal(meta[:n], counts.int())
+    active = _scan_order(counts)
+    assert meta[n : n + len(active)].tolist() == active
+    assert sorted(meta[n:].tolist()) == list(range(n))  # a permutation: idle slots name idle experts
+    assert all(counts[i] == 0 for i in meta[n + len(active) :].tolist())
+
+
+@pytest.fixture(scope="module")
+def cpu(tilelang_required):
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    return compile_cpu
+
+
+def _fp8_operands(N, K, seed):
+    torch.manual_seed(seed)
+    a, sa = _common.quant_fp8_groups(torch.randn(E * MR, K), 32)
+    quant = [_common.quant_fp8_blocks(torch.randn(N, K) * 0.05, 32) for _ in range(E)]
+    return a, sa, torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+
+
+def _run_fp8(cpu, a, sa, b, sb, meta, *, slot_map, slots=0, **kw):
+    N, K = b.shape[1], b.shape[2]
+    cfg = mg.SwabConfig(64, BT, 64, 2, 1)
+    prog = mg.swab_program(E * MR, N, K, E, fmt="fp8", cfg=cfg, max_rows=MR, slot_map=slot_map, slots=slots,
+                           target="cpu", **kw)  # fmt: skip
+    glu = kw.get("swiglu_limit") is not None
+    outs = (torch.full((E * MR, N // 2), float("nan")), torch.full((N // 64, E * MR), float("nan"))) if glu else (
+        torch.full((E * MR, N), float("nan")),)  # fmt: skip
+    cpu(prog)(a.float(), sa.T.contiguous(), b.float(), sb, meta, *outs)
+    return outs
+
+
+def test_fp8_map_equals_the_scan_and_the_f64_reference(cpu):
+    a, sa, b, sb = _fp8_operands(128, 128, seed=1)
+    (c_map,) = _run_fp8(cpu, a, sa, b, sb, mg.slot_expert_meta(COUNTS), slot_map=True)
+    (c_scan,) = _run_fp8(cpu, a, sa, b, sb, COUNTS, slot_map=False)
+    real = mg.row_experts(COUNTS, MR, masked=True) >= 0
+    assert torch.equal(c_map[real], c_scan[real])  # same expert per slot, same arithmetic: bit for bit
+    want = mg.reference_f64(a, sa, b, sb, mg.masked_tile_expert(COUNTS, MR, MR), MR, 32, 32)
+    assert (c_map[real].double() - want[real]).abs().max() <= 1e-5 * want.abs().max()
+    # an idle expert's rows and token tiles past a count are never written (a tile's rows past the count hold junk)
+    tiles = mg.row_experts(((COUNTS + BT - 1) // BT) * BT, MR, masked=True) >= 0
+    assert c_map[~tiles].isnan().all() and not c_map[tiles].isnan().any()
+
+
+def test_fewer_slots_than_active_experts_reach_the_first_ones_in_scan_order(cpu):
+    """slots=3 < 7 active experts: only the first 3 in expert order (the scan's slots 0-2) are computed, by the map
+    and by the scan alike; every other row stays unwritten. A map in another order would compute other experts."""
+    a, sa, b, sb = _fp8_operands(64, 64, seed=2)
+    first = _scan_order(COUNTS)[:3]
+    re_ = mg.row_experts(COUNTS, MR, masked=True)
+    reached = torch.isin(re_, torch.tensor(first))
+    for slot_map, meta in ((True, mg.slot_expert_meta(COUNTS)), (False, COUNTS)):
+        (c,) = _run_fp8(cpu, a, sa, b, sb, meta, slot_map=slot_map, slots=3)
+        written = ~c.isnan().all(1)
+        assert not c[reached].isnan().any() and torch.equal(written & (re_ >= 0), reached), slot_map
+    # the map is read, not recomputed: reversing the active part of SlotExpert reaches the last three instead
+    meta = mg.slot_expert_meta(COUNTS)
+    n_act = len(_scan_order(COUNTS))
+    meta[E : E + n_act] = meta[E : E + n_act].flip(0)
+    (c,) = _run_fp8(cpu, a, sa, b, sb, meta, slot_map=True, slots=3)
+    last = torch.isin(re_, torch.tensor(_scan_order(COUNTS)[-3:]))
+    assert not c[last].isnan().any() and torch.equal(~c.isnan().all(1) & (re_ >= 0), last)
+
+
+def test_fp8_glu_split_map_equals_the_scan(cpu):
+    """The fused SwiGLU on the plain w1|w3 stack (the runtime's decode kernel), map vs scan: every code and scale."""
+    a, sa, b, sb = _fp8_operands(256, 64, seed=3)
+    sb = sb * 64.0  # powers of two still: large enough to exercise the clamp
+    kw = {"swiglu_limit": 10.0, "glu_split": True}
+    hq_m, hs_m = _run_fp8(cpu, a, sa, b, sb, mg.slot_expert_meta(COUNTS), slot_map=True, slots=9, **kw)
+    hq_s, hs_s = _run_fp8(cpu, a, sa, b, sb, COUNTS, slot_map=False, **kw)
+    real = mg.row_experts(COUNTS, MR, masked=True) >= 0
+    assert torch.equal(hq_m[real], hq_s[real]) and torch.equal(hs_m[:, real], hs_s[:, real])
+    h = mg.reference(a, sa, b, sb, mg.masked_tile_expert(COUNTS, MR, MR), MR, 32, 32)
+    assert h.abs().max() > 10.0
+    rq, rs = mg.swiglu_quant_reference(h, 10.0)
+    assert torch.equal(hs_m.T[real], rs[real])
+    assert (hq_m[real].to(torch.float8_e4m3fn).float() != rq[real].float()).float().mean() < 1e-3
+
+
+def test_w4a8_swiglu_map_matches_the_reference(cpu):
+    """FP4 weights (W4A8) with the fused SwiGLU, interleaved stack, slot map + trimmed grid: every code and scale."""
+    N, K = 128, 128
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(116, 126, (E, N, K // 32), dtype=torch.uint8, generator=g)
+    torch.manual_seed(4)
+    a, sa = _common.quant_fp8_groups(torch.randn(E * MR, K), 32)
+    b, sb = mg.w4a8_weights(mg.gate_up_tiles(packed, 32), mg.gate_up_tiles(scale, 32))
+    cfg = mg.SwabConfig(64, 4, 64, 2, 1)
+    prog = mg.swab_program(E * MR, N, K, E, fmt="fp4", cfg=cfg, max_rows=MR, swiglu_limit=10.0, slot_map=True,
+                           slots=7, target="cpu")  # fmt: skip
+    hq, hs = torch.zeros(E * MR, N // 2), torch.zeros(N // 64, E * MR)
+    cpu(prog)(a.float(), sa.T.contiguous(), b, sb, mg.slot_expert_meta(COUNTS), hq, hs)
+    re_ = mg.row_experts(COUNTS, MR, masked=True)
+    rq, rs = mg.swiglu_quant_reference(mg.reference_w4a8(a, sa, packed, scale, re_), 10.0)
+    real = re_ >= 0
+    assert torch.equal(hs.T[real], rs[real])
+    assert torch.equal(hq[real].to(torch.float8_e4m3fn).float(), rq[real].float())
+
+
+def test_the_map_needs_the_masked_layout_and_slots_fit(tilelang_required):
+    with pytest.raises(AssertionError, match="masked"):
+        mg.swab_program(64, 128, 128, 4, cfg=mg.SwabConfig(64, 16, 64, 2, 1), slot_map=True)
+    with pytest.raises(AssertionError, match="slots"):
+        mg.swab_program(4 * 16, 128, 128, 4, cfg=mg.SwabConfig(64, 16, 64, 2, 1), max_rows=16, slots=5)
+
+
+def test_sm90_source_reads_the_map_once_and_the_grid_has_the_slots(tilelang_required):
+    """The lowered sm90 kernel: no loop over the 384 counts, SlotExpert read at Meta[slot + E], the scales staged
+    only for a slot with tokens; the scan program (slot_map off) keeps its loop. Grid: 36 column CTAs x slots."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = mg.SwabConfig(64, 16, 128, 4, 4)
+    args = (384 * 16, 2 * 2304, 5120, 384)
+    kw = {"fmt": "fp8", "cfg": cfg, "max_rows": 16, "swiglu_limit": 10.0, "glu_split": True}
+    src_map = tb.lower(mg.swab_program(*args, slot_map=True, slots=96, **kw), "sm90")
+    src_scan = tb.lower(mg.swab_program(*args, **kw), "sm90")
+    assert "i < 384" in src_scan and "i < 384" not in src_map
+    assert "Meta[(((int)blockIdx.y) + 384)]" in src_map
+    assert "if (0 < n_tt)" in src_map
+    script = str(mg.swab_program(*args, slot_map=True, slots=96, **kw).script())
+    assert 'T.thread_binding(36, thread="blockIdx.x")' in script
+    assert 'T.thread_binding(96, thread="blockIdx.y")' in script
