@@ -246,11 +246,23 @@ def bind_compressor(c: _Ctx):
     return "compressor", "program", shape, {"block_g": 4 if t >= 64 else 1, "threads": 128}, ("threads",)
 
 
+SCORES_DECODE_MAX_T = 256  # index_scores on the f32 decode kernel up to this many queries
+
+
 def bind_index_scores(c: _Ctx):
-    raise Fallback(
-        "the indexer's scores kernels (indexer_topk.py) read FP8/bf16 q and keys; the graph's index keys are f32, "
-        "so they would not give the reference's scores (nor, at near-ties, its top-k); topk_entries binds alone"
-    )
+    """index_scores at decode -> indexer_topk's f32 Triton kernel (triton_scores: ~fp32, the graph's f32 q and
+    keys as they are; the FP8/bf16 scores kernels would change the op's numbers by ~1e-3 of a row's maximum).
+    Prefill keeps the reference: the decode form re-reads q from L2 once per 64 keys."""
+    q, _, keys, _ = c.node.inputs
+    t, _, di = c.shape(q)
+    if t > SCORES_DECODE_MAX_T:
+        raise Fallback(f"prefill (T={t}): indexer_topk's f32 scores kernel is the decode form (T <= "
+                       f"{SCORES_DECODE_MAX_T}); the FP8/bf16 scores kernels would change the f32 op's numbers")
+    if c.target.name not in ("sm90", "sm100") or di & (di - 1):
+        raise Fallback(f"the f32 scores kernel is Triton on CUDA with di a power of two (di={di})")
+    # block sizes follow T and C at run time; the precision fixes the dots' numbers
+    return "indexer_topk", "triton_scores", {"T": t, "C": c.shape(keys)[0], "di": di}, {"precision": "tf32x3"}, (
+        "precision",)
 
 
 def bind_topk_entries(c: _Ctx):

@@ -1384,6 +1384,43 @@ def _score_order(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(idx, 1, order)
 
 
+# ---------------------------------------------------------------------------------------------- indexer scores
+
+
+class IndexScoresAdapter:
+    """index_scores (f32 q [T, Hi, di] and keys [C, di]) at decode: one Triton launch (indexer_topk.triton_scores:
+    each dot as three TF32 products, ~fp32 accuracy; ReLU, scale, head weights, head sum and the causal mask in
+    registers) instead of the reference's [T, Hi, C] fp32 temporaries. No TileLang kernel (keys: none). On CPU
+    tensors (the emulated tests) the kernel runs under Triton's interpreter when it is on, else the op's torch
+    formula stands in."""
+
+    family = "indexer_topk"
+    ops = ("index_scores",)
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        q, w, keys, _ = call.args
+        di = q.shape[-1]
+        if q.dim() != 3 or di & (di - 1) or di < 16 or q.dtype != torch.float32 or keys.dtype != torch.float32:
+            raise Decline(f"the f32 scores kernel takes f32 q [T, H, di] and keys with di a power of two >= 16 "
+                          f"(q {tuple(q.shape)} {q.dtype}, keys {keys.dtype})")  # fmt: skip
+        return []
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import indexer_topk as it
+
+        q, w, keys, pos = call.args
+        a = call.attrs
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            from deepinfer.ir.ops.attention import indexer_scores
+
+            return [indexer_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]))[0]]
+        fields = {f.name for f in dataclasses.fields(it.F32ScoresConfig)}
+        cfg = dataclasses.replace(it.f32_scores_config(q.shape[0], keys.shape[0]),
+                                  **{k: v for k, v in call.config.items() if k in fields})  # fmt: skip
+        return [it.triton_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]), cfg=cfg)]
+
+
 # ---------------------------------------------------------------------------------------------- rope / engram
 
 
@@ -1574,6 +1611,7 @@ ADAPTERS: dict[str, object] = {
     "topk_select": TopKEntriesAdapter(),
     "compressor": CompressorKeysAdapter(),
     "act_quant": FakeQuantAdapter(),
+    "indexer_topk": IndexScoresAdapter(),
 }
 
 

@@ -41,6 +41,7 @@ the largest threshold u with #(key >= u) >= k is the k-th key; then everything a
 (Idx int32, -1 padding at the end) with its keys; `keys_to_scores` turns keys back into float scores.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -455,3 +456,85 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
     vis = T_ * C / 2 if causal else T_ * C
     bytes_ = C * (di * elem_bytes + 4) + T_ * (H * di * elem_bytes + 4 * H + 4) + 8 * T_ * topk
     return float(bytes_), float(vis * (2 * H * di + 3 * H))
+
+
+# ---------------------------------------------------------------------------------------------- f32 decode scores
+# The graph's index keys and queries are fp32 (the compressor writes them unquantised), and `index_scores` is an
+# fp32 op: the FP8/bf16 kernels above would change its numbers by ~1e-3 of a row's maximum. At decode the op is
+# small (T x C x 32 heads x 128: ~2 GFLOP at T 64, C 4096) but its torch reference writes [T, 32, C] fp32
+# temporaries several times (~0.08-0.15 ms per layer on the H200). `triton_scores` is one launch with the torch
+# reference's numbers up to the order of the sums: each dot on the tensor cores as three TF32 products
+# (input_precision "tf32x3": hi*hi + hi*lo + lo*hi, ~fp32 accuracy), ReLU, scale and the head weight applied per
+# head, the head sum in registers, the causal mask, one fp32 write of S.
+
+
+@dataclass(frozen=True)
+class F32ScoresConfig:
+    block_c: int = 64  # index keys per CTA (the dot's M: one wgmma tile of rows)
+    block_t: int = 16  # queries per CTA (the dot's N)
+    warps: int = 4
+    stages: int = 2
+    precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
+
+
+def f32_scores_config(T_: int, C: int, sms: int = 132) -> F32ScoresConfig:
+    """The widest query block that still gives every SM a CTA (the q tile is re-read per key block from L2)."""
+    bt = 64
+    while bt > 16 and -(-C // 64) * -(-T_ // bt) < sms:
+        bt //= 2
+    return F32ScoresConfig(block_t=bt)
+
+
+@functools.lru_cache(maxsize=2)
+def _f32_scores_kernel(interpret: bool):
+    """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def f32_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, s_ptr, T, C, scale, ratio, H: tl.constexpr,
+                          DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
+                          PREC: tl.constexpr):  # fmt: skip
+        c = tl.program_id(0) * BC + tl.arange(0, BC)
+        t = tl.program_id(1) * BT + tl.arange(0, BT)
+        d = tl.arange(0, DI)
+        cm, tm = c < C, t < T
+        nvis = (tl.load(pos_ptr + t, mask=tm, other=-1).to(tl.int32) + 1) // ratio  # entries query t sees
+        acc = tl.zeros((BC, BT), dtype=tl.float32)
+        if tl.program_id(0) * BC < tl.max(nvis, axis=0):  # a key block no query sees is only -inf
+            k = tl.load(k_ptr + c[:, None] * DI + d[None, :], mask=cm[:, None], other=0.0)  # [BC, DI]
+            for h in tl.range(0, H, num_stages=STAGES):
+                qt = tl.load(q_ptr + (t[None, :] * H + h) * DI + d[:, None], mask=tm[None, :], other=0.0)  # [DI, BT]
+                w = tl.load(w_ptr + t * H + h, mask=tm, other=0.0)
+                dots = tl.dot(k, qt, input_precision=PREC)
+                acc += (tl.maximum(dots, 0.0) * scale) * w[None, :]
+        s = tl.where(c[:, None] < nvis[None, :], acc, float("-inf"))
+        tl.store(s_ptr + t[None, :] * C + c[:, None], s, mask=cm[:, None] & tm[None, :])
+
+    return f32_scores_kernel
+
+
+def triton_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, ratio: int,
+                  scale: float, cfg: F32ScoresConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """`index_scores` (q [T, H, di] f32, w [T, H], keys [C, di], positions [T]) -> S [T, C] f32 in one launch.
+    Under the CPU interpreter (TRITON_INTERPRET=1) the dots are plain fp32 products."""
+    import os
+
+    import triton
+
+    t, h, di = q.shape
+    c = keys.shape[0]
+    cfg = cfg or f32_scores_config(t, c)
+    s = torch.empty(t, c, dtype=torch.float32, device=q.device)
+    if t and c:
+        grid = (triton.cdiv(c, cfg.block_c), triton.cdiv(t, cfg.block_t))
+        _f32_scores_kernel(os.environ.get("TRITON_INTERPRET") == "1")[grid](
+            q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
+            t, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=cfg.block_t, STAGES=cfg.stages,
+            PREC=cfg.precision, num_warps=cfg.warps)  # fmt: skip
+    return s
+
+
+def f32_scores_roofline(T_: int, C: int, *, H: int = 32, di: int = 128) -> tuple[float, float]:
+    """(bytes, flops) of `triton_scores`: keys, q and w read once (fp32), S written once; 2*H*di per pair."""
+    return float(4 * C * di + 4 * T_ * (H * di + H + 1) + 4 * T_ * C), float(T_ * C * (2 * H * di + 3 * H))

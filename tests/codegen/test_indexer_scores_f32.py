@@ -1,0 +1,90 @@
+"""indexer_topk.triton_scores: the f32 `index_scores` of a decode step in one Triton launch. Oracles: a float64
+loop over heads (independent of the op's einsum), and the op's torch reference; the causal mask exactly (-inf
+where j >= (p+1)//ratio, finite elsewhere). CPU: the Triton interpreter; sm90: the PTX builds with TF32 wgmmas;
+the gpu test runs the compiled kernel (3xTF32 dots) at V4.1's decode dims."""
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import indexer_topk as it
+from deepinfer.ir.ops.attention import indexer_scores
+
+
+def _inputs(t: int, c: int, start: int, seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, 32, 128, generator=g)
+    w = torch.randn(t, 32, generator=g) * 32**-0.5
+    keys = torch.randn(c, 128, generator=g)
+    pos = torch.arange(start, start + t)
+    return q.to(device), w.to(device), keys.to(device), pos.to(device)
+
+
+def _oracle_f64(q, w, keys, pos, ratio: int, scale: float) -> torch.Tensor:
+    out = torch.zeros(q.shape[0], keys.shape[0], dtype=torch.float64)
+    for h in range(q.shape[1]):
+        out += (q[:, h].double() @ keys.double().T).clamp(min=0) * scale * w[:, h].double().unsqueeze(-1)
+    vis = torch.arange(keys.shape[0]) < ((pos + 1) // ratio).unsqueeze(-1)
+    return out.masked_fill(~vis, float("-inf"))
+
+
+def _check(s, ref, tol):
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(s)) and (s[~fin] == float("-inf")).all()
+    err = ((s.double() - ref.double())[fin].abs().max() / ref.double()[fin].abs().max()).item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("t,c,start,ratio", [(20, 150, 280, 2), (5, 64, 40, 1), (33, 130, 0, 2)])
+def test_interpreter_matches_f64_and_the_op(interpret, t, c, start, ratio):
+    q, w, keys, pos = _inputs(t, c, start, seed=t + c)
+    cfg = it.F32ScoresConfig(block_c=64, block_t=16)
+    s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=cfg)
+    _check(s, _oracle_f64(q, w, keys, pos, ratio, 0.088), 1e-6)
+    _check(s, indexer_scores(q, w, keys, pos, ratio=ratio, scale=0.088)[0], 1e-6)
+
+
+@pytest.mark.parametrize("t,c", [(64, 4160), (64, 2080), (256, 4160), (1, 4160)])
+def test_config_fills_the_gpu(t, c):
+    """The widest query block whose grid still covers the 132 SMs (or the narrowest one)."""
+    cfg = it.f32_scores_config(t, c)
+    ctas = -(-c // cfg.block_c) * -(-t // cfg.block_t)
+    assert ctas >= 132 or cfg.block_t == 16
+    assert cfg.block_t == 64 or -(-c // cfg.block_c) * -(-t // (2 * cfg.block_t)) < 132
+
+
+_AOT = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer.codegen.kernels import indexer_topk as it
+sig = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
+       "C": "i32", "scale": "fp32", "ratio": "i32", "H": "constexpr", "DI": "constexpr", "BC": "constexpr",
+       "BT": "constexpr", "STAGES": "constexpr", "PREC": "constexpr"}
+k = triton.compile(ASTSource(fn=it._f32_scores_kernel(False), signature=sig,
+                             constexprs=dict(H=32, DI=128, BC=64, BT=32, STAGES=2, PREC="tf32x3")),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(k.asm["ptx"])
+"""
+
+
+def test_compiles_for_hopper_with_tf32_wgmma():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptx = proc.stdout
+    assert ".target sm_90a" in ptx and "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,ratio", [(2080, 2), (4160, 1)])
+def test_cuda_kernel_at_decode_dims(c, ratio):
+    q, w, keys, pos = _inputs(64, c, 4096, seed=c, device="cuda")
+    s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=128**-0.5)
+    _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), pos.cpu(), ratio, 128**-0.5), 1e-5)
+    s1 = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=128**-0.5, cfg=it.F32ScoresConfig(precision="tf32"))
+    _check(s1.cpu(), s.cpu(), 5e-3)  # one TF32 product: ~1e-3 of the row maximum, for the bench's comparison
