@@ -14,6 +14,7 @@ time, so 100% means at the roofline. A failing kernel prints its error in its ro
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -514,6 +515,50 @@ def case_hc_post(row: Row, T_: int, quick: bool, dry: bool):
     row.check = expect(rel_err(out, hyper_connection.post_reference(x, y, post, c)), 1e-2)
     row.ms = bench(lambda: kernel(x, y, post, comb, out), quick)
     row.eager_ms = bench(lambda: hyper_connection.post_reference(x, y, post, c), quick)
+
+
+# ---------------------------------------------------------------------------------------------- decode small ops
+# The non-MoE, non-attention ops of a decode-64 step at V4.1's real dims (issue 8: what is left of a layer beyond
+# the MoE). Each row next to the op's torch reference (the eager column), with its check. --only "decode small".
+
+DECODE_T = 64
+
+
+def case_index_scores_f32(row: Row, T_: int, C: int, ratio: int, quick: bool, dry: bool, precision: str = "tf32x3"):
+    """index_scores at decode on indexer_topk.triton_scores (f32 q/keys, one launch); check vs the op's reference
+    (the causal mask exactly, the finite scores to 1e-5 of the row maximum for 3xTF32, 5e-3 for one TF32)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.ir.ops.attention import indexer_scores
+
+    row.bytes_, row.flops = it.f32_scores_roofline(T_, C)
+    row.peak = "bf16"  # TF32 tensor cores: at best the 16-bit-class peak (3 products per dot: a third of it)
+    if dry:
+        return
+    q = torch.randn(T_, IDX_HEADS, IDX_DIM, device="cuda")
+    w = torch.randn(T_, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
+    keys = torch.randn(C, IDX_DIM, device="cuda")
+    pos = torch.arange(C * ratio - T_, C * ratio, device="cuda")  # the last T_ positions: every entry in sight
+    cfg = dataclasses.replace(it.f32_scores_config(T_, C), precision=precision)
+    s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5, cfg=cfg)
+    ref = indexer_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5)[0]
+    fin = torch.isfinite(ref)
+    if not torch.equal(fin, torch.isfinite(s)):
+        raise AssertionError("the causal mask differs from the reference's")
+    row.check = expect(rel_err(s[fin], ref[fin]), 1e-5 if precision == "tf32x3" else 5e-3)
+    row.ms = bench(lambda: it.triton_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5, cfg=cfg), quick)
+    row.eager_ms = bench(lambda: indexer_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5), quick)
+
+
+def decode_small_cases():
+    """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
+    layer 20: ratio 1, 4160)."""
+    out = []
+    for C, ratio in ((2080, 2), (4160, 1)):
+        for prec in ("tf32x3", "tf32"):
+            out.append((f"decode small index_scores f32 {prec}", f"T{DECODE_T} C{C} r{ratio}",
+                        lambda r, q, d, C=C, ratio=ratio, prec=prec: case_index_scores_f32(r, DECODE_T, C, ratio, q,
+                                                                                            d, prec)))  # fmt: skip
+    return out
 
 
 ATTN_POOL = 1 << 18  # KV pool rows the decode attention cases gather from (256K)
@@ -1368,6 +1413,7 @@ def cases(quick: bool):
         ]
     for T_ in (4096, 64) if not quick else (4096,):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
+    out += decode_small_cases()
     out += attn_cases(quick)
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
