@@ -799,9 +799,7 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     "combine"; %limit is still against the whole operation's roofline.
     contiguous (diagnostic): each request's entries are consecutive pool rows from a random start (HBM pages
     streamed in order) instead of random rows: the gather's DRAM-locality bound.
-    wide_combine (split configs): the pair runs with combine_program_wide instead of combine_program.
-    flush "read" (timing method): L2 emptied by reading 256 MB before each run instead of do_bench's zeroing,
-    so the kernel does not also write back ~50 MB of dirty L2 lines (`_bench_read_flush`)."""
+    wide_combine (split configs): the pair runs with combine_program_wide instead of combine_program."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
@@ -846,40 +844,16 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     if n_win:
         kv_in, idx_in = _attn_two_pool_args(kv_in, idx, n_win)
     kernel(q, kv_in, idx_in, sink, out)
-    timer = _bench_read_flush if flush == "read" else bench
     if cfg.skipped:  # a diagnostic build (Config.skip): its output is wrong by design
         row.check = f"none (diagnostic: {'+'.join(cfg.skipped)} left out)"
-        row.ms = timer(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
+        row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
         return
     row.check = expect(rel_err(out, eager()), 2e-2)
-    if flush == "read":
-        row.ms = timer(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
-        return
     if piece:
         row.ms = bench(lambda: kernel.pieces[piece](q, kv_in, idx_in, sink, out), quick)
         return
     row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
     row.eager_ms = bench(eager, quick)
-
-
-def _bench_read_flush(fn, quick: bool) -> float:
-    """Median ms of fn after an L2 flush that only reads (a 256 MB sum): do_bench's flush zeroes 256 MB, which
-    leaves the L2 full of dirty lines that the timed kernel then writes back as it misses."""
-    if CHECK_ONLY:
-        return float("nan")
-    buf = torch.zeros(64 << 20, device="cuda")
-    n = 30 if quick else 100
-    for _ in range(5):
-        buf.sum()
-        fn()
-    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in marks:
-        buf.sum()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in marks)[n // 2]
 
 
 def attn_cases(quick: bool):
@@ -1192,11 +1166,7 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
     pos = _idx_positions(T_, C)
     row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
     row.peak = "fp8"
-    diag = variant == "amax" or bool(getattr(cfg, "diag", ""))  # stage-cost rows: no top-k to check
-    if variant == "amax":  # the streaming reference: torch reads every score once (the whole rows)
-        row.kernel += " torch.amax(dim=1)"
-        row.bytes_ = 4.0 * T_ * C
-    elif variant == "tilelang":
+    if variant == "tilelang":
         cfg = cfg or ts.default_config(T_, C, IDX_TOPK)
         row.kernel += f" {cfg.tag}"
         kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
@@ -1208,11 +1178,7 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
     q, w, k, ks, pos = _idx_inputs(T_, C)
     s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
     out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
-    if variant == "amax":
-
-        def run():
-            torch.amax(s, dim=1)
-    elif variant == "tilelang":
+    if variant == "tilelang":
         scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
 
         def run():
@@ -1223,11 +1189,6 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
         def run():
             ts.triton_topk(s, IDX_TOPK, pos, 2, cfg=cfg, out=out, ws=ws)
 
-    if diag:
-        run()
-        row.check = "stage only (no top-k)"
-        row.ms = bench(run, quick)
-        return
     if variant == "tilelang":  # heavy exact ties first (few values, -0.0 next to +0.0): the cuts, the tie passes
         ties = torch.randint(-3, 4, s.shape, device="cuda").float()
         ties[:, ::5] = torch.where(ties[:, ::5] == 0, -0.0, ties[:, ::5])
