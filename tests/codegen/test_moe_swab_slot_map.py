@@ -158,3 +158,54 @@ def test_sm90_source_reads_the_map_once_and_the_grid_has_the_slots(tilelang_requ
     script = str(mg.swab_program(*args, slot_map=True, slots=96, **kw).script())
     assert 'T.thread_binding(36, thread="blockIdx.x")' in script
     assert 'T.thread_binding(96, thread="blockIdx.y")' in script
+
+
+def _random_e4m3(shape, dev) -> torch.Tensor:
+    """Random e4m3 codes without NaNs, one byte per element (bit 6 cleared: exponent <= 7, |w| <= 1.875)."""
+    return (torch.randint(0, 256, shape, dtype=torch.uint8, device=dev) & 0xBF).view(torch.float8_e4m3fn)
+
+
+def _filled_rows(outs, dest) -> list[torch.Tensor]:
+    """The real rows of the kernels' outputs as bytes: Hq / C rows dest, Hs (MN-major) columns dest."""
+    picked = [outs[0][dest]] + [o[:, dest] for o in outs[1:]]
+    return [p.contiguous().view(torch.uint8) for p in picked]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,tokens", [("fp8", 64), ("fp8", 16), ("fp4", 64)])
+def test_map_equals_the_scan_on_the_h200(fmt, tokens):
+    """V4.1 decode (384 experts, top-6): the runtime's two kernels (glu_split SwiGLU w1|w3 on the plain stack, then
+    w2), the slot map (trimmed to T*6 slots at T = 16) against the scan program: every output byte equal."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    e, d, inter, topk, dev = 384, 5120, 2304, 6, "cuda"
+    g = torch.Generator().manual_seed(tokens)
+    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).to(dev)
+    cfg = mg.swab_config(4, fmt)
+    max_rows = -(-tokens // cfg.block_t) * cfg.block_t
+    dest, counts, _ = ka.masked_layout(idx, torch.ones(tokens, topk, device=dev), e, max_rows)
+    rows, slots = e * max_rows, tokens * topk if tokens * topk < e else 0
+    for n, k, glu in ((2 * inter, d, True), (d, inter, False)):
+        a, sa = _common.quant_fp8_groups(torch.randn(rows, k, device=dev), 32)
+        if fmt == "fp8":
+            b = _random_e4m3((e, n, k), dev)
+            sb = torch.exp2(torch.randint(-8, -4, (e, n // 32, k // 32), device=dev).float())
+        else:
+            packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=dev)
+            b, sb = mg.w4a8_weights(packed, torch.randint(116, 126, (e, n, k // 32), dtype=torch.uint8, device=dev))
+        c = mg.SwabConfig(cfg.block_n, cfg.block_t, cfg.block_k, cfg.stages, max(1, cfg.min_blocks // (1 + glu)))
+        got = []
+        for kw in ({}, {"slot_map": True, "slots": slots}):
+            key = ka._key("moe_grouped_gemm", "swab_program", (rows, n, k, e), c, act_group=32, fmt=fmt,
+                          weight_block=32, max_rows=max_rows, swiglu_limit=10.0 if glu else None, glu_split=glu,
+                          **kw)  # fmt: skip
+            if glu:
+                outs = (torch.zeros(rows, n // 2, dtype=torch.float8_e4m3fn, device=dev),
+                        torch.zeros(n // 64, rows, device=dev))  # fmt: skip
+            else:
+                outs = (torch.zeros(rows, n, dtype=torch.bfloat16, device=dev),)
+            meta = mg.slot_expert_meta(counts) if kw else counts
+            ka.build_kernel(key)(a, sa.T.contiguous(), b, sb, meta, *outs)
+            torch.cuda.synchronize()
+            got.append(_filled_rows(outs, dest))
+        assert all(torch.equal(x, y) for x, y in zip(*got)), (fmt, tokens, glu)
