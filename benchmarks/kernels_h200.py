@@ -786,7 +786,7 @@ def _attn_two_pool_args(kv_in, idx, n_win: int):
 
 def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=None, fp8: bool = False,
                      n_win: int = 0, hot_rows: int = 0, piece: str = "", contiguous: bool = False,
-                     wide_combine: bool = False):  # fmt: skip
+                     wide_combine: bool = False, flush: str = "zero"):  # fmt: skip
     """Decode: B requests, 64 heads x 512, `topk` entries each (128 window + selected) from a 256K-row pool.
     cfg None: sparse_attn_decode.sm90_config (the warp-specialised program, split-K when B is small).
     fp8: the FP8 KV cache (e4m3 + ue8m0 exponents per 32, MODEL_SPEC section 3): the roofline counts its
@@ -799,7 +799,9 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     "combine"; %limit is still against the whole operation's roofline.
     contiguous (diagnostic): each request's entries are consecutive pool rows from a random start (HBM pages
     streamed in order) instead of random rows: the gather's DRAM-locality bound.
-    wide_combine (split configs): the pair runs with combine_program_wide instead of combine_program."""
+    wide_combine (split configs): the pair runs with combine_program_wide instead of combine_program.
+    flush "read" (timing method): L2 emptied by reading 256 MB before each run instead of do_bench's zeroing,
+    so the kernel does not also write back ~50 MB of dirty L2 lines (`_bench_read_flush`)."""
     sad = sparse_attn_decode
     if not dry and not _ATTN_PREBUILT[0]:  # (the prebuild workers run dry: no nesting)
         _attn_prebuild(quick)
@@ -844,16 +846,40 @@ def case_attn_decode(row: Row, B: int, topk: int, quick: bool, dry: bool, cfg=No
     if n_win:
         kv_in, idx_in = _attn_two_pool_args(kv_in, idx, n_win)
     kernel(q, kv_in, idx_in, sink, out)
+    timer = _bench_read_flush if flush == "read" else bench
     if cfg.skipped:  # a diagnostic build (Config.skip): its output is wrong by design
         row.check = f"none (diagnostic: {'+'.join(cfg.skipped)} left out)"
-        row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
+        row.ms = timer(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
         return
     row.check = expect(rel_err(out, eager()), 2e-2)
+    if flush == "read":
+        row.ms = timer(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
+        return
     if piece:
         row.ms = bench(lambda: kernel.pieces[piece](q, kv_in, idx_in, sink, out), quick)
         return
     row.ms = bench(lambda: kernel(q, kv_in, idx_in, sink, out), quick)
     row.eager_ms = bench(eager, quick)
+
+
+def _bench_read_flush(fn, quick: bool) -> float:
+    """Median ms of fn after an L2 flush that only reads (a 256 MB sum): do_bench's flush zeroes 256 MB, which
+    leaves the L2 full of dirty lines that the timed kernel then writes back as it misses."""
+    if CHECK_ONLY:
+        return float("nan")
+    buf = torch.zeros(64 << 20, device="cuda")
+    n = 30 if quick else 100
+    for _ in range(5):
+        buf.sum()
+        fn()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in marks:
+        buf.sum()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in marks)[n // 2]
 
 
 def attn_cases(quick: bool):
@@ -884,7 +910,7 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
-    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_next_cases())
+    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_next_cases() + attn_r1_cases())
 
 
 def attn_sweep_cases():
@@ -976,6 +1002,63 @@ def attn_next_cases():
             add("two-pool", B, early, n_win=128)
             for parts in ATTN_NEXT_SKIPS:
                 add("", B, dataclasses.replace(base, skip=parts))
+    return out
+
+
+def attn_r1_cases():
+    """`--only "sparse_attn r1"` (session 5, round 1): why the gather alone does not stream at HBM rate. At B128
+    (one CTA per SM), gather-only builds (no QK^T / PV) that change one thing each: the PV warpgroups' proxy fence
+    (MEMBAR.ALL.CTA in SASS: may wait for the refill just issued, serialising the 2-stage ring), rid_early, 1-D
+    bulk row copies by the TMA engine instead of 16-B cp.async ("B": diagnostic layout), 4 stages of 32 rows, no
+    softmax; late_refill ("f": the refill after the next block's fence and under PV's wgmmas); the full programs
+    of each (checked where they are correct); the timing method itself (a read-only
+    L2 flush: do_bench's zeroing leaves dirty lines that the kernel writes back); B64's combine (wide vs old)
+    and rid_early at B64 / B256."""
+    import dataclasses
+
+    sad = sparse_attn_decode
+    out = []
+
+    def add(what, B, cfg, **kw):
+        out.append((f"sparse_attn r1 {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
+
+    base = sad.sm90_config(128, 640)
+    var = functools.partial(dataclasses.replace, base)
+    add("", 128, base)
+    add("read-flush", 128, base, flush="read")
+    add("", 128, var(late_refill=True))
+    add("two-pool", 128, var(late_refill=True), n_win=128)
+    add("", 128, var(rid_early=True))
+    add("", 128, var(skip="pvfence"))
+    add("", 128, var(skip="gather,ids,qk,softmax,pv"))  # the fixed part (Q in, O out, the ring's barriers)
+    add("read-flush", 128, var(skip="gather,ids,qk,softmax,pv"), flush="read")
+    for gather_only in ("qk,pv", "qk,softmax,pv"):
+        add("", 128, var(skip=gather_only))
+        add("", 128, var(skip=gather_only + ",pvfence"))
+        add("", 128, var(skip=gather_only, copy="bulk"))
+    add("", 128, var(skip="qk,pv", rid_early=True))
+    add("", 128, var(skip="qk,pv", late_refill=True))
+    add("read-flush", 128, var(skip="qk,pv"), flush="read")
+    n32 = sad.Config(32, sad.WS_THREADS, 1, 4, True)
+    add("", 128, n32)
+    add("", 128, dataclasses.replace(n32, skip="qk,pv"))
+    add("", 128, dataclasses.replace(n32, skip="qk,pv", copy="bulk"))
+    add("", 128, dataclasses.replace(n32, late_refill=True))
+    add("", 128, dataclasses.replace(n32, skip="qk,pv", late_refill=True))
+    b64 = sad.sm90_config(64, 640)
+    add("", 64, b64)
+    add("", 64, dataclasses.replace(b64, late_refill=True))
+    add("", 64, dataclasses.replace(b64, stages=4, block_n=32, late_refill=True))
+    add("", 64, dataclasses.replace(b64, rid_early=True))
+    add("wide combine", 64, b64, wide_combine=True)
+    add("combine only", 64, b64, piece="combine")
+    add("wide combine only", 64, b64, piece="combine", wide_combine=True)
+    b256 = sad.sm90_config(256, 640)
+    add("", 256, b256)
+    add("", 256, dataclasses.replace(b256, rid_early=True))
+    add("", 256, dataclasses.replace(b256, late_refill=True))
+    add("", 256, dataclasses.replace(b256, stages=4, block_n=32, late_refill=True))
     return out
 
 

@@ -52,6 +52,17 @@ class Config:
     # right after the proxy fence of block i (one id slot per stage) instead of after the refill of block
     # i + stages, so that no fence waits for those loads
     rid_early: bool = False
+    # ws, bf16 KV, diagnostic (wrong layout: needs skip "qk,pv"): "bulk" copies each gathered half-row with one
+    # 1-D bulk copy (cp.async.bulk, the TMA engine: 512 B, one thread a row, complete_tx on the ring barrier)
+    # instead of 16-B cp.async from every loader thread. Its rows land unswizzled, so the wgmmas cannot read
+    # them; the row times whether the TMA engine streams the gather faster than per-thread LDGSTS.
+    copy: str = "cp"
+    # ws, bf16 KV (new, not yet measured): the PV warpgroups refill the stage PV(i - 1) freed only after their
+    # wait and proxy fence for block i, and after issuing PV(i)'s wgmmas (async: T.gemm would add its own
+    # proxy fence after the loads), then load the next row ids. The fence compiles to MEMBAR.ALL.CTA, which
+    # (suspected) waits for this thread's outstanding loads: refilled right after PV(i - 1), as by default,
+    # the gather of block i - 1 + stages must land before PV(i) may start, so no load overlaps a PV.
+    late_refill: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -59,6 +70,10 @@ class Config:
         assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
         assert not self.rid_early or self.ws, "rid_early: the ws program"
+        assert not self.late_refill or (self.ws and not self.rid_early), "late_refill: the ws program"
+        assert self.copy in ("cp", "bulk"), self.copy
+        if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
+            assert self.ws and {"qk", "pv"} <= set(self.skipped) and not self.rid_early, "bulk: a ws diagnostic"
 
     @property
     def skipped(self) -> tuple[str, ...]:
@@ -72,6 +87,8 @@ class Config:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
         head += "r" if self.rid_early else ""
+        head += "B" if self.copy == "bulk" else ""
+        head += "f" if self.late_refill else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -278,6 +295,8 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
 
 
 LOG2E = 1.4426950408889634
+# tl::tma_load's 1-D form (cp.async.bulk): TileLang includes this header only for the copies it lowers itself
+BULK_PRELUDE = "#include <tl_templates/cuda/copy_sm90.h>\n"
 
 
 class _WsGeom:
@@ -379,6 +398,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     early = cfg.rid_early
+    bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
+    late = cfg.late_refill
+    assert not (late and (kv_fp8 or early)), "late_refill: bf16 KV, not with rid_early"
     assert not (early and kv_fp8), "rid_early: bf16 KV"
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
@@ -402,7 +424,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def wait_kv(full, st, ph):
         T.barrier_wait(full[st], ph)
         T.barrier_wait(full[NS + st], ph)
-        T.fence_proxy_async()  # rows written by other threads (cp.async / st.shared), read by wgmma
+        if not bulk:
+            T.fence_proxy_async()  # rows written by other threads (cp.async / st.shared), read by wgmma
 
     @T.macro
     def qk(q_l, q_r, kv_l, kv_r, Sacc, idx_s, full, st, ph, sync: bool):
@@ -439,8 +462,26 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     @T.macro
     def load_rid(src, b, base, blk, t, rid, k):
-        for r in T.unroll(R, explicit=True):
-            rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
+        if bulk:  # one row a thread (rows t % bn: the threads past bn load a duplicate and copy nothing)
+            rid[k, 0] = src.row_id(b, base + blk * bn + t % bn)
+        else:
+            for r in T.unroll(R, explicit=True):
+                rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
+
+    @T.macro
+    def bulk_row(src, dst, e, row, col, bar):
+        """cp.async.bulk (1-D, the TMA engine) of D2 elements of pool row `row` (clamped to >= 0) from column
+        col of entry e's pool to dst = (shared buffer, index tuple), completing bytes on mbarrier `bar`."""
+        if src.n_win:
+            if e < src.n_win:
+                T.call_extern("handle", "tl::tma_load", T.access_ptr(dst[0][dst[1]], "w", D2),
+                              T.access_ptr(src.kv[T.max(row, 0), col], "r", D2), bar, D2 * 2)  # fmt: skip
+            else:
+                T.call_extern("handle", "tl::tma_load", T.access_ptr(dst[0][dst[1]], "w", D2),
+                              T.access_ptr(src.kv2[T.max(row, 0), col], "r", D2), bar, D2 * 2)  # fmt: skip
+        else:
+            T.call_extern("handle", "tl::tma_load", T.access_ptr(dst[0][dst[1]], "w", D2),
+                          T.access_ptr(src.kv[T.max(row, 0), col], "r", D2), bar, D2 * 2)  # fmt: skip
 
     @T.macro
     def cp_row(src, dst, e, row, col, n: int, scales: bool):
@@ -493,13 +534,19 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 # the aligned 4 exponent bytes holding this chunk's group
                 cp_row(src, (sc, (st, g.row(r, t), t % g.tpr * 4)), e, rid[k, r],
                        g.scale_word(hf, t), 4, True)  # fmt: skip
-            elif "gather" not in skip:
+            elif "gather" not in skip and not bulk:
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
+        if bulk and "gather" not in skip:
+            if t < bn:
+                bulk_row(src, (kvh, (st, t, 0)), base + blk * bn + t, rid[k, 0], hf * D2, full[hf * NS + st])
         if hf == 0 and "ids" not in skip:
             if t < bn // 4:  # the block's row ids, for WG0's mask
                 cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
+        if bulk and "gather" not in skip:
+            if t == 0:  # the rows' bytes join the phase; every thread still arrives (its id copies, if any)
+                T.mbarrier_expect_tx(full[hf * NS + st], bn * D2 * 2)
         if not kv_fp8:
             T.cp_async_barrier_noinc(full[hf * NS + st])
 
@@ -547,7 +594,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def pv_wait(full, p_full, st, ph, hf: int):
         T.barrier_wait(p_full[st], ph)
         T.barrier_wait(full[hf * NS + st], ph)
-        if "pvfence" not in skip:
+        if "pvfence" not in skip and not bulk:
             T.fence_proxy_async()
 
     @T.macro
@@ -556,6 +603,23 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         (freed by the refill of block blk + 1, done after PV(blk + 1 - NS))."""
         if blk + NS + 1 < nb:
             load_rid(src, b, base, blk + NS + 1, t, rid, (st + 1) % NS)
+
+    @T.macro
+    def late_refill(src, kvh, idx_s, full, b, base, blk, st: int, hf: int, t, rid):
+        """late (after block blk's wait and fence): gather block blk - 1 + NS into stage (st - 1) % NS, which
+        PV(blk - 1) freed, with the row ids loaded one step earlier in slot (st - 1) % NS; then load the ids of
+        block blk + NS into slot st. Everything this thread has in flight at its next fence was issued a whole
+        step before it, and that fence's wait for the block it guards covers the gather anyway."""
+        prev = (st - 1) % NS
+        if st > 0:
+            if blk - 1 + NS < nb:
+                gather(src, kvh, None, None, idx_s, full, b, base, blk - 1 + NS, prev, hf, t, rid, prev)
+        else:
+            if blk > 0:
+                if blk - 1 + NS < nb:
+                    gather(src, kvh, None, None, idx_s, full, b, base, blk - 1 + NS, prev, hf, t, rid, prev)
+        if blk + NS < nb:
+            load_rid(src, b, base, blk + NS, t, rid, st)
 
     @T.macro
     def pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf: int):
@@ -630,10 +694,22 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         else:
             for j in pre_blocks:
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
-            if NS < nb:
+            if NS < nb and not late:
                 load_rid(src, b, base, NS, t, rid, 0)
         for it in T.serial(rounds):
             for st in ring:
+                if late:
+                    pv_wait(full, p_full, st, it & 1, hf)
+                    for h, d in T.Parallel(H, D2):
+                        o[h, d] = o[h, d] * alpha_s[st, h]
+                    if "pv" not in skip:  # issued, not waited: the refill's loads go out under the MMAs
+                        T.wgmma_gemm(p_s[st, :, :], kvh[st, :, :], o)
+                    late_refill(src, kvh, idx_s, full, b, base, it * NS + st, st, hf, t, rid)
+                    if "pv" not in skip:
+                        T.wait_wgmma(0)
+                    T.barrier_arrive(p_empty[st])
+                    T.sync_threads(1 + hf, 128)  # (as in pv_math: all four warps' MMAs done before a refill)
+                    continue
                 if early:
                     pv_wait(full, p_full, st, it & 1, hf)
                     early_rid(src, b, base, it * NS + st, st, t, rid)
@@ -643,7 +719,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip
-        for st in tail_blocks:
+        for st in tail_blocks:  # (late: no refill is left: block rounds * NS + st - 1 + NS >= nb)
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
         T.barrier_wait(fin, 0)
         if split:
@@ -744,11 +820,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
+    prelude = BULK_PRELUDE if bulk else None
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split)  # fmt: skip
+                                  fp8=kv_fp8, split=split, prelude=prelude)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -761,7 +838,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS, prelude=prelude) as (sp, b):
                 body(Q, _Src(KV, KVs, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_fp8_split
@@ -776,7 +853,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Sink: T.Tensor((H,), f32),
             O: T.Tensor((Bd, H, D), bf),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS, prelude=prelude) as (sp, b):
                 body(Q, _Src(KV, KVs, Idx), Sink, O, None, None, None, sp, b)
 
         return sparse_attn_decode_ws_fp8
@@ -791,7 +868,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
-            with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+            with T.Kernel(ns, Bd, threads=WS_THREADS, prelude=prelude) as (sp, b):
                 body(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws_split
@@ -804,14 +881,14 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with T.Kernel(ns, Bd, threads=WS_THREADS) as (sp, b):
+        with T.Kernel(ns, Bd, threads=WS_THREADS, prelude=prelude) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
 
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16"):  # fmt: skip
+                       act="bfloat16", prelude=None):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target."""
     import tilelang.language as T
@@ -832,7 +909,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             Mp: T.Tensor((B, ns, H), f32),
             Lp: T.Tensor((B, ns, H), f32),
         ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
+            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
                 body(Q, _Src(KVw, KVsw, IdxW, KVc, KVsc, IdxC, nw), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws2_fp8_split
@@ -850,7 +927,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             Sink: T.Tensor((H,), f32),
             O: T.Tensor((B, H, D), act),
         ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
+            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
                 body(Q, _Src(KVw, KVsw, IdxW, KVc, KVsc, IdxC, nw), Sink, O, None, None, None, sp, b)
 
         return sparse_attn_decode_ws2_fp8
@@ -867,7 +944,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             Mp: T.Tensor((B, ns, H), f32),
             Lp: T.Tensor((B, ns, H), f32),
         ):
-            with T.Kernel(ns, B, threads=threads) as (sp, b):
+            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
                 body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), None, None, Op, Mp, Lp, sp, b)
 
         return sparse_attn_decode_ws2_split
@@ -882,7 +959,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((B, H, D), act),
     ):
-        with T.Kernel(ns, B, threads=threads) as (sp, b):
+        with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
             body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws2

@@ -264,3 +264,51 @@ def test_combine_wide_matches_combine_and_oracle(tilelang_required, ns):
         compile_cpu(prog(B, H, D, ns, target="cpu"))(op, mp, lp, sink, out)
         outs.append(out)
     assert (outs[1] - want).abs().max() < 1e-5 and (outs[1] - outs[0]).abs().max() < 1e-5
+
+
+def test_late_refill_and_bulk_configs_name_and_validate():
+    assert sad.Config(64, 384, 1, 2, True, late_refill=True).tag == "wsn64s2f"
+    assert sad.Config(32, 384, 2, 4, True, skip="qk,pv", copy="bulk").tag == "wsn32s4x2B-noqk-nopv"
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 1, 2, True, copy="bulk")  # its rows land unswizzled: the wgmmas must be left out
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 1, 2, True, late_refill=True, rid_early=True)  # two id-slot schemes
+    with pytest.raises(AssertionError):
+        sad.Config(64, 256, 1, 2, late_refill=True)  # the portable program has no PV warpgroups
+
+
+def _pv_loops(source: str) -> list[str]:
+    """The bodies of the PV warpgroups' main loops (the loops that wait on p_full)."""
+    loops = re.split(r"for \(int it_\d+ = 0;", source)[1:]
+    return [body.split("fin[0].wait")[0] for body in loops if "p_full[0].wait" in body.split("fin[0].wait")[0]]
+
+
+def test_late_refill_sm90_build_orders_the_refill_under_pv(codegen_cache, nvcc_required):
+    """late_refill (B64 split 2, two pools: a ring tail): in each PV warpgroup's loop the refill's cp.async
+    come after the block's fence and the PV wgmma issue and before the wgmma wait (no proxy fence between
+    them and the MMA, which would wait for the loads), the row-id loads last; no spills, same barriers."""
+    cfg = sad.Config(64, 384, 2, 2, True, late_refill=True)
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p",
+                    sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
+    loops = _pv_loops(art.source)
+    assert len(loops) == 2, "one main loop per PV warpgroup"
+    for body in loops:
+        steps = [st for st in body.split("p_full[")[1:] if "cp_async_gs_conditional" in st]  # refilling steps
+        assert len(steps) == 2, "both stages of the ring refill inside the loop"
+        for step in steps:
+            fence, mma = step.index("fence_proxy_async"), step.index("wgmma_ss")
+            load, wait = step.index("cp_async_gs_conditional"), step.index("wait_wgmma")
+            assert fence < mma < load < wait, "the refill goes out after the fence, under the issued PV"
+            assert step.count("fence_proxy_async") == 1
+    ops = art.opcodes
+    assert ops["HGMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDL"] + ops["STL"] <= 2
+    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
+
+
+def test_bulk_copy_diagnostic_build(codegen_cache, nvcc_required):
+    """copy="bulk" (diagnostic, no QK^T / PV): rows by 1-D bulk copies (UBLKCP) whose bytes the ring barrier
+    expects, no wgmma, no proxy fence before the (absent) MMAs."""
+    cfg = sad.Config(64, 384, 1, 2, True, skip="qk,pv", copy="bulk")
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg))
+    assert art.opcodes["UBLKCP"] > 0 and art.opcodes["HGMMA"] == 0
+    assert "expect_transaction(32768)" in art.source  # 64 half-rows of 512 B per barrier phase
