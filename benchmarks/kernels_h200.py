@@ -1249,7 +1249,11 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
     pos = _idx_positions(T_, C)
     row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
     row.peak = "fp8"
-    if variant == "tilelang":
+    diag = variant == "amax" or bool(getattr(cfg, "diag", ""))  # stage-cost rows: no top-k to check
+    if variant == "amax":  # the streaming reference: torch reads every score once (the whole rows)
+        row.kernel += " torch.amax(dim=1)"
+        row.bytes_ = 4.0 * T_ * C
+    elif variant == "tilelang":
         cfg = cfg or ts.default_config(T_, C, IDX_TOPK)
         row.kernel += f" {cfg.tag}"
         kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
@@ -1261,7 +1265,11 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
     q, w, k, ks, pos = _idx_inputs(T_, C)
     s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
     out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
-    if variant == "tilelang":
+    if variant == "amax":
+
+        def run():
+            torch.amax(s, dim=1)
+    elif variant == "tilelang":
         scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
 
         def run():
@@ -1272,6 +1280,11 @@ def case_indexer_topk_select(row: Row, T_: int, C: int, quick: bool, dry: bool, 
         def run():
             ts.triton_topk(s, IDX_TOPK, pos, 2, cfg=cfg, out=out, ws=ws)
 
+    if diag:
+        run()
+        row.check = "stage only (no top-k)"
+        row.ms = bench(run, quick)
+        return
     if variant == "tilelang":  # heavy exact ties first (few values, -0.0 next to +0.0): the cuts, the tie passes
         ties = torch.randint(-3, 4, s.shape, device="cuda").float()
         ties[:, ::5] = torch.where(ties[:, ::5] == 0, -0.0, ties[:, ::5])
@@ -1413,6 +1426,30 @@ def _topk_hist_sweep():
     ]  # fmt: skip
 
 
+def _topk_diag_rows():
+    """(T, C, cfg, variant) rows "indexer_topk_select diag" (helper C, issue 6): where a 64k row's time goes. At
+    T4096 C65536 the measured default (h256e16s65536p2, 761.6 us) with its per-chunk work cut down stage by stage
+    (diag read / count / push: the scores streamed, + the histogram bound, + the candidate buffer; the full
+    program adds the final selection), the same for the fused chunk loop (one barrier a chunk), the streaming
+    ceiling of the grid (diag read; also 32 scores a thread, and no L2 prefetch) and torch.amax (the whole rows
+    read once); the decode shapes (T64 / T1) with the fused loop and their streaming floors."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    H, tl = ts.HistConfig, "tilelang"
+    p64 = H(256, 16, 65536, l2_ahead=2)
+    f64 = H(256, 16, 65536, l2_ahead=2, fused=True)
+    return [
+        (4096, 65536, p64, tl), *[(4096, 65536, H(256, 16, 65536, l2_ahead=2, diag=d), tl) for d in ts.HIST_DIAGS],
+        (4096, 65536, f64, tl), (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, diag="push"), tl),
+        (4096, 65536, H(256, 16, 65536, diag="read"), tl),
+        (4096, 65536, H(256, 32, 65536, l2_ahead=2, diag="read"), tl),
+        (4096, 65536, None, "amax"),
+        (4096, 16384, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
+        (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
+        (1, 65536, H(256, 16, 8192, fused=True), tl),
+    ]  # fmt: skip
+
+
 def _indexer_cases(quick: bool):
     """Split indexer rows (scores, top-k, end to end) over T in {1, 64, 4096} x C in {2048, 16384, 65536}
     (scores of at most 1 GiB), the Triton top-k for comparison, and the fused kernel as before."""
@@ -1450,6 +1487,9 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg, first in _topk_hist_sweep():
             out.append((f"indexer_topk_select {'hist' if first else 'hsweep'}", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
+        for T_, C, cfg, var in _topk_diag_rows():
+            out.append(("indexer_topk_select diag", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         scores_sweep = [  # longer key walks per CTA: the q tile load and the CTA start amortised over more tiles
             (4096, 65536, it.ScoresConfig(128, 8, 16, 256, 2)),
             (4096, 65536, it.ScoresConfig(128, 8, 32, 256, 2)),

@@ -97,6 +97,9 @@ class HistConfig:
     seg: int = 4096
     buf: int = 0
     l2_ahead: int = 0  # chunks prefetched into L2 beyond the one in flight to registers (one bulk prefetch each)
+    fused: bool = False  # chunks after the first: count + push in one pass, one barrier, the bin search by one warp
+    min_blocks: int = 0  # __launch_bounds__ CTAs an SM (nvcc caps the registers to fit them), 0: not set
+    diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
     def chunk(self) -> int:
@@ -105,7 +108,15 @@ class HistConfig:
     @property
     def tag(self) -> str:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
-                + (f"p{self.l2_ahead}" if self.l2_ahead else ""))  # fmt: skip
+                + (f"p{self.l2_ahead}" if self.l2_ahead else "") + ("f" if self.fused else "")
+                + (f"m{self.min_blocks}" if self.min_blocks else "")
+                + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
+
+
+# `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
+# scores and their keys (a per-thread max written out), "count" adds the histogram bound, "push" the candidate
+# buffer and its cuts; only the final selection / output is left out. "" = the real program.
+HIST_DIAGS = ("read", "count", "push")
 
 
 def hist_buffer(C: int, k: int, cfg: HistConfig) -> int:
@@ -128,6 +139,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
     if isinstance(cfg, HistConfig):
         assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
         assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
+        assert cfg.diag in ("", *HIST_DIAGS) and (not cfg.diag or n_segments(C, cfg) == 1), cfg
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
@@ -1016,11 +1028,139 @@ def _make_hist_bound(ops: _Ops, NT: int):
     return count, threshold
 
 
-# l2_ahead: a bulk L2 prefetch of a chunk's bytes by one thread (no registers, no shared memory)
+# fused chunks: words of the `fz` shared control array -- per chunk parity p (chunk it: p = it % 3) an overflow
+# flag FZ_FLAG + p and the lowest failed reservation FZ_MINF + p; the running bound the bin-search warp raises
+FZ_FLAG, FZ_MINF, FZ_BETA, FZ_SIZE = 0, 3, 6, 8
+
+
+def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
+    """Macros of `HistConfig.fused` (chunks after the first), so that a chunk costs one CTA barrier:
+
+    * reserve_push: every thread counts its keys >= its bound, reserves room in the buffer (warp scan, one
+      atomicAdd a warp on ctl[0]) and writes them at once -- unless its range ends past BUF: then it writes
+      nothing, keeps them (fl[i] = 1), sets the chunk's overflow flag and atomicMin's its range start into
+      FZ_MINF. Ranges are handed out in order, so every range below the lowest failed start was written.
+    * warp_threshold: one warp finds the fine bin holding rank r from the top (coarse bins 8 a lane, a shuffle
+      suffix scan, the crossing lane's 8 bins, then the 16 fine bins) and atomicMax'es its lowest key into
+      FZ_BETA -- while the other warps go on with the next chunk and add counts. Every count it reads is a
+      number of real keys of the row (counts only grow), so a bound from any mix of old and new counts still
+      has r keys at or above it: racing reads give a looser bound, never a wrong one.
+    The shared words another warp may be writing are read and written through volatile helpers (opaque to
+    TileLang's sync planner, which would otherwise add barriers for them)."""
+    import tilelang.language as T
+
+    full = T.uint32(0xFFFFFFFF)
+    CPL = NB // 32  # coarse bins a lane
+
+    def ld(buf, j):
+        return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
+
+    @T.macro
+    def st(buf, j, v):
+        if ops.cpu:
+            buf[j] = v
+        else:
+            T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(buf[j]), v))
+
+    @T.macro
+    def put(buf, j, v):  # a plain store the sync planner does not see (int32 offset from the buffer's start)
+        if ops.cpu:
+            buf[j] = v
+        else:
+            T.evaluate(T.call_extern("handle", "tl_topk_put", T.address_of(buf[0]), j, v))
+
+    @T.macro
+    def reserve_push(bufk, bufi, ctl, fz, par, keyf, idf, takef, fl, tmp, hist_f=None, hist_c=None):
+        for i in ops.par(NT):  # (the count in fl first: one loop over the keys a parallel loop)
+            fl[i] = 0
+            for q in ops.unroll(E):
+                fl[i] = fl[i] + T.if_then_else(takef(i, q), 1, 0)
+        for i in ops.par(NT):
+            n = T.alloc_var("int32", init=fl[i])
+            if ops.cpu:
+                tmp[0] = ctl[0]
+                ctl[0] = ctl[0] + n
+            else:
+                warp_reserve(ctl, 0, n, i % 32, tmp)
+            p = T.alloc_var("int32", init=tmp[0])
+            fl[i] = T.if_then_else(T.And(n > 0, p + n > BUF), 1, 0)
+            if fl[i] == 1:
+                if ops.cpu:
+                    fz[FZ_FLAG + par] = 1
+                    fz[FZ_MINF + par] = T.min(fz[FZ_MINF + par], p)
+                else:
+                    T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(fz[FZ_FLAG + par]), 1))
+                    T.evaluate(T.call_extern("int32", "atomicMin", T.address_of(fz[FZ_MINF + par]), p))
+            else:  # (opaque stores on the GPU: the planner put a barrier into this divergent branch for them)
+                for q in ops.unroll(E):
+                    if takef(i, q):
+                        put(bufk, p, keyf(i, q))
+                        put(bufi, p, idf(i, q))
+                        p = p + 1
+                        if hist_f is not None:  # counted here, not in a loop of its own (fewer registers)
+                            f = T.shift_right(keyf(i, q), HSHIFT) + HB // 2
+                            if ops.cpu:
+                                hist_f[f] = hist_f[f] + 1
+                                hist_c[f // HSUB] = hist_c[f // HSUB] + 1
+                            else:
+                                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
+                                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+
+    @T.macro
+    def warp_threshold(hist_f, hist_c, fz, r, w):
+        """(GPU) warp w: FZ_BETA = max(FZ_BETA, the lowest key of the fine bin holding rank r), when r are counted."""
+        for i in T.Parallel(NT):
+            if i // 32 == w:
+                lane = i % 32
+                own = T.alloc_var("int32", init=0)
+                for u in T.unroll(CPL):
+                    own = own + hist_c[lane * CPL + u]
+                sfx = T.alloc_var("int32", init=own)  # this lane's bins and the higher lanes'
+                for d in (1, 2, 4, 8, 16):
+                    dn = T.call_extern("int32", "__shfl_down_sync", full, sfx, d)
+                    sfx = sfx + T.if_then_else(lane + d < 32, dn, 0)
+                hits = T.alloc_var("int32", init=T.call_extern("int32", "__ballot_sync", full, sfx >= r))
+                if hits != 0:  # (warp-uniform) the highest lane with >= r at and above it
+                    hl = 31 - T.call_extern("int32", "__clz", hits)
+                    above = T.call_extern("int32", "__shfl_sync", full, sfx - own, hl)  # < r
+                    # that lane's CPL bins, one a lane (read again: at least as many as summed above)
+                    h = T.alloc_var("int32", init=T.if_then_else(lane < CPL, hist_c[hl * CPL + lane % CPL], 0))
+                    s = T.alloc_var("int32", init=h)
+                    for d in (1, 2, 4):
+                        dn = T.call_extern("int32", "__shfl_down_sync", full, s, d)
+                        s = s + T.if_then_else(lane + d < CPL, dn, 0)
+                    s = s + above
+                    h2 = T.alloc_var("int32", init=T.call_extern("int32", "__ballot_sync", full,
+                                                                  T.And(lane < CPL, s >= r)))  # fmt: skip
+                    if h2 != 0:  # (always: lane 0's sum >= the first read)
+                        cl = 31 - T.call_extern("int32", "__clz", h2)
+                        cb = hl * CPL + cl
+                        cabove = T.call_extern("int32", "__shfl_sync", full, s - h, cl)
+                        f = T.alloc_var("int32", init=T.if_then_else(lane < HSUB, hist_f[cb * HSUB + lane % HSUB], 0))
+                        for d in (1, 2, 4, 8):
+                            dn = T.call_extern("int32", "__shfl_down_sync", full, f, d)
+                            f = f + T.if_then_else(lane + d < HSUB, dn, 0)
+                        h3 = T.alloc_var("int32", init=T.call_extern("int32", "__ballot_sync", full,
+                                                                      T.And(lane < HSUB, f + cabove >= r)))  # fmt: skip
+                        # no fine bin reaches r (its counts read lower than the coarse one's): the coarse bin's
+                        # lowest key, which the coarse counts read (cabove + its own) already bound
+                        fb = cb * HSUB + T.if_then_else(h3 != 0, 31 - T.call_extern("int32", "__clz", h3), 0)
+                        if lane == 0:
+                            T.evaluate(T.call_extern("int32", "atomicMax", T.address_of(fz[FZ_BETA]),
+                                                     T.shift_left(fb - HB // 2, HSHIFT)))  # fmt: skip
+
+    return SimpleNamespace(ld=ld, st=st, reserve_push=reserve_push, warp_threshold=warp_threshold)
+
+
+# l2_ahead: a bulk L2 prefetch of a chunk's bytes by one thread (no registers, no shared memory); fused: volatile
+# shared loads / stores of words other warps write without a barrier between
 _L2_PREFETCH_PRELUDE = r"""
 __device__ __forceinline__ void tl_topk_prefetch_l2(const void* p, int bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ int tl_topk_ld(const int* p) { return *(const volatile int*)p; }
+__device__ __forceinline__ void tl_topk_st(int* p, int v) { *(volatile int*)p = v; }
+__device__ __forceinline__ void tl_topk_put(int* p, int j, int v) { p[j] = v; }
 """
 
 
@@ -1056,13 +1196,19 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    prelude = _L2_PREFETCH_PRELUDE if cfg.l2_ahead > 0 and not ops.cpu else None
+    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused) and not ops.cpu else None
+    DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
+    fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
+    OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
 
     def at_least(kc, beta):
         return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
+
+    def failed_at_least(kc, fl, beta):  # (fused) a key of a thread whose reservation failed
+        return lambda i, j: T.And(fl[i] == 1, T.And(kc[i, j] != NONE, kc[i, j] >= beta))
 
     # the buffer's members, read in shared memory where they are used (not held in registers: the chunk in flight
     # and its keys are what the registers hold): thread i's q-th is entry q * NT + i (`members` NONE-d the others)
@@ -1151,6 +1297,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         Arrive: T.Tensor(sh["Arrive"], "int32"),
     ):
         with T.Kernel(NSEG, T_, threads=NT, prelude=prelude) as (sg, t):
+            if cfg.min_blocks > 0 and not ops.cpu:
+                T.annotate_min_blocks_per_sm(cfg.min_blocks)
             hist_f = ops.sh((HB,), "int32")
             hist_c = ops.sh((NB,), "int32")
             hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 8)
@@ -1177,8 +1325,17 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 hist_f[b] = 0
             for b in ops.par(NB):
                 hist_c[b] = 0
+            fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
+            fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             for _z in ops.par(1):
                 ctl[0] = 0
+                for u in T.serial(3):
+                    fz[FZ_FLAG + u] = 0
+                    fz[FZ_MINF + u] = INT_MAX
+                fz[FZ_BETA] = NONE
+            if DIAG == "read":
+                for i in ops.par(NT):
+                    rc[i] = NONE
             ops.barrier()  # (shared atomics next)
             if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
                 fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
@@ -1195,16 +1352,56 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
                             if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
                                 fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
-                        count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                        ops.barrier()
-                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
-                        if bc[2] >= 0:
-                            beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))  # the bin's lowest key
-                        # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
-                        if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
-                            cut = 1
+                        if DIAG == "read":  # (diagnostics) the keys' per-thread max only
+                            for i in ops.par(NT):
+                                for j in ops.unroll(E):
+                                    rc[i] = T.max(rc[i], kc[i, j])
+                        else:
+                            if it < OLD_CHUNKS:
+                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                ops.barrier()
+                                threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                                if bc[2] >= 0:
+                                    beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))  # the bin's lowest key
+                                # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
+                                if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
+                                    cut = 1
+                            if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
+                                if it >= OLD_CHUNKS:
+                                    beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                                    for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
+                                        fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
+                                        fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
+                                    if DIAG == "count":
+                                        count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                    else:  # (the keys without room are not counted: a looser bound, rare)
+                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc), id_c(c0_of(sg, it)),
+                                                           at_least(kc, T.max(beta, floor)), fl, tmp,
+                                                           hist_f, hist_c)  # fmt: skip
+                                    ops.barrier()
+                                    if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
+                                        # the buffer's complete part (below the lowest failed start) cut to its exact
+                                        # top-k, then the keys without room pushed against its k-th key (not + 1: this
+                                        # chunk's columns are not all above the kept ones')
+                                        for _z in ops.par(1):
+                                            ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
+                                        members(bufk, ctl[0], beta)
+                                        select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp)
+                                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                                             failed_at_least(kc, fl, T.max(T.max(beta, floor),
+                                                                           T.if_then_else(stb[3] == k, stb[0], NONE))),
+                                             E, rc, tmp)  # fmt: skip
+                                        if stb[3] == k:  # later columns tied with the k-th key lose to it
+                                            floor = stb[0] + 1
+                                    elif ops.cpu:
+                                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                                        if bc[2] >= 0:
+                                            fz[FZ_BETA] = T.max(fz[FZ_BETA], T.shift_left(bc[2] - HB // 2, HSHIFT))
+                                    else:
+                                        fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP)
                 elif it == NCH:
-                    cut = 1
+                    cut = 1 if DIAG == "" else 0
                 if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
                     if T.And(it == NCH + 1, last == 1):
                         load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
@@ -1223,11 +1420,19 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
                             if bc[2] == NSEG - 1:
                                 last = 1
-                if it < NCH:
-                    if c0_of(sg, it) < lim:
+                if DIAG in ("", "push"):
+                    if T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
                         push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
                              E, rc, tmp)  # fmt: skip
-            if last == 1:
+            if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = rc[i]
+            elif DIAG != "":
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
+            elif last == 1:
                 mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), EB, unroll=False)
                 emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 

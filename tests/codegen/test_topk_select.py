@@ -23,6 +23,10 @@ def _scores(kind: str, T_: int, C: int, seed: int = 0) -> torch.Tensor:
         return s
     if kind == "const":  # one value: every chunk overflows the candidate filter
         return torch.zeros(T_, C)
+    if kind == "step":  # -1, but 0 in columns 256..511 (the 2nd chunk of a 32 x 8 config) except -0.5 in 260..271
+        c = torch.arange(C)
+        s = torch.where((c >= 256) & (c < 512), 0.0, -1.0)
+        return torch.where((c >= 260) & (c < 272), -0.5, s).repeat(T_, 1)
     if kind == "ramp":  # increasing: the group maxima bound is loose, later chunks beat earlier ones
         return torch.arange(C).float().repeat(T_, 1) * 0.5 - 7.0
     if kind == "limits":  # +inf, the largest finite, subnormals, both zeros, -inf (= not visible) among randoms
@@ -106,10 +110,15 @@ def c_hist_kernels(tilelang_required):
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
     one, two = ts.HistConfig(32, 8, 1024), ts.HistConfig(32, 8, 512)
+    one_f, two_f = ts.HistConfig(32, 8, 1024, fused=True), ts.HistConfig(32, 8, 512, fused=True)
     return {
         "one": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one, target="cpu")), one, 2, [0, 2, 40, 5000]),
         "two": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two, target="cpu")), two, 1, [5, 700, 5000]),
-    }
+        "one_fused": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one_f, target="cpu")), one_f, 2,
+                      [0, 2, 40, 5000]),
+        "two_fused": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two_f, target="cpu")), two_f, 1,
+                      [5, 700, 5000]),
+    }  # fmt: skip
 
 
 def test_c_target_hist_without_positions(tilelang_required):
@@ -125,13 +134,18 @@ def test_c_target_hist_without_positions(tilelang_required):
     assert torch.equal(_run_c(kernel, s, 16, None, cfg), ts.reference(s, 16))
 
 
-@pytest.mark.parametrize("which", ["one", "two"])
-@pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits"])
+@pytest.mark.parametrize("which", ["one", "two", "one_fused", "two_fused"])
+@pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_bound(c_hist_kernels, kind, which):
     """The histogram bound (12-bit bins; the first chunk counted whole, later ones above the bound), the buffer
     cut to its exact top-k when the next chunk might not fit (every chunk of `const` and `ramp`) and the strict
     bound after it (a later tie with the k-th loses), several segments merged by the last CTA; rows with 0, 1,
-    fewer than k and all columns visible; infinities, subnormals, -0.0 next to +0.0. Run twice (arrivals)."""
+    fewer than k and all columns visible; infinities, subnormals, -0.0 next to +0.0. Run twice (arrivals).
+    fused: chunks after the first reserve room as they push; `const`, `ramp` and `step` run out of it mid-chunk
+    (some threads' keys written, the rest not), so the buffer's complete part is cut and the rest pushed after
+    -- in `step` the first 4 threads' zeros (columns 256..259, 384..399) are cut to 256..259 and 384..395, and
+    the other threads' zeros in 272..383 tie with that k-th key at LOWER columns: they must still be pushed,
+    and win."""
     kernel, cfg, ratio, pos = c_hist_kernels[which]
     s = _scores(kind, len(pos), 1024, seed=3)
     pos = torch.tensor(pos)
