@@ -517,6 +517,7 @@ def moe_decode_real_cases():
         for kernel in ("swiglu", "down"):
             add("map", T_, kernel, with_eager=True)
             add("scan (before)", T_, kernel, slot_map=False)
+            add("map wide", T_, kernel, cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), wide_tma=True))
     for kernel in ("swiglu", "down"):
         add("map full grid", 16, kernel, slots=0)
     swab = moe_grouped_gemm.SwabConfig
@@ -527,6 +528,8 @@ def moe_decode_real_cases():
         "down": (swab(64, 16, 128, 6, 3), swab(64, 16, 128, 8, 2), swab(64, 16, 256, 4, 2), swab(64, 16, 128, 4, 5),
                  swab(128, 16, 128, 4, 2), swab(128, 16, 128, 6, 1), swab(256, 16, 128, 4, 1)),
     }  # fmt: skip
+    sweep["swiglu"] += (swab(64, 16, 256, 2, 2, True), swab(128, 16, 128, 2, 2, True))
+    sweep["down"] += (swab(64, 16, 256, 4, 2, True), swab(128, 16, 128, 4, 2, True), swab(64, 16, 128, 6, 3, True))
     for kernel, cfgs in sweep.items():
         for cfg in cfgs:
             add("map (sweep)", 64, kernel, cfg=cfg)

@@ -434,6 +434,7 @@ class SwabConfig:
     block_k: int = 128
     stages: int = 4
     min_blocks: int = 3  # __launch_bounds__ min blocks per SM (registers capped; no setmaxnreg)
+    wide_tma: bool = False  # fp8: 128B-swizzled weight/activation tiles, one TMA box per 128 K bytes (see swab_program)
 
     @property
     def threads(self) -> int:
@@ -441,7 +442,8 @@ class SwabConfig:
 
     @property
     def tag(self) -> str:
-        return f"swab{self.block_n}x{self.block_t}x{self.block_k}s{self.stages}b{self.min_blocks}"
+        return f"swab{self.block_n}x{self.block_t}x{self.block_k}s{self.stages}b{self.min_blocks}" + (
+            "w" if self.wide_tma else "")  # fmt: skip
 
 
 def swab_config(rows_per_expert: int, fmt: str = "fp8", contiguous: bool = False, active_experts: int | None = None,
@@ -502,6 +504,34 @@ float deepinfer_fp4_value(int16_t packed, int32_t which) {
 """
 
 
+_WIDE_SUFFIX = "_w128"
+
+
+def _wide_swizzle_hook() -> None:
+    """TileLang gives a wgmma operand the swizzle its K extent alone supports: a 32-K slice of a 128-byte row gets the
+    32B swizzle, and the row's TMA load becomes four 32-byte-wide boxes. For shared buffers whose name ends in
+    `_WIDE_SUFFIX` (swab_program's wide_tma tiles only) the layout is the 128B swizzle of the whole row instead; the
+    wgmma emitter then addresses a slice by its byte offset inside the swizzle atom. Installed once per process,
+    on the first wide program; every other buffer keeps TileLang's choice."""
+    from tilelang.cuda.op.gemm.gemm_wgmma import GemmWGMMA
+    from tilelang.layout import make_full_bank_swizzled_layout
+    from tilelang.utils.language import is_shared
+
+    if getattr(GemmWGMMA.infer_layout, "deepinfer_wide", False):
+        return
+    plain = GemmWGMMA.infer_layout
+
+    def infer_layout(self, target, thread_nums):
+        layouts = plain(self, target, thread_nums)
+        for buf in (self.A, self.B):
+            if is_shared(buf) and buf.name.endswith(_WIDE_SUFFIX):
+                layouts[buf] = make_full_bank_swizzled_layout(buf)
+        return layouts
+
+    infer_layout.deepinfer_wide = True
+    GemmWGMMA.infer_layout = infer_layout
+
+
 def swab_program(
     M: int,
     N: int,
@@ -540,6 +570,10 @@ def swab_program(
     expert order, then the idle ones), so a CTA finds its expert with one load instead of scanning all E counts
     (at E = 384 the scan is 384 dependent loads and branches in every CTA before its first TMA load); the slot ->
     expert assignment, hence every output bit, is the scan's. A CTA whose slot names an idle expert exits at once.
+    cfg.wide_tma (fp8, sm90): the weight and activation tiles take the 128B swizzle of their whole 128-byte K rows, so
+    each K stage is one TMA box of block_n x 128 bytes instead of four 32-byte-wide boxes (the swizzle TileLang derives
+    from the 32-K MMA slices alone); the MMAs read the same slices at +32 B inside the swizzle atom, as TileLang's own
+    K=128 gemm does. Opt-in until the H200 times it (issue 8: HBM efficiency of the decode weight stream).
     slots (masked): the grid's expert slots, 0 = E. Any count >= the number of experts with tokens is exact (e.g.
     T * top-k at decode: T = 1 launches 6 slots instead of 384); the grid stays static (CUDA graphs)."""
     import tilelang.language as T
@@ -573,6 +607,10 @@ def swab_program(
     nk, sa_rows, kb_a = K // bK, bK // ag, ceil_div(K, ag)
     units = list(range(bK // sub))
     fp8 = "float32" if cpu else "float8_e4m3fn"
+    wide = cfg.wide_tma and not cpu
+    assert not cfg.wide_tma or (not fp4 and bK % 128 == 0), "wide_tma: fp8 tiles of whole 128-byte K rows"
+    if wide:
+        _wide_swizzle_hook()
     assert not slot_map or max_rows, "slot_map is a masked-layout map"
     assert 0 <= slots <= E and (not slots or max_rows), "slots: 1..E expert slots of the masked layout"
     n_meta = (2 * E if slot_map else E) if max_rows else M // bT
@@ -663,7 +701,14 @@ def swab_program(
                 T.no_set_max_nreg()
             if fp4:
                 T.import_source(_FP4_SRC_CPU if cpu else _FP4_SRC)
-            A_s = mem.shared((bT, bK), fp8)
+            # the tiles live in lists and are only ever used as list elements: binding one to a new name would
+            # rename the buffer (wide: the `_w128` names select the 128B swizzle, `_wide_swizzle_hook`)
+            if wide:
+                A_s_w128 = mem.shared((bT, bK), fp8)
+                At = [A_s_w128]
+            else:
+                A_s = mem.shared((bT, bK), fp8)
+                At = [A_s]
             SA_s = mem.shared((sa_rows, bT), "float32")
             # one weight tile of bN rows per half (glu_split: the gate half and the up half, each its own MMA);
             # named allocations (a list comprehension would name every buffer `v` in the generated source)
@@ -673,23 +718,32 @@ def swab_program(
                 P_s = mem.shared((bN, bK // 4), "int16")
                 W_f = mem.fragment((bN, sub), fp8)
                 SG_s = mem.shared((bK // 32, bN), "uint8")
+                Wt, St = [P_s], [SG_s]
+            elif wide:
+                W_s_w128 = mem.shared((bN, bK), fp8)
+                SB_s = mem.shared((nsb, kb_w), "float32")
+                Wt, St = [W_s_w128], [SB_s]
             else:
                 W_s = mem.shared((bN, bK), fp8)
                 SB_s = mem.shared((nsb, kb_w), "float32")
+                Wt, St = [W_s], [SB_s]
             if split:
                 p0_up = mem.fragment((bN, bT), "float32")
                 acc_up = mem.fragment((bN, bT), "float32")
                 if fp4:
                     P_up_s = mem.shared((bN, bK // 4), "int16")
                     SG_up_s = mem.shared((bK // 32, bN), "uint8")
-                    Wt, St = [P_s, P_up_s], [SG_s, SG_up_s]
+                    Wt, St = Wt + [P_up_s], St + [SG_up_s]
+                elif wide:
+                    W_up_s_w128 = mem.shared((bN, bK), fp8)
+                    SB_up_s = mem.shared((nsb, kb_w), "float32")
+                    Wt, St = Wt + [W_up_s_w128], St + [SB_up_s]
                 else:
                     W_up_s = mem.shared((bN, bK), fp8)
                     SB_up_s = mem.shared((nsb, kb_w), "float32")
-                    Wt, St = [W_s, W_up_s], [SB_s, SB_up_s]
+                    Wt, St = Wt + [W_up_s], St + [SB_up_s]
                 P0, Acc = [p0, p0_up], [acc, acc_up]
             else:
-                Wt, St = ([P_s], [SG_s]) if fp4 else ([W_s], [SB_s])
                 P0, Acc = [p0], [acc]
             # -------- which expert and rows this CTA works on
             e, n_tt = expert_of_slot(Meta, slot)
@@ -716,11 +770,11 @@ def swab_program(
                             T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), r0 : r0 + bN], St[h])
                         else:
                             T.copy(B[e, r0 : r0 + bN, ko * bK : (ko + 1) * bK], Wt[h])
-                    T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], A_s)
+                    T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], At[0])
                     T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
                     for u in units:
                         for h in halves:
-                            _mma_step(u, ko, A_s, SA_s, P0[h], Acc[h], Wt[h], W_f if fp4 else None, St[h])
+                            _mma_step(u, ko, At[0], SA_s, P0[h], Acc[h], Wt[h], W_f if fp4 else None, St[h])
                 if glu:
                     H_s = mem.shared((bT, n_halves * bN), "float32")
                     for h in halves:
