@@ -1013,7 +1013,8 @@ def attn_r1_cases():
     (one CTA per SM), gather-only builds (no QK^T / PV) that change one thing each: the PV warpgroups' proxy fence
     (MEMBAR.ALL.CTA in SASS: may wait for the refill just issued, serialising the 2-stage ring), rid_early, 1-D
     bulk row copies by the TMA engine instead of 16-B cp.async ("B": diagnostic layout), 4 stages of 32 rows, no
-    softmax; late_refill ("f": the refill after the next block's fence and under PV's wgmmas); the full programs
+    softmax; late_refill ("f": the refill after the next block's fence and under PV's wgmmas); copy="tma" ("T":
+    rows by 2-D TMA boxes into the swizzled stages, no proxy fence left before the wgmmas); the full programs
     of each (checked where they are correct); the timing method itself (a read-only
     L2 flush: do_bench's zeroing leaves dirty lines that the kernel writes back); B64's combine (wide vs old)
     and rid_early at B64 / B256."""
@@ -1032,6 +1033,10 @@ def attn_r1_cases():
     add("read-flush", 128, base, flush="read")
     add("", 128, var(late_refill=True))
     add("two-pool", 128, var(late_refill=True), n_win=128)
+    add("", 128, var(copy="tma"))
+    add("read-flush", 128, var(copy="tma"), flush="read")
+    add("two-pool", 128, var(copy="tma"), n_win=128)
+    add("", 128, var(copy="tma", skip="qk,pv"))
     add("", 128, var(rid_early=True))
     add("", 128, var(skip="pvfence"))
     add("", 128, var(skip="gather,ids,qk,softmax,pv"))  # the fixed part (Q in, O out, the ring's barriers)
@@ -1049,10 +1054,14 @@ def attn_r1_cases():
     add("", 128, dataclasses.replace(n32, skip="qk,pv", copy="bulk"))
     add("", 128, dataclasses.replace(n32, late_refill=True))
     add("", 128, dataclasses.replace(n32, skip="qk,pv", late_refill=True))
+    add("", 128, dataclasses.replace(n32, copy="tma"))
+    add("", 128, dataclasses.replace(n32, skip="qk,pv", copy="tma"))
     b64 = sad.sm90_config(64, 640)
     add("", 64, b64)
     add("", 64, dataclasses.replace(b64, late_refill=True))
     add("", 64, dataclasses.replace(b64, stages=4, block_n=32, late_refill=True))
+    add("", 64, dataclasses.replace(b64, copy="tma"))
+    add("", 64, dataclasses.replace(b64, stages=4, block_n=32, copy="tma"))
     add("", 64, dataclasses.replace(b64, rid_early=True))
     add("wide combine", 64, b64, wide_combine=True)
     add("combine only", 64, b64, piece="combine")
@@ -1062,6 +1071,8 @@ def attn_r1_cases():
     add("", 256, dataclasses.replace(b256, rid_early=True))
     add("", 256, dataclasses.replace(b256, late_refill=True))
     add("", 256, dataclasses.replace(b256, stages=4, block_n=32, late_refill=True))
+    add("", 256, dataclasses.replace(b256, copy="tma"))
+    add("", 256, dataclasses.replace(b256, stages=4, block_n=32, copy="tma"))
     return out
 
 

@@ -1218,8 +1218,8 @@ class SparseAttnAdapter:
         topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
-        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "rid_early")
-                 if f in vars(sad.Config())]  # fmt: skip
+        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "rid_early",
+                             "late_refill", "copy") if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
         if topk % (cfg.block_n * cfg.num_split):
@@ -1233,6 +1233,8 @@ class SparseAttnAdapter:
         two = cmp_kv is not None and _two_pool_program()
         if two and cfg.ws and sad.ws_supported(h, d, "sm90") and n_win % 4:
             two = False  # the ws program copies row ids 4 at a time: concatenate instead
+        if two and getattr(cfg, "copy", "cp") == "tma" and n_win % cfg.block_n:
+            cfg = dataclasses.replace(cfg, copy="cp")  # its one bulk id copy a block reads one list
         rows = win_kv.shape[0] + (cmp_kv.shape[0] if cmp_kv is not None and not two else 0)
         kw = {"kv_fp8": False}
         if two:

@@ -56,6 +56,10 @@ class Config:
     # 1-D bulk copy (cp.async.bulk, the TMA engine: 512 B, one thread a row, complete_tx on the ring barrier)
     # instead of 16-B cp.async from every loader thread. Its rows land unswizzled, so the wgmmas cannot read
     # them; the row times whether the TMA engine streams the gather faster than per-thread LDGSTS.
+    # "tma" (new, not yet measured; a full, checked program): each quarter half-row (64 columns, 128 B) is one
+    # 2-D TMA tile copy (cp.async.bulk.tensor, box 1 x 64, 128-B swizzle: the TMA swizzles by shared address, so
+    # a 1-row box lands in the wgmma layout), issued by every loader thread for its own rows. The rows arrive
+    # through the async proxy, so no proxy fence (MEMBAR.ALL.CTA) is left before the wgmmas.
     copy: str = "cp"
     # ws, bf16 KV (new, not yet measured): the PV warpgroups refill the stage PV(i - 1) freed only after their
     # wait and proxy fence for block i, and after issuing PV(i)'s wgmmas (async: T.gemm would add its own
@@ -71,7 +75,8 @@ class Config:
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
         assert not self.rid_early or self.ws, "rid_early: the ws program"
         assert not self.late_refill or (self.ws and not self.rid_early), "late_refill: the ws program"
-        assert self.copy in ("cp", "bulk"), self.copy
+        assert self.copy in ("cp", "bulk", "tma"), self.copy
+        assert self.copy != "tma" or (self.ws and not self.rid_early and not self.late_refill), "tma: own order"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) and not self.rid_early, "bulk: a ws diagnostic"
 
@@ -87,7 +92,7 @@ class Config:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
         head += "r" if self.rid_early else ""
-        head += "B" if self.copy == "bulk" else ""
+        head += {"cp": "", "bulk": "B", "tma": "T"}[self.copy]
         head += "f" if self.late_refill else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
@@ -317,6 +322,7 @@ class _WsGeom:
         self.RS = 128 // self.tpr if kv_fp8 else 16  # block rows covered by one pass of the 128 loader threads
         self.R = self.bn // self.RS  # rows a loader thread copies per block
         self.QC = H * self.D2 // 8 // 128  # Q half: 16 B copies a thread
+        self.GPT = self.D2 // 64 * self.bn // 128  # copy="tma": 64-column boxes a loader thread copies per block
         assert self.R >= 1 and self.bn % self.RS == 0 and self.QC * 1024 == H * self.D2 and self.D2 % 64 == 0
 
     def row(self, r, t):
@@ -333,6 +339,12 @@ class _WsGeom:
 
     def scale_byte(self, hf: int, t):  # FP8: this thread's group among those 4 bytes
         return (hf * self.D2 + self.col8(t)) // 32 % 4
+
+    def tma_row(self, t):  # copy="tma": the block row loader thread t copies (TPR threads a row)
+        return t // (128 // self.bn)
+
+    def tma_group(self, t, j):  # copy="tma": its j-th 64-column group of the half-row
+        return t % (128 // self.bn) * self.GPT + j
 
     def q_row(self, k, t):
         return (k * 128 + t) // (self.D2 // 8)
@@ -399,6 +411,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     early = cfg.rid_early
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
+    tma = cfg.copy == "tma"  # 2-D TMA copies of 1 x 64 boxes into the swizzled stages
+    asyn = bulk or tma  # rows written through the async proxy: no proxy fence before the wgmmas that read them
+    assert not (asyn and kv_fp8), "bulk / tma copies: bf16 KV"
+    assert not tma or n_win % bn == 0, "tma: a block's row ids come from one list (one bulk copy)"
     late = cfg.late_refill
     assert not (late and (kv_fp8 or early)), "late_refill: bf16 KV, not with rid_early"
     assert not (early and kv_fp8), "rid_early: bf16 KV"
@@ -424,7 +440,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def wait_kv(full, st, ph):
         T.barrier_wait(full[st], ph)
         T.barrier_wait(full[NS + st], ph)
-        if not bulk:
+        if not asyn:
             T.fence_proxy_async()  # rows written by other threads (cp.async / st.shared), read by wgmma
 
     @T.macro
@@ -464,9 +480,46 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def load_rid(src, b, base, blk, t, rid, k):
         if bulk:  # one row a thread (rows t % bn: the threads past bn load a duplicate and copy nothing)
             rid[k, 0] = src.row_id(b, base + blk * bn + t % bn)
+        elif tma:  # 128 / bn threads share a row
+            rid[k, 0] = src.row_id(b, base + blk * bn + g.tma_row(t))
         else:
             for r in T.unroll(R, explicit=True):
                 rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
+
+    def tma_desc(kv):
+        """The tensor map of a bf16 pool [rows, D]: boxes of 1 row x 64 columns, 128-B swizzle (TileLang hoists
+        it to a __grid_constant__ kernel parameter built on the host)."""
+        return T.create_tma_descriptor(9, 2, kv.data, D, kv.shape[0], 2, D * 2, 64, 1, 1, 1, 0, 3, 2, 0)
+
+    @T.macro
+    def tma_box(src, kvh, st, r, u, e, row, col, bar):
+        """TMA copy of pool row `row` (clamped to >= 0), columns col .. col + 63 of entry e's pool, to row r of
+        stage st, 64-column group u, completing on mbarrier bar = (barriers, index) (a tuple: a macro argument
+        bound to full[i] would be copied). The destination is the 128-B line's start: logical column u * 64 +
+        (r % 8) * 8 is where the swizzle (chunk ^ row % 8) puts chunk 0; the TMA applies the same XOR."""
+        dst = T.access_ptr(kvh[st, r, u * 64 + r % 8 * 8], "w", 64)
+        if src.n_win:
+            if e < src.n_win:
+                T.tma_load(tma_desc(src.kv), bar[0][bar[1]], dst, col, T.max(row, 0), 0)
+            else:
+                T.tma_load(tma_desc(src.kv2), bar[0][bar[1]], dst, col, T.max(row, 0), 0)
+        else:
+            T.tma_load(tma_desc(src.kv), bar[0][bar[1]], dst, col, T.max(row, 0), 0)
+
+    @T.macro
+    def bulk_ids(src, dst, b, e, bar):
+        """tma: one 1-D bulk copy (T.tma_copy: it adds the bytes to the barrier's expected count itself) of the
+        bn row ids of entries e .. e + bn - 1 (one list: n_win % bn == 0) to dst = (shared buffer, stage),
+        completing on bar = (barriers, index). An async-proxy write: no generic shared write is left in the PV
+        warpgroups' loop for TileLang's InjectFenceProxy to fence before their wgmmas."""
+        if src.n_win:
+            if e < src.n_win:
+                T.tma_copy(src.idx[b, e : e + bn], dst[0][dst[1], 0:bn], barrier=bar[0][bar[1]])
+            else:
+                T.tma_copy(src.idx2[b, e - src.n_win : e - src.n_win + bn], dst[0][dst[1], 0:bn],
+                           barrier=bar[0][bar[1]])  # fmt: skip
+        else:
+            T.tma_copy(src.idx[b, e : e + bn], dst[0][dst[1], 0:bn], barrier=bar[0][bar[1]])
 
     @T.macro
     def bulk_row(src, dst, e, row, col, bar):
@@ -534,20 +587,29 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 # the aligned 4 exponent bytes holding this chunk's group
                 cp_row(src, (sc, (st, g.row(r, t), t % g.tpr * 4)), e, rid[k, r],
                        g.scale_word(hf, t), 4, True)  # fmt: skip
-            elif "gather" not in skip and not bulk:
+            elif "gather" not in skip and not asyn:
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
         if bulk and "gather" not in skip:
             if t < bn:
                 bulk_row(src, (kvh, (st, t, 0)), base + blk * bn + t, rid[k, 0], hf * D2, full[hf * NS + st])
+        if tma and "gather" not in skip:
+            for j in T.unroll(g.GPT, explicit=True):
+                tma_box(src, kvh, st, g.tma_row(t), g.tma_group(t, j), base + blk * bn + g.tma_row(t), rid[k, 0],
+                        hf * D2 + g.tma_group(t, j) * 64, (full, hf * NS + st))  # fmt: skip
         if hf == 0 and "ids" not in skip:
-            if t < bn // 4:  # the block's row ids, for WG0's mask
+            if tma:  # one bulk copy (async proxy too: no generic shared write left in the loop to fence)
+                if t == 0:
+                    bulk_ids(src, (stg_idx, st), b, base + blk * bn, (full, st))
+            elif t < bn // 4:  # the block's row ids, for WG0's mask
                 cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
-        if bulk and "gather" not in skip:
+        if asyn and "gather" not in skip:
             if t == 0:  # the rows' bytes join the phase; every thread still arrives (its id copies, if any)
                 T.mbarrier_expect_tx(full[hf * NS + st], bn * D2 * 2)
-        if not kv_fp8:
+        if tma:
+            T.barrier_arrive(full[hf * NS + st])
+        elif not kv_fp8:
             T.cp_async_barrier_noinc(full[hf * NS + st])
 
     @T.macro
@@ -594,7 +656,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def pv_wait(full, p_full, st, ph, hf: int):
         T.barrier_wait(p_full[st], ph)
         T.barrier_wait(full[hf * NS + st], ph)
-        if "pvfence" not in skip and not bulk:
+        if "pvfence" not in skip and not asyn:
             T.fence_proxy_async()
 
     @T.macro
@@ -626,7 +688,11 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         for h, d in T.Parallel(H, D2):
             o[h, d] = o[h, d] * alpha_s[st, h]
         if "pv" not in skip:
-            T.gemm(p_s[st, :, :], kvh[st, :, :], o)
+            if asyn:  # T.gemm would put a proxy fence (MEMBAR.ALL.CTA) before the wgmma
+                T.wgmma_gemm(p_s[st, :, :], kvh[st, :, :], o)
+                T.wait_wgmma(0)
+            else:
+                T.gemm(p_s[st, :, :], kvh[st, :, :], o)
         T.barrier_arrive(p_empty[st])
         # wgmma.wait_group is per warp: before any thread of this warpgroup refills the stage, all four warps'
         # MMAs (which all read the whole stage) must be done. Named barrier 1 + hf, 128 threads.
@@ -767,6 +833,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.fill(m, NEG)
             T.fill(l, 0.0)
             T.barrier_wait(bar_q, 0)
+            if asyn:  # Q (cp.async by the PV warpgroups) is read by wgmma; the rows need no fence
+                T.fence_proxy_async()
             if la:
                 # blocks 0 .. nb-2 issue the next block's QK^T before their softmax (unconditionally: a
                 # wgmma under a data-dependent branch makes ptxas serialise every wgmma, C7518); S[i % 2]
@@ -820,7 +888,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
-    prelude = BULK_PRELUDE if bulk else None
+    prelude = BULK_PRELUDE if asyn else None
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:

@@ -312,3 +312,44 @@ def test_bulk_copy_diagnostic_build(codegen_cache, nvcc_required):
     art = _build_ws(f"sparse_attn_ws_{cfg.tag}", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg))
     assert art.opcodes["UBLKCP"] > 0 and art.opcodes["HGMMA"] == 0
     assert "expect_transaction(32768)" in art.source  # 64 half-rows of 512 B per barrier phase
+
+
+@pytest.mark.parametrize("bn,stages", [(64, 2), (32, 4)])
+def test_tma_boxes_cover_each_block_group_once(bn, stages):
+    """copy="tma": the 128 loader threads' (row, 64-column group) boxes tile a block's half-rows exactly once."""
+    g = sad._WsGeom(64, 512, 640, sad.Config(bn, 384, 1, stages, True, copy="tma"), False)
+    seen = torch.zeros(bn, g.D2 // 64, dtype=torch.int32)
+    for t in range(128):
+        for j in range(g.GPT):
+            seen[g.tma_row(t), g.tma_group(t, j)] += 1
+    assert bool((seen == 1).all())
+
+
+def test_tma_config_names_and_validates():
+    assert sad.Config(64, 384, 2, 2, True, copy="tma").tag == "wsn64s2x2T"
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 1, 2, True, copy="tma", rid_early=True)  # its own row-id slots
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 1, 2, True, copy="tma", late_refill=True)  # no fence to move the refill past
+    with pytest.raises(AssertionError):
+        sad.Config(64, 256, 1, 2, copy="tma")  # the ws program only
+    with pytest.raises(AssertionError):  # FP8 KV keeps its cp.async staging
+        sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=sad.Config(32, 384, 1, 2, True, copy="tma"),
+                    kv_fp8=True)  # fmt: skip
+
+
+def test_tma_sm90_build(codegen_cache, nvcc_required):
+    """copy="tma" (B64 split 2, two pools): KV rows by 2-D TMA boxes (UTMALDG) from one tensor map per pool,
+    ids by a 1-D bulk copy (UBLKCP), so the only cp.async left are Q's (16 a thread in each PV warpgroup) and
+    no proxy fence is left in the PV warpgroups' loops; no spills, the same named barriers."""
+    cfg = sad.Config(64, 384, 2, 2, True, copy="tma")
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p",
+                    sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
+    ops = art.opcodes
+    assert ops["UTMALDG"] > 0 and ops["UBLKCP"] > 0 and ops["HGMMA"] > 0
+    assert ops["LDGSTS"] == 2 * 16, "only the Q copies stay on cp.async"
+    assert ops["LDL"] + ops["STL"] <= 2
+    assert "CUtensorMap KVw_desc" in art.source and "CUtensorMap KVc_desc" in art.source
+    loops = _pv_loops(art.source)
+    assert len(loops) == 2 and all("fence_proxy_async" not in body for body in loops)
+    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
