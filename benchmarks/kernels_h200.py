@@ -1009,70 +1009,56 @@ def attn_next_cases():
 
 
 def attn_r1_cases():
-    """`--only "sparse_attn r1"` (session 5, round 1): why the gather alone does not stream at HBM rate. At B128
-    (one CTA per SM), gather-only builds (no QK^T / PV) that change one thing each: the PV warpgroups' proxy fence
-    (MEMBAR.ALL.CTA in SASS: may wait for the refill just issued, serialising the 2-stage ring), rid_early, 1-D
-    bulk row copies by the TMA engine instead of 16-B cp.async ("B": diagnostic layout), 4 stages of 32 rows, no
-    softmax; late_refill ("f": the refill after the next block's fence and under PV's wgmmas); copy="tma" ("T":
-    rows by 2-D TMA boxes into the swizzled stages, no proxy fence left before the wgmmas); the full programs
-    of each (checked where they are correct); the timing method itself (a read-only
-    L2 flush: do_bench's zeroing leaves dirty lines that the kernel writes back); B64's combine (wide vs old)
-    and rid_early at B64 / B256."""
+    """`--only "sparse_attn r1a"` / `"sparse_attn r1b"` (session 5, round 1; two calls of <= 2.5 min): why the
+    gather alone does not stream at HBM rate and what fixes it. r1a, B128 (one CTA per SM): the default and the
+    two new full programs -- copy="tma" ("T": rows by 2-D TMA boxes into the swizzled stages, no proxy fence left
+    before the wgmmas) and late_refill ("f": the refill after the next block's fence, under PV's wgmmas) --
+    checked; gather-only builds (no QK^T / PV) that change one thing each: the PV warpgroups' proxy fence left
+    out (MEMBAR.ALL.CTA in SASS: may wait for the refill just issued, serialising the 2-stage ring), 1-D bulk row
+    copies by the TMA engine ("B": diagnostic layout), T, f; the timing method (a read-only L2 flush: do_bench's
+    zeroing leaves dirty lines that the kernel writes back). r1b: B64 (split 2, the wide combine) and B256 with
+    T / f / rid_early, 4 stages of 32 rows gather-only, the no-softmax gather-only trio."""
     import dataclasses
 
     sad = sparse_attn_decode
     out = []
 
-    def add(what, B, cfg, **kw):
-        out.append((f"sparse_attn r1 {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+    def add(group, what, B, cfg, **kw):
+        out.append((f"sparse_attn r1{group} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
                     lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
 
     base = sad.sm90_config(128, 640)
     var = functools.partial(dataclasses.replace, base)
-    add("", 128, base)
-    add("read-flush", 128, base, flush="read")
-    add("", 128, var(late_refill=True))
-    add("two-pool", 128, var(late_refill=True), n_win=128)
-    add("", 128, var(copy="tma"))
-    add("read-flush", 128, var(copy="tma"), flush="read")
-    add("two-pool", 128, var(copy="tma"), n_win=128)
-    add("", 128, var(copy="tma", skip="qk,pv"))
-    add("", 128, var(rid_early=True))
-    add("", 128, var(skip="pvfence"))
-    add("", 128, var(skip="gather,ids,qk,softmax,pv"))  # the fixed part (Q in, O out, the ring's barriers)
-    add("read-flush", 128, var(skip="gather,ids,qk,softmax,pv"), flush="read")
-    for gather_only in ("qk,pv", "qk,softmax,pv"):
-        add("", 128, var(skip=gather_only))
-        add("", 128, var(skip=gather_only + ",pvfence"))
-        add("", 128, var(skip=gather_only, copy="bulk"))
-    add("", 128, var(skip="qk,pv", rid_early=True))
-    add("", 128, var(skip="qk,pv", late_refill=True))
-    add("read-flush", 128, var(skip="qk,pv"), flush="read")
-    n32 = sad.Config(32, sad.WS_THREADS, 1, 4, True)
-    add("", 128, n32)
-    add("", 128, dataclasses.replace(n32, skip="qk,pv"))
-    add("", 128, dataclasses.replace(n32, skip="qk,pv", copy="bulk"))
-    add("", 128, dataclasses.replace(n32, late_refill=True))
-    add("", 128, dataclasses.replace(n32, skip="qk,pv", late_refill=True))
-    add("", 128, dataclasses.replace(n32, copy="tma"))
-    add("", 128, dataclasses.replace(n32, skip="qk,pv", copy="tma"))
-    b64 = sad.sm90_config(64, 640)
-    add("", 64, b64)
-    add("", 64, dataclasses.replace(b64, late_refill=True))
-    add("", 64, dataclasses.replace(b64, stages=4, block_n=32, late_refill=True))
-    add("", 64, dataclasses.replace(b64, copy="tma"))
-    add("", 64, dataclasses.replace(b64, stages=4, block_n=32, copy="tma"))
-    add("", 64, dataclasses.replace(b64, rid_early=True))
-    add("wide combine", 64, b64, wide_combine=True)
-    add("combine only", 64, b64, piece="combine")
-    add("wide combine only", 64, b64, piece="combine", wide_combine=True)
-    b256 = sad.sm90_config(256, 640)
-    add("", 256, b256)
-    add("", 256, dataclasses.replace(b256, rid_early=True))
-    add("", 256, dataclasses.replace(b256, late_refill=True))
-    add("", 256, dataclasses.replace(b256, stages=4, block_n=32, late_refill=True))
-    add("", 256, dataclasses.replace(b256, copy="tma"))
-    add("", 256, dataclasses.replace(b256, stages=4, block_n=32, copy="tma"))
+    n32 = functools.partial(dataclasses.replace, sad.Config(32, sad.WS_THREADS, 1, 4, True))
+    fixed = "gather,ids,qk,softmax,pv"  # the fixed part: Q in, O out, the ring's barriers
+    for what, cfg, kw in [
+        ("", base, {}), ("read-flush", base, dict(flush="read")),
+        ("", var(copy="tma"), {}), ("read-flush", var(copy="tma"), dict(flush="read")),
+        ("two-pool", var(copy="tma"), dict(n_win=128)), ("", var(late_refill=True), {}),
+        ("", var(rid_early=True), {}), ("", var(skip="pvfence"), {}),
+        ("", n32(), {}), ("", n32(copy="tma"), {}), ("", n32(late_refill=True), {}),
+        ("", var(skip=fixed), {}), ("read-flush", var(skip=fixed), dict(flush="read")),
+        ("", var(skip="qk,pv"), {}), ("read-flush", var(skip="qk,pv"), dict(flush="read")),
+        ("", var(skip="qk,pv,pvfence"), {}), ("", var(skip="qk,pv", copy="bulk"), {}),
+        ("", var(skip="qk,pv", copy="tma"), {}), ("", var(skip="qk,pv", late_refill=True), {}),
+    ]:  # fmt: skip
+        add("a", what, 128, cfg, **kw)
+    b64 = functools.partial(dataclasses.replace, sad.sm90_config(64, 640))
+    b256 = functools.partial(dataclasses.replace, sad.sm90_config(256, 640))
+    for what, B, cfg, kw in [
+        ("", 64, b64(), {}), ("", 64, b64(copy="tma"), {}), ("", 64, b64(stages=4, block_n=32, copy="tma"), {}),
+        ("", 64, b64(late_refill=True), {}), ("wide combine", 64, b64(), dict(wide_combine=True)),
+        ("combine only", 64, b64(), dict(piece="combine")),
+        ("wide combine only", 64, b64(), dict(piece="combine", wide_combine=True)),
+        ("", 256, b256(), {}), ("", 256, b256(copy="tma"), {}), ("", 256, b256(stages=4, block_n=32, copy="tma"), {}),
+        ("", 256, b256(late_refill=True), {}), ("", 256, b256(rid_early=True), {}),
+        ("two-pool", 128, var(late_refill=True), dict(n_win=128)),
+        ("", 128, n32(skip="qk,pv"), {}), ("", 128, n32(skip="qk,pv", copy="tma"), {}),
+        ("", 128, n32(skip="qk,pv", copy="bulk"), {}), ("", 128, n32(skip="qk,pv", late_refill=True), {}),
+        ("", 128, var(skip="qk,softmax,pv"), {}), ("", 128, var(skip="qk,softmax,pv,pvfence"), {}),
+        ("", 128, var(skip="qk,softmax,pv", copy="bulk"), {}),
+    ]:  # fmt: skip
+        add("b", what, B, cfg, **kw)
     return out
 
 
