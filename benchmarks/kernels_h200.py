@@ -505,8 +505,12 @@ REAL_TOKENS = (64, 1, 16, 256)  # the issue's batch first
 
 def moe_decode_real_cases():
     """Rows "moe decode real ...": per T, the runtime's two kernels with the slot map (and its trimmed grid), then the
-    same kernels with the per-CTA scan (the program before the map); at T = 16 the map on the full 384-slot grid
-    (what the trim alone gives); then a config sweep at T = 64 for each kernel (pick the default from one call)."""
+    same kernels with the per-CTA scan (the program before the map), with wide_tma (128B-swizzled tiles, one TMA
+    box per 128 K bytes) and with wide_tma + stage_scales (the weight scales by TMA per K stage; at T = 64 also
+    stage_scales alone); at T = 16 the map on the full 384-slot grid (what the trim alone gives); then a config sweep
+    at T = 64 for each kernel (pick the default from one call)."""
+    import dataclasses
+
     out = []
 
     def add(name, tokens, kernel, **kw):
@@ -518,6 +522,11 @@ def moe_decode_real_cases():
             add("map", T_, kernel, with_eager=True)
             add("scan (before)", T_, kernel, slot_map=False)
             add("map wide", T_, kernel, cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), wide_tma=True))
+            add("map wide staged", T_, kernel,
+                cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), wide_tma=True, stage_scales=True))
+        if T_ == 64:
+            for kernel in ("swiglu", "down"):
+                add("map staged", T_, kernel, cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), stage_scales=True))
     for kernel in ("swiglu", "down"):
         add("map full grid", 16, kernel, slots=0)
     swab = moe_grouped_gemm.SwabConfig
@@ -528,8 +537,10 @@ def moe_decode_real_cases():
         "down": (swab(64, 16, 128, 6, 3), swab(64, 16, 128, 8, 2), swab(64, 16, 256, 4, 2), swab(64, 16, 128, 4, 5),
                  swab(128, 16, 128, 4, 2), swab(128, 16, 128, 6, 1), swab(256, 16, 128, 4, 1)),
     }  # fmt: skip
-    sweep["swiglu"] += (swab(64, 16, 256, 2, 2, True), swab(128, 16, 128, 2, 2, True))
-    sweep["down"] += (swab(64, 16, 256, 4, 2, True), swab(128, 16, 128, 4, 2, True), swab(64, 16, 128, 6, 3, True))
+    sweep["swiglu"] += (swab(64, 16, 256, 2, 2, True, True), swab(128, 16, 128, 2, 2, True, True),
+                        swab(64, 16, 128, 5, 2, True, True))
+    sweep["down"] += (swab(64, 16, 256, 4, 2, True, True), swab(128, 16, 128, 4, 2, True, True),
+                      swab(64, 16, 128, 6, 3, True, True))
     for kernel, cfgs in sweep.items():
         for cfg in cfgs:
             add("map (sweep)", 64, kernel, cfg=cfg)

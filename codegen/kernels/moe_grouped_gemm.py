@@ -435,6 +435,7 @@ class SwabConfig:
     stages: int = 4
     min_blocks: int = 3  # __launch_bounds__ min blocks per SM (registers capped; no setmaxnreg)
     wide_tma: bool = False  # fp8: 128B-swizzled weight/activation tiles, one TMA box per 128 K bytes (see swab_program)
+    stage_scales: bool = False  # fp8: each K stage's weight block scales by TMA with its weights (see swab_program)
 
     @property
     def threads(self) -> int:
@@ -442,8 +443,8 @@ class SwabConfig:
 
     @property
     def tag(self) -> str:
-        return f"swab{self.block_n}x{self.block_t}x{self.block_k}s{self.stages}b{self.min_blocks}" + (
-            "w" if self.wide_tma else "")  # fmt: skip
+        extra = ("w" if self.wide_tma else "") + ("t" if self.stage_scales else "")
+        return f"swab{self.block_n}x{self.block_t}x{self.block_k}s{self.stages}b{self.min_blocks}{extra}"
 
 
 def swab_config(rows_per_expert: int, fmt: str = "fp8", contiguous: bool = False, active_experts: int | None = None,
@@ -574,6 +575,9 @@ def swab_program(
     each K stage is one TMA box of block_n x 128 bytes instead of four 32-byte-wide boxes (the swizzle TileLang derives
     from the 32-K MMA slices alone); the MMAs read the same slices at +32 B inside the swizzle atom, as TileLang's own
     K=128 gemm does. Opt-in until the H200 times it (issue 8: HBM efficiency of the decode weight stream).
+    cfg.stage_scales (fp8): each K stage's weight block scales (block_n/32 x block_k/32 fp32) come by TMA with the
+    stage's weights instead of all of K's being staged by plain loads before the pipeline starts: a CTA's first
+    weight load then waits for nothing but its slot's expert id (opt-in until the H200 times it).
     slots (masked): the grid's expert slots, 0 = E. Any count >= the number of experts with tokens is exact (e.g.
     T * top-k at decode: T = 1 launches 6 slots instead of 384); the grid stays static (CUDA graphs)."""
     import tilelang.language as T
@@ -608,6 +612,8 @@ def swab_program(
     units = list(range(bK // sub))
     fp8 = "float32" if cpu else "float8_e4m3fn"
     wide = cfg.wide_tma and not cpu
+    staged = cfg.stage_scales and not fp4
+    assert not staged or bK % weight_block == 0, "stage_scales: whole weight blocks per K stage"
     assert not cfg.wide_tma or (not fp4 and bK % 128 == 0), "wide_tma: fp8 tiles of whole 128-byte K rows"
     if wide:
         _wide_swizzle_hook()
@@ -619,6 +625,7 @@ def swab_program(
     # fp8 weight scales of this CTA's rows, staged once
     nsb = max(1, bN // wb) if not fp4 else 1
     kb_w = ceil_div(K, wb)
+    sb_cols = bK // wb if staged else kb_w  # staged: one K stage's scale columns (multi-buffered by the pipeline)
     if fp4:
         b_shape, sb_shape, sb_dt = (E, N, K // 4), (E, K // 32, N), "uint8"
     else:
@@ -659,6 +666,8 @@ def swab_program(
                 # 2^(byte - 127) * 2^6 (the dequantised codes are the e2m1 values * 2^-6)
                 sbyte = T.Cast("uint32", S[u, j])
                 sb = T.reinterpret(T.shift_left(sbyte + T.uint32(6), T.uint32(23)), "float32")
+            elif staged:  # this stage's scales only
+                sb = S[j // wb if bN > wb else 0, (u * sub) // wb]
             else:
                 sb = S[j // wb if bN > wb else 0, (ko * bK + u * sub) // wb]
             acc[j, t] += p0[j, t] * (sb * SA_s[(u * sub) // ag, t])
@@ -721,11 +730,11 @@ def swab_program(
                 Wt, St = [P_s], [SG_s]
             elif wide:
                 W_s_w128 = mem.shared((bN, bK), fp8)
-                SB_s = mem.shared((nsb, kb_w), "float32")
+                SB_s = mem.shared((nsb, sb_cols), "float32")
                 Wt, St = [W_s_w128], [SB_s]
             else:
                 W_s = mem.shared((bN, bK), fp8)
-                SB_s = mem.shared((nsb, kb_w), "float32")
+                SB_s = mem.shared((nsb, sb_cols), "float32")
                 Wt, St = [W_s], [SB_s]
             if split:
                 p0_up = mem.fragment((bN, bT), "float32")
@@ -736,11 +745,11 @@ def swab_program(
                     Wt, St = Wt + [P_up_s], St + [SG_up_s]
                 elif wide:
                     W_up_s_w128 = mem.shared((bN, bK), fp8)
-                    SB_up_s = mem.shared((nsb, kb_w), "float32")
+                    SB_up_s = mem.shared((nsb, sb_cols), "float32")
                     Wt, St = Wt + [W_up_s_w128], St + [SB_up_s]
                 else:
                     W_up_s = mem.shared((bN, bK), fp8)
-                    SB_up_s = mem.shared((nsb, kb_w), "float32")
+                    SB_up_s = mem.shared((nsb, sb_cols), "float32")
                     Wt, St = Wt + [W_up_s], St + [SB_up_s]
                 P0, Acc = [p0, p0_up], [acc, acc_up]
             else:
@@ -749,7 +758,7 @@ def swab_program(
             e, n_tt = expert_of_slot(Meta, slot)
             # first weight row of each half's tile (with glu and not split: of the tile-interleaved stack)
             row_g = [h * I + bx * bN for h in halves]
-            if not fp4:
+            if not fp4 and not staged:
                 if slot_map:  # an idle slot reads nothing
                     if n_tt > 0:
                         stage_weight_scales(SB, St, e, row_g)
@@ -770,6 +779,8 @@ def swab_program(
                             T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), r0 : r0 + bN], St[h])
                         else:
                             T.copy(B[e, r0 : r0 + bN, ko * bK : (ko + 1) * bK], Wt[h])
+                            if staged:
+                                T.copy(SB[e, r0 // wb : r0 // wb + nsb, ko * (bK // wb) : (ko + 1) * (bK // wb)], St[h])
                     T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], At[0])
                     T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
                     for u in units:

@@ -1,7 +1,11 @@
-"""swab_program with SwabConfig.wide_tma (fp8): weight and activation tiles in the 128B swizzle of their whole 128-byte
-K rows (one TMA box per 128 K bytes) instead of the 32B swizzle TileLang derives from the 32-K MMA slices (four
-32-byte-wide boxes). CPU: the lowered sm90 source against the layout TileLang itself gives a K=128 gemm (same
-descriptor, same +32 B steps), the default program unchanged, the sm_90a build; H200: outputs bit for bit."""
+"""swab_program's load-path options (fp8), both opt-in:
+- SwabConfig.wide_tma: weight and activation tiles in the 128B swizzle of their whole 128-byte K rows (one TMA box
+  per 128 K bytes) instead of the 32B swizzle TileLang derives from the 32-K MMA slices (four 32-byte-wide boxes);
+- SwabConfig.stage_scales: each K stage's weight block scales by TMA with its weights (no plain-load staging of all
+  of K's scales before the pipeline).
+CPU: the lowered sm90 source against the layout TileLang itself gives a K=128 gemm (same descriptor, same +32 B
+steps), the default program unchanged, stage_scales on the c target bit for bit equal to the default, the sm_90a
+builds; H200: outputs bit for bit equal to the default program."""
 
 import re
 
@@ -14,8 +18,8 @@ from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 E, D, I = 384, 5120, 2304
 
 
-def _program(wide: bool, glu: bool, block_k: int = 128, **kw):
-    cfg = mg.SwabConfig(64, 16, block_k, 4, 2, wide)
+def _program(wide: bool, glu: bool, block_k: int = 128, staged: bool = False, **kw):
+    cfg = mg.SwabConfig(64, 16, block_k, 4, 2, wide, staged)
     n, k = (2 * I, D) if glu else (D, I)
     return mg.swab_program(E * 16, n, k, E, cfg=cfg, max_rows=16, swiglu_limit=10.0 if glu else None, glu_split=glu,
                            slot_map=True, **kw)  # fmt: skip
@@ -76,10 +80,47 @@ def test_wide_is_fp8_only_and_the_c_target_ignores_it(tilelang_required):
     assert (c[real].double() - want[real]).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_sm90_build(codegen_cache, nvcc_required):
+def test_staged_scales_come_with_each_stage(tilelang_required):
+    """stage_scales: a TMA of the stage's (64/32) x (128/32) scales next to each weight tile, no plain loads of SB."""
+    src = _lower(_program(False, True, staged=True))
+    assert len(re.findall(r"tma_load\(SB_desc", src)) == 2  # gate and up tiles
+    assert "(ko * 4), (((int)blockIdx.x) * 2), e)" in src and "SB + " not in src
+
+
+@pytest.mark.parametrize("glu", [True, False])
+def test_staged_scales_equal_the_default_on_the_c_target(tilelang_required, glu):
+    """Same promotion, scales read from the stage's copy: every output value of the default program (E = 6, an idle
+    expert, one expert over two token tiles)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    torch.manual_seed(1)
+    e, mr, n, k = 6, 8, 128, 256
+    counts = torch.tensor([3, 0, 8, 1, 5, 2], dtype=torch.int32)
+    a, sa = _common.quant_fp8_groups(torch.randn(e * mr, k), 32)
+    quant = [_common.quant_fp8_blocks(torch.randn(n, k) * 0.05, 32) for _ in range(e)]
+    b, sb = torch.stack([q for q, _ in quant]), torch.stack([s for _, s in quant])
+    got = []
+    for staged in (False, True):
+        cfg = mg.SwabConfig(64, 4, 128, 2, 1, False, staged)
+        prog = mg.swab_program(e * mr, n, k, e, cfg=cfg, max_rows=mr, swiglu_limit=10.0 if glu else None,
+                               glu_split=glu, slot_map=True, target="cpu")  # fmt: skip
+        outs = (torch.zeros(e * mr, n // 2), torch.zeros(n // 64, e * mr)) if glu else (torch.zeros(e * mr, n),)
+        compile_cpu(prog)(a.float(), sa.T.contiguous(), b.float(), sb * 16.0, mg.slot_expert_meta(counts), *outs)
+        got.append(outs)
+    assert all(torch.equal(x, y) for x, y in zip(*got))
+    real = mg.row_experts(counts, mr, masked=True) >= 0
+    h = mg.reference(a, sa, b, sb * 16.0, mg.masked_tile_expert(counts, mr, mr), mr, 32, 32)
+    if glu:
+        assert torch.equal(got[1][1].T[real], mg.swiglu_quant_reference(h, 10.0)[1][real])
+    else:
+        assert (got[1][0][real] - h[real]).abs().max() <= 1e-5 * h.abs().max()
+
+
+@pytest.mark.parametrize("wide,staged", [(True, False), (True, True)])
+def test_sm90_build(codegen_cache, nvcc_required, wide, staged):
     from deepinfer.codegen import tilelang_backend as tb
 
-    art = tb.build("moe_swab_wide_down", _program(True, False), "sm90")
+    art = tb.build(f"moe_swab_down_w{int(wide)}t{int(staged)}", _program(wide, False, staged=staged), "sm90")
     ops = art.opcodes
     assert ops["QGMMA"] > 0 and ops["UTMALDG"] > 0
     assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
@@ -87,9 +128,10 @@ def test_sm90_build(codegen_cache, nvcc_required):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("glu", [True, False])
-def test_wide_equals_the_default_on_the_h200(glu):
-    """Same operands, same MMAs and promotion order, only the shared-memory layout differs: every output byte equal
-    (V4.1 decode at 64 tokens, 384 experts)."""
+@pytest.mark.parametrize("wide,staged", [(True, False), (False, True), (True, True)])
+def test_load_paths_equal_the_default_on_the_h200(glu, wide, staged):
+    """Same operands, same MMAs and promotion order, only the load path differs: every output byte equal (V4.1
+    decode at 64 tokens, 384 experts)."""
     from deepinfer.runtime import kernel_adapters as ka
 
     t, topk, dev = 64, 6, "cuda"
@@ -103,8 +145,8 @@ def test_wide_equals_the_default_on_the_h200(glu):
     sb = torch.exp2(torch.randint(-8, -4, (E, n // 32, k // 32), device=dev).float())
     meta = mg.slot_expert_meta(counts)
     got = []
-    for wide in (False, True):
-        cfg = mg.SwabConfig(64, 16, 128, 4, 2 if glu else 4, wide)
+    for load_path in ((False, False), (wide, staged)):
+        cfg = mg.SwabConfig(64, 16, 128, 4, 2 if glu else 4, *load_path)
         key = ka._key("moe_grouped_gemm", "swab_program", (rows, n, k, E), cfg, act_group=32, fmt="fp8",
                       weight_block=32, max_rows=64, swiglu_limit=10.0 if glu else None, glu_split=glu,
                       slot_map=True, slots=0)  # fmt: skip
