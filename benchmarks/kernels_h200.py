@@ -1451,13 +1451,16 @@ def _topk_diag_rows():
     f64 = H(256, 16, 65536, l2_ahead=2, fused=True)
     return [
         (4096, 65536, p64, tl), *[(4096, 65536, H(256, 16, 65536, l2_ahead=2, diag=d), tl) for d in ts.HIST_DIAGS],
-        (4096, 65536, f64, tl), (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, diag="push"), tl),
+        (4096, 65536, f64, tl), (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, diag="push"), tl),
         (4096, 65536, H(256, 16, 65536, diag="read"), tl),
         (4096, 65536, H(256, 32, 65536, l2_ahead=2, diag="read"), tl),
         (4096, 65536, None, "amax"),
         (4096, 16384, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
-        (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
-        (1, 65536, H(256, 16, 8192, fused=True), tl),
+        (64, 65536, H(128, 16, 16384, l2_ahead=2), tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
+        (64, 65536, H(128, 16, 16384, l2_ahead=2, diag="read"), tl),
+        (1, 65536, H(256, 16, 8192), tl), (1, 65536, H(256, 16, 8192, fused=True), tl),
+        (1, 65536, H(256, 16, 8192, diag="read"), tl),
     ]  # fmt: skip
 
 
