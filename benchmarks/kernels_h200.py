@@ -1441,26 +1441,27 @@ def _topk_diag_rows():
     """(T, C, cfg, variant) rows "indexer_topk_select diag" (helper C, issue 6): where a 64k row's time goes. At
     T4096 C65536 the measured default (h256e16s65536p2, 761.6 us) with its per-chunk work cut down stage by stage
     (diag read / count / push: the scores streamed, + the histogram bound, + the candidate buffer; the full
-    program adds the final selection), the same for the fused chunk loop (one barrier a chunk), the streaming
-    ceiling of the grid (diag read; also 32 scores a thread, and no L2 prefetch) and torch.amax (the whole rows
-    read once); the decode shapes (T64 / T1) with the fused loop and their streaming floors."""
+    program adds the final selection), the streaming ceiling of the grid (diag read; also 32 scores a thread,
+    and no L2 prefetch) and torch.amax (the whole rows read once); the decode shapes (T64 / T1) and their
+    streaming floors. Last (a hang there loses nothing else): the fused chunk loop (one barrier a chunk) at
+    2 CTAs/SM (92 registers) and at 3 (min_blocks=3), its push stage, C16384 and the decode shapes."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H, tl = ts.HistConfig, "tilelang"
-    p64 = H(256, 16, 65536, l2_ahead=2)
-    f64 = H(256, 16, 65536, l2_ahead=2, fused=True)
     return [
-        (4096, 65536, p64, tl), *[(4096, 65536, H(256, 16, 65536, l2_ahead=2, diag=d), tl) for d in ts.HIST_DIAGS],
-        (4096, 65536, f64, tl), (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3), tl),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, diag="push"), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2), tl),
+        *[(4096, 65536, H(256, 16, 65536, l2_ahead=2, diag=d), tl) for d in ts.HIST_DIAGS],
         (4096, 65536, H(256, 16, 65536, diag="read"), tl),
         (4096, 65536, H(256, 32, 65536, l2_ahead=2, diag="read"), tl),
         (4096, 65536, None, "amax"),
+        (64, 65536, H(128, 16, 16384, l2_ahead=2), tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, diag="read"), tl),
+        (1, 65536, H(256, 16, 8192), tl), (1, 65536, H(256, 16, 8192, diag="read"), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, diag="push"), tl),
         (4096, 16384, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
-        (64, 65536, H(128, 16, 16384, l2_ahead=2), tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
-        (64, 65536, H(128, 16, 16384, l2_ahead=2, diag="read"), tl),
-        (1, 65536, H(256, 16, 8192), tl), (1, 65536, H(256, 16, 8192, fused=True), tl),
-        (1, 65536, H(256, 16, 8192, diag="read"), tl),
+        (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
+        (1, 65536, H(256, 16, 8192, fused=True), tl),
     ]  # fmt: skip
 
 
