@@ -866,8 +866,8 @@ def masked_layout(expert_ids: torch.Tensor, E: int, max_rows: int):
 
 def slot_expert_meta(counts: torch.Tensor) -> torch.Tensor:
     """swab_program(slot_map=True)'s Meta [2E] int32: Counts, then SlotExpert = the experts with a non-zero count
-    in expert order, then the idle ones (slot s of the scan's order is SlotExpert[s]). Two launches, no host
-    read, no data-dependent shape (a stable sort of the 0/1 idle flags), so a decode step can be captured."""
+    in expert order, then the idle ones (slot s of the scan's order is SlotExpert[s]). A few small launches, no
+    host read, no data-dependent shape (a stable sort of the 0/1 idle flags), so a decode step can be captured."""
     counts = counts.to(torch.int32)
     order = torch.argsort((counts == 0).to(torch.int8), stable=True)
     return torch.cat([counts, order.to(torch.int32)])
