@@ -715,10 +715,32 @@ def case_index_scores_f32(row: Row, T_: int, C: int, ratio: int, quick: bool, dr
     row.eager_ms = bench(lambda: indexer_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5), quick)
 
 
+def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
+    """linear (f32 x, bf16 weight) on linear_bf16's kernel; check vs the op's reference (fp32 copy of the weight,
+    the eager column) to 1e-6 of the output's maximum (three exact bf16 terms: fp32 up to the order of sums)."""
+    from deepinfer.codegen.kernels import linear_bf16
+    from deepinfer.ir.ops.core import Linear
+
+    cfg = linear_bf16.default_config(T_, N, K)
+    row.bytes_, row.flops = linear_bf16.roofline(T_, N, K)
+    row.peak = "bf16"
+    if dry:
+        return
+    x = torch.randn(T_, K, device="cuda")
+    w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
+    y = linear_bf16.triton_linear(x, w, cfg)
+    row.check = expect(rel_err(y, Linear.reference(x, w, None)), 1e-6)
+    row.ms = bench(lambda: linear_bf16.triton_linear(x, w, cfg), quick)
+    row.eager_ms = bench(lambda: Linear.reference(x, w, None), quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
     out = []
+    for N, what in ((512, "wkv"), (32, "wproj")):  # the compressor's wkv / wgate; the indexer's weights_proj
+        out.append((f"decode small linear_bf16 {what}", f"{DECODE_T}x{N}x{HIDDEN}",
+                    lambda r, q, d, N=N: case_linear_bf16(r, DECODE_T, N, HIDDEN, q, d)))  # fmt: skip
     for C, ratio in ((2080, 2), (4160, 1)):
         for prec in ("tf32x3", "tf32"):
             out.append((f"decode small index_scores f32 {prec}", f"T{DECODE_T} C{C} r{ratio}",
@@ -1043,32 +1065,32 @@ def attn_r1_cases():
     var = functools.partial(dataclasses.replace, base)
     n32 = functools.partial(dataclasses.replace, sad.Config(32, sad.WS_THREADS, 1, 4, True))
     fixed = "gather,ids,qk,softmax,pv"  # the fixed part: Q in, O out, the ring's barriers
-    for what, cfg, kw in [
+    for what, cfg, kw in [  # the new programs last: a fault there cannot cost the rows before it
         ("", base, {}), ("read-flush", base, dict(flush="read")),
-        ("", var(copy="tma"), {}), ("read-flush", var(copy="tma"), dict(flush="read")),
-        ("two-pool", var(copy="tma"), dict(n_win=128)), ("", var(late_refill=True), {}),
-        ("", var(rid_early=True), {}), ("", var(skip="pvfence"), {}),
-        ("", n32(), {}), ("", n32(copy="tma"), {}), ("", n32(late_refill=True), {}),
+        ("", var(rid_early=True), {}), ("", var(skip="pvfence"), {}), ("", n32(), {}),
         ("", var(skip=fixed), {}), ("read-flush", var(skip=fixed), dict(flush="read")),
         ("", var(skip="qk,pv"), {}), ("read-flush", var(skip="qk,pv"), dict(flush="read")),
         ("", var(skip="qk,pv,pvfence"), {}), ("", var(skip="qk,pv", copy="bulk"), {}),
-        ("", var(skip="qk,pv", copy="tma"), {}), ("", var(skip="qk,pv", late_refill=True), {}),
+        ("", var(skip="qk,pv", late_refill=True), {}), ("", var(late_refill=True), {}), ("", n32(late_refill=True), {}),
+        ("", var(skip="qk,pv", copy="tma"), {}), ("", var(copy="tma"), {}),
+        ("read-flush", var(copy="tma"), dict(flush="read")), ("two-pool", var(copy="tma"), dict(n_win=128)),
+        ("", n32(copy="tma"), {}),
     ]:  # fmt: skip
         add("a", what, 128, cfg, **kw)
     b64 = functools.partial(dataclasses.replace, sad.sm90_config(64, 640))
     b256 = functools.partial(dataclasses.replace, sad.sm90_config(256, 640))
     for what, B, cfg, kw in [
-        ("", 64, b64(), {}), ("", 64, b64(copy="tma"), {}), ("", 64, b64(stages=4, block_n=32, copy="tma"), {}),
-        ("", 64, b64(late_refill=True), {}), ("wide combine", 64, b64(), dict(wide_combine=True)),
+        ("", 64, b64(), {}), ("wide combine", 64, b64(), dict(wide_combine=True)),
         ("combine only", 64, b64(), dict(piece="combine")),
         ("wide combine only", 64, b64(), dict(piece="combine", wide_combine=True)),
-        ("", 256, b256(), {}), ("", 256, b256(copy="tma"), {}), ("", 256, b256(stages=4, block_n=32, copy="tma"), {}),
-        ("", 256, b256(late_refill=True), {}), ("", 256, b256(rid_early=True), {}),
-        ("two-pool", 128, var(late_refill=True), dict(n_win=128)),
-        ("", 128, n32(skip="qk,pv"), {}), ("", 128, n32(skip="qk,pv", copy="tma"), {}),
-        ("", 128, n32(skip="qk,pv", copy="bulk"), {}), ("", 128, n32(skip="qk,pv", late_refill=True), {}),
+        ("", 64, b64(late_refill=True), {}), ("", 256, b256(), {}), ("", 256, b256(late_refill=True), {}),
+        ("", 256, b256(rid_early=True), {}), ("two-pool", 128, var(late_refill=True), dict(n_win=128)),
+        ("", 128, n32(skip="qk,pv"), {}), ("", 128, n32(skip="qk,pv", copy="bulk"), {}),
+        ("", 128, n32(skip="qk,pv", late_refill=True), {}),
         ("", 128, var(skip="qk,softmax,pv"), {}), ("", 128, var(skip="qk,softmax,pv,pvfence"), {}),
-        ("", 128, var(skip="qk,softmax,pv", copy="bulk"), {}),
+        ("", 128, var(skip="qk,softmax,pv", copy="bulk"), {}), ("", 128, n32(skip="qk,pv", copy="tma"), {}),
+        ("", 64, b64(copy="tma"), {}), ("", 64, b64(stages=4, block_n=32, copy="tma"), {}),
+        ("", 256, b256(copy="tma"), {}), ("", 256, b256(stages=4, block_n=32, copy="tma"), {}),
     ]:  # fmt: skip
         add("b", what, B, cfg, **kw)
     return out
@@ -1700,7 +1722,7 @@ def cases(quick: bool):
             ("moe_routing (triton)", f"{T_}x{EXPERTS} k{TOPK}", lambda r, q, d, T_=T_: case_routing(r, T_, q, d, True)),
             ("hc_pre", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_pre(r, T_, q, d)),
             *[(f"hc_pre split{sp}", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_, sp=sp: case_hc_pre(r, T_, q, d, sp))
-              for sp in ((20, 40) if T_ <= 256 else ())],  # fmt: skip
+              for sp in ((20, 40, 80) if T_ <= 256 else ())],  # fmt: skip
             ("hc_post", f"{T_}x4x{HIDDEN}", lambda r, q, d, T_=T_: case_hc_post(r, T_, q, d)),
         ]
     for T_ in (4096, 64) if not quick else (4096,):

@@ -265,6 +265,27 @@ def bind_index_scores(c: _Ctx):
         "precision",)
 
 
+LINEAR_BF16_MAX_T = 256  # decode `linear` (f32 x, bf16 weight) on linear_bf16's Triton kernel up to this many rows
+LINEAR_BF16_MAX_WEIGHT = 1 << 24  # larger weights (the head) keep the reference's three-term cuBLAS split
+
+
+def bind_linear(c: _Ctx):
+    """linear with fp32 x and a bf16 weight at decode (the compressor's wkv / wgate, the indexer's weights_proj)
+    -> linear_bf16: the weight read once as stored, x as three exact bf16 terms (the op's fp32 numbers up to the
+    order of the sums), K split over CTAs; `splits` fixes that order (pinned in batch-invariant mode)."""
+    from deepinfer.codegen.kernels import linear_bf16
+
+    x, w, bias = c.node.inputs
+    t, (n, k) = c.rows(x), c.shape(w)
+    if c.target.name not in ("sm90", "sm100") or x.dtype.name != "f32" or w.dtype.name != "bf16" or bias is not None:
+        raise Fallback("linear_bf16 takes f32 x and a bf16 weight without bias, on CUDA")
+    if t > LINEAR_BF16_MAX_T or n * k >= LINEAR_BF16_MAX_WEIGHT or k % 64:
+        raise Fallback(f"linear_bf16 is the decode form (T <= {LINEAR_BF16_MAX_T}, weight < 16M elements, K % 64 "
+                       f"== 0; T={t}, weight {n}x{k}): cuBLAS (the reference) otherwise")  # fmt: skip
+    cfg = linear_bf16.default_config(t, n, k)
+    return "linear_bf16", "triton", {"T": t, "N": n, "K": k}, asdict(cfg), ("splits", "block_k")
+
+
 def bind_topk_entries(c: _Ctx):
     """One-level topk_entries -> topk_select's exact program (the runtime puts its set back in score order)."""
     from deepinfer.codegen.kernels import topk_select
@@ -319,6 +340,7 @@ def bind_fake_quant(c: _Ctx):
 
 
 BINDERS: dict[str, Callable] = {
+    "linear": bind_linear,
     "linear_fp8": bind_linear_fp8,
     "grouped_out_proj": bind_grouped_out_proj,
     "moe_experts": bind_moe,

@@ -418,16 +418,22 @@ class HCPostAdapter:
 
 
 HC_PRE_SPLIT_MAX_ROWS = 256
+HC_PRE_SPLITS = 40  # the default D split at <= 256 tokens (5120 channels: 128 per CTA)
 
 
 def _hc_pre_splits(t: int, d: int) -> int:
-    """DEEPINFER_HC_PRE_SPLIT=S (opt-in until the H200 has timed it: kernels_h200 'hc_pre split'): at most 256
-    tokens run hc_pre with D split over S CTAs per 16 tokens (pre_program walks all of D in one CTA per block of
-    tokens: ~0.23 ms at 64 tokens, latency-bound). 0 when off or when D does not split into S chunks of 64."""
-    splits = int(os.environ.get("DEEPINFER_HC_PRE_SPLIT", "0") or 0)
-    if splits <= 0 or t > HC_PRE_SPLIT_MAX_ROWS or d % (splits * 64):
+    """The D split of hc_pre at <= 256 tokens (pre_split_programs: D over S CTAs per 16 tokens + a finish kernel;
+    pre_program walks all of D in one CTA per block of tokens: 230 us at 64 tokens on the H200, the split pair
+    67 us at S=20 with its first finish kernel). The default: the largest S <= HC_PRE_SPLITS whose chunks are
+    whole 64-channel blocks (at least 2), else 0 (pre_program). DEEPINFER_HC_PRE_SPLIT=S forces S (when D splits
+    into S chunks of 64); 0 turns the split off."""
+    env = os.environ.get("DEEPINFER_HC_PRE_SPLIT", "")
+    if t > HC_PRE_SPLIT_MAX_ROWS:
         return 0
-    return splits
+    if env != "":
+        splits = int(env)
+        return splits if splits > 0 and d % (splits * 64) == 0 else 0
+    return next((s for s in range(HC_PRE_SPLITS, 1, -1) if d % (s * 64) == 0), 0)
 
 
 class HCPreCollapseAdapter:
@@ -450,7 +456,7 @@ class HCPreCollapseAdapter:
         if splits:  # few tokens: D split over CTAs + a finish kernel (pre_split_programs)
             scfg = hc.Config(16, 64, 128)
             rows = bucket_rows(t, scfg.block_m)
-            kw.update(splits=splits, finish_rows=min(64, rows))
+            kw.update(splits=splits, finish_rows=16)
             return [_key("hyper_connection", p, (rows, d), scfg, **kw)
                     for p in ("pre_partial_program", "pre_finish_program")], rows  # fmt: skip
         rows = bucket_rows(t, cfg.block_m)
@@ -1386,6 +1392,49 @@ def _score_order(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(idx, 1, order)
 
 
+# ---------------------------------------------------------------------------------------------- linear (bf16 weight)
+
+
+class LinearBF16Adapter:
+    """linear with fp32 x and a bf16 weight at decode: linear_bf16's Triton kernel (the weight read once as
+    stored, x as three exact bf16 terms, K split over CTAs and the splits summed in order) instead of the
+    reference's per-call fp32 copy of the weight and FFMA GEMM. No TileLang kernel (keys: none). On CPU tensors
+    (the emulated tests) the kernel runs under Triton's interpreter when it is on, else the op's torch formula."""
+
+    family = "linear_bf16"
+    ops = ("linear",)
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        from deepinfer.codegen.kernels import linear_bf16
+
+        _cuda_only(call)
+        x, w, bias = call.args
+        if x.dtype != torch.float32 or w.dtype != torch.bfloat16 or bias is not None:
+            raise Decline(f"linear_bf16 takes f32 x and a bf16 weight without bias (x {x.dtype}, w {w.dtype})")
+        try:
+            linear_bf16.check_config(w.shape[0], w.shape[1], self._cfg(call))
+        except AssertionError as e:
+            raise Decline(f"linear_bf16 config does not split K={w.shape[1]}: {e}") from None
+        return []
+
+    @staticmethod
+    def _cfg(call: Call):
+        from deepinfer.codegen.kernels import linear_bf16
+
+        x, w, _ = call.args
+        base = linear_bf16.default_config(x.numel() // max(1, x.shape[-1]), w.shape[0], w.shape[1])
+        fields = {f.name for f in dataclasses.fields(linear_bf16.Config)}
+        return dataclasses.replace(base, **{k: v for k, v in call.config.items() if k in fields})
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import linear_bf16
+
+        x, w, _ = call.args
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            return [linear_bf16.reference(x, w)]
+        return [linear_bf16.triton_linear(x, w, self._cfg(call))]
+
+
 # ---------------------------------------------------------------------------------------------- indexer scores
 
 
@@ -1614,6 +1663,7 @@ ADAPTERS: dict[str, object] = {
     "compressor": CompressorKeysAdapter(),
     "act_quant": FakeQuantAdapter(),
     "indexer_topk": IndexScoresAdapter(),
+    "linear_bf16": LinearBF16Adapter(),
 }
 
 
@@ -1796,6 +1846,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
                 o.copy_(v.reshape(o.shape))
 
         return pre
+    if key.program in ("pre_partial_program", "pre_finish_program"):
+        return _emulated_hc_split(key)
     if key.family == "rope":
         from deepinfer.codegen.kernels import rope
 
@@ -1822,6 +1874,37 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         return gate
     raise KeyError(f"no emulation for {key.family}.{key.program}")
+
+
+def _emulated_hc_split(key: KernelKey) -> Callable:
+    """hyper_connection's split hc_pre pair from its docstring: per split, the partial mixes and sums of squares of
+    its channel range and the (complete) collapse of those channels; the finish sums the partials in split order."""
+    from deepinfer.codegen.kernels import hyper_connection as hc
+
+    kw = dict(key.kwargs)
+    rows, d = key.args
+    splits, per = kw["splits"], d // kw["splits"]
+
+    def partial(x, fn_p, prev, y, pm, psq):
+        xs = x.float().view(rows, hc.N_HC, d)
+        fs = fn_p.view(hc.MIX_PAD, hc.N_HC, d)
+        y.copy_((prev.float().unsqueeze(-1) * xs).sum(1))
+        for q in range(splits):
+            part = slice(q * per, (q + 1) * per)
+            pm[q] = xs[:, :, part].flatten(1) @ fs[:, :, part].flatten(1).T
+            psq[q] = xs[:, :, part].pow(2).sum((1, 2))
+
+    def finish(pm, psq, base, scale, pre, post, comb):
+        mix, sq = pm[0].clone(), psq[0].clone()
+        for q in range(1, splits):
+            mix, sq = mix + pm[q], sq + psq[q]
+        m = mix[:, : hc.N_MIX] * torch.rsqrt(sq / (hc.N_HC * d) + kw["eps"]).unsqueeze(-1)
+        p, po, c = hc.coefficients_reference(m, base, scale, kw["hc_eps"], kw["iters"])
+        pre.copy_(p)
+        post.copy_(po)
+        comb.copy_(c.reshape(rows, -1))
+
+    return partial if key.program == "pre_partial_program" else finish
 
 
 def _emulated_attention(key: KernelKey) -> Callable:

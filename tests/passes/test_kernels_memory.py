@@ -14,7 +14,7 @@ from deepinfer.passes.plan_memory import lifetimes, nbytes, plan_memory
 from deepinfer.passes.select_kernels import format_kernel_report, select_kernels
 
 FAMILIES = {"fp8_gemm", "moe_grouped_gemm", "rmsnorm_quant", "moe_routing", "sparse_attn_decode", "hyper_connection",
-            "rope", "engram", "compressor"}  # fmt: skip
+            "rope", "engram", "compressor", "linear_bf16", "indexer_topk"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,9 @@ def test_every_node_is_bound(opt):
     assert fams <= FAMILIES | {"torch_ref", "view", "collective"}
     assert {"fp8_gemm", "moe_grouped_gemm", "rmsnorm_quant"} <= fams
     assert all(isinstance(why, str) and why for why in k["fallback"].values())
-    assert "linear" in k["fallback"]  # bf16 GEMMs: no family
+    assert "linear" in k["fallback"]  # bf16 GEMMs: linear_bf16 at decode, the reference (cuBLAS) at prefill
+    lin = next(r for r in k["nodes"].values() if r["op"] == "linear")["buckets"]
+    assert lin["decode"]["family"] == "linear_bf16" and lin["prefill"]["family"] == "torch_ref"
     gemm = next(r for r in k["nodes"].values() if r["op"] == "linear_fp8")["buckets"]
     assert gemm["decode"]["config"]["block_m"] == 64 and gemm["prefill"]["config"]["block_m"] == 128
     assert "torch_ref" in format_kernel_report(g)

@@ -1,6 +1,6 @@
-"""index_scores through the indexer_topk adapter (indexer_topk.triton_scores; the Triton interpreter on CPU
-tensors, in a fresh process: the interpreter must be on before triton is imported) against the op's reference,
-and the executor's first-call check on outputs with masked (-inf) entries."""
+"""The decode small-op adapters with Triton kernels (the interpreter on CPU tensors, in a fresh process: it must be
+on before triton is imported) against the ops' references: index_scores (indexer_topk.triton_scores) and linear
+with a bf16 weight (linear_bf16); and the executor's first-call check on outputs with masked (-inf) entries."""
 
 from __future__ import annotations
 
@@ -38,6 +38,26 @@ fin = torch.isfinite(ref)
 visible = sum(min((p + 1) // 2, 70) for p in range(130, 139))
 assert torch.equal(fin, torch.isfinite(s)) and int(fin.sum()) == visible
 assert ((s - ref)[fin].abs().max() / ref[fin].abs().max()).item() < 1e-6
+
+from deepinfer.codegen.kernels import linear_bf16
+
+lin_calls = []
+_linear = linear_bf16.triton_linear
+linear_bf16.triton_linear = lambda *a, **k: lin_calls.append(1) or _linear(*a, **k)
+x, wb = torch.randn(3, 2, 320, generator=g), (torch.randn(48, 320, generator=g) / 9).bfloat16()
+a = ka.adapter_for("linear_bf16", "linear")
+call = ka.Call("linear", {}, [x, wb, None], ["x", "w", "b"], [False, True, False], {"splits": 5, "block_k": 64})
+assert a.keys(call) == [] and a._cfg(call).splits == 5
+y = a.run(call, [])[0]
+ref = get_op("linear").run([x, wb, None], {})[0]
+assert lin_calls and y.shape == ref.shape == (3, 2, 48)
+assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-6
+bad = ka.Call("linear", {}, [x, wb, None], ["x", "w", "b"], [False, True, False], {"splits": 3, "block_k": 64})
+try:
+    a.keys(bad)
+    raise SystemExit("a split that does not divide K must decline")
+except ka.Decline:
+    pass
 print("ok")
 """
 

@@ -60,3 +60,22 @@ def test_split_form_matches_the_reference_on_the_c_target(t, monkeypatch):
     assert all((g - r).abs().max() <= 5e-3 * r.abs().max() for g, r in zip(got, ref))
     monkeypatch.setenv("DEEPINFER_HC_PRE_SPLIT", "3")  # 256 channels do not split into 3 chunks of 64: one kernel
     assert [k.program for k in adapter.keys(call)] == ["pre_program"]
+
+
+def test_split_is_the_default_at_few_tokens(monkeypatch):
+    """<= 256 tokens take the split pair (the largest split <= 40 of whole 64-channel chunks), more tokens
+    pre_program; DEEPINFER_HC_PRE_SPLIT=0 turns the split off."""
+    monkeypatch.delenv("DEEPINFER_HC_PRE_SPLIT", raising=False)
+    adapter = ka.adapter_for("hyper_connection", "hc_stats")
+
+    def programs(t, d=256):
+        return [(k.program, dict(k.kwargs).get("splits")) for k in adapter.keys(stats_call(t, d))]
+
+    assert programs(5) == [("pre_partial_program", 4), ("pre_finish_program", 4)]
+    assert programs(256) == [("pre_partial_program", 4), ("pre_finish_program", 4)]
+    assert programs(257) == [("pre_program", None)]
+    assert ka._hc_pre_splits(64, 5120) == 40 and ka._hc_pre_splits(64, 64) == 0
+    monkeypatch.setenv("DEEPINFER_HC_PRE_SPLIT", "0")
+    assert programs(5) == [("pre_program", None)]
+    monkeypatch.setenv("DEEPINFER_HC_PRE_SPLIT", "2")
+    assert programs(5) == [("pre_partial_program", 2), ("pre_finish_program", 2)]
