@@ -506,9 +506,10 @@ REAL_TOKENS = (64, 1, 16, 256)  # the issue's batch first
 def moe_decode_real_cases():
     """Rows "moe decode real ...": per T, the runtime's two kernels with the slot map (and its trimmed grid), then the
     same kernels with the per-CTA scan (the program before the map), with wide_tma (128B-swizzled tiles, one TMA
-    box per 128 K bytes) and with wide_tma + stage_scales (the weight scales by TMA per K stage; at T = 64 also
-    stage_scales alone); at T = 16 the map on the full 384-slot grid (what the trim alone gives); then a config sweep
-    at T = 64 for each kernel (pick the default from one call)."""
+    box per 128 K bytes), with wide_tma + stage_scales (the weight scales by TMA per K stage; at T = 64 also
+    stage_scales alone), and on a persistent grid (132 x CTAs per SM walking the active items; T <= 64); at T = 16
+    the map on the full 384-slot grid (what the trim alone gives); then a config sweep at T = 64 for each kernel
+    (pick the default from one call)."""
     import dataclasses
 
     out = []
@@ -527,6 +528,12 @@ def moe_decode_real_cases():
         if T_ == 64:
             for kernel in ("swiglu", "down"):
                 add("map staged", T_, kernel, cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), stage_scales=True))
+        for kernel in ("swiglu", "down") if T_ != 256 else ():  # 132 SMs x the config's CTAs per SM walk the items
+            cfg = _real_decode_cfg(T_, kernel)
+            add("map persistent", T_, kernel, cfg=dataclasses.replace(cfg, persistent=132 * cfg.min_blocks))
+            if T_ == 64:
+                add("map persistent wide staged", T_, kernel, cfg=dataclasses.replace(
+                    cfg, persistent=132 * cfg.min_blocks, wide_tma=True, stage_scales=True))  # fmt: skip
     for kernel in ("swiglu", "down"):
         add("map full grid", 16, kernel, slots=0)
     swab = moe_grouped_gemm.SwabConfig
@@ -544,8 +551,8 @@ def moe_decode_real_cases():
     for kernel, cfgs in sweep.items():
         for cfg in cfgs:
             add("map (sweep" + " wide staged" * cfg.wide_tma + ")", 64, kernel, cfg=cfg)
-    # the new load paths last (a device fault poisons the CUDA context for every later row): wide, then staged
-    return sorted(out, key=lambda c: ("wide" in c[0]) + 2 * ("staged" in c[0]))
+    # the new programs last (a device fault poisons the CUDA context for every later row): wide, staged, persistent
+    return sorted(out, key=lambda c: ("wide" in c[0]) + 2 * ("staged" in c[0]) + 4 * ("persistent" in c[0]))
 
 
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):

@@ -645,7 +645,7 @@ class _MoEPlan:
     glu: bool  # the w1|w3 kernel writes the clamped SwiGLU as FP8 codes + per-32 scales (fused epilogue)
     half: int  # gate rows per tile of the interleaved w1|w3 stack (glu only)
     keys: list
-    layout: tuple  # masked: (dest, Counts ++ SlotExpert [2E], merged weights); contiguous: (slot, tile_expert, m_rows)
+    layout: tuple  # masked: (dest, slot_expert_meta [2E+1], merged weights); contiguous: (slot, tile_expert, m_rows)
     split: bool = False  # glu from the plain w1|w3 stack (swab_program glu_split): no interleaved copy
 
 
@@ -1985,7 +1985,7 @@ def _emulated_swab(key: KernelKey) -> Callable:
         fp4 = fmt == "fp4"
         b_shape = (e, n, k // 4) if fp4 else (e, n, k)
         slot_map = kw.get("slot_map", False)
-        meta_n = (2 * e if slot_map else e) if max_rows else m // cfg["block_t"]
+        meta_n = (2 * e + 1 if slot_map else e) if max_rows else m // cfg["block_t"]
         out_n = n // 2 if limit is not None else n
         _check_abi(key, (a, (m, k)), (sa_t, (-(-k // ag), m)), (b, b_shape), (meta, (meta_n,)), (outs[0], (m, out_n)))
         counts = meta[:e] if max_rows else meta

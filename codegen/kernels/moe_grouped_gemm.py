@@ -436,6 +436,7 @@ class SwabConfig:
     min_blocks: int = 3  # __launch_bounds__ min blocks per SM (registers capped; no setmaxnreg)
     wide_tma: bool = False  # fp8: 128B-swizzled weight/activation tiles, one TMA box per 128 K bytes (see swab_program)
     stage_scales: bool = False  # fp8: each K stage's weight block scales by TMA with its weights (see swab_program)
+    persistent: int = 0  # masked + slot_map: this many CTAs walk the (expert slot, N tile) items (0: one CTA an item)
 
     @property
     def threads(self) -> int:
@@ -444,6 +445,7 @@ class SwabConfig:
     @property
     def tag(self) -> str:
         extra = ("w" if self.wide_tma else "") + ("t" if self.stage_scales else "")
+        extra += f"p{self.persistent}" if self.persistent else ""
         return f"swab{self.block_n}x{self.block_t}x{self.block_k}s{self.stages}b{self.min_blocks}{extra}"
 
 
@@ -567,10 +569,11 @@ def swab_program(
     own MMA + promotion (a wgmma needs 64 rows, and TileLang's TMA lowering refuses a box into half of a
     swizzled tile), and writes block_n SwiGLU columns: the grid has I / block_n column CTAs, each reading
     2 x block_n weight rows per K stage (the interleaved form: N / block_n CTAs of block_n rows).
-    slot_map (masked): Meta is [2E] = Counts ++ SlotExpert (`slot_expert_meta`: the experts with tokens first, in
-    expert order, then the idle ones), so a CTA finds its expert with one load instead of scanning all E counts
-    (at E = 384 the scan is 384 dependent loads and branches in every CTA before its first TMA load); the slot ->
-    expert assignment, hence every output bit, is the scan's. A CTA whose slot names an idle expert exits at once.
+    slot_map (masked): Meta is [2E+1] = Counts ++ SlotExpert ++ [experts with tokens] (`slot_expert_meta`;
+    SlotExpert: the experts with tokens first, in expert order, then the idle ones), so a CTA finds its expert with
+    one load instead of scanning all E counts (at E = 384 the scan is 384 dependent loads and branches in every CTA
+    before its first TMA load); the slot -> expert assignment, hence every output bit, is the scan's. A CTA whose
+    slot names an idle expert exits at once.
     cfg.wide_tma (fp8, sm90): the weight and activation tiles take the 128B swizzle of their whole 128-byte K rows, so
     each K stage is one TMA box of block_n x 128 bytes instead of four 32-byte-wide boxes (the swizzle TileLang derives
     from the 32-K MMA slices alone); the MMAs read the same slices at +32 B inside the swizzle atom, as TileLang's own
@@ -579,7 +582,10 @@ def swab_program(
     stage's weights instead of all of K's being staged by plain loads before the pipeline starts: a CTA's first
     weight load then waits for nothing but its slot's expert id (opt-in until the H200 times it).
     slots (masked): the grid's expert slots, 0 = E. Any count >= the number of experts with tokens is exact (e.g.
-    T * top-k at decode: T = 1 launches 6 slots instead of 384); the grid stays static (CUDA graphs)."""
+    T * top-k at decode: T = 1 launches 6 slots instead of 384); the grid stays static (CUDA graphs).
+    cfg.persistent = G (masked, slot_map): a static grid of G CTAs walks the items (slot, N tile) of the experts with
+    tokens only (Meta[2E] = their number), item i = CTA + k*G in slot-major order: no CTA is launched for an idle
+    expert and a CTA's launch and barrier setup are paid once, not per item (opt-in until the H200 times it)."""
     import tilelang.language as T
 
     cfg = cfg or swab_config(4, fmt, contiguous=not max_rows)
@@ -619,7 +625,8 @@ def swab_program(
         _wide_swizzle_hook()
     assert not slot_map or max_rows, "slot_map is a masked-layout map"
     assert 0 <= slots <= E and (not slots or max_rows), "slots: 1..E expert slots of the masked layout"
-    n_meta = (2 * E if slot_map else E) if max_rows else M // bT
+    assert not cfg.persistent or slot_map, "persistent: walks the slot map's active slots"
+    n_meta = (2 * E + 1 if slot_map else E) if max_rows else M // bT
     n_grid = (slots or E) if max_rows else M // bT
     epilogue = _swiglu_epilogue(bT, out_cols, swiglu_limit, target) if glu else None
     # fp8 weight scales of this CTA's rows, staged once
@@ -703,8 +710,56 @@ def swab_program(
                 St[h][i, k] = SB[e, row_g[h] // wb + i, k]
 
     @T.macro
+    def work_item(A, SA, B, SB, Meta, C, CS, bx, slot, At, SA_s, Wt, St, P0, Acc, W_f):
+        """Columns [bx*bN, (bx+1)*bN) of expert slot `slot`: every token tile of its expert."""
+        e, n_tt = expert_of_slot(Meta, slot)
+        # first weight row of each half's tile (with glu and not split: of the tile-interleaved stack)
+        row_g = [h * I + bx * bN for h in halves]
+        if not fp4 and not staged:
+            if slot_map:  # an idle slot reads nothing
+                if n_tt > 0:
+                    stage_weight_scales(SB, St, e, row_g)
+            else:
+                stage_weight_scales(SB, St, e, row_g)
+        for tt in T.serial(n_tt):
+            if max_rows:
+                row0 = e * max_rows + tt * bT
+            else:
+                row0 = slot * bT
+            for h in halves:
+                T.clear(Acc[h])
+            for ko in T.Pipelined(nk, num_stages=cfg.stages):
+                for h in halves:
+                    r0 = row_g[h]
+                    if fp4:
+                        T.copy(B[e, r0 : r0 + bN, ko * (bK // 4) : (ko + 1) * (bK // 4)], Wt[h])
+                        T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), r0 : r0 + bN], St[h])
+                    else:
+                        T.copy(B[e, r0 : r0 + bN, ko * bK : (ko + 1) * bK], Wt[h])
+                        if staged:
+                            T.copy(SB[e, r0 // wb : r0 // wb + nsb, ko * (bK // wb) : (ko + 1) * (bK // wb)], St[h])
+                T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], At[0])
+                T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
+                for u in units:
+                    for h in halves:
+                        _mma_step(u, ko, At[0], SA_s, P0[h], Acc[h], Wt[h], W_f, St[h])
+            if glu:
+                H_s = mem.shared((bT, n_halves * bN), "float32")
+                for h in halves:
+                    for j, t in mem.par(bN, bT):
+                        H_s[t, h * bN + j] = Acc[h][j, t]
+                epilogue(H_s, C, CS, row0, bx * out_cols)
+            else:
+                C_s = mem.shared((bT, bN), out_dt)
+                for j, t in mem.par(bN, bT):
+                    C_s[t, j] = Acc[0][j, t]
+                T.copy(C_s, C[row0 : row0 + bT, bx * bN : (bx + 1) * bN])
+
+    grid = (cfg.persistent,) if cfg.persistent else (n_cta_cols, n_grid)
+
+    @T.macro
     def kernel(A, SA, B, SB, Meta, C, CS):
-        with T.Kernel(n_cta_cols, n_grid, threads=cfg.threads) as (bx, slot):
+        with T.Kernel(*grid, threads=cfg.threads) as ids:
             if not cpu:
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
                 T.no_set_max_nreg()
@@ -754,49 +809,13 @@ def swab_program(
                 P0, Acc = [p0, p0_up], [acc, acc_up]
             else:
                 P0, Acc = [p0], [acc]
-            # -------- which expert and rows this CTA works on
-            e, n_tt = expert_of_slot(Meta, slot)
-            # first weight row of each half's tile (with glu and not split: of the tile-interleaved stack)
-            row_g = [h * I + bx * bN for h in halves]
-            if not fp4 and not staged:
-                if slot_map:  # an idle slot reads nothing
-                    if n_tt > 0:
-                        stage_weight_scales(SB, St, e, row_g)
-                else:
-                    stage_weight_scales(SB, St, e, row_g)
-            for tt in T.serial(n_tt):
-                if max_rows:
-                    row0 = e * max_rows + tt * bT
-                else:
-                    row0 = slot * bT
-                for h in halves:
-                    T.clear(Acc[h])
-                for ko in T.Pipelined(nk, num_stages=cfg.stages):
-                    for h in halves:
-                        r0 = row_g[h]
-                        if fp4:
-                            T.copy(B[e, r0 : r0 + bN, ko * (bK // 4) : (ko + 1) * (bK // 4)], Wt[h])
-                            T.copy(SB[e, ko * (bK // 32) : (ko + 1) * (bK // 32), r0 : r0 + bN], St[h])
-                        else:
-                            T.copy(B[e, r0 : r0 + bN, ko * bK : (ko + 1) * bK], Wt[h])
-                            if staged:
-                                T.copy(SB[e, r0 // wb : r0 // wb + nsb, ko * (bK // wb) : (ko + 1) * (bK // wb)], St[h])
-                    T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], At[0])
-                    T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
-                    for u in units:
-                        for h in halves:
-                            _mma_step(u, ko, At[0], SA_s, P0[h], Acc[h], Wt[h], W_f if fp4 else None, St[h])
-                if glu:
-                    H_s = mem.shared((bT, n_halves * bN), "float32")
-                    for h in halves:
-                        for j, t in mem.par(bN, bT):
-                            H_s[t, h * bN + j] = Acc[h][j, t]
-                    epilogue(H_s, C, CS, row0, bx * out_cols)
-                else:
-                    C_s = mem.shared((bT, bN), out_dt)
-                    for j, t in mem.par(bN, bT):
-                        C_s[t, j] = acc[j, t]
-                    T.copy(C_s, C[row0 : row0 + bT, bx * bN : (bx + 1) * bN])
+            tiles = (At, SA_s, Wt, St, P0, Acc, W_f if fp4 else None)
+            if cfg.persistent:  # item i = this CTA + k * G over the active slots' items, slot-major
+                for k in T.serial(T.ceildiv(Meta[2 * E] * n_cta_cols - ids, cfg.persistent)):
+                    item = ids + k * cfg.persistent
+                    work_item(A, SA, B, SB, Meta, C, CS, item % n_cta_cols, item // n_cta_cols, *tiles)
+            else:
+                work_item(A, SA, B, SB, Meta, C, CS, ids[0], ids[1], *tiles)
 
     q_dt = "float32" if cpu else "float8_e4m3fn"
     if glu:
@@ -865,12 +884,15 @@ def masked_layout(expert_ids: torch.Tensor, E: int, max_rows: int):
 
 
 def slot_expert_meta(counts: torch.Tensor) -> torch.Tensor:
-    """swab_program(slot_map=True)'s Meta [2E] int32: Counts, then SlotExpert = the experts with a non-zero count
-    in expert order, then the idle ones (slot s of the scan's order is SlotExpert[s]). A few small launches, no
-    host read, no data-dependent shape (a stable sort of the 0/1 idle flags), so a decode step can be captured."""
+    """swab_program(slot_map=True)'s Meta [2E+1] int32: Counts, then SlotExpert = the experts with a non-zero count
+    in expert order, then the idle ones (slot s of the scan's order is SlotExpert[s]), then the number of experts
+    with a non-zero count. A few small launches, no host read, no data-dependent shape (a stable sort of the 0/1
+    idle flags), so a decode step can be captured."""
     counts = counts.to(torch.int32)
-    order = torch.argsort((counts == 0).to(torch.int8), stable=True)
-    return torch.cat([counts, order.to(torch.int32)])
+    idle = (counts == 0).to(torch.int8)
+    order = torch.argsort(idle, stable=True)
+    active = counts.numel() - idle.sum(dtype=torch.int32)
+    return torch.cat([counts, order.to(torch.int32), active.reshape(1)])
 
 
 def masked_tile_expert(counts: torch.Tensor, max_rows: int, block_m: int) -> torch.Tensor:

@@ -31,12 +31,12 @@ def test_slot_expert_meta_is_the_scan_order(seed):
     if seed == 5:
         counts.fill_(1)
     meta = mg.slot_expert_meta(counts)
-    assert meta.dtype == torch.int32 and meta.shape == (2 * n,)
+    assert meta.dtype == torch.int32 and meta.shape == (2 * n + 1,)
     assert torch.equal(meta[:n], counts.int())
     active = _scan_order(counts)
-    assert meta[n : n + len(active)].tolist() == active
-    assert sorted(meta[n:].tolist()) == list(range(n))  # a permutation: idle slots name idle experts
-    assert all(counts[i] == 0 for i in meta[n + len(active) :].tolist())
+    assert meta[n : n + len(active)].tolist() == active and meta[2 * n] == len(active)
+    assert sorted(meta[n : 2 * n].tolist()) == list(range(n))  # a permutation: idle slots name idle experts
+    assert all(counts[i] == 0 for i in meta[n + len(active) : 2 * n].tolist())
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +209,71 @@ def test_map_equals_the_scan_on_the_h200(fmt, tokens):
             torch.cuda.synchronize()
             got.append(_filled_rows(outs, dest))
         assert all(torch.equal(x, y) for x, y in zip(*got)), (fmt, tokens, glu)
+
+
+# ---------------------------------------------------------------------------------------------- persistent grid
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_persistent_grid_equals_one_cta_per_item(cpu, glu):
+    """cfg.persistent = 4 CTAs walking the 7 active experts' (slot, N tile) items (2 or 4 N tiles each, so the CTAs
+    take different item counts): every output value of the one-CTA-per-item program."""
+    a, sa, b, sb = _fp8_operands(256, 64, seed=6)
+    kw = {"swiglu_limit": 10.0, "glu_split": True} if glu else {}
+    meta = mg.slot_expert_meta(COUNTS)
+    want = _run_fp8(cpu, a, sa, b, sb, meta, slot_map=True, **kw)
+    N, K = b.shape[1], b.shape[2]
+    prog = mg.swab_program(E * MR, N, K, E, cfg=mg.SwabConfig(64, BT, 64, 2, 1, persistent=4), max_rows=MR,
+                           slot_map=True, target="cpu", **kw)  # fmt: skip
+    got = tuple(torch.full_like(w, float("nan")) for w in want)
+    cpu(prog)(a.float(), sa.T.contiguous(), b.float(), sb, meta, *got)
+    real = mg.row_experts(COUNTS, MR, masked=True) >= 0
+    assert torch.equal(got[0][real], want[0][real])
+    if glu:
+        assert torch.equal(got[1][:, real], want[1][:, real])
+
+
+def test_persistent_sm90_source_walks_the_active_items(tilelang_required):
+    """One 1-D grid of G CTAs; the item loop runs to Meta[2E] (experts with tokens) x N tiles, strided by G."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = mg.SwabConfig(64, 16, 128, 4, 4, persistent=528)
+    func = mg.swab_program(384 * 64, 5120, 2304, 384, cfg=cfg, max_rows=64, slot_map=True)
+    assert 'T.thread_binding(528, thread="blockIdx.x")' in str(func.script()) and "blockIdx.y" not in str(func.script())
+    src = tb.lower(func, "sm90")
+    assert "Meta[768] * 80" in src and "/ 528)" in src and "blockIdx.y" not in src
+    with pytest.raises(AssertionError, match="persistent"):
+        mg.swab_program(384 * 64, 5120, 2304, 384, cfg=cfg, max_rows=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("glu", [True, False])
+def test_persistent_equals_one_cta_per_item_on_the_h200(glu):
+    """V4.1 decode at 64 tokens (384 experts, top-6): the persistent grid (132 x CTAs per SM) and the grid of one CTA
+    per (slot, N tile), every output byte equal."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    e, d, inter, topk, tokens, dev = 384, 5120, 2304, 6, 64, "cuda"
+    g = torch.Generator().manual_seed(3)
+    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).to(dev)
+    dest, counts, _ = ka.masked_layout(idx, torch.ones(tokens, topk, device=dev), e, 64)
+    n, k = (2 * inter, d) if glu else (d, inter)
+    rows = e * 64
+    a, sa = _common.quant_fp8_groups(torch.randn(rows, k, device=dev), 32)
+    b = _random_e4m3((e, n, k), dev)
+    sb = torch.exp2(torch.randint(-8, -4, (e, n // 32, k // 32), device=dev).float())
+    got = []
+    for persistent in (0, 132 * (2 if glu else 4)):
+        cfg = mg.SwabConfig(64, 16, 128, 4, 2 if glu else 4, persistent=persistent)
+        key = ka._key("moe_grouped_gemm", "swab_program", (rows, n, k, e), cfg, act_group=32, fmt="fp8",
+                      weight_block=32, max_rows=64, swiglu_limit=10.0 if glu else None, glu_split=glu,
+                      slot_map=True, slots=0)  # fmt: skip
+        if glu:
+            outs = (torch.zeros(rows, n // 2, dtype=torch.float8_e4m3fn, device=dev),
+                    torch.zeros(n // 64, rows, device=dev))  # fmt: skip
+        else:
+            outs = (torch.zeros(rows, n, dtype=torch.bfloat16, device=dev),)
+        ka.build_kernel(key)(a, sa.T.contiguous(), b, sb, mg.slot_expert_meta(counts), *outs)
+        torch.cuda.synchronize()
+        got.append(_filled_rows(outs, dest))
+    assert all(torch.equal(x, y) for x, y in zip(*got))

@@ -40,7 +40,7 @@ def test_the_layout_meta_is_the_map_and_needs_no_host_read():
 
 
 def test_the_kernels_receive_the_map(monkeypatch):
-    """Both routed kernels get the [2E] map (the shared expert's pair keeps its 1-expert Counts)."""
+    """Both routed kernels get the [2E+1] map (the shared expert's pair keeps its 1-expert Counts)."""
     call = moe_call(3, 256, 128, 8, 2, shared=True, seed=2)
     seen = []
 
