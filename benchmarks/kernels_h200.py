@@ -1474,7 +1474,8 @@ def _topk_diag_rows():
     program adds the final selection), the streaming ceiling of the grid (diag read; also 32 scores a thread,
     and no L2 prefetch) and torch.amax (the whole rows read once); the decode shapes (T64 / T1) and their
     streaming floors. Last (a hang there loses nothing else): the fused chunk loop (one barrier a chunk) at
-    2 CTAs/SM (92 registers) and at 3 (min_blocks=3), its push stage, C16384 and the decode shapes."""
+    3 CTAs/SM (min_blocks=3: 80 registers) and 2 (85), its push stage, 128 threads, C16384 and the decode
+    shapes."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H, tl = ts.HistConfig, "tilelang"
@@ -1486,9 +1487,10 @@ def _topk_diag_rows():
         (4096, 65536, None, "amax"),
         (64, 65536, H(128, 16, 16384, l2_ahead=2), tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, diag="read"), tl),
         (1, 65536, H(256, 16, 8192), tl), (1, 65536, H(256, 16, 8192, diag="read"), tl),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True), tl),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3), tl),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, diag="push"), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3, diag="push"), tl),
+        (4096, 65536, H(128, 16, 65536, l2_ahead=2, fused=True), tl),
         (4096, 16384, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
         (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
         (1, 65536, H(256, 16, 8192, fused=True), tl),

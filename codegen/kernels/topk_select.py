@@ -1207,8 +1207,15 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def at_least(kc, beta):
         return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
 
-    def failed_at_least(kc, fl, beta):  # (fused) a key of a thread whose reservation failed
-        return lambda i, j: T.And(fl[i] == 1, T.And(kc[i, j] != NONE, kc[i, j] >= beta))
+    def pushed(kc, fl, mode, beta, floor):
+        """The chunk keys a push after the chunk's bound (and a cut) takes: mode 1 (the barrier-per-phase path) those
+        >= the bounds; mode 2 (fused, after a mid-chunk cut) only those of threads that found no room, against
+        floor - 1 (the cut's k-th key, or looser): the kept keys include this chunk's, some at higher columns."""
+        def take(i, j):
+            bound = T.if_then_else(mode == 2, T.max(beta, floor - 1), T.max(beta, floor))
+            return T.And(T.Or(mode != 2, fl[i] == 1), T.And(kc[i, j] != NONE, kc[i, j] >= bound))
+
+        return take
 
     # the buffer's members, read in shared memory where they are used (not held in registers: the chunk in flight
     # and its keys are what the registers hold): thread i's q-th is entry q * NT + i (`members` NONE-d the others)
@@ -1317,6 +1324,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             beta = T.alloc_var("int32", init=NONE)  # the histogram's bound: keys below it are not in the top-k
             floor = T.alloc_var("int32", init=NONE)  # the last cut's k-th key + 1: later columns need at least it
             cut = T.alloc_var("int32", init=0)
+            mode = T.alloc_var("int32", init=1)  # this chunk's push: 1 (of the old path) or 2 (fused: the overflow)
             last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
             for u in T.serial(4):
                 stb[u] = 0
@@ -1345,6 +1353,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             # iterations: the chunks, the segment's selection, (several segments, the row's last CTA) the merge
             for it in T.serial(NCH + (1 if NSEG == 1 else 2)):
                 cut = 0
+                mode = 1
                 if it < NCH:
                     if c0_of(sg, it) < lim:
                         chunk_keys(c0_of(sg, it), lim, xr, kc)
@@ -1380,20 +1389,12 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                                            hist_f, hist_c)  # fmt: skip
                                     ops.barrier()
                                     if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
-                                        # the buffer's complete part (below the lowest failed start) cut to its exact
-                                        # top-k, then the keys without room pushed against its k-th key (not + 1: this
-                                        # chunk's columns are not all above the kept ones')
+                                        # the buffer's complete part (below the lowest failed start) is cut below,
+                                        # then the keys without room pushed (mode 2)
                                         for _z in ops.par(1):
                                             ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
-                                        members(bufk, ctl[0], beta)
-                                        select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
-                                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp)
-                                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
-                                             failed_at_least(kc, fl, T.max(T.max(beta, floor),
-                                                                           T.if_then_else(stb[3] == k, stb[0], NONE))),
-                                             E, rc, tmp)  # fmt: skip
-                                        if stb[3] == k:  # later columns tied with the k-th key lose to it
-                                            floor = stb[0] + 1
+                                        cut = 1
+                                        mode = 2
                                     elif ops.cpu:
                                         threshold(hist_f, hist_c, cum, bc, k, ra, rb)
                                         if bc[2] >= 0:
@@ -1421,8 +1422,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             if bc[2] == NSEG - 1:
                                 last = 1
                 if DIAG in ("", "push"):
-                    if T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
-                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
+                    if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), pushed(kc, fl, mode, beta, floor),
                              E, rc, tmp)  # fmt: skip
             if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
                 for i in ops.par(NT):
