@@ -471,15 +471,16 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
 @dataclass(frozen=True)
 class F32ScoresConfig:
     block_c: int = 64  # index keys per CTA (the dot's M: one wgmma tile of rows)
-    block_t: int = 16  # queries per CTA (the dot's N)
+    block_t: int = 16  # queries per CTA (the dot's N; <= 32)
     warps: int = 4
     stages: int = 2
     precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
 
 
 def f32_scores_config(T_: int, C: int, sms: int = 132) -> F32ScoresConfig:
-    """The widest query block that still gives every SM a CTA (the q tile is re-read per key block from L2)."""
-    bt = 64
+    """The widest query block (at most 32: 64 spills at 4 warps, sm_90a ptxas) that still gives every SM a CTA
+    (the q tile is re-read per key block from L2)."""
+    bt = 32
     while bt > 16 and -(-C // 64) * -(-T_ // bt) < sms:
         bt //= 2
     return F32ScoresConfig(block_t=bt)

@@ -31,7 +31,7 @@ class Config:
     block_k: int = 64
     block_t: int = 64
     splits: int = 16  # K chunks summed afterwards (must divide K / block_k)
-    warps: int = 4
+    warps: int = 8  # 4 warps spill at block_n 64 (x's three bf16 terms + the prefetched tiles in registers)
     stages: int = 3
 
 
