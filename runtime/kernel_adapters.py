@@ -750,8 +750,23 @@ def _swab_decode_cfg(call: Call, t: int, k: int, e: int, fmt: str, dims: tuple):
         cfg = mg.swab_config(min(t, math.ceil(mean + 3 * math.sqrt(mean) + 1)), fmt)
     for bk in (cfg.block_k, 128, 64):
         if all(kk % bk == 0 for kk in dims):
-            return mg.SwabConfig(cfg.block_n, cfg.block_t, bk, cfg.stages, cfg.min_blocks)
-    return cfg
+            cfg = mg.SwabConfig(cfg.block_n, cfg.block_t, bk, cfg.stages, cfg.min_blocks)
+            break
+    opts = swab_decode_opts() if fmt == "fp8" else set()
+    return dataclasses.replace(cfg, wide_tma="wide" in opts and cfg.block_k % 128 == 0, stage_scales="staged" in opts)
+
+
+# the opt-in swap-AB decode programs (fp8) for A/B runs of the real graph until the H200 has picked defaults: a comma
+# list of "wide" (SwabConfig.wide_tma), "staged" (stage_scales), "persistent" (132 x CTAs per SM walk the items)
+SWAB_DECODE_ENV = "DEEPINFER_SWAB_DECODE"
+
+
+def swab_decode_opts() -> set:
+    opts = {o.strip() for o in os.environ.get(SWAB_DECODE_ENV, "").split(",") if o.strip()}
+    unknown = opts - {"wide", "staged", "persistent"}
+    if unknown:
+        raise ValueError(f"{SWAB_DECODE_ENV}: unknown option(s) {sorted(unknown)} (wide, staged, persistent)")
+    return opts
 
 
 class MoEGroupedAdapter:
@@ -841,6 +856,10 @@ class MoEGroupedAdapter:
             # most T*K experts have tokens, so fewer pairs than experts trim the grid to T*K slots (keyed on T only)
             layout = (dest, mg.slot_expert_meta(counts), merged)
             extra = {"max_rows": max_rows, "slot_map": True, "slots": pairs if pairs < e else 0}
+            if fmt == "fp8" and "persistent" in swab_decode_opts():  # each kernel: SMs x its CTAs per SM
+                sms = torch.cuda.get_device_properties(idx.device).multi_processor_count if idx.is_cuda else 132
+                cfg1 = dataclasses.replace(cfg1, persistent=sms * cfg1.min_blocks)
+                cfg = dataclasses.replace(cfg, persistent=sms * cfg.min_blocks)
         else:
             slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_t)
             layout, extra = (slot, tile_expert, rows), {}

@@ -73,3 +73,31 @@ def test_trimmed_grid_on_the_c_target_programs(fmt):
     adapter = ka.MoEGroupedAdapter()
     got = adapter.run(call, [ka.c_target_kernel(key) for key in keys])[0]
     assert rel_err(got, reference(call)) < TOL
+
+
+def test_decode_options_from_the_environment(monkeypatch):
+    """DEEPINFER_SWAB_DECODE=wide,staged,persistent: the fp8 decode keys carry the opt-in programs (persistent: 132
+    SMs here x each kernel's CTAs per SM); fp4 keeps the default programs; an unknown option is refused by name."""
+    monkeypatch.setenv(ka.SWAB_DECODE_ENV, "wide,staged,persistent")
+    k1, k2 = ka.MoEGroupedAdapter().keys(moe_call(3, 256, 128, 8, 2))[:2]
+    for key in (k1, k2):
+        cfg = dict(dict(key.kwargs)["cfg"])
+        assert cfg["wide_tma"] and cfg["stage_scales"] and cfg["persistent"] == 132 * cfg["min_blocks"]
+    fp4 = dict(dict(ka.MoEGroupedAdapter().keys(moe_call(3, 256, 128, 8, 2, fmt="fp4"))[0].kwargs)["cfg"])
+    assert not fp4["wide_tma"] and not fp4["stage_scales"] and not fp4["persistent"]
+    monkeypatch.setenv(ka.SWAB_DECODE_ENV, "wide,fast")
+    with pytest.raises(ValueError, match="fast"):
+        ka.MoEGroupedAdapter().keys(moe_call(3, 256, 128, 8, 2))
+
+
+def test_persistent_staged_programs_on_the_c_target(monkeypatch):
+    """The persistent grid (132 CTAs per SM-count here, far more than the items) and the staged scales, by the real
+    programs behind the adapter (glu_split and down), against the node's reference."""
+    pytest.importorskip("tilelang")
+    monkeypatch.setenv(ka.SWAB_DECODE_ENV, "staged,persistent")
+    call = moe_call(3, 128, 64, 8, 2, seed=6)
+    call.cache[ka.GLU_POLICY] = "split"
+    keys = ka.MoEGroupedAdapter().keys(call)
+    assert dict(dict(keys[0].kwargs)["cfg"])["persistent"] > 0
+    got = ka.MoEGroupedAdapter().run(call, [ka.c_target_kernel(key) for key in keys])[0]
+    assert rel_err(got, reference(call)) < TOL
