@@ -1341,8 +1341,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     fz[FZ_FLAG + u] = 0
                     fz[FZ_MINF + u] = INT_MAX
                 fz[FZ_BETA] = NONE
-            if DIAG == "read":
-                for i in ops.par(NT):
+            for i in ops.par(NT):
+                fl[i] = 0
+                if DIAG == "read":
                     rc[i] = NONE
             ops.barrier()  # (shared atomics next)
             if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
