@@ -741,6 +741,44 @@ def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     row.eager_ms = bench(lambda: Linear.reference(x, w, None), quick)
 
 
+def case_compressor_keys_triton(row: Row, T_: int, pair: bool, quick: bool, dry: bool):
+    """(pair_)compressor_keys on compressor.triton_compressor_keys (one launch); check vs the op's reference (fp32
+    both: 1e-5; entry_idx and the pending state exactly), eager = the reference."""
+    from deepinfer.codegen.kernels import compressor, rope
+    from deepinfer.ir.ops.attention import rope_inv_freq
+    from deepinfer.ir.registry import get_op
+
+    d, di = 512, IDX_DIM
+    g = (T_ + 1) // 2 if pair else T_
+    row.bytes_ = float(4 * T_ * d * (2 if pair else 1) + 2 * di * d + 4 * g * (d + di))
+    row.flops = float(2 * g * d * di)
+    if dry:
+        return
+    ra = {"rope_dim": 64, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+          "beta_slow": 1.0}  # fmt: skip
+    table = rope.cos_sin_table(8192, rope_inv_freq(*ra.values())).cuda()
+    kv, score = torch.randn(T_, d, device="cuda"), torch.randn(T_, d, device="cuda")
+    norm, k_norm = torch.rand(d, device="cuda").bfloat16() + 0.5, torch.rand(di, device="cuda").bfloat16() + 0.5
+    wk = (torch.randn(di, d, device="cuda") / d**0.5).bfloat16()
+    pos = torch.arange(4096, 4096 + T_, device="cuda")
+    skv, ssc = torch.randn(1, d, device="cuda"), torch.randn(1, d, device="cuda")
+    if pair:
+        op, args = "pair_compressor_keys", [kv, score, skv, ssc, pos, norm, wk, k_norm]
+        extra = {"score": score, "state_kv": skv, "state_score": ssc}
+    else:
+        op, args, extra = "compressor_keys", [kv, pos, norm, wk, k_norm], {}
+
+    def run():
+        return compressor.triton_compressor_keys(kv, pos, norm, wk, k_norm, table, eps=1e-6, rope_dim=64, **extra)
+
+    got, ref = run(), get_op(op).run(args, {"eps": 1e-6, **ra})
+    if any(not torch.equal(a, b) for a, b in zip(got[2:], ref[2:])):
+        raise AssertionError("entry_idx / the pending state differ from the reference")
+    row.check = expect(max(rel_err(a, b) for a, b in zip(got[:2], ref[:2])), 1e-5)
+    row.ms = bench(run, quick)
+    row.eager_ms = bench(lambda: get_op(op).run(args, {"eps": 1e-6, **ra}), quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
@@ -748,6 +786,9 @@ def decode_small_cases():
     for N, what in ((512, "wkv"), (32, "wproj")):  # the compressor's wkv / wgate; the indexer's weights_proj
         out.append((f"decode small linear_bf16 {what}", f"{DECODE_T}x{N}x{HIDDEN}",
                     lambda r, q, d, N=N: case_linear_bf16(r, DECODE_T, N, HIDDEN, q, d)))  # fmt: skip
+    for pair in (True, False):
+        out.append((f"decode small {'pair_' if pair else ''}compressor_keys", f"T{DECODE_T} d512 di128",
+                    lambda r, q, d, pair=pair: case_compressor_keys_triton(r, DECODE_T, pair, q, d)))  # fmt: skip
     for C, ratio in ((2080, 2), (4160, 1)):
         for prec in ("tf32x3", "tf32"):
             out.append((f"decode small index_scores f32 {prec}", f"T{DECODE_T} C{C} r{ratio}",
@@ -1474,8 +1515,8 @@ def _topk_diag_rows():
     program adds the final selection), the streaming ceiling of the grid (diag read; also 32 scores a thread,
     and no L2 prefetch) and torch.amax (the whole rows read once); the decode shapes (T64 / T1) and their
     streaming floors. Last (a hang there loses nothing else): the fused chunk loop (one barrier a chunk) at
-    3 CTAs/SM (min_blocks=3: 80 registers) and 2 (85), its push stage, 128 threads, C16384 and the decode
-    shapes."""
+    3 CTAs/SM (min_blocks=3: 80 registers) and 2 (85), its push stage, 128 threads, 4 chunks prefetched into L2,
+    8 scores a thread at 4 CTAs/SM (64 registers), C16384 and the decode shapes (T64 also at 8 segments)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H, tl = ts.HistConfig, "tilelang"
@@ -1491,8 +1532,11 @@ def _topk_diag_rows():
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True), tl),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3, diag="push"), tl),
         (4096, 65536, H(128, 16, 65536, l2_ahead=2, fused=True), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=4, fused=True, min_blocks=3), tl),
+        (4096, 65536, H(256, 8, 65536, l2_ahead=4, fused=True, min_blocks=4), tl),
         (4096, 16384, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
         (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
+        (64, 65536, H(128, 16, 8192, l2_ahead=2, fused=True), tl),
         (1, 65536, H(256, 16, 8192, fused=True), tl),
     ]  # fmt: skip
 

@@ -1525,29 +1525,41 @@ class RopeAdapter:
         return [self._plan(call)[0]]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        from deepinfer.codegen.kernels import rope
-        from deepinfer.ir.ops.attention import ROPE_ATTRS, rope_inv_freq
-
         _, rows, h, p = self._plan(call)
         x, pos = call.args
         t, d = x.shape[0], x.shape[-1]
-        a = call.attrs
-        freq_args = tuple(a[k] for k in ("rope_dim", "theta", "yarn_factor", "yarn_orig_len", "beta_fast", "beta_slow"))
-        tkey = ("rope_table", p, tuple(sorted((k, a[k]) for k in ROPE_ATTRS)))
-        if tkey not in call.cache:
-            call.cache[tkey] = rope.cos_sin_table(p, rope_inv_freq(*freq_args)).to(x.device)
         xb = pad_rows(x.reshape(t, h, d).to(torch.bfloat16), rows)
         y = torch.empty_like(xb)
-        kernels[0](xb, pad_rows(pos.to(torch.int32), rows), call.cache[tkey], y)
+        kernels[0](xb, pad_rows(pos.to(torch.int32), rows), rope_table(call, call.attrs, x.device, p), y)
         return [y[:t].to(x.dtype).reshape(x.shape)]
 
 
+COMPRESSOR_KEYS_ENV = "DEEPINFER_COMPRESSOR_KEYS"  # "kernels": the rmsnorm / rope TileLang kernels + torch pooling
+
+
+def rope_table(call: Call, a: dict, device, rows: int | None = None) -> torch.Tensor:
+    """The fp32 cos | sin table [rows, rope_dim] of the rope attrs `a` (rope.cos_sin_table: the reference's
+    angles), made once per (rows, attrs) in the runner's cache; rows default: the runner's position bound
+    (MAX_POSITIONS) in buckets of 1024."""
+    from deepinfer.codegen.kernels import rope
+    from deepinfer.ir.ops.attention import ROPE_ATTRS, rope_inv_freq
+
+    rows = rows or bucket_rows(call.cache[MAX_POSITIONS], 1024)
+    tkey = ("rope_table", rows, tuple(sorted((k, a[k]) for k in ROPE_ATTRS)))
+    if tkey not in call.cache:
+        freq_args = tuple(a[k] for k in ("rope_dim", "theta", "yarn_factor", "yarn_orig_len", "beta_fast", "beta_slow"))
+        call.cache[tkey] = rope.cos_sin_table(rows, rope_inv_freq(*freq_args)).to(device)
+    return call.cache[tkey]
+
+
 class CompressorKeysAdapter:
-    """pair_compressor_keys / compressor_keys: the pair pooling (ratio 2) and the small wk GEMM stay the op's torch
-    formulas; the two RMSNorms and the two RoPEs (latent -> entry, wk output -> index keys) run the compiled
-    rmsnorm and rope kernels (~40 small torch launches -> 4 kernels). The compressor family's own kernel (pooling
-    + norm) needs the batch's first position parity at build time (a host read), so it is not used here. Needs
-    the runner's position bound (MAX_POSITIONS): without it the rope tables would read the positions on the host."""
+    """pair_compressor_keys / compressor_keys. Default: ONE Triton launch (compressor.triton_compressor_keys: the
+    pair pooling with the start parity read on the device, both RMSNorms, both RoPEs and the wk product, fp32 as
+    the references; ~55 launches before). DEEPINFER_COMPRESSOR_KEYS=kernels: the previous path -- the pooling
+    and the small wk GEMM as the op's torch formulas, the two RMSNorms and two RoPEs on the compiled rmsnorm and
+    rope kernels. The compressor family's TileLang kernel (pooling + norm) needs the batch's first position parity
+    at build time (a host read), so it is not used here. Both need the runner's position bound (MAX_POSITIONS):
+    without it the rope tables would read the positions on the host."""
 
     family = "compressor"
     ops = ("pair_compressor_keys", "compressor_keys")
@@ -1571,10 +1583,18 @@ class CompressorKeysAdapter:
             return 5, 6, 7
         return 2, 3, 4
 
+    @staticmethod
+    def _triton(call: Call) -> bool:
+        d, di = call.args[0].shape[-1], call.args[CompressorKeysAdapter._layout(call)[1]].shape[0]
+        pow2 = not (d & (d - 1) or di & (di - 1))
+        return pow2 and os.environ.get(COMPRESSOR_KEYS_ENV) != "kernels"
+
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)
         if MAX_POSITIONS not in call.cache:
             raise Decline("the compressor's RoPE kernels need the runner's position bound (max_positions)")
+        if self._triton(call):
+            return []
         kv = call.args[0]
         n = (kv.shape[0] + 1) // 2 if call.op == "pair_compressor_keys" else kv.shape[0]
         ni, wi, ki = self._layout(call)
@@ -1591,6 +1611,8 @@ class CompressorKeysAdapter:
         from deepinfer.ir.ops.v41 import PairCompressor
 
         ni, wi, ki = self._layout(call)
+        if self._triton(call):
+            return self._run_triton(call)
         if call.op == "pair_compressor_keys":
             pooled, entry_pos, entry_idx, new_kv, new_score = PairCompressor.reference(*call.args[:5])
             extra = [entry_idx, new_kv, new_score]
@@ -1602,6 +1624,27 @@ class CompressorKeysAdapter:
         keys = self.norm.run(self._sub(call, "rmsnorm", keys, ki), kernels[2:3])[0]
         keys = self.rope.run(self._sub(call, "rope", keys, None, entry_pos), kernels[3:4])[0]
         return [entry, keys, *extra]
+
+    def _run_triton(self, call: Call) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import compressor
+
+        ni, wi, ki = self._layout(call)
+        kv = call.args[0]
+        pos = call.args[4] if call.op == "pair_compressor_keys" else call.args[1]
+        table = rope_table(call, call.attrs, kv.device)
+        kw = {"eps": float(call.attrs["eps"]), "rope_dim": int(call.attrs["rope_dim"])}
+        if not kv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # CPU tests without the interpreter
+            from deepinfer.ir.registry import get_op
+
+            return get_op(call.op).run(call.args, call.attrs)
+        if call.op == "pair_compressor_keys":
+            score, state_kv, state_score = call.args[1:4]
+            out = compressor.triton_compressor_keys(kv, pos, call.args[ni], call.args[wi], call.args[ki], table,
+                                                    score=score, state_kv=state_kv, state_score=state_score, **kw)
+            entry, keys, idx, new_kv, new_score = out
+            return [entry, keys, idx, new_kv.to(state_kv.dtype), new_score.to(state_score.dtype)]
+        return list(compressor.triton_compressor_keys(kv, pos, call.args[ni], call.args[wi], call.args[ki], table,
+                                                      **kw))  # fmt: skip
 
 
 class EngramEmbedAdapter:

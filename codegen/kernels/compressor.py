@@ -14,6 +14,7 @@ Memory-bound: A and Z read once, the latent written once (bf16). One CTA normali
 pair softmax is computed as sigmoid(z0 - z1) (one exp per channel: softmax over two values).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -185,3 +186,119 @@ def ascend_program(T_: int, d: int, *, eps: float, block_g: int = 4, num_cores: 
                 T.copy(y_ub, Y[tile * bg, 0])
 
     return compressor_r2_ascend
+
+
+# ---------------------------------------------------------------------------------------------- decode keys, Triton
+# `pair_compressor_keys` / `compressor_keys` at decode as ONE launch (fp32 throughout, as the ops' references):
+#     pooled = the pair pooling of pair_compressor (ratio 2; the batch's start parity read on the device, the
+#              pending row taken from the state) or the kv rows themselves (ratio 1)
+#     latent = RMSNorm_norm(pooled);  entry = RoPE(latent, pos)
+#     keys   = RoPE(RMSNorm_knorm(latent @ wk^T), pos)                  wk bf16 [di, d], FMA dot in fp32
+# The torch formulation launches ~40 small kernels for the pooling alone (gathers, stacks, a softmax, wheres) and
+# ~15 more around the norm / RoPE kernels (bf16 casts, pads, the wk GEMM's fp32 weight copy): ~0.1 ms per layer
+# at T=64 on the H200, for 64 KB of data. One program per output row; the state rows (new_kv / new_score) are
+# written by program 0. RoPE reads the RopeAdapter's cos/sin table (positions.float() * f_i, the reference's
+# angles); the pair softmax is exp(z - max) / sum with IEEE division (div_rn), products kept unfused.
+
+
+@functools.lru_cache(maxsize=2)
+def _keys_kernel(interpret: bool):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def compressor_keys_kernel(kv_ptr, sc_ptr, skv_ptr, ssc_ptr, pos_ptr, norm_ptr, wk_ptr, knorm_ptr, cs_ptr,
+                               entry_ptr, keys_ptr, epos_ptr, eidx_ptr, nkv_ptr, nsc_ptr, T, eps,
+                               D: tl.constexpr, DI: tl.constexpr, R: tl.constexpr, PAIR: tl.constexpr,
+                               OB: tl.constexpr):  # fmt: skip
+        i = tl.program_id(0)
+        c = tl.arange(0, D)
+        start = tl.load(pos_ptr).to(tl.int32)
+        if PAIR:
+            j = start // 2 + i
+            valid = j < (start + T) // 2
+            # seq row r = position start - 1 + r; row 0 is the pending state row
+            first = tl.minimum(tl.maximum(2 * j - (start - 1), 0), T - 1)
+            second = tl.minimum(first + 1, T)
+            a_kv = tl.load(kv_ptr + (first - 1) * D + c, mask=first > 0, other=0.0).to(tl.float32)
+            a_kv = tl.where(first > 0, a_kv, tl.load(skv_ptr + c).to(tl.float32))
+            a_sc = tl.load(sc_ptr + (first - 1) * D + c, mask=first > 0, other=0.0).to(tl.float32)
+            a_sc = tl.where(first > 0, a_sc, tl.load(ssc_ptr + c).to(tl.float32))
+            b_kv = tl.load(kv_ptr + (second - 1) * D + c).to(tl.float32)
+            b_sc = tl.load(sc_ptr + (second - 1) * D + c).to(tl.float32)
+            m = tl.maximum(a_sc, b_sc)
+            ea = tl.exp(a_sc - m)
+            eb = tl.exp(b_sc - m)
+            tot = ea + eb
+            pa = a_kv * tl.math.div_rn(ea, tot)
+            pb = b_kv * tl.math.div_rn(eb, tot)
+            x = tl.where(valid, pa + pb, 0.0)
+            pos = tl.where(valid, 2 * j, 0)
+            tl.store(epos_ptr + i, pos.to(tl.int64))
+            tl.store(eidx_ptr + i, tl.where(valid, j, -1).to(tl.int64))
+            if i == 0:  # the pending row after this batch: the last token when the batch ends on a pair's first
+                pending = (start + T - 1) % 2 == 0
+                last_kv = tl.load(kv_ptr + (T - 1) * D + c).to(tl.float32)
+                last_sc = tl.load(sc_ptr + (T - 1) * D + c).to(tl.float32)
+                tl.store(nkv_ptr + c, tl.where(pending, last_kv, tl.load(skv_ptr + c).to(tl.float32)))
+                tl.store(nsc_ptr + c, tl.where(pending, last_sc, tl.load(ssc_ptr + c).to(tl.float32)))
+        else:
+            x = tl.load(kv_ptr + i * D + c).to(tl.float32)
+            pos = tl.load(pos_ptr + i).to(tl.int32)
+        ms = tl.sum(x * x, axis=0) / D
+        latent = x * (1.0 / tl.sqrt_rn(ms + eps)) * tl.load(norm_ptr + c).to(tl.float32)
+        # RoPE on the last R channels as interleaved pairs (2m, 2m+1): the table row holds cos | sin of f_m
+        m = tl.where(c >= D - R, (c - (D - R)) // 2, 0)
+        cos = tl.load(cs_ptr + pos * R + m, mask=c >= D - R, other=1.0)
+        sin = tl.load(cs_ptr + pos * R + R // 2 + m, mask=c >= D - R, other=0.0)
+        partner = tl.reshape(tl.flip(tl.reshape(latent, (D // 2, 2)), 1), (D,))  # 2m <-> 2m+1
+        rot = tl.where(c % 2 == 1, partner * sin + latent * cos, latent * cos - partner * sin)
+        tl.store(entry_ptr + i * D + c, tl.where(c >= D - R, rot, latent))
+        # wk's rows in blocks of OB (a [DI, D] tile would not fit in registers), through the keys row as scratch
+        for o0 in tl.static_range(0, DI, OB):
+            ob = o0 + tl.arange(0, OB)
+            w = tl.load(wk_ptr + ob[:, None] * D + c[None, :]).to(tl.float32)  # [OB, D]
+            tl.store(keys_ptr + i * DI + ob, tl.sum(w * latent[None, :], axis=1))
+        tl.debug_barrier()  # the dot products written by all threads before any thread reads the row back
+        o = tl.arange(0, DI)
+        k = tl.load(keys_ptr + i * DI + o)
+        kms = tl.sum(k * k, axis=0) / DI
+        k = k * (1.0 / tl.sqrt_rn(kms + eps)) * tl.load(knorm_ptr + o).to(tl.float32)
+        m = tl.where(o >= DI - R, (o - (DI - R)) // 2, 0)  # the same rotation on the keys
+        cos = tl.load(cs_ptr + pos * R + m, mask=o >= DI - R, other=1.0)
+        sin = tl.load(cs_ptr + pos * R + R // 2 + m, mask=o >= DI - R, other=0.0)
+        partner = tl.reshape(tl.flip(tl.reshape(k, (DI // 2, 2)), 1), (DI,))
+        rot = tl.where(o % 2 == 1, partner * sin + k * cos, k * cos - partner * sin)
+        tl.store(keys_ptr + i * DI + o, tl.where(o >= DI - R, rot, k))
+
+    return compressor_keys_kernel
+
+
+def triton_compressor_keys(kv, positions, norm_w, wk, k_norm, cos_sin, *, eps: float, rope_dim: int,
+                           score=None, state_kv=None, state_score=None):  # fmt: skip
+    """compressor_keys (score None) -> (entry [T, d], keys [T, di]); pair_compressor_keys (score, state given) ->
+    (entry [G, d], keys [G, di], entry_idx [G] i64, new state_kv [1, d], new state_score [1, d]), G = (T+1)//2.
+    cos_sin: [P, rope_dim] fp32 (rope.cos_sin_table), P above every position."""
+    import os
+
+    t, d = kv.shape
+    di = wk.shape[0]
+    pair = score is not None
+    g = (t + 1) // 2 if pair else t
+    dev = kv.device
+    entry = torch.empty(g, d, dtype=torch.float32, device=dev)
+    keys = torch.empty(g, di, dtype=torch.float32, device=dev)
+    epos = torch.empty(g, dtype=torch.int64, device=dev)
+    eidx = torch.empty(g, dtype=torch.int64, device=dev)
+    nkv = torch.empty(1, d, dtype=torch.float32, device=dev)
+    nsc = torch.empty(1, d, dtype=torch.float32, device=dev)
+    kv = kv.contiguous()
+    arg = lambda v: v.contiguous() if v is not None else kv  # noqa: E731  (ratio 1: unused pointers)
+    if g:  # (any float dtypes: the kernel computes in fp32)
+        _keys_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(g,)](
+            kv, arg(score), arg(state_kv), arg(state_score), positions.contiguous(), arg(norm_w), wk.contiguous(),
+            arg(k_norm), cos_sin.contiguous(), entry, keys, epos, eidx, nkv, nsc, t, float(eps),
+            D=d, DI=di, R=rope_dim, PAIR=pair, OB=min(16, di), enable_fp_fusion=False)  # fmt: skip
+    if not pair:
+        return entry, keys
+    return entry, keys, eidx, nkv, nsc
