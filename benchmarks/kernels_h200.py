@@ -779,6 +779,44 @@ def case_compressor_keys_triton(row: Row, T_: int, pair: bool, quick: bool, dry:
     row.eager_ms = bench(lambda: get_op(op).run(args, {"eps": 1e-6, **ra}), quick)
 
 
+def case_f32_io(row: Row, kind: str, T_: int, quick: bool, dry: bool):
+    """rmsnorm (attn_norm width) / rope (the indexer q: 32 x 128) on their io="float32" programs -- the graph's fp32
+    activations in and out, no cast launches -- checked bit for bit against the bf16 program on the bf16-rounded
+    input; the "eager" column times that previous path (cast, bf16 kernel, cast back: 3 launches)."""
+    if kind == "rmsnorm":
+        cfg = rmsnorm_quant.Config(1, 256)
+        mk = functools.partial(rmsnorm_quant.program, T_, HIDDEN, group=32, quant=False, eps=EPS, target="sm90",
+                               cfg=cfg)  # fmt: skip
+        row.bytes_, row.flops = 2 * rmsnorm_quant.roofline(T_, HIDDEN, None)[0], 0.0  # fp32 in and out
+    else:
+        mk = functools.partial(rope.program, T_, IDX_HEADS, IDX_DIM, 8192, rope_dim=64, inverse=False,
+                               target="sm90")  # fmt: skip
+        row.bytes_, row.flops = float(8 * T_ * IDX_HEADS * IDX_DIM), 0.0
+    k32, k16 = build(mk(io="float32")), build(mk())
+    if dry:
+        return
+    if kind == "rmsnorm":
+        x, extra = torch.randn(T_, HIDDEN, device="cuda") * 3, (torch.rand(HIDDEN, device="cuda") + 0.5,)
+    else:
+        from deepinfer.ir.ops.attention import rope_inv_freq
+
+        x = torch.randn(T_, IDX_HEADS, IDX_DIM, device="cuda")
+        table = rope.cos_sin_table(8192, rope_inv_freq(64, 160000.0, 16.0, 65536, 32.0, 1.0)).cuda()
+        extra = (torch.arange(4096, 4096 + T_, device="cuda", dtype=torch.int32), table)
+    y, yb = torch.empty_like(x), torch.empty_like(x, dtype=torch.bfloat16)
+
+    def before():
+        k16(x.to(torch.bfloat16), *extra, yb)
+        return yb.float()
+
+    k32(x, *extra, y)
+    if not torch.equal(y, before()):
+        raise AssertionError("io=float32 differs from the bf16 program on the bf16-rounded input")
+    row.check = "exact"
+    row.ms = bench(lambda: k32(x, *extra, y), quick)
+    row.eager_ms = bench(before, quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
@@ -786,6 +824,9 @@ def decode_small_cases():
     for N, what in ((512, "wkv"), (32, "wproj")):  # the compressor's wkv / wgate; the indexer's weights_proj
         out.append((f"decode small linear_bf16 {what}", f"{DECODE_T}x{N}x{HIDDEN}",
                     lambda r, q, d, N=N: case_linear_bf16(r, DECODE_T, N, HIDDEN, q, d)))  # fmt: skip
+    for kind in ("rmsnorm", "rope"):
+        run = functools.partial(case_f32_io, kind=kind, T_=DECODE_T)
+        out.append((f"decode small {kind} f32 io", f"T{DECODE_T}", lambda r, q, d, run=run: run(r, quick=q, dry=d)))
     for pair in (True, False):
         out.append((f"decode small {'pair_' if pair else ''}compressor_keys", f"T{DECODE_T} d512 di128",
                     lambda r, q, d, pair=pair: case_compressor_keys_triton(r, DECODE_T, pair, q, d)))  # fmt: skip

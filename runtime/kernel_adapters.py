@@ -343,7 +343,9 @@ class RMSNormAdapter:
         width = rmsnorm_quant.padded_width(d, group)
         cfg = rmsnorm_quant.Config(cfg.block_m, _norm_threads(cfg.block_m * width, cfg.threads))
         rows = bucket_rows(m, max(cfg.block_m, 16))
-        key = _key("rmsnorm_quant", "program", (rows, d), cfg, group=group, quant=quant, eps=float(call.attrs["eps"]))
+        io = {"io": "float32"} if x.dtype == torch.float32 else {}  # fp32 in memory, the bf16 kernel's numbers
+        key = _key("rmsnorm_quant", "program", (rows, d), cfg, group=group, quant=quant, eps=float(call.attrs["eps"]),
+                   **io)  # fmt: skip
         return key, rows, group, quant
 
     def keys(self, call: Call) -> list[KernelKey]:
@@ -356,7 +358,8 @@ class RMSNormAdapter:
         x2d = x.reshape(-1, d)
         m = x2d.shape[0]
         w = call.prep("norm_w", 1, lambda: _norm_weight(call.args[1], d, x.device))
-        xb = pad_rows(x2d.to(torch.bfloat16), rows)
+        # an fp32 x goes in as it is (the io="float32" program rounds it to bf16 on load: no cast launches)
+        xb = pad_rows(x2d if x.dtype == torch.float32 else x2d.to(torch.bfloat16), rows)
         if not quant:
             y = torch.empty_like(xb)
             kernels[0](xb, w, y)
@@ -1517,8 +1520,9 @@ class RopeAdapter:
         p = bucket_rows(bound or (int(pos.max()) + 1 if pos.numel() else 1), 1024)
         cfg = rope.Config(**{f: call.config[f] for f in ("block_t", "threads") if f in call.config})
         rows = bucket_rows(t, cfg.block_t)
+        io = {"io": "float32"} if x.dtype == torch.float32 else {}  # fp32 in memory, the bf16 kernel's numbers
         key = _key("rope", "program", (rows, h, d, p), cfg, rope_dim=call.attrs["rope_dim"],
-                   inverse=bool(call.attrs["inverse"]))  # fmt: skip
+                   inverse=bool(call.attrs["inverse"]), **io)  # fmt: skip
         return key, rows, h, p
 
     def keys(self, call: Call) -> list[KernelKey]:
@@ -1528,7 +1532,8 @@ class RopeAdapter:
         _, rows, h, p = self._plan(call)
         x, pos = call.args
         t, d = x.shape[0], x.shape[-1]
-        xb = pad_rows(x.reshape(t, h, d).to(torch.bfloat16), rows)
+        x3 = x.reshape(t, h, d)
+        xb = pad_rows(x3 if x.dtype == torch.float32 else x3.to(torch.bfloat16), rows)  # (see _plan's io)
         y = torch.empty_like(xb)
         kernels[0](xb, pad_rows(pos.to(torch.int32), rows), rope_table(call, call.attrs, x.device, p), y)
         return [y[:t].to(x.dtype).reshape(x.shape)]
@@ -1882,6 +1887,7 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         def norm(x, w, *outs):
             _check_abi(key, (x, key.args), (w, key.args[1:]), *((o, key.args) for o in outs[:1]))
+            x = x.bfloat16() if kw.get("io") == "float32" else x  # fp32 in memory, rounded to bf16 on load
             if kw["quant"]:
                 q, s = rmsnorm_quant.reference(x, w, kw["eps"], kw["group"])
                 outs[0].copy_(q)
@@ -1915,6 +1921,7 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         def rot(x, pos, table, y):
             _check_abi(key, (x, key.args[:3]), (pos, key.args[:1]), (y, key.args[:3]))
+            x = x.bfloat16() if kw.get("io") == "float32" else x  # fp32 in memory, rounded to bf16 on load
             y.copy_(rope.reference(x, pos, table, kw["rope_dim"], kw["inverse"]))
 
         return rot

@@ -50,14 +50,19 @@ def config_space(M: int, D: int, group: int = 32) -> list[Config]:
     return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * Dp // t <= 160 and bm * Dp % t == 0]
 
 
-def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config()):
-    """prim_func(X [M, D], W [D] fp32, outputs): quant → (Q [M, D] fp8, S [D/group, M] fp32), else Y."""
+def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config(),
+            io: str = ""):  # fmt: skip
+    """prim_func(X [M, D], W [D] fp32, outputs): quant → (Q [M, D] fp8, S [D/group, M] fp32), else Y.
+
+    io "float32": X (and Y) are fp32 in memory, with the bf16 kernel's numbers (X rounded to bf16 on load, Y the
+    bf16-rounded value widened): the graph's fp32 activations without a cast launch on either side."""
     import tilelang.language as T
 
     bm, G = cfg.block_m, D // group
     assert D % group == 0
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"  # activation dtype; fp32 on CPU (numerics check)
+    xdt = "float32" if io == "float32" else act  # X's and Y's dtype in memory
     qdt = "float32" if mem.cpu else "float8_e4m3fn"  # = torch.float8_e4m3fn (same DLPack code)
     Dp = padded_width(D, group)  # row fragments are Dp wide (see padded_width); columns >= D are zeros
     Gp = Dp // group
@@ -68,7 +73,8 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
         sq = mem.fragment((bm, Dp), "float32")
         ss = mem.fragment((bm,), "float32")
         for i, j in mem.par(bm, Dp):
-            xf[i, j] = T.if_then_else(j < D, T.cast(X[bx * bm + i, T.min(j, D - 1)], "float32"), 0.0)
+            xv = X[bx * bm + i, T.min(j, D - 1)]
+            xf[i, j] = T.if_then_else(j < D, T.cast(T.cast(xv, act) if xdt != act else xv, "float32"), 0.0)
             sq[i, j] = xf[i, j] * xf[i, j]
         T.reduce_sum(sq, ss, dim=1)
         for i in mem.par(bm):
@@ -79,20 +85,20 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
     if not quant:
 
         @T.prim_func
-        def rmsnorm(X: T.Tensor((M, D), act), W: T.Tensor((D,), "float32"), Y: T.Tensor((M, D), act)):
+        def rmsnorm(X: T.Tensor((M, D), xdt), W: T.Tensor((D,), "float32"), Y: T.Tensor((M, D), xdt)):
             with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
                 xf = mem.fragment((bm, Dp), "float32")
                 rstd = mem.fragment((bm,), "float32")
                 normalise(X, W, bx, xf, rstd)
                 for i, j in mem.par(bm, Dp):
                     if j < D:
-                        Y[bx * bm + i, j] = T.cast(xf[i, j], act)
+                        Y[bx * bm + i, j] = T.cast(xf[i, j], xdt)  # (xf is already act-rounded)
 
         return rmsnorm
 
     @T.prim_func
     def rmsnorm_quant(
-        X: T.Tensor((M, D), act),
+        X: T.Tensor((M, D), xdt),
         W: T.Tensor((D,), "float32"),
         Q: T.Tensor((M, D), qdt),
         S: T.Tensor((G, M), "float32"),

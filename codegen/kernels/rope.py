@@ -38,8 +38,12 @@ def cos_sin_table(max_pos: int, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.cat([angle.cos(), angle.sin()], dim=-1).contiguous()
 
 
-def program(T_: int, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, target: str, cfg: Config = Config()):
-    """prim_func(X [T, H, D], Pos [T] int32, CosSin [P, r] fp32, Y [T, H, D]) for cpu | sm90 | sm100."""
+def program(T_: int, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, target: str, cfg: Config = Config(),
+            io: str = ""):  # fmt: skip
+    """prim_func(X [T, H, D], Pos [T] int32, CosSin [P, r] fp32, Y [T, H, D]) for cpu | sm90 | sm100.
+
+    io "float32": X and Y are fp32 in memory with the bf16 kernel's numbers (X rounded to bf16 on load, Y the
+    bf16-rounded result widened): the graph's fp32 activations without a cast launch on either side."""
     import tilelang.language as T
 
     r, half = rope_dim, rope_dim // 2
@@ -47,14 +51,19 @@ def program(T_: int, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, ta
     bt, nope = cfg.block_t, D - rope_dim
     mem = Mem(target)
     dt = "float32" if mem.cpu else "bfloat16"
+    mdt = "float32" if io == "float32" else dt  # X's and Y's dtype in memory
     sign = -1.0 if inverse else 1.0
+
+    def rounded(v):
+        """v as the bf16 kernel sees / writes it, in X's memory dtype."""
+        return T.cast(T.cast(v, dt), mdt) if mdt != dt else T.cast(v, dt)
 
     @T.prim_func
     def rope(
-        X: T.Tensor((T_, H, D), dt),
+        X: T.Tensor((T_, H, D), mdt),
         Pos: T.Tensor((T_,), "int32"),
         CosSin: T.Tensor((P, r), "float32"),
-        Y: T.Tensor((T_, H, D), dt),
+        Y: T.Tensor((T_, H, D), mdt),
     ):
         with T.Kernel(ceil_div(T_, bt), threads=cfg.threads) as bx:
             for t, h, i in mem.par(bt, H, half):
@@ -63,15 +72,15 @@ def program(T_: int, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, ta
                     p = Pos[tok]
                     c = CosSin[p, i]
                     s = CosSin[p, half + i] * sign
-                    e = T.cast(X[tok, h, nope + 2 * i], "float32")
-                    o = T.cast(X[tok, h, nope + 2 * i + 1], "float32")
-                    Y[tok, h, nope + 2 * i] = T.cast(e * c - o * s, dt)
-                    Y[tok, h, nope + 2 * i + 1] = T.cast(e * s + o * c, dt)
+                    e = T.cast(rounded(X[tok, h, nope + 2 * i]), "float32")
+                    o = T.cast(rounded(X[tok, h, nope + 2 * i + 1]), "float32")
+                    Y[tok, h, nope + 2 * i] = rounded(e * c - o * s)
+                    Y[tok, h, nope + 2 * i + 1] = rounded(e * s + o * c)
             if nope > 0:
                 for t, h, j in mem.par(bt, H, nope):
                     tok = bx * bt + t
                     if tok < T_:
-                        Y[tok, h, j] = X[tok, h, j]
+                        Y[tok, h, j] = rounded(X[tok, h, j])
 
     return rope
 
