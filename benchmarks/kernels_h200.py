@@ -817,6 +817,53 @@ def case_f32_io(row: Row, kind: str, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(before, quick)
 
 
+def case_hc_post_pre_chain(row: Row, T_: int, quick: bool, dry: bool):
+    """hc_post_pre_collapse as the runtime runs it at decode now: post_program + the split pre pair (S=40), all with
+    io="float32" (the graph's fp32 streams, no cast launches: 3 launches); checked against post_reference +
+    pre_reference on the bf16-rounded streams (tf32 mixes: 2e-2). "eager" = the previous runtime path: casts to
+    bf16, post_program, pre_program (16 rows per CTA), casts back (6 launches)."""
+    D, S = HIDDEN, 40
+    kw = {"eps": EPS, "hc_eps": HC_EPS, "iters": SINKHORN, "target": "sm90"}
+    post32 = build(hyper_connection.post_program(T_, D, target="sm90", io="float32"))
+    part, fin = (build(f) for f in hyper_connection.pre_split_programs(T_, D, splits=S, io="float32", **kw))
+    post16 = build(hyper_connection.post_program(T_, D, target="sm90"))
+    pre16 = build(hyper_connection.pre_program(T_, D, cfg=hyper_connection.Config(16, 128, 128), **kw))
+    row.bytes_ = float(4 * T_ * D * (4 + 1 + 4 + 4 + 1))  # X, y in; X' out; X' in; collapse out (fp32)
+    row.flops = hyper_connection.pre_roofline(T_, D)[1] + hyper_connection.post_roofline(T_, D)[1]
+    row.peak = "bf16"
+    if dry:
+        return
+    x, y = torch.randn(T_, 4, D, device="cuda"), torch.randn(T_, D, device="cuda")
+    post, comb = torch.rand(T_, 4, device="cuda") * 2, torch.rand(T_, 16, device="cuda") / 4
+    fn, base = torch.randn(24, 4 * D, device="cuda") * 0.01, torch.randn(24, device="cuda") * 0.3
+    scale, prev = torch.rand(3, device="cuda") + 0.5, torch.rand(T_, 4, device="cuda")
+    fn_p = hyper_connection.pad_fn(fn)
+    xn, yc = torch.empty_like(x), torch.empty_like(y)
+    pm, psq = torch.empty(S, T_, 32, device="cuda"), torch.empty(S, T_, device="cuda")
+    coef = tuple(torch.empty(T_, n, device="cuda") for n in (4, 4, 16))
+
+    def now():
+        post32(x, y, post, comb, xn)
+        part(xn.view(T_, -1), fn_p, prev, yc, pm, psq)
+        fin(pm, psq, base, scale, *coef)
+
+    def before():
+        xb = torch.empty(T_, 4, D, device="cuda", dtype=torch.bfloat16)
+        post16(x.to(torch.bfloat16), y.to(torch.bfloat16), post, comb, xb)
+        yb = torch.empty(T_, D, device="cuda", dtype=torch.bfloat16)
+        pre16(xb.view(T_, -1), fn_p, base, scale, prev, yb, *(torch.empty_like(c) for c in coef))
+        return xb.float(), yb.float()
+
+    now()
+    rx = hyper_connection.post_reference(x.bfloat16(), y.bfloat16(), post, comb.view(T_, 4, 4))
+    ry, rpre, rpost, rc = hyper_connection.pre_reference(rx, fn, base, scale, prev, EPS, HC_EPS, SINKHORN)
+    errs = [rel_err(xn, rx.float()), rel_err(yc, ry.float()), rel_err(coef[0], rpre), rel_err(coef[1], rpost),
+            rel_err(coef[2], rc.view(T_, 16))]  # fmt: skip
+    row.check = expect(max(errs), 2e-2)
+    row.ms = bench(now, quick)
+    row.eager_ms = bench(before, quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
@@ -824,6 +871,8 @@ def decode_small_cases():
     for N, what in ((512, "wkv"), (32, "wproj")):  # the compressor's wkv / wgate; the indexer's weights_proj
         out.append((f"decode small linear_bf16 {what}", f"{DECODE_T}x{N}x{HIDDEN}",
                     lambda r, q, d, N=N: case_linear_bf16(r, DECODE_T, N, HIDDEN, q, d)))  # fmt: skip
+    out.append(("decode small hc_post_pre (post+split, f32 io)", f"{DECODE_T}x4x{HIDDEN}",
+                lambda r, q, d: case_hc_post_pre_chain(r, DECODE_T, q, d)))  # fmt: skip
     for kind in ("rmsnorm", "rope"):
         run = functools.partial(case_f32_io, kind=kind, T_=DECODE_T)
         out.append((f"decode small {kind} f32 io", f"T{DECODE_T}", lambda r, q, d, run=run: run(r, quick=q, dry=d)))

@@ -403,18 +403,23 @@ class HCPostAdapter:
         if n != hc.N_HC or bd < 32:
             raise Decline(f"hc_post kernel needs {hc.N_HC} streams and D a multiple of 32 (n={n}, D={d})")
         rows = bucket_rows(t, 16)
-        key = _key("hyper_connection", "post_program", (rows, d), block_m=1, block_d=bd, threads=128)
+        io = {"io": "float32"} if call.args[1].dtype == torch.float32 else {}  # fp32 streams: no cast launches
+        key = _key("hyper_connection", "post_program", (rows, d), block_m=1, block_d=bd, threads=128, **io)
         return key, rows
 
     def keys(self, call: Call) -> list[KernelKey]:
         return [self._plan(call)[0]]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        _, rows = self._plan(call)
+        key, rows = self._plan(call)
         y, x, post, comb = call.args
         t = x.shape[0]
-        xb, yb = pad_rows(x.to(torch.bfloat16), rows), pad_rows(y.to(torch.bfloat16), rows)
         pb, cb = pad_rows(post.float(), rows), pad_rows(comb.float().reshape(t, -1), rows)
+        if dict(key.kwargs).get("io") == "float32":  # the program rounds X and y to bf16 itself, writes fp32
+            out = torch.empty(rows, *x.shape[1:], device=x.device)
+            kernels[0](pad_rows(x, rows), pad_rows(y.float(), rows), pb, cb, out)
+            return [out[:t]]
+        xb, yb = pad_rows(x.to(torch.bfloat16), rows), pad_rows(y.to(torch.bfloat16), rows)
         out = torch.empty_like(xb)
         kernels[0](xb, yb, pb, cb, out)
         return [out[:t].to(x.dtype)] if not call.memo.get("bf16_out") else [out[:t]]
@@ -460,6 +465,8 @@ class HCPreCollapseAdapter:
             scfg = hc.Config(16, 64, 128)
             rows = bucket_rows(t, scfg.block_m)
             kw.update(splits=splits, finish_rows=16)
+            if call.args[0].dtype == torch.float32:  # fp32 streams in, fp32 collapse out: no cast launches
+                kw["io"] = "float32"
             return [_key("hyper_connection", p, (rows, d), scfg, **kw)
                     for p in ("pre_partial_program", "pre_finish_program")], rows  # fmt: skip
         rows = bucket_rows(t, cfg.block_m)
@@ -475,9 +482,10 @@ class HCPreCollapseAdapter:
         x, fn, base, scale, prev = call.args
         t, n, d = x.shape
         fn_p = call.prep("hc_fn", 1, lambda: hc.pad_fn(fn.float()).contiguous())
-        xb = pad_rows(x.to(torch.bfloat16).reshape(t, n * d), rows)
+        io = dict(keys[0].kwargs).get("io") == "float32"  # the split pair reading fp32 streams (see _plan)
+        xb = pad_rows((x if io else x.to(torch.bfloat16)).reshape(t, n * d), rows)
         outs = (
-            torch.empty(rows, d, dtype=torch.bfloat16, device=x.device),
+            torch.empty(rows, d, dtype=torch.float32 if io else torch.bfloat16, device=x.device),
             *(torch.empty(rows, k, device=x.device) for k in (n, n, n * n)),
         )
         base_f, scale_f, prev_p = base.float().contiguous(), scale.float().contiguous(), pad_rows(prev.float(), rows)
@@ -1900,6 +1908,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
         from deepinfer.codegen.kernels import hyper_connection as hc
 
         def post(x, y, p, c, out):
+            if kw.get("io") == "float32":  # fp32 in memory, rounded to bf16 on load and store
+                x, y = x.bfloat16(), y.bfloat16()
             out.copy_(hc.post_reference(x, y, p, c.view(-1, hc.N_HC, hc.N_HC)))
 
         return post
@@ -1955,9 +1965,11 @@ def _emulated_hc_split(key: KernelKey) -> Callable:
     splits, per = kw["splits"], d // kw["splits"]
 
     def partial(x, fn_p, prev, y, pm, psq):
-        xs = x.float().view(rows, hc.N_HC, d)
+        io = kw.get("io") == "float32"  # fp32 in memory, rounded to bf16 on load and store
+        xs = (x.bfloat16() if io else x).float().view(rows, hc.N_HC, d)
         fs = fn_p.view(hc.MIX_PAD, hc.N_HC, d)
-        y.copy_((prev.float().unsqueeze(-1) * xs).sum(1))
+        coll = (prev.float().unsqueeze(-1) * xs).sum(1)
+        y.copy_(coll.bfloat16() if io else coll)
         for q in range(splits):
             part = slice(q * per, (q + 1) * per)
             pm[q] = xs[:, :, part].flatten(1) @ fs[:, :, part].flatten(1).T

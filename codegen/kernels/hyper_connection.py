@@ -87,16 +87,23 @@ def _coefficients_macro(hc_eps: float, iters: int):
     return coefficients
 
 
-def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str):
+def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str, xdt: str | None = None):
     """TileLang macro stream_channels(X, Fn, Pprev, Y, mix, rs, row0, d_first, n_chunks): for n_chunks chunks of bK
     channels from d_first, the 4 streams' tiles of rows row0.. feed the mixes (tf32 MMA on GPU, into `mix`) and the
     sums of squares (into `rs`), and each chunk's collapse (sum over streams of p_prev * X) is written to Y --
-    hc_pre's one read of X. The caller allocates mix [bm, 32] and rs [bm] (what it reads afterwards)."""
+    hc_pre's one read of X. The caller allocates mix [bm, 32] and rs [bm] (what it reads afterwards).
+    xdt: X's and Y's dtype in memory when it is not `act` (fp32: rounded to `act` on load and on store, so the
+    numbers are the act program's)."""
     import tilelang.language as T
+
+    xdt = xdt or act
+
+    def as_act(v):
+        return T.cast(T.cast(v, act), "float32") if xdt != act else T.cast(v, "float32")
 
     @T.macro
     def stream_channels(X, Fn, Pprev, Y, mix, rs, row0, d_first, n_chunks):
-        x_s = mem.shared((bm, bK), act)
+        x_s = mem.shared((bm, bK), xdt)
         xf_s = mem.shared((bm, bK), "float32")
         fn_s = mem.shared((MIX_PAD, bK), "float32")
         p_s = mem.shared((bm, N_HC), "float32")
@@ -111,13 +118,13 @@ def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str):
                 T.copy(X[row0, s * D + d_first + dk * bK], x_s)
                 T.copy(Fn[0, s * D + d_first + dk * bK], fn_s)
                 for i, c in mem.par(bm, bK):
-                    xf_s[i, c] = T.cast(x_s[i, c], "float32")
+                    xf_s[i, c] = as_act(x_s[i, c])
                 T.gemm(xf_s, fn_s, mix, transpose_B=True)  # tf32 on GPU
                 for i, c in mem.par(bm, bK):
                     sq[i, c] += xf_s[i, c] * xf_s[i, c]
                     y[i, c] += p_s[i, s] * xf_s[i, c]
             for i, c in mem.par(bm, bK):
-                Y[row0 + i, d_first + dk * bK + c] = T.cast(y[i, c], act)
+                Y[row0 + i, d_first + dk * bK + c] = T.cast(as_act(y[i, c]) if xdt != act else y[i, c], xdt)
         T.reduce_sum(sq, rs, dim=1)
 
     return stream_channels
@@ -174,7 +181,8 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
 
 
 def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, splits: int = 20,
-                       cfg: Config = Config(16, 64, 128), finish_rows: int = 16, finish_threads: int = 128):
+                       cfg: Config = Config(16, 64, 128), finish_rows: int = 16, finish_threads: int = 128,
+                       io: str = ""):  # fmt: skip
     """hc_pre for few tokens (decode), as two kernels: pre_program gives a CTA all D channels of block_m tokens, so
     at 64 tokens ONE CTA walks 4 x D serially (~0.23 ms on the H200 whatever block_m). Here a CTA owns
     D / splits channels of block_m tokens -- grid (T / block_m, splits) -- and writes its partial mixes and sum of
@@ -185,7 +193,8 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
 
     partial: prim_func(X [T, 4D] act, Fn [32, 4D] f32, Pprev [T, 4] f32, Y [T, D] act, Pm [splits, T, 32] f32,
                        Psq [splits, T] f32)
-    finish:  prim_func(Pm, Psq, Base [24], Scale [3], Pre [T, 4], Post [T, 4], Comb [T, 16] f32)"""
+    finish:  prim_func(Pm, Psq, Base [24], Scale [3], Pre [T, 4], Post [T, 4], Comb [T, 16] f32)
+    io "float32": X and Y fp32 in memory with the act (bf16) program's numbers (rounded on load and store)."""
     import tilelang.language as T
 
     bm, bK, bt = cfg.block_m, cfg.block_k, finish_rows
@@ -194,15 +203,16 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"
     K4, per = N_HC * D, D // splits
+    xdt = "float32" if io == "float32" else act
     coefficients = _coefficients_macro(hc_eps, iters)
-    stream_channels = _stream_macro(mem, D, bm, bK, act)
+    stream_channels = _stream_macro(mem, D, bm, bK, act, xdt)
 
     @T.prim_func
     def hc_pre_partial(
-        X: T.Tensor((T_, K4), act),
+        X: T.Tensor((T_, K4), xdt),
         Fn: T.Tensor((MIX_PAD, K4), "float32"),
         Pprev: T.Tensor((T_, N_HC), "float32"),
-        Y: T.Tensor((T_, D), act),
+        Y: T.Tensor((T_, D), xdt),
         Pm: T.Tensor((splits, T_, MIX_PAD), "float32"),
         Psq: T.Tensor((splits, T_), "float32"),
     ):
@@ -256,47 +266,53 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
 
 
 def pre_partial_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, splits: int,
-                        cfg: Config = Config(16, 64, 128), finish_rows: int = 16):
+                        cfg: Config = Config(16, 64, 128), finish_rows: int = 16, io: str = ""):
     """The first kernel of pre_split_programs (one prim_func per built kernel)."""
     return pre_split_programs(T_, D, eps=eps, hc_eps=hc_eps, iters=iters, target=target, splits=splits, cfg=cfg,
-                              finish_rows=finish_rows)[0]  # fmt: skip
+                              finish_rows=finish_rows, io=io)[0]  # fmt: skip
 
 
 def pre_finish_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, target: str, splits: int,
-                       cfg: Config = Config(16, 64, 128), finish_rows: int = 16):
-    """The second kernel of pre_split_programs."""
+                       cfg: Config = Config(16, 64, 128), finish_rows: int = 16, io: str = ""):
+    """The second kernel of pre_split_programs (io: the pair's, for one key set; the finish reads no X)."""
     return pre_split_programs(T_, D, eps=eps, hc_eps=hc_eps, iters=iters, target=target, splits=splits, cfg=cfg,
-                              finish_rows=finish_rows)[1]  # fmt: skip
+                              finish_rows=finish_rows, io=io)[1]  # fmt: skip
 
 
-def post_program(T_: int, D: int, *, target: str, block_m: int = 1, block_d: int = 512, threads: int = 128):
-    """prim_func(X [T, 4, D] act, Y [T, D] act, Post [T, 4], Comb [T, 16], Out [T, 4, D] act)."""
+def post_program(T_: int, D: int, *, target: str, block_m: int = 1, block_d: int = 512, threads: int = 128,
+                 io: str = ""):  # fmt: skip
+    """prim_func(X [T, 4, D] act, Y [T, D] act, Post [T, 4], Comb [T, 16], Out [T, 4, D] act).
+    io "float32": X, Y and Out fp32 in memory with the act (bf16) program's numbers (rounded on load and store)."""
     import tilelang.language as T
 
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"
+    xdt = "float32" if io == "float32" else act
     bm, bD = block_m, block_d
     assert D % bD == 0
 
+    def load(v):
+        return T.cast(T.cast(v, act) if xdt != act else v, "float32")
+
     @T.prim_func
     def hc_post(
-        X: T.Tensor((T_, N_HC, D), act),
-        Y: T.Tensor((T_, D), act),
+        X: T.Tensor((T_, N_HC, D), xdt),
+        Y: T.Tensor((T_, D), xdt),
         Post: T.Tensor((T_, N_HC), "float32"),
         Comb: T.Tensor((T_, N_HC * N_HC), "float32"),
-        Out: T.Tensor((T_, N_HC, D), act),
+        Out: T.Tensor((T_, N_HC, D), xdt),
     ):
         with T.Kernel(D // bD, T.ceildiv(T_, bm), threads=threads) as (bx, by):
             for i, k, d in mem.par(bm, N_HC, bD):
                 t = by * bm + i
                 e = bx * bD + d
                 mixed = (
-                    Comb[t, k] * T.cast(X[t, 0, e], "float32")
-                    + Comb[t, N_HC + k] * T.cast(X[t, 1, e], "float32")
-                    + Comb[t, 2 * N_HC + k] * T.cast(X[t, 2, e], "float32")
-                    + Comb[t, 3 * N_HC + k] * T.cast(X[t, 3, e], "float32")
+                    Comb[t, k] * load(X[t, 0, e])
+                    + Comb[t, N_HC + k] * load(X[t, 1, e])
+                    + Comb[t, 2 * N_HC + k] * load(X[t, 2, e])
+                    + Comb[t, 3 * N_HC + k] * load(X[t, 3, e])
                 )
-                Out[t, k, e] = T.cast(Post[t, k] * T.cast(Y[t, e], "float32") + mixed, act)
+                Out[t, k, e] = T.cast(T.cast(Post[t, k] * load(Y[t, e]) + mixed, act), xdt)
 
     return hc_post
 

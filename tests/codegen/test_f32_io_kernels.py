@@ -6,6 +6,7 @@ on the bf16-rounded input (the previous adapter path: x.to(bf16) -> kernel -> .t
 import pytest
 import torch
 
+from deepinfer.codegen.kernels import hyper_connection as hc
 from deepinfer.codegen.kernels import rmsnorm_quant, rope
 from deepinfer.ir.ops.attention import rope_inv_freq
 
@@ -22,6 +23,9 @@ def test_sm90_f32_io_programs_build_and_round_on_load(codegen_cache, nvcc_requir
         "rmsnorm_quant_f32io": rmsnorm_quant.program(64, 1280, group=32, quant=True, eps=1e-6, target="sm90",
                                                      cfg=rmsnorm_quant.Config(1, 128), io="float32"),
         "rope_f32io": rope.program(64, 32, 128, 8192, rope_dim=64, inverse=False, target="sm90", io="float32"),
+        "hc_post_f32io": hc.post_program(64, 5120, target="sm90", io="float32"),
+        "hc_pre_partial_f32io": hc.pre_partial_program(64, 5120, eps=1e-20, hc_eps=1e-6, iters=20, target="sm90",
+                                                       splits=40, io="float32"),
     }  # fmt: skip
     for name, prog in progs.items():
         art = tb.build(name, prog, "sm90")
@@ -57,3 +61,30 @@ def test_cuda_rmsnorm_and_rope_f32_io_equal_the_bf16_programs():
     out = torch.empty_like(q)
     mr("float32")(q, pos, table, out)
     assert torch.equal(out, _bf16_path(mr(""), q, pos, table, out_like=q))
+
+
+@pytest.mark.gpu
+def test_cuda_hc_f32_io_equals_the_bf16_programs():
+    """post_program and the split partial with io="float32" == the bf16 programs on bf16-rounded streams."""
+    import tilelang
+
+    tgt = {"kind": "cuda", "arch": "sm_90a"}
+    comp = lambda f: tilelang.compile(f, target=tgt, execution_backend="tvm_ffi")  # noqa: E731
+    T_, D, S = 64, 5120, 40
+    x, y = torch.randn(T_, 4, D, device="cuda"), torch.randn(T_, D, device="cuda")
+    post, comb = torch.rand(T_, 4, device="cuda") * 2, torch.rand(T_, 16, device="cuda") / 4
+    out = torch.empty_like(x)
+    comp(hc.post_program(T_, D, target="sm90", io="float32"))(x, y, post, comb, out)
+    out_b = torch.empty_like(x, dtype=torch.bfloat16)
+    comp(hc.post_program(T_, D, target="sm90"))(x.bfloat16(), y.bfloat16(), post, comb, out_b)
+    assert torch.equal(out, out_b.float())
+    fn_p = hc.pad_fn(torch.randn(24, 4 * D, device="cuda") * 0.01)
+    prev = torch.rand(T_, 4, device="cuda")
+    kw = {"eps": 1e-20, "hc_eps": 1e-6, "iters": 20, "target": "sm90", "splits": S}
+    res = []
+    for io, xin, ydt in (("float32", out, torch.float32), ("", out_b, torch.bfloat16)):
+        yc = torch.empty(T_, D, device="cuda", dtype=ydt)
+        pm, psq = torch.empty(S, T_, 32, device="cuda"), torch.empty(S, T_, device="cuda")
+        comp(hc.pre_partial_program(T_, D, io=io, **kw))(xin.view(T_, -1), fn_p, prev, yc, pm, psq)
+        res.append((yc.float(), pm, psq))
+    assert all(torch.equal(a, b) for a, b in zip(*res))

@@ -79,3 +79,36 @@ def test_split_is_the_default_at_few_tokens(monkeypatch):
     assert programs(5) == [("pre_program", None)]
     monkeypatch.setenv("DEEPINFER_HC_PRE_SPLIT", "2")
     assert programs(5) == [("pre_partial_program", 2), ("pre_finish_program", 2)]
+
+
+def post_pre_call(t: int, d: int = 256, n: int = 4, seed: int = 0) -> ka.Call:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(t, n, d, generator=g), torch.randn(t, d, generator=g)
+    post, comb = torch.rand(t, n, generator=g) * 2, torch.rand(t, n, n, generator=g) / n
+    fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.02
+    base, scale = torch.randn((2 + n) * n, generator=g) * 0.1, torch.rand(3, generator=g) + 0.5
+    prev = torch.rand(t, n, generator=g)
+    names = ["y", "x", "post", "comb", "fn", "base", "scale", "prev"]
+    return ka.Call("hc_post_pre_collapse", ATTRS, [y, x, post, comb, fn, base, scale, prev], names,
+                   [n in ("fn", "base", "scale") for n in names], {}, {})  # fmt: skip
+
+
+@pytest.mark.parametrize("t,kernels", [(5, "emulated"), (16, "c_target")])
+def test_post_pre_collapse_fp32_streams_match_the_reference(t, kernels, monkeypatch):
+    """fp32 streams: post_program and the split pair with io="float32" (no cast launches); the c target builds the
+    real programs. Outputs in the node's dtypes, within the bf16 streams' rounding of the reference."""
+    if kernels == "c_target":
+        pytest.importorskip("tilelang")
+    monkeypatch.delenv("DEEPINFER_HC_PRE_SPLIT", raising=False)
+    call = post_pre_call(t, seed=20 + t)
+    adapter = ka.adapter_for("hyper_connection", "hc_post_pre_collapse")
+    keys = adapter.keys(call)
+    assert [k.program for k in keys] == ["post_program", "pre_partial_program", "pre_finish_program"]
+    assert all(dict(k.kwargs).get("io") == "float32" for k in keys)
+    make = ka.emulated_kernel if kernels == "emulated" else ka.c_target_kernel
+    got = adapter.run(call, [make(k) for k in keys])
+    ref = get_op("hc_post_pre_collapse").run(call.args, call.attrs)
+    assert [g.dtype for g in got] == [r.dtype for r in ref] and [g.shape for g in got] == [r.shape for r in ref]
+    assert all((g - r).abs().max() <= 1e-2 * r.abs().max() for g, r in zip(got, ref))
+    if kernels == "emulated":  # (the c target computes in fp32: no bf16 there)
+        assert torch.equal(got[0], got[0].bfloat16().float())  # the new streams hold bf16 values (as before)
