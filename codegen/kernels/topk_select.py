@@ -99,6 +99,7 @@ class HistConfig:
     l2_ahead: int = 0  # chunks prefetched into L2 beyond the one in flight to registers (one bulk prefetch each)
     fused: bool = False  # chunks after the first: count + push in one pass, one barrier, the bin search by one warp
     min_blocks: int = 0  # __launch_bounds__ CTAs an SM (nvcc caps the registers to fit them), 0: not set
+    ffs: bool = False  # the output's set bits found with __ffs (GPU)
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -109,7 +110,7 @@ class HistConfig:
     def tag(self) -> str:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + ("f" if self.fused else "")
-                + (f"m{self.min_blocks}" if self.min_blocks else "")
+                + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -562,8 +563,9 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
     return select
 
 
-def _make_emit(ops: _Ops, NT: int, C: int, K: int):
-    """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after."""
+def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False):
+    """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after.
+    ffs (GPU): a non-zero word's set bits visited with __ffs (popcount iterations, not 32)."""
     import tilelang.language as T
 
     NW = -(-C // 32)
@@ -591,7 +593,13 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int):
                 w = i * WPT + u
                 if w < NW:
                     word = bitmap[T.min(w, NW - 1)]
-                    if word != 0:
+                    if ffs and not ops.cpu:
+                        rest = T.alloc_var("int32", init=word)
+                        for _b in T.serial(T.call_extern("int32", "__popc", word)):
+                            Idx[t, p] = w * 32 + T.call_extern("int32", "__ffs", rest) - 1
+                            p = p + 1
+                            rest = T.bitwise_and(rest, rest - 1)  # (the lowest set bit cleared)
+                    elif word != 0:
                         for b in T.serial(32):
                             if T.bitwise_and(T.shift_right(word, b), 1) == 1:
                                 Idx[t, p] = w * 32 + b
@@ -1189,7 +1197,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     sh = scratch_shapes(T_, C, k, cfg)
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
-    emit = _make_emit(ops, NT, C, k)
+    emit = _make_emit(ops, NT, C, k, cfg.ffs)
     count, threshold = _make_hist_bound(ops, NT)
     io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
