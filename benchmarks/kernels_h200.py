@@ -864,6 +864,41 @@ def case_hc_post_pre_chain(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench(before, quick)
 
 
+DECODE_DENSE = {"wq_a": (Q_LORA, HIDDEN), "wq_b": (HEADS * HEAD_DIM, Q_LORA), "wkv": (512, HIDDEN),
+                "idx wq_b": (32 * 128, Q_LORA), "wo_b": (HIDDEN, 8192)}  # (N, K) at V4.1 dims
+
+
+def case_dense_swab(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
+    """A decode linear_fp8 (g32 activations, 32x32 weight blocks) on the swap-AB program as ONE expert, as the
+    runtime now runs T <= 64 (runtime/kernel_adapters._dense_swab_plan); checked against the float64 product of
+    the same codes; "eager" = the fp8_gemm program the runtime used before (fp8_gemm.sm90_config at 64 rows)."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    bt = 1 << (max(16, -(-T_ // 16) * 16) - 1).bit_length()
+    cfg = mg.SwabConfig(64, bt, 128, 4, {16: 4, 32: 3}.get(bt, 2))
+    swab = build(mg.swab_program(bt, N, K, 1, act_group=32, swiglu_limit=None, fmt="fp8", weight_block=32,
+                                 max_rows=bt, target="sm90", cfg=cfg))  # fmt: skip
+    gcfg = fp8_gemm.sm90_config(64, N, 32)
+    rows = max(64, bt)
+    dense = build(fp8_gemm.program(rows, N, K, act_group=32, weight_block=32, target="sm90", cfg=gcfg))
+    row.bytes_, row.flops = fp8_gemm.roofline(T_, N, K, 32, 32)
+    if dry:
+        return
+    x, w = torch.randn(rows, K, device="cuda"), torch.randn(N, K, device="cuda") * 0.05
+    a, sa = quant_fp8_groups(x, 32)
+    b, sb = quant_fp8_blocks(w, 32)
+    sa_t = sa.T.contiguous()
+    counts = torch.full((1,), T_, dtype=torch.int32, device="cuda")
+    c = torch.empty(bt, N, device="cuda", dtype=torch.bfloat16)
+    args = (a[:bt].contiguous(), sa[:bt].T.contiguous(), b.unsqueeze(0), sb.unsqueeze(0).contiguous(), counts, c)
+    swab(*args)
+    ref = fp8_gemm.reference_dequant_f64(a[:T_], sa[:T_], b, sb, 32, 32).float()
+    row.check = expect(rel_err(c[:T_], ref), 2e-2)
+    row.ms = bench(lambda: swab(*args), quick)
+    cd = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+    row.eager_ms = bench(lambda: dense(a, sa_t, b, sb, cd), quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
@@ -871,6 +906,9 @@ def decode_small_cases():
     for N, what in ((512, "wkv"), (32, "wproj")):  # the compressor's wkv / wgate; the indexer's weights_proj
         out.append((f"decode small linear_bf16 {what}", f"{DECODE_T}x{N}x{HIDDEN}",
                     lambda r, q, d, N=N: case_linear_bf16(r, DECODE_T, N, HIDDEN, q, d)))  # fmt: skip
+    for name, (N, K) in DECODE_DENSE.items():
+        out.append((f"decode small linear_fp8 swab {name}", f"{DECODE_T}x{N}x{K}",
+                    lambda r, q, d, N=N, K=K: case_dense_swab(r, DECODE_T, N, K, q, d)))  # fmt: skip
     out.append(("decode small hc_post_pre (post+split, f32 io)", f"{DECODE_T}x4x{HIDDEN}",
                 lambda r, q, d: case_hc_post_pre_chain(r, DECODE_T, q, d)))  # fmt: skip
     for kind in ("rmsnorm", "rope"):
@@ -1628,6 +1666,10 @@ def _topk_diag_rows():
         (64, 65536, H(128, 16, 16384, l2_ahead=2, fused=True), tl),
         (64, 65536, H(128, 16, 8192, l2_ahead=2, fused=True), tl),
         (1, 65536, H(256, 16, 8192, fused=True), tl),
+        # issue 8's decode-64 rows (layers 2 / 20 at 4096 cached tokens): the defaults, the 4160-column row in one
+        # 512-thread chunk (registers, one select) and as 3 fused segments of 2048 (one chunk each, a merge)
+        (64, 2080, None, tl), (64, 4160, None, tl), (64, 4160, ts.Config(512, 16, 8192), tl),
+        (64, 4160, H(128, 16, 2048, fused=True), tl),
     ]  # fmt: skip
 
 

@@ -175,7 +175,37 @@ def _gemm_cfg(call: Call, m: int, n: int, k: int, group: int, tuned: bool):
     return cfg
 
 
+DENSE_SWAB_MAX_T = 64  # decode linear_fp8 on the swap-AB program up to this many rows (one pass over the weight)
+DENSE_SWAB_ENV = "DEEPINFER_DENSE_SWAB"  # "0": decode linear_fp8 on fp8_gemm as before
+
+
+def _dense_swab_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int):
+    """(key, rows, None) of moe_grouped_gemm's swap-AB program as ONE expert for a decode linear_fp8 [T <= 64],
+    or None. fp8_gemm tiles M by 128 rows and its decode CTAs stream few weight tiles each (wq_b 64 x 32768 x
+    1280: 37 us = 29% of HBM on the H200); the swap-AB program puts the weight rows on the MMA's M side and all
+    T tokens in one tile, the MoE's decode program (65-72% of HBM there). Off with DEEPINFER_DENSE_SWAB=0 and in
+    batch-invariant mode (it sums K in another order than fp8_gemm above 64 rows)."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+    from deepinfer.passes.select_kernels import batch_invariant_mode
+
+    t, k = x2d.shape
+    if t > DENSE_SWAB_MAX_T or os.environ.get(DENSE_SWAB_ENV) == "0" or batch_invariant_mode():
+        return None
+    if call.args[1].dtype != torch.float8_e4m3fn or block % 32:
+        return None
+    bt = _shared_rows(t)  # 16, 32 or 64 token rows: every token in one tile
+    cfg = mg.SwabConfig(64, bt, 128, 4, {16: 4, 32: 3}.get(bt, 2))
+    if _swab_unfit(n, k, "fp8", cfg, block, group, False):
+        return None
+    return _key("moe_grouped_gemm", "swab_program", (bt, n, k, 1), cfg, act_group=group, swiglu_limit=None,
+                fmt="fp8", weight_block=block, max_rows=bt), bt, None  # fmt: skip
+
+
 def _gemm_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int, tuned: bool):
+    """(key, rows, n_pad) of the FP8 GEMM for x2d @ W^T; n_pad None: the swap-AB program (_dense_swab_plan)."""
+    swab = _dense_swab_plan(call, x2d, n, group, block)
+    if swab is not None:
+        return swab
     m, k = x2d.shape
     rows = bucket_rows(m, MIN_GEMM_ROWS)
     cfg = _gemm_cfg(call, rows, n, k, min(group, block), tuned)
@@ -198,6 +228,12 @@ def fp8_linear(call: Call, kernel, x: torch.Tensor, wi: int, si: int, group: int
     n = call.args[wi].shape[0]
     x2d = x.reshape(-1, x.shape[-1])
     a, sa_t = quant_rows(x2d, group, rows)  # the kernel reads MN-major scales
+    if n_pad is None:  # the swap-AB program, the weight as a one-expert stack (views) and every row counted
+        w, s = call.prep("swab_w", (wi, si), lambda: (call.args[wi].unsqueeze(0),
+                                                       scales_f32(call.args[si]).unsqueeze(0).contiguous()))
+        c = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
+        kernel(a, sa_t, w, s, _const_counts(call, 1, x2d.shape[0], x.device), c)
+        return c[: x2d.shape[0]].to(x.dtype).reshape(*x.shape[:-1], n)
     b, sb = _gemm_weight(call, wi, si, n_pad, block)
     c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=x.device)
     kernel(a, sa_t, b, sb, c)
