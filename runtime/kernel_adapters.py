@@ -1533,7 +1533,7 @@ class IndexScoresAdapter:
 
             return [indexer_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]))[0]]
         fields = {f.name for f in dataclasses.fields(it.F32ScoresConfig)}
-        cfg = dataclasses.replace(it.f32_scores_config(q.shape[0], keys.shape[0]),
+        cfg = dataclasses.replace(it.f32_scores_config(q.shape[0], keys.shape[0], q.shape[1]),
                                   **{k: v for k, v in call.config.items() if k in fields})  # fmt: skip
         return [it.triton_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]), cfg=cfg)]
 

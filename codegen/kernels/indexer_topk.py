@@ -463,27 +463,24 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
 # fp32 op: the FP8/bf16 kernels above would change its numbers by ~1e-3 of a row's maximum. At decode the op is
 # small (T x C x 32 heads x 128: ~2 GFLOP at T 64, C 4096) but its torch reference writes [T, 32, C] fp32
 # temporaries several times (~0.08-0.15 ms per layer on the H200). `triton_scores` is one launch with the torch
-# reference's numbers up to the order of the sums: each dot on the tensor cores as three TF32 products
-# (input_precision "tf32x3": hi*hi + hi*lo + lo*hi, ~fp32 accuracy), ReLU, scale and the head weight applied per
-# head, the head sum in registers, the causal mask, one fp32 write of S.
+# reference's numbers up to the order of the sums: the dots of 64 keys with every head of 4 queries as ONE
+# [64, 128] x [128, 128] product on the tensor cores (three TF32 products, input_precision "tf32x3": hi*hi +
+# hi*lo + lo*hi, ~fp32 accuracy), ReLU, scale and the head weights, the head sum per query in registers, the
+# causal mask, one fp32 write of S. (A first form looped over the 32 heads with one small dot each: 65 us at
+# T64 C2080 on the H200, latency-bound.)
 
 
 @dataclass(frozen=True)
 class F32ScoresConfig:
     block_c: int = 64  # index keys per CTA (the dot's M: one wgmma tile of rows)
-    block_t: int = 16  # queries per CTA (the dot's N; <= 32)
+    block_t: int = 4  # queries per CTA: the dot's N is block_t x heads (all heads of a query in ONE dot)
     warps: int = 4
-    stages: int = 2
     precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
 
 
-def f32_scores_config(T_: int, C: int, sms: int = 132) -> F32ScoresConfig:
-    """The widest query block (at most 32: 64 spills at 4 warps, sm_90a ptxas) that still gives every SM a CTA
-    (the q tile is re-read per key block from L2)."""
-    bt = 32
-    while bt > 16 and -(-C // 64) * -(-T_ // bt) < sms:
-        bt //= 2
-    return F32ScoresConfig(block_t=bt)
+def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
+    """block_t x H = 128 columns per dot (4 queries at 32 heads); fewer heads: more queries per CTA."""
+    return F32ScoresConfig(block_t=max(1, 128 // H))
 
 
 @functools.lru_cache(maxsize=2)
@@ -494,21 +491,22 @@ def _f32_scores_kernel(interpret: bool):
 
     @triton.jit
     def f32_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, s_ptr, T, C, scale, ratio, H: tl.constexpr,
-                          DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                          PREC: tl.constexpr):  # fmt: skip
+                          DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
         c = tl.program_id(0) * BC + tl.arange(0, BC)
-        t = tl.program_id(1) * BT + tl.arange(0, BT)
+        t0 = tl.program_id(1) * BT
+        t = t0 + tl.arange(0, BT)
+        j = tl.arange(0, BT * H)  # the CTA's (query, head) columns, query-major as q [T, H, DI] is stored
         d = tl.arange(0, DI)
-        cm, tm = c < C, t < T
+        cm, tm, jm = c < C, t < T, t0 + j // H < T
         nvis = (tl.load(pos_ptr + t, mask=tm, other=-1).to(tl.int32) + 1) // ratio  # entries query t sees
         acc = tl.zeros((BC, BT), dtype=tl.float32)
         if tl.program_id(0) * BC < tl.max(nvis, axis=0):  # a key block no query sees is only -inf
             k = tl.load(k_ptr + c[:, None] * DI + d[None, :], mask=cm[:, None], other=0.0)  # [BC, DI]
-            for h in tl.range(0, H, num_stages=STAGES):
-                qt = tl.load(q_ptr + (t[None, :] * H + h) * DI + d[:, None], mask=tm[None, :], other=0.0)  # [DI, BT]
-                w = tl.load(w_ptr + t * H + h, mask=tm, other=0.0)
-                dots = tl.dot(k, qt, input_precision=PREC)
-                acc += (tl.maximum(dots, 0.0) * scale) * w[None, :]
+            q = tl.load(q_ptr + (t0 * H + j)[:, None] * DI + d[None, :], mask=jm[:, None], other=0.0)  # [BT*H, DI]
+            dots = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BC, BT*H]: every head of BT queries at once
+            w = tl.load(w_ptr + t0 * H + j, mask=jm, other=0.0)
+            v = (tl.maximum(dots, 0.0) * scale) * w[None, :]
+            acc = tl.sum(tl.reshape(v, (BC, BT, H)), axis=2)  # the head sum per query
         s = tl.where(c[:, None] < nvis[None, :], acc, float("-inf"))
         tl.store(s_ptr + t[None, :] * C + c[:, None], s, mask=cm[:, None] & tm[None, :])
 
@@ -525,14 +523,14 @@ def triton_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, position
 
     t, h, di = q.shape
     c = keys.shape[0]
-    cfg = cfg or f32_scores_config(t, c)
+    cfg = cfg or f32_scores_config(t, c, h)
     s = torch.empty(t, c, dtype=torch.float32, device=q.device)
     if t and c:
         grid = (triton.cdiv(c, cfg.block_c), triton.cdiv(t, cfg.block_t))
         _f32_scores_kernel(os.environ.get("TRITON_INTERPRET") == "1")[grid](
             q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
-            t, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=cfg.block_t, STAGES=cfg.stages,
-            PREC=cfg.precision, num_warps=cfg.warps)  # fmt: skip
+            t, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=cfg.block_t, PREC=cfg.precision,
+            num_warps=cfg.warps)  # fmt: skip
     return s
 
 

@@ -87,5 +87,7 @@ def test_cuda_kernel_at_decode_dims(t, n):
     x, w = _inputs(t, n, 5120, seed=n, device="cuda")
     y = lb.triton_linear(x, w)
     want = x.cpu().double() @ w.cpu().double().T
-    assert _err(y.cpu(), want) < 1e-6
-    assert _err(y.cpu(), Linear.reference(x, w, None).cpu().double()) < 1e-6
+    # fp32 sums of K = 5120 exact products (kernel and reference in different orders): ~sqrt(K) * 2^-24 of the
+    # products' magnitude, ~1e-6 of the output's maximum (H200: 1.1e-6); a lost term or split is >= 1e-3
+    assert _err(y.cpu(), want) < 1e-5
+    assert _err(y.cpu(), Linear.reference(x, w, None).cpu().double()) < 1e-5
