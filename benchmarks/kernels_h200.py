@@ -926,6 +926,26 @@ def case_dense_swab(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     row.eager_ms = bench_device(lambda: dense(a, sa_t, b, sb, cd), quick)
 
 
+def case_dequant(row: Row, T_: int, quick: bool, dry: bool):
+    """dequant_fp8 of the attention output [T, 8, 4096] (128-groups) on act_quant.triton_dequant, bit for bit the
+    op's reference (the eager column)."""
+    from deepinfer.codegen.kernels import act_quant
+    from deepinfer.ir import dtypes as dt
+    from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+    shape = (T_, 8, 4096)
+    row.bytes_, row.flops = float(T_ * 8 * 4096 * 5 + T_ * 8 * 32), 0.0
+    if dry:
+        return
+    q = (torch.randn(*shape, device="cuda") * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = dt.float_to_e8m0(2.0 ** torch.randint(-20, 5, (T_, 8, 32), device="cuda").float())
+    if not torch.equal(act_quant.triton_dequant(q, s, 128), dequant_fp8_groups(q, s, 128)):
+        raise AssertionError("dequant differs from dequant_fp8_groups")
+    row.check = "exact"
+    row.ms = bench_device(lambda: act_quant.triton_dequant(q, s, 128), quick)
+    row.eager_ms = bench_device(lambda: dequant_fp8_groups(q, s, 128), quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
@@ -936,6 +956,8 @@ def decode_small_cases():
     for name, (N, K) in DECODE_DENSE.items():
         out.append((f"decode small linear_fp8 swab {name}", f"{DECODE_T}x{N}x{K}",
                     lambda r, q, d, N=N, K=K: case_dense_swab(r, DECODE_T, N, K, q, d)))  # fmt: skip
+    out.append(("decode small dequant_fp8", f"{DECODE_T}x8x4096 g128", lambda r, q, d: case_dequant(r, DECODE_T, q,
+                                                                                                      d)))  # fmt: skip
     out.append(("decode small hc_post_pre (post+split, f32 io)", f"{DECODE_T}x4x{HIDDEN}",
                 lambda r, q, d: case_hc_post_pre_chain(r, DECODE_T, q, d)))  # fmt: skip
     for kind in ("rmsnorm", "rope"):

@@ -26,6 +26,7 @@ from dataclasses import asdict
 
 from deepinfer.codegen.targets import Target, get_target
 from deepinfer.errors import ConfigError
+from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph, Node, Value
 from deepinfer.ir.shapes import evaluate
 from deepinfer.passes.pipeline import register_pass
@@ -339,6 +340,15 @@ def bind_fake_quant(c: _Ctx):
     return "act_quant", "triton", {"M": m, "K": k, "group": c.node.attrs["group"]}, {}, ()
 
 
+def bind_dequant(c: _Ctx):
+    """dequant_fp8 (the attention's FP8 output -> fp32) -> act_quant's Triton dequantisation (one launch, the op's
+    numbers bit for bit); CUDA targets only."""
+    q = c.node.inputs[0]
+    if c.target.name not in ("sm90", "sm100") or c.node.attrs.get("dtype", None) not in (None, dt.f32):
+        raise Fallback("the dequant kernel is Triton on CUDA and writes fp32")
+    return "act_quant", "triton_dequant", {"M": c.rows(q), "K": c.shape(q)[-1], "group": c.node.attrs["group"]}, {}, ()
+
+
 BINDERS: dict[str, Callable] = {
     "linear": bind_linear,
     "linear_fp8": bind_linear_fp8,
@@ -361,7 +371,8 @@ BINDERS: dict[str, Callable] = {
     "topk_entries": bind_topk_entries,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
     "hc_stats": bind_hc_pre,
-    "fake_quant_fp8": bind_fake_quant,  # pre_program's coefficients (its collapse output unused)
+    "fake_quant_fp8": bind_fake_quant,
+    "dequant_fp8": bind_dequant,  # pre_program's coefficients (its collapse output unused)
     "hc_post": bind_hc_post,
     "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program
 }

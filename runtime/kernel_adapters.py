@@ -354,6 +354,37 @@ class FakeQuantAdapter:
         return [y.view(x.shape)]
 
 
+class DequantAdapter:
+    """dequant_fp8 (the attention's FP8 output widened for grouped_out_proj) in one Triton launch
+    (act_quant.triton_dequant: code x 2^(byte - 127), dequant_fp8_groups' numbers bit for bit; ~5 torch launches
+    before). No TileLang kernel (keys: none). On CPU tensors (the emulated tests) the kernel runs under Triton's
+    interpreter when it is on, else the op's torch formula stands in."""
+
+    family = "act_quant"
+    ops = ("dequant_fp8",)
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        q, s = call.args
+        a = call.attrs
+        if a.get("dtype", dt.f32) != dt.f32 or s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+            raise Decline("the dequant kernel writes fp32 from ue8m0 scales")
+        if q.shape[-1] % a["group"]:
+            raise Decline(f"K={q.shape[-1]} does not split into groups of {a['group']}")
+        return []
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import act_quant
+
+        q, s = call.args
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+            return [dequant_fp8_groups(q, s, call.attrs["group"]).float()]
+        codes = q if q.is_cuda else q.float()  # (the interpreter takes no fp8 tensors: their exact values)
+        return [act_quant.triton_dequant(codes, s, call.attrs["group"])]
+
+
 # ---------------------------------------------------------------------------------------------- rmsnorm
 
 
@@ -1772,7 +1803,7 @@ ADAPTERS: dict[str, object] = {
     "sparse_attn_decode": SparseAttnAdapter(),
     "topk_select": TopKEntriesAdapter(),
     "compressor": CompressorKeysAdapter(),
-    "act_quant": FakeQuantAdapter(),
+    "act_quant": (FakeQuantAdapter(), DequantAdapter()),
     "indexer_topk": IndexScoresAdapter(),
     "linear_bf16": LinearBF16Adapter(),
 }

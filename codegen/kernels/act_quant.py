@@ -94,3 +94,43 @@ def reference(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[tor
     scale = dt.pow2_scale(g.abs().amax(-1, keepdim=True), dt.FP8_MAX)
     q = (g / scale).clamp(-dt.FP8_MAX, dt.FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2), scale.squeeze(-1).T.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- dequantisation
+# dequant_fp8 (the attention's FP8 output -> fp32 for grouped_out_proj) as one launch: y = q * 2^(s - 127), the
+# e4m3 code widened and its group's ue8m0 scale decoded from the byte (both exact, and so is the product of a
+# code and a power of two above fp32's subnormals) -- dequant_fp8_groups' numbers bit for bit, where torch takes
+# ~5 launches (byte -> float, - 127, exp2, code -> float, product).
+
+
+@functools.lru_cache(maxsize=2)
+def _dequant_kernel(interpret: bool):
+    if triton is None:
+        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+
+    @triton.jit
+    def dequant_kernel(q_ptr, s_ptr, y_ptr, K, G: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+        row = tl.program_id(0)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        c = tl.arange(0, GROUP)[None, :]
+        q = tl.load(q_ptr + row * K + g * GROUP + c, mask=g < G, other=0.0).to(tl.float32)
+        byte = tl.load(s_ptr + row * G + tl.arange(0, BLOCK_G), mask=tl.arange(0, BLOCK_G) < G, other=127)
+        bits = tl.where(byte > 0, byte.to(tl.uint32) << 23, 0x400000)  # byte 0: 2^-127, a subnormal
+        scale = bits.to(tl.float32, bitcast=True)
+        tl.store(y_ptr + row * K + g * GROUP + c, q * scale[:, None], mask=g < G)
+
+    return dequant_kernel
+
+
+def triton_dequant(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """q [..., K] e4m3 codes (fp32 code values under the CPU interpreter), s [..., K/group] ue8m0 scales (or their
+    uint8 bytes) -> fp32 [..., K]."""
+    k = q.shape[-1]
+    assert k % group == 0 and s.shape[-1] == k // group, (q.shape, s.shape, group)
+    q2 = q.reshape(-1, k).contiguous()
+    s2 = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s).reshape(-1, k // group).contiguous()
+    y = torch.empty(q2.shape, dtype=torch.float32, device=q.device)
+    if q2.shape[0]:
+        _dequant_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(q2.shape[0],)](
+            q2, s2, y, k, G=k // group, GROUP=group, BLOCK_G=triton.next_power_of_2(k // group))  # fmt: skip
+    return y.view(q.shape)

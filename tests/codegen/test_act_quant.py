@@ -76,3 +76,31 @@ def test_compiles_for_hopper_without_approximate_log2():
     ptx = proc.stdout
     assert ".target sm_90a" in ptx and "e4m3x2" in ptx
     assert "lg2." not in ptx and "ex2." not in ptx
+
+
+def _dequant_case(shape=(3, 8, 256), seed=0):
+    from deepinfer.ir import dtypes as dt
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-6, 6, shape[-1])
+    q = (x * 8).clamp(-448, 448).to(torch.float8_e4m3fn)  # subnormal codes included
+    s = 2.0 ** torch.randint(-40, 20, (*shape[:-1], shape[-1] // 128), generator=g).float()
+    return q, dt.float_to_e8m0(s)
+
+
+def test_interpreter_dequant_bit_for_bit(interpret):
+    """triton_dequant == dequant_fp8_groups (the op's reference) bit for bit, scales over 60 binades."""
+    from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+    q, s = _dequant_case()
+    y = act_quant.triton_dequant(q.float(), s, 128)  # the interpreter takes the codes' values
+    assert torch.equal(y, dequant_fp8_groups(q, s, 128))
+
+
+@pytest.mark.gpu
+def test_cuda_dequant_bit_for_bit():
+    from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+    q, s = _dequant_case((64, 8, 4096), seed=1)
+    y = act_quant.triton_dequant(q.cuda(), s.cuda(), 128)
+    assert torch.equal(y.cpu(), dequant_fp8_groups(q, s, 128))

@@ -1,6 +1,7 @@
 """The decode small-op adapters with Triton kernels (the interpreter on CPU tensors, in a fresh process: it must be
 on before triton is imported) against the ops' references: index_scores (indexer_topk.triton_scores) and linear
-with a bf16 weight (linear_bf16); and the executor's first-call check on outputs with masked (-inf) entries."""
+with a bf16 weight (linear_bf16), dequant_fp8 (act_quant.triton_dequant, bit for bit); and the executor's
+first-call check on outputs with masked (-inf) entries."""
 
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ try:
     raise SystemExit("a split that does not divide K must decline")
 except ka.Decline:
     pass
+
+from deepinfer.ir import dtypes as dt
+from deepinfer.codegen.kernels import act_quant
+
+dq_calls = []
+_dq = act_quant.triton_dequant
+act_quant.triton_dequant = lambda *a, **k: dq_calls.append(1) or _dq(*a, **k)
+xq = (torch.randn(3, 8, 256, generator=g) * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+sq = dt.float_to_e8m0(2.0 ** torch.randint(-20, 5, (3, 8, 2), generator=g).float())
+a = ka.adapter_for("act_quant", "dequant_fp8")
+attrs = {"group": 128, "dtype": dt.f32}
+call = ka.Call("dequant_fp8", attrs, [xq, sq], ["q", "s"], [False, False], {})
+assert a.keys(call) == []
+y = a.run(call, [])[0]
+assert dq_calls and torch.equal(y, get_op("dequant_fp8").run([xq, sq], attrs)[0]), "dequant bit for bit"
 print("ok")
 """
 
