@@ -1163,8 +1163,8 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
 # l2_ahead: a bulk L2 prefetch of a chunk's bytes by one thread (no registers, no shared memory); fused: volatile
 # shared loads / stores of words other warps write without a barrier between
 _L2_PREFETCH_PRELUDE = r"""
-__device__ __forceinline__ void tl_topk_prefetch_l2(const void* p, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+__device__ __forceinline__ void tl_topk_prefetch_l2(const float* row, int off, int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(row + off), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ int tl_topk_ld(const int* p) { return *(const volatile int*)p; }
 __device__ __forceinline__ void tl_topk_st(int* p, int v) { *(volatile int*)p = v; }
@@ -1254,8 +1254,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             for i in T.Parallel(NT):
                 if T.And(i == 0, T.And(it < NCH, c0_of(sg, it) < lim)):
                     n = T.min(CH, lim - c0_of(sg, it))  # (rounded up to float4s: within the row, C % 4 == 0)
-                    c0 = T.min(c0_of(sg, it), C - 4)  # (= c0_of here; the bound keeps the index provably in the row)
-                    T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", T.address_of(S[t, c0]),
+                    T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", T.address_of(S[t, 0]), c0_of(sg, it),
                                              (n + 3) // 4 * 16))  # fmt: skip
 
     @T.macro
@@ -1356,8 +1355,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             ops.barrier()  # (shared atomics next)
             if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
                 fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
-            if cfg.l2_ahead > 0:
-                for a in T.serial(cfg.l2_ahead):
+            if cfg.l2_ahead > 0 and NCH > 1:
+                for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
                     prefetch_l2(S, t, sg, a + 1, lim)
             # iterations: the chunks, the segment's selection, (several segments, the row's last CTA) the merge
             for it in T.serial(NCH + (1 if NSEG == 1 else 2)):
@@ -1366,7 +1365,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 if it < NCH:
                     if c0_of(sg, it) < lim:
                         chunk_keys(c0_of(sg, it), lim, xr, kc)
-                        prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
+                        if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
+                            prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
                         if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
                             if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
                                 fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)

@@ -226,6 +226,18 @@ def test_hist_default_configs(monkeypatch):
     assert isinstance(ts.default_config(4096, 65536), ts.Config)
 
 
+def test_sm90_lowers_decode_default(tilelang_required):
+    """Regression: the default of issue 8's layer-20 decode row (T64 C4160: one 6144-column segment, 3 chunks,
+    2 prefetched into L2) failed to lower ("Cannot match type handle vs int32": an in-loop L2 prefetch that is
+    never in range) -- only prefetches that can be in range are emitted now."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.default_config(64, 4160)
+    assert isinstance(cfg, ts.HistConfig) and cfg.seg // cfg.chunk <= 1 + cfg.l2_ahead
+    src = tb.lower(ts.program(64, 4160, k=512, ratio=1, cfg=cfg, target="sm90", has_pos=False), tb.get_target("sm90"))
+    assert "tl_topk_prefetch_l2(" in src
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_sm90_build_hist_prefill(codegen_cache, nvcc_required, fused):
     """The histogram-bound program at the prefill shape (one 256-thread CTA streams a 64k row, two chunks
