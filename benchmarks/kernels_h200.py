@@ -1706,6 +1706,7 @@ def _topk_diag_rows():
         (64, 65536, H(128, 16, 16384, l2_ahead=2), tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, diag="read"), tl),
         (1, 65536, H(256, 16, 8192), tl), (1, 65536, H(256, 16, 8192, diag="read"), tl),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3), tl),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3, ffs=True), tl),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True), tl),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=True, min_blocks=3, diag="push"), tl),
         (4096, 65536, H(128, 16, 65536, l2_ahead=2, fused=True), tl),
