@@ -946,6 +946,26 @@ def case_dequant(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench_device(lambda: dequant_fp8_groups(q, s, 128), quick)
 
 
+def case_scatter_rows(row: Row, N: int, D: int, M: int, quick: bool, dry: bool):
+    """scatter_rows on cache_rows (copy + one Triton launch), equal to the op's reference; "eager" = the sync-free
+    torch form the decode graphs used before (runtime/cuda_graphs.scatter_rows)."""
+    from deepinfer.codegen.kernels import cache_rows
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import cuda_graphs as cg
+
+    row.bytes_, row.flops = float(8 * N * D + 4 * M * D), 0.0  # the copy (read + write) and the rows
+    if dry:
+        return
+    cache, rows = torch.randn(N, D, device="cuda"), torch.randn(M, D, device="cuda")
+    idx = torch.arange(N - M, N, device="cuda")
+    want = get_op("scatter_rows").run([cache, idx, rows], {})[0]
+    if not torch.equal(cache_rows.triton_scatter_rows(cache, idx, rows), want):
+        raise AssertionError("scatter differs from the reference")
+    row.check = "exact"
+    row.ms = bench_device(lambda: cache_rows.triton_scatter_rows(cache, idx, rows), quick)
+    row.eager_ms = bench_device(lambda: cg.scatter_rows(cache, idx, rows), quick)
+
+
 def decode_small_cases():
     """Rows named "decode small ..." at T = DECODE_T (layer 2: ratio 2, 2080 index keys at 4096 cached tokens;
     layer 20: ratio 1, 4160)."""
@@ -956,6 +976,9 @@ def decode_small_cases():
     for name, (N, K) in DECODE_DENSE.items():
         out.append((f"decode small linear_fp8 swab {name}", f"{DECODE_T}x{N}x{K}",
                     lambda r, q, d, N=N, K=K: case_dense_swab(r, DECODE_T, N, K, q, d)))  # fmt: skip
+    for N, D in ((4160, 512), (4160, 128), (128, 512)):  # layer 20's compressed KV / index keys; the SWA ring
+        out.append(("decode small scatter_rows", f"{N}x{D} +{DECODE_T}",
+                    lambda r, q, d, N=N, D=D: case_scatter_rows(r, N, D, DECODE_T, q, d)))  # fmt: skip
     out.append(("decode small dequant_fp8", f"{DECODE_T}x8x4096 g128", lambda r, q, d: case_dequant(r, DECODE_T, q,
                                                                                                       d)))  # fmt: skip
     out.append(("decode small hc_post_pre (post+split, f32 io)", f"{DECODE_T}x4x{HIDDEN}",

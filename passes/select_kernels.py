@@ -349,6 +349,14 @@ def bind_dequant(c: _Ctx):
     return "act_quant", "triton_dequant", {"M": c.rows(q), "K": c.shape(q)[-1], "group": c.node.attrs["group"]}, {}, ()
 
 
+def bind_scatter_rows(c: _Ctx):
+    """scatter_rows -> cache_rows (a cache copy + one Triton launch for the rows); CUDA targets only."""
+    cache, index, _ = c.node.inputs
+    if c.target.name not in ("sm90", "sm100"):
+        raise Fallback("the row scatter is Triton on CUDA")
+    return "cache_rows", "triton_scatter", {"N": c.shape(cache)[0], "M": c.shape(index)[0]}, {}, ()
+
+
 BINDERS: dict[str, Callable] = {
     "linear": bind_linear,
     "linear_fp8": bind_linear_fp8,
@@ -372,7 +380,8 @@ BINDERS: dict[str, Callable] = {
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
     "hc_stats": bind_hc_pre,
     "fake_quant_fp8": bind_fake_quant,
-    "dequant_fp8": bind_dequant,  # pre_program's coefficients (its collapse output unused)
+    "dequant_fp8": bind_dequant,
+    "scatter_rows": bind_scatter_rows,  # pre_program's coefficients (its collapse output unused)
     "hc_post": bind_hc_post,
     "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program
 }

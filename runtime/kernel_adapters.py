@@ -385,6 +385,33 @@ class DequantAdapter:
         return [act_quant.triton_dequant(codes, s, call.attrs["group"])]
 
 
+class ScatterRowsAdapter:
+    """scatter_rows (KV ring / compressed-KV / index-key writes): the cache copied, the rows written by one Triton
+    launch (cache_rows.triton_scatter_rows), the reference's result exactly; ~5 launches in the sync-free torch
+    form a decode graph used. No TileLang kernel (keys: none). On CPU tensors (the emulated tests) the kernel runs
+    under Triton's interpreter when it is on, else the op's torch formula stands in."""
+
+    family = "cache_rows"
+    ops = ("scatter_rows",)
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        cache, index, rows = call.args
+        if index.dim() != 1 or rows.shape[0] != index.shape[0] or rows.shape[1:] != cache.shape[1:]:
+            raise Decline("scatter_rows takes cache [N, ...], index [M] and rows [M, ...]")
+        return []
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import cache_rows
+
+        cache, index, rows = call.args
+        if not cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            from deepinfer.runtime import cuda_graphs as cg
+
+            return [cg.scatter_rows(cache, index, rows)]  # (the sync-free reference: the same rows)
+        return [cache_rows.triton_scatter_rows(cache, index, rows)]
+
+
 # ---------------------------------------------------------------------------------------------- rmsnorm
 
 
@@ -1804,6 +1831,7 @@ ADAPTERS: dict[str, object] = {
     "topk_select": TopKEntriesAdapter(),
     "compressor": CompressorKeysAdapter(),
     "act_quant": (FakeQuantAdapter(), DequantAdapter()),
+    "cache_rows": ScatterRowsAdapter(),
     "indexer_topk": IndexScoresAdapter(),
     "linear_bf16": LinearBF16Adapter(),
 }

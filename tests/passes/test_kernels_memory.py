@@ -14,7 +14,7 @@ from deepinfer.passes.plan_memory import lifetimes, nbytes, plan_memory
 from deepinfer.passes.select_kernels import format_kernel_report, select_kernels
 
 FAMILIES = {"fp8_gemm", "moe_grouped_gemm", "rmsnorm_quant", "moe_routing", "sparse_attn_decode", "hyper_connection",
-            "rope", "engram", "compressor", "linear_bf16", "indexer_topk"}  # fmt: skip
+            "rope", "engram", "compressor", "linear_bf16", "indexer_topk", "act_quant", "cache_rows"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

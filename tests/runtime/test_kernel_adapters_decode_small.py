@@ -1,7 +1,7 @@
 """The decode small-op adapters with Triton kernels (the interpreter on CPU tensors, in a fresh process: it must be
 on before triton is imported) against the ops' references: index_scores (indexer_topk.triton_scores) and linear
-with a bf16 weight (linear_bf16), dequant_fp8 (act_quant.triton_dequant, bit for bit); and the executor's
-first-call check on outputs with masked (-inf) entries."""
+with a bf16 weight (linear_bf16), dequant_fp8 (act_quant.triton_dequant, bit for bit), scatter_rows
+(cache_rows, exactly); and the executor's first-call check on outputs with masked (-inf) entries."""
 
 from __future__ import annotations
 
@@ -74,6 +74,19 @@ call = ka.Call("dequant_fp8", attrs, [xq, sq], ["q", "s"], [False, False], {})
 assert a.keys(call) == []
 y = a.run(call, [])[0]
 assert dq_calls and torch.equal(y, get_op("dequant_fp8").run([xq, sq], attrs)[0]), "dequant bit for bit"
+
+from deepinfer.codegen.kernels import cache_rows
+
+sc_calls = []
+_sc = cache_rows.triton_scatter_rows
+cache_rows.triton_scatter_rows = lambda *a, **k: sc_calls.append(1) or _sc(*a, **k)
+cache, rows = torch.randn(30, 4, 8, generator=g), torch.randn(5, 4, 8, generator=g)
+idx = torch.tensor([3, -1, 29, 0, 7])
+a = ka.adapter_for("cache_rows", "scatter_rows")
+call = ka.Call("scatter_rows", {}, [cache, idx, rows], ["c", "i", "r"], [False] * 3, {})
+assert a.keys(call) == []
+out = a.run(call, [])[0]
+assert sc_calls and torch.equal(out, get_op("scatter_rows").run([cache, idx, rows], {})[0]), "scatter exactly"
 print("ok")
 """
 
