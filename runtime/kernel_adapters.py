@@ -318,8 +318,11 @@ class GroupedOutProjAdapter:
         r, block = wa.shape[0] // g, call.attrs["block_a"]
         w, s = call.prep("wo_a_stack", (1, 3), lambda: (wa.view(g, r, k), scales_f32(sa).view(g, r // block, -1)))
         # the masked layout (group g's T rows at g*max_rows ...) in the activations, quantised there in one pass
-        xg = x.new_zeros(g, max_rows, k)
-        xg[:, :t] = x.transpose(0, 1)
+        if max_rows == t:  # no padding rows: one copy into the group-major layout (no zero fill of 8 MB first)
+            xg = x.transpose(0, 1).contiguous()
+        else:
+            xg = x.new_zeros(g, max_rows, k)
+            xg[:, :t] = x.transpose(0, 1)
         a_m, sa_m = quant_rows(xg.view(g * max_rows, k), block, g * max_rows)
         counts = _const_counts(call, g, t, x.device)
         c = torch.empty(g * max_rows, r, dtype=torch.bfloat16, device=x.device)
