@@ -97,7 +97,9 @@ class HistConfig:
     seg: int = 4096
     buf: int = 0
     l2_ahead: int = 0  # chunks prefetched into L2 beyond the one in flight to registers (one bulk prefetch each)
-    fused: bool = False  # chunks after the first: count + push in one pass, one barrier, the bin search by one warp
+    # fused (chunks after the first): count + push in one pass, one barrier, the bin search by one warp: after the
+    # barrier (1), or (2) during the next chunk's pushes (the bound then lags a chunk more)
+    fused: int = 0
     min_blocks: int = 0  # __launch_bounds__ CTAs an SM (nvcc caps the registers to fit them), 0: not set
     ffs: bool = False  # the output's set bits found with __ffs (GPU)
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
@@ -108,8 +110,9 @@ class HistConfig:
 
     @property
     def tag(self) -> str:
+        fused = "f" * min(int(self.fused), 1) + (str(self.fused) if self.fused > 1 else "")
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
-                + (f"p{self.l2_ahead}" if self.l2_ahead else "") + ("f" if self.fused else "")
+                + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
@@ -1215,6 +1218,16 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def at_least(kc, beta):
         return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
 
+    @T.macro
+    def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it):
+        """(fused) FZ_BETA raised to the bound of the counts so far: one warp (it % NWARP) on the GPU."""
+        if ops.cpu:
+            threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+            if bc[2] >= 0:
+                fz[FZ_BETA] = T.max(fz[FZ_BETA], T.shift_left(bc[2] - HB // 2, HSHIFT))
+        else:
+            fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP)
+
     def pushed(kc, fl, mode, beta, floor):
         """The chunk keys a push after the chunk's bound (and a cut) takes: mode 1 (the barrier-per-phase path) those
         >= the bounds; mode 2 (fused, after a mid-chunk cut) only those of threads that found no room, against
@@ -1386,6 +1399,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                     cut = 1
                             if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
                                 if it >= OLD_CHUNKS:
+                                    if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
+                                        if it >= OLD_CHUNKS + 1:
+                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
                                     beta = T.max(beta, fused.ld(fz, FZ_BETA))
                                     for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
                                         fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
@@ -1404,12 +1420,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                             ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
                                         cut = 1
                                         mode = 2
-                                    elif ops.cpu:
-                                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
-                                        if bc[2] >= 0:
-                                            fz[FZ_BETA] = T.max(fz[FZ_BETA], T.shift_left(bc[2] - HB // 2, HSHIFT))
-                                    else:
-                                        fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP)
+                                    elif FUSED == 1:
+                                        bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
                 elif it == NCH:
                     cut = 1 if DIAG == "" else 0
                 if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
