@@ -860,20 +860,23 @@ def _swab_decode_cfg(call: Call, t: int, k: int, e: int, fmt: str, dims: tuple):
         if all(kk % bk == 0 for kk in dims):
             cfg = mg.SwabConfig(cfg.block_n, cfg.block_t, bk, cfg.stages, cfg.min_blocks)
             break
-    opts = swab_decode_opts() if fmt == "fp8" else set()
-    return dataclasses.replace(cfg, wide_tma="wide" in opts and cfg.block_k % 128 == 0, stage_scales="staged" in opts)
+    opts = swab_decode_opts() if fmt == "fp8" else {"narrow"}
+    # fp8: wide TMA tiles (swab_config's decode default) wherever block_k holds whole 128-byte rows
+    wide = call.config.get("wide_tma", "narrow" not in opts) and cfg.block_k % 128 == 0
+    return dataclasses.replace(cfg, wide_tma=bool(wide), stage_scales="staged" in opts)
 
 
-# the opt-in swap-AB decode programs (fp8) for A/B runs of the real graph until the H200 has picked defaults: a comma
-# list of "wide" (SwabConfig.wide_tma), "staged" (stage_scales), "persistent" (132 x CTAs per SM walk the items)
+# swap-AB decode program options (fp8) for A/B runs of the real graph: a comma list of "narrow" (wide_tma off: the
+# 32-byte TMA boxes of before), "staged" (stage_scales), "persistent" (SMs x CTAs per SM walk the items); "wide" is
+# the default (accepted, no effect)
 SWAB_DECODE_ENV = "DEEPINFER_SWAB_DECODE"
 
 
 def swab_decode_opts() -> set:
     opts = {o.strip() for o in os.environ.get(SWAB_DECODE_ENV, "").split(",") if o.strip()}
-    unknown = opts - {"wide", "staged", "persistent"}
+    unknown = opts - {"wide", "narrow", "staged", "persistent"}
     if unknown:
-        raise ValueError(f"{SWAB_DECODE_ENV}: unknown option(s) {sorted(unknown)} (wide, staged, persistent)")
+        raise ValueError(f"{SWAB_DECODE_ENV}: unknown option(s) {sorted(unknown)} (narrow, staged, persistent)")
     return opts
 
 

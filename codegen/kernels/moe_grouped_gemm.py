@@ -434,7 +434,8 @@ class SwabConfig:
     block_k: int = 128
     stages: int = 4
     min_blocks: int = 3  # __launch_bounds__ min blocks per SM (registers capped; no setmaxnreg)
-    wide_tma: bool = False  # fp8: 128B-swizzled weight/activation tiles, one TMA box per 128 K bytes (see swab_program)
+    wide_tma: bool = False  # fp8: 128B-swizzled weight/activation tiles, one TMA box per 128 K bytes (swab_config's
+    #                         fp8 decode default; see swab_program)
     stage_scales: bool = False  # fp8: each K stage's weight block scales by TMA with its weights (see swab_program)
     persistent: int = 0  # masked + slot_map: this many CTAs walk the (expert slot, N tile) items (0: one CTA an item)
 
@@ -456,14 +457,18 @@ def swab_config(rows_per_expert: int, fmt: str = "fp8", contiguous: bool = False
     experts (given active_experts and N): 192 weight rows (3 consumer warpgroups, 3 CTAs per SM) when that puts
     every CTA in one wave -- H200, 16 tokens (16 active experts x 4608): 71.6% of HBM vs 64.5% (2.2 waves of
     64-row tiles), /work/notes/device/5/swab.txt.
-    Contiguous (W4A8 prefill): 128 weight rows (2 consumer warpgroups) x 128 tokens, one CTA per SM."""
+    Contiguous (W4A8 prefill): 128 weight rows (2 consumer warpgroups) x 128 tokens, one CTA per SM.
+    fp8 decode tiles are wide_tma (one 128-byte-wide TMA box per K stage): H200, V4.1 at the real routing (T x top-6
+    over 384 experts, kernels_h200 "moe decode real"): T64 w1|w3 (glu_split) 82.5% -> 96.6% of HBM, w2 73.5% ->
+    93.1%; T16 79.3 -> 91.4% / 70.8 -> 89.5%; T256 83.3 -> 97.5% / 74.5 -> 94.8% (/work/notes/device/s5c2)."""
     if contiguous:
         return SwabConfig(128, 128, 128, 4, 1)
+    wide = fmt == "fp8"
     if (fmt == "fp8" and rows_per_expert <= 16 and active_experts is not None and N is not None and N % 192 == 0
             and active_experts * (N // 192) <= 3 * 132):  # fmt: skip
-        return SwabConfig(192, 16, 128, 2, 3)
+        return SwabConfig(192, 16, 128, 2, 3, wide)
     bt = 16 if rows_per_expert <= 12 else 32
-    return SwabConfig(64, bt, 256 if fmt == "fp4" else 128, 4, 4 if bt == 16 else 3)
+    return SwabConfig(64, bt, 256 if fmt == "fp4" else 128, 4, 4 if bt == 16 else 3, wide)
 
 
 def swab_config_space(rows_per_expert: int, fmt: str = "fp8") -> list[SwabConfig]:
@@ -577,7 +582,7 @@ def swab_program(
     cfg.wide_tma (fp8, sm90): the weight and activation tiles take the 128B swizzle of their whole 128-byte K rows, so
     each K stage is one TMA box of block_n x 128 bytes instead of four 32-byte-wide boxes (the swizzle TileLang derives
     from the 32-K MMA slices alone); the MMAs read the same slices at +32 B inside the swizzle atom, as TileLang's own
-    K=128 gemm does. Opt-in until the H200 times it (issue 8: HBM efficiency of the decode weight stream).
+    K=128 gemm does. swab_config's fp8 decode default (H200: 93-97% of HBM vs 73-83%, see there).
     cfg.stage_scales (fp8): each K stage's weight block scales (block_n/32 x block_k/32 fp32) come by TMA with the
     stage's weights instead of all of K's being staged by plain loads before the pipeline starts: a CTA's first
     weight load then waits for nothing but its slot's expert id (opt-in until the H200 times it).

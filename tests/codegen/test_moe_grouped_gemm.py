@@ -100,11 +100,12 @@ def test_swiglu_quant_reference_is_the_graph_semantics():
 
 def test_swab_config_single_wave_decode_choice():
     # 16 tokens: 16 active experts x 24 tiles of 192 rows = 384 CTAs <= 396 slots (H200: 71.6% vs 64.5% of HBM)
-    assert mg.swab_config(2, "fp8", active_experts=16, N=2 * I41) == mg.SwabConfig(192, 16, 128, 2, 3)
+    assert mg.swab_config(2, "fp8", active_experts=16, N=2 * I41) == mg.SwabConfig(192, 16, 128, 2, 3, True)
     # 64 tokens (38 active experts: 2.3 waves of 192-row tiles), fp4, or no expert count: the 64-row default
     assert mg.swab_config(5, "fp8", active_experts=38, N=2 * I41).block_n == 64
     assert mg.swab_config(2, "fp4", active_experts=16, N=2 * I41).block_n == 64
-    assert mg.swab_config(2, "fp8") == mg.SwabConfig(64, 16, 128, 4, 4)
+    assert mg.swab_config(2, "fp8") == mg.SwabConfig(64, 16, 128, 4, 4, True)  # fp8 decode: wide TMA tiles
+    assert not mg.swab_config(2, "fp4").wide_tma and not mg.swab_config(0, "fp8", contiguous=True).wide_tma
 
 
 def test_rooflines():

@@ -76,13 +76,17 @@ def test_trimmed_grid_on_the_c_target_programs(fmt):
 
 
 def test_decode_options_from_the_environment(monkeypatch):
-    """DEEPINFER_SWAB_DECODE=wide,staged,persistent: the fp8 decode keys carry the opt-in programs (persistent: 132
-    SMs here x each kernel's CTAs per SM); fp4 keeps the default programs; an unknown option is refused by name."""
-    monkeypatch.setenv(ka.SWAB_DECODE_ENV, "wide,staged,persistent")
+    """fp8 decode keys: wide TMA tiles by default; DEEPINFER_SWAB_DECODE=narrow,staged,persistent: the 32-byte boxes
+    of before, staged scales, the persistent grid (132 SMs here x each kernel's CTAs per SM); fp4 keeps its
+    programs; an unknown option is refused by name."""
+    for key in ka.MoEGroupedAdapter().keys(moe_call(3, 256, 128, 8, 2))[:2]:
+        cfg = dict(dict(key.kwargs)["cfg"])
+        assert cfg["wide_tma"] and not cfg["stage_scales"] and not cfg["persistent"]
+    monkeypatch.setenv(ka.SWAB_DECODE_ENV, "narrow,staged,persistent")
     k1, k2 = ka.MoEGroupedAdapter().keys(moe_call(3, 256, 128, 8, 2))[:2]
     for key in (k1, k2):
         cfg = dict(dict(key.kwargs)["cfg"])
-        assert cfg["wide_tma"] and cfg["stage_scales"] and cfg["persistent"] == 132 * cfg["min_blocks"]
+        assert not cfg["wide_tma"] and cfg["stage_scales"] and cfg["persistent"] == 132 * cfg["min_blocks"]
     fp4 = dict(dict(ka.MoEGroupedAdapter().keys(moe_call(3, 256, 128, 8, 2, fmt="fp4"))[0].kwargs)["cfg"])
     assert not fp4["wide_tma"] and not fp4["stage_scales"] and not fp4["persistent"]
     monkeypatch.setenv(ka.SWAB_DECODE_ENV, "wide,fast")
