@@ -514,7 +514,7 @@ class HCPostAdapter:
         pb, cb = pad_rows(post.float(), rows), pad_rows(comb.float().reshape(t, -1), rows)
         if dict(key.kwargs).get("io") == "float32":  # the program rounds X and y to bf16 itself, writes fp32
             out = torch.empty(rows, *x.shape[1:], device=x.device)
-            kernels[0](pad_rows(x, rows), pad_rows(y.float(), rows), pb, cb, out)
+            kernels[0](pad_rows(x.float(), rows), pad_rows(y.float(), rows), pb, cb, out)
             return [out[:t]]
         xb, yb = pad_rows(x.to(torch.bfloat16), rows), pad_rows(y.to(torch.bfloat16), rows)
         out = torch.empty_like(xb)
@@ -580,7 +580,7 @@ class HCPreCollapseAdapter:
         t, n, d = x.shape
         fn_p = call.prep("hc_fn", 1, lambda: hc.pad_fn(fn.float()).contiguous())
         io = dict(keys[0].kwargs).get("io") == "float32"  # the split pair reading fp32 streams (see _plan)
-        xb = pad_rows((x if io else x.to(torch.bfloat16)).reshape(t, n * d), rows)
+        xb = pad_rows((x.float() if io else x.to(torch.bfloat16)).reshape(t, n * d), rows)
         outs = (
             torch.empty(rows, d, dtype=torch.float32 if io else torch.bfloat16, device=x.device),
             *(torch.empty(rows, k, device=x.device) for k in (n, n, n * n)),
