@@ -900,9 +900,10 @@ def case_dense_swab(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     runtime now runs T <= 64 (runtime/kernel_adapters._dense_swab_plan); checked against the float64 product of
     the same codes; "eager" = the fp8_gemm program the runtime used before (fp8_gemm.sm90_config at 64 rows)."""
     from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+    from deepinfer.runtime.kernel_adapters import dense_swab_config
 
-    bt = 1 << (max(16, -(-T_ // 16) * 16) - 1).bit_length()
-    cfg = mg.SwabConfig(64, bt, 128, 4, {16: 4, 32: 3}.get(bt, 2))
+    cfg = dense_swab_config(T_)
+    bt = cfg.block_t
     swab = build(mg.swab_program(bt, N, K, 1, act_group=32, swiglu_limit=None, fmt="fp8", weight_block=32,
                                  max_rows=bt, target="sm90", cfg=cfg))  # fmt: skip
     gcfg = fp8_gemm.sm90_config(64, N, 32)

@@ -183,9 +183,8 @@ def _dense_swab_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: i
     """(key, rows, None) of moe_grouped_gemm's swap-AB program as ONE expert for a decode linear_fp8 [T <= 64],
     or None. fp8_gemm tiles M by 128 rows and its decode CTAs stream few weight tiles each (wq_b 64 x 32768 x
     1280: 37 us = 29% of HBM on the H200); the swap-AB program puts the weight rows on the MMA's M side and all
-    T tokens in one tile, the MoE's decode program (65-72% of HBM there). Off with DEEPINFER_DENSE_SWAB=0 and in
-    batch-invariant mode (it sums K in another order than fp8_gemm above 64 rows)."""
-    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+    T tokens in one tile, the MoE's decode program (93-97% of HBM there with wide TMA boxes). Off with
+    DEEPINFER_DENSE_SWAB=0 and in batch-invariant mode (it sums K in another order than fp8_gemm above 64 rows)."""
     from deepinfer.passes.select_kernels import batch_invariant_mode
 
     t, k = x2d.shape
@@ -193,12 +192,21 @@ def _dense_swab_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: i
         return None
     if call.args[1].dtype != torch.float8_e4m3fn or block % 32:
         return None
-    bt = _shared_rows(t)  # 16, 32 or 64 token rows: every token in one tile
-    cfg = mg.SwabConfig(64, bt, 128, 4, {16: 4, 32: 3}.get(bt, 2))
+    cfg = dense_swab_config(t)
     if _swab_unfit(n, k, "fp8", cfg, block, group, False):
         return None
+    bt = cfg.block_t
     return _key("moe_grouped_gemm", "swab_program", (bt, n, k, 1), cfg, act_group=group, swiglu_limit=None,
                 fmt="fp8", weight_block=block, max_rows=bt), bt, None  # fmt: skip
+
+
+def dense_swab_config(t: int):
+    """The one-expert swap-AB tile of a decode linear_fp8: every token in one tile (16, 32 or 64 rows: the weight
+    read once), 64 weight rows, wide TMA boxes (swab_config's fp8 decode default: 93-97% of HBM for the MoE)."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    bt = _shared_rows(min(t, DENSE_SWAB_MAX_T))
+    return mg.SwabConfig(64, bt, 128, 4, {16: 4, 32: 3}.get(bt, 2), wide_tma=True)
 
 
 def _gemm_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int, tuned: bool):
