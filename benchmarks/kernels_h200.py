@@ -527,55 +527,50 @@ REAL_TOKENS = (64, 1, 16, 256)  # the issue's batch first
 
 
 def moe_decode_real_cases():
-    """Rows "moe decode real ...": per T, the runtime's two kernels with the slot map (and its trimmed grid), then the
-    same kernels with the per-CTA scan (the program before the map), with wide_tma (128B-swizzled tiles, one TMA
-    box per 128 K bytes), with wide_tma + stage_scales (the weight scales by TMA per K stage; at T = 64 also
-    stage_scales alone), and on a persistent grid (132 x CTAs per SM walking the active items; T <= 64); at T = 16
-    the map on the full 384-slot grid (what the trim alone gives); then a config sweep at T = 64 for each kernel
-    (pick the default from one call)."""
+    """Rows "moe decode real ...": per T, the runtime's two kernels (slot map, trimmed grid, wide TMA tiles: the
+    defaults since round 1 of session 5), then "narrow" (the 32-byte TMA boxes of before) and "scan (before)" (the
+    per-CTA scan and narrow boxes: the program before this work); at T = 16 the map on the full 384-slot grid;
+    a config sweep at T = 64 (all wide); then the persistent grid (132 x CTAs per SM walking the active items,
+    T <= 64) last. Rows "moe decode staged ...": stage_scales (the weight scales by TMA per K stage; faulted in
+    round 1 with 32-byte stage slots, now 128-byte) -- a separate filter, so a fault there hides no other row."""
     import dataclasses
 
     out = []
 
-    def add(name, tokens, kernel, **kw):
+    def add(name, tokens, kernel, group="real", **kw):
         run = functools.partial(case_moe_decode_real, tokens=tokens, kernel=kernel, **kw)
-        out.append((f"moe decode real {kernel} {name}", f"T{tokens}", lambda r, q, d, run=run: run(r, quick=q, dry=d)))
+        out.append((f"moe decode {group} {kernel} {name}", f"T{tokens}",
+                    lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+
+    def runtime_cfg(tokens, kernel, **changes):
+        return dataclasses.replace(_real_decode_cfg(tokens, kernel), **changes)
 
     for T_ in REAL_TOKENS:
         for kernel in ("swiglu", "down"):
             add("map", T_, kernel, with_eager=True)
-            add("scan (before)", T_, kernel, slot_map=False)
-            add("map wide", T_, kernel, cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), wide_tma=True))
-            add("map wide staged", T_, kernel,
-                cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), wide_tma=True, stage_scales=True))
-        if T_ == 64:
-            for kernel in ("swiglu", "down"):
-                add("map staged", T_, kernel, cfg=dataclasses.replace(_real_decode_cfg(T_, kernel), stage_scales=True))
-        for kernel in ("swiglu", "down") if T_ != 256 else ():  # 132 SMs x the config's CTAs per SM walk the items
-            cfg = _real_decode_cfg(T_, kernel)
-            add("map persistent", T_, kernel, cfg=dataclasses.replace(cfg, persistent=132 * cfg.min_blocks))
-            if T_ == 64:
-                add("map persistent wide staged", T_, kernel, cfg=dataclasses.replace(
-                    cfg, persistent=132 * cfg.min_blocks, wide_tma=True, stage_scales=True))  # fmt: skip
+            if T_ in (64, 16):  # same-run before/after (T 1 and 256: round 1)
+                add("map narrow", T_, kernel, cfg=runtime_cfg(T_, kernel, wide_tma=False))
+                add("scan (before)", T_, kernel, slot_map=False, cfg=runtime_cfg(T_, kernel, wide_tma=False))
     for kernel in ("swiglu", "down"):
         add("map full grid", 16, kernel, slots=0)
-    swab = moe_grouped_gemm.SwabConfig
-    sweep = {  # (block_n, block_t, block_k, stages, min_blocks); the runtime's defaults are the "map" rows above
-        "swiglu": (swab(64, 16, 128, 5, 2), swab(64, 16, 128, 3, 3), swab(64, 16, 128, 2, 4), swab(64, 16, 256, 2, 2),
-                   swab(128, 16, 128, 4, 1), swab(128, 16, 128, 2, 2), swab(192, 16, 128, 3, 1),
-                   swab(192, 16, 128, 2, 1)),
+    swab = functools.partial(moe_grouped_gemm.SwabConfig, wide_tma=True)
+    sweep = {  # (block_n, block_t, block_k, stages, min_blocks), wide; the runtime's defaults are the "map" rows
+        "swiglu": (swab(64, 16, 128, 5, 2), swab(64, 16, 128, 3, 3), swab(64, 16, 256, 2, 2), swab(128, 16, 128, 4, 1),
+                   swab(128, 16, 128, 2, 2), swab(192, 16, 128, 3, 1), swab(192, 16, 128, 2, 1)),
         "down": (swab(64, 16, 128, 6, 3), swab(64, 16, 128, 8, 2), swab(64, 16, 256, 4, 2), swab(64, 16, 128, 4, 5),
                  swab(128, 16, 128, 4, 2), swab(128, 16, 128, 6, 1), swab(256, 16, 128, 4, 1)),
     }  # fmt: skip
-    sweep["swiglu"] += (swab(64, 16, 256, 2, 2, True, True), swab(128, 16, 128, 2, 2, True, True),
-                        swab(64, 16, 128, 5, 2, True, True))
-    sweep["down"] += (swab(64, 16, 256, 4, 2, True, True), swab(128, 16, 128, 4, 2, True, True),
-                      swab(64, 16, 128, 6, 3, True, True))
     for kernel, cfgs in sweep.items():
         for cfg in cfgs:
-            add("map (sweep" + " wide staged" * cfg.wide_tma + ")", 64, kernel, cfg=cfg)
-    # the new programs last (a device fault poisons the CUDA context for every later row): wide, staged, persistent
-    return sorted(out, key=lambda c: ("wide" in c[0]) + 2 * ("staged" in c[0]) + 4 * ("persistent" in c[0]))
+            add("map (sweep)", 64, kernel, cfg=cfg)
+    for T_ in (64, 16, 1):  # last: the newest program (a device fault poisons the CUDA context for every later row)
+        for kernel in ("swiglu", "down"):
+            mb = _real_decode_cfg(T_, kernel).min_blocks
+            add("map persistent", T_, kernel, cfg=runtime_cfg(T_, kernel, persistent=132 * mb))
+    for T_ in (64, 16):
+        for kernel in ("swiglu", "down"):
+            add("map staged", T_, kernel, group="staged", cfg=runtime_cfg(T_, kernel, stage_scales=True))
+    return out
 
 
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):

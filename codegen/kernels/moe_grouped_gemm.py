@@ -638,6 +638,9 @@ def swab_program(
     nsb = max(1, bN // wb) if not fp4 else 1
     kb_w = ceil_div(K, wb)
     sb_cols = bK // wb if staged else kb_w  # staged: one K stage's scale columns (multi-buffered by the pipeline)
+    # staged: each stage's copy padded to 128 bytes (a TMA destination in shared memory must be 128-byte aligned;
+    # 2 x 4 fp32 = 32-byte stages faulted with a misaligned address on the H200)
+    sb_rows = max(nsb, 128 // (4 * sb_cols)) if staged else nsb
     if fp4:
         b_shape, sb_shape, sb_dt = (E, N, K // 4), (E, K // 32, N), "uint8"
     else:
@@ -742,7 +745,8 @@ def swab_program(
                     else:
                         T.copy(B[e, r0 : r0 + bN, ko * bK : (ko + 1) * bK], Wt[h])
                         if staged:
-                            T.copy(SB[e, r0 // wb : r0 // wb + nsb, ko * (bK // wb) : (ko + 1) * (bK // wb)], St[h])
+                            T.copy(SB[e, r0 // wb : r0 // wb + nsb, ko * (bK // wb) : (ko + 1) * (bK // wb)],
+                                   St[h][0:nsb, 0:sb_cols])  # fmt: skip
                 T.copy(A[row0 : row0 + bT, ko * bK : (ko + 1) * bK], At[0])
                 T.copy(SA[ko * sa_rows : (ko + 1) * sa_rows, row0 : row0 + bT], SA_s)
                 for u in units:
@@ -790,11 +794,11 @@ def swab_program(
                 Wt, St = [P_s], [SG_s]
             elif wide:
                 W_s_w128 = mem.shared((bN, bK), fp8)
-                SB_s = mem.shared((nsb, sb_cols), "float32")
+                SB_s = mem.shared((sb_rows, sb_cols), "float32")
                 Wt, St = [W_s_w128], [SB_s]
             else:
                 W_s = mem.shared((bN, bK), fp8)
-                SB_s = mem.shared((nsb, sb_cols), "float32")
+                SB_s = mem.shared((sb_rows, sb_cols), "float32")
                 Wt, St = [W_s], [SB_s]
             if split:
                 p0_up = mem.fragment((bN, bT), "float32")
@@ -805,11 +809,11 @@ def swab_program(
                     Wt, St = Wt + [P_up_s], St + [SG_up_s]
                 elif wide:
                     W_up_s_w128 = mem.shared((bN, bK), fp8)
-                    SB_up_s = mem.shared((nsb, sb_cols), "float32")
+                    SB_up_s = mem.shared((sb_rows, sb_cols), "float32")
                     Wt, St = Wt + [W_up_s_w128], St + [SB_up_s]
                 else:
                     W_up_s = mem.shared((bN, bK), fp8)
-                    SB_up_s = mem.shared((nsb, sb_cols), "float32")
+                    SB_up_s = mem.shared((sb_rows, sb_cols), "float32")
                     Wt, St = Wt + [W_up_s], St + [SB_up_s]
                 P0, Acc = [p0, p0_up], [acc, acc_up]
             else:

@@ -5,6 +5,8 @@ CPU: the map against a plain Python scan (the order the kernel's scan assigns), 
 (E = 12 with idle experts) against the float64 / W4A8 references and against the scan program bit for bit, the slot
 order made observable by a grid with fewer slots than active experts, and the sm90 source (no E-long loop)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -193,7 +195,7 @@ def test_map_equals_the_scan_on_the_h200(fmt, tokens):
         else:
             packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=dev)
             b, sb = mg.w4a8_weights(packed, torch.randint(116, 126, (e, n, k // 32), dtype=torch.uint8, device=dev))
-        c = mg.SwabConfig(cfg.block_n, cfg.block_t, cfg.block_k, cfg.stages, max(1, cfg.min_blocks // (1 + glu)))
+        c = dataclasses.replace(cfg, min_blocks=max(1, cfg.min_blocks // (1 + glu)))  # the adapter's (fp8: wide)
         got = []
         for kw in ({}, {"slot_map": True, "slots": slots}):
             key = ka._key("moe_grouped_gemm", "swab_program", (rows, n, k, e), c, act_group=32, fmt=fmt,
@@ -249,8 +251,8 @@ def test_persistent_sm90_source_walks_the_active_items(tilelang_required):
 @pytest.mark.gpu
 @pytest.mark.parametrize("glu", [True, False])
 def test_persistent_equals_one_cta_per_item_on_the_h200(glu):
-    """V4.1 decode at 64 tokens (384 experts, top-6): the persistent grid (132 x CTAs per SM) and the grid of one CTA
-    per (slot, N tile), every output byte equal."""
+    """V4.1 decode at 64 tokens (384 experts, top-6), wide tiles: the persistent grid (132 x CTAs per SM) and the grid
+    of one CTA per (slot, N tile), every output byte equal."""
     from deepinfer.runtime import kernel_adapters as ka
 
     e, d, inter, topk, tokens, dev = 384, 5120, 2304, 6, 64, "cuda"
@@ -264,7 +266,7 @@ def test_persistent_equals_one_cta_per_item_on_the_h200(glu):
     sb = torch.exp2(torch.randint(-8, -4, (e, n // 32, k // 32), device=dev).float())
     got = []
     for persistent in (0, 132 * (2 if glu else 4)):
-        cfg = mg.SwabConfig(64, 16, 128, 4, 2 if glu else 4, persistent=persistent)
+        cfg = mg.SwabConfig(64, 16, 128, 4, 2 if glu else 4, wide_tma=True, persistent=persistent)
         key = ka._key("moe_grouped_gemm", "swab_program", (rows, n, k, e), cfg, act_group=32, fmt="fp8",
                       weight_block=32, max_rows=64, swiglu_limit=10.0 if glu else None, glu_split=glu,
                       slot_map=True, slots=0)  # fmt: skip

@@ -85,6 +85,11 @@ def test_staged_scales_come_with_each_stage(tilelang_required):
     src = _lower(_program(False, True, staged=True))
     assert len(re.findall(r"tma_load\(SB_desc", src)) == 2  # gate and up tiles
     assert "(ko * 4), (((int)blockIdx.x) * 2), e)" in src and "SB + " not in src
+    # each stage's 2 x 4 scales in a 128-byte slot (a TMA destination must be 128-byte aligned: 32-byte slots faulted
+    # with a misaligned address on the H200), and the slots start 128-byte aligned
+    assert "SB_s)[((producer_phase_cnt[0] & 3) * 32)]" in src
+    base = int(re.search(r"void\* SB_s = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src).group(1))
+    assert base % 128 == 0
 
 
 @pytest.mark.parametrize("glu", [True, False])
@@ -128,10 +133,20 @@ def test_sm90_build(codegen_cache, nvcc_required, wide, staged):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("glu", [True, False])
-@pytest.mark.parametrize("wide,staged", [(True, False), (False, True), (True, True)])
-def test_load_paths_equal_the_default_on_the_h200(glu, wide, staged):
-    """Same operands, same MMAs and promotion order, only the load path differs: every output byte equal (V4.1
-    decode at 64 tokens, 384 experts)."""
+def test_wide_equals_narrow_on_the_h200(glu):
+    _check_load_path_on_the_h200(glu, True, False)
+
+
+@pytest.mark.gpu  # last in this file: stage_scales faulted in round 1 (32-byte stage slots) and would poison the rest
+@pytest.mark.parametrize("glu", [True, False])
+@pytest.mark.parametrize("wide", [True, False])
+def test_staged_scales_equal_narrow_on_the_h200(glu, wide):
+    _check_load_path_on_the_h200(glu, wide, True)
+
+
+def _check_load_path_on_the_h200(glu, wide, staged):
+    """Same operands, same MMAs and promotion order, only the load path differs from the narrow, unstaged program:
+    every output byte equal (V4.1 decode at 64 tokens, 384 experts)."""
     from deepinfer.runtime import kernel_adapters as ka
 
     t, topk, dev = 64, 6, "cuda"
