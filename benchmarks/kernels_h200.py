@@ -1191,7 +1191,7 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
-    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_next_cases() + attn_r1_cases())
+    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases())
 
 
 def attn_sweep_cases():
@@ -1253,90 +1253,37 @@ def attn_diag_cases():
     return out
 
 
-ATTN_NEXT_SKIPS = ("pvfence", "gather,ids", "gather,ids,pvfence", "gather,ids,qk,pv", "gather,ids,qk,softmax,pv")
-
-
-def attn_next_cases():
-    """`--only "sparse_attn next"` (prepared in session 4, not yet run): rid_early (the PV warpgroups' row-id
-    loads moved behind their proxy fence, whose MEMBAR.ALL.CTA otherwise waits for them) against the default
-    at B128 / B64 / B256 (checked), the fence itself left out (diagnostic), and the CTA's own pipeline
-    without global loads broken down further (diagnostic)."""
+def attn_r2_cases():
+    """`--only "sparse_attn r2"` (session 5, round 2, <= 2.5 min). Round 1 showed the gather alone streaming at 87%
+    of HBM after a read-only L2 flush while the full program sits 11 us above it: the 2-stage ring issues block j
+    only when PV(j - 2) is done, so each block waits out its loaded HBM latency. Config.l2_prefetch=d ("pf<d>")
+    has each refill of block j also bulk-prefetch block j + d into L2. Rows: the default and pf1/pf2/pf3 at B128
+    (also after a read-only flush), the 32-row 4-stage ring with pf1/pf2, two pools, B64 (split 2, now with the
+    wide combine) and B256; every full program checked against the reference. Also the CTA's own pipeline with
+    no global load (with and without the MMAs) after a read-only flush: the floor the overlap can reach."""
     import dataclasses
 
     sad = sparse_attn_decode
     out = []
 
     def add(what, B, cfg, **kw):
-        out.append((f"sparse_attn next {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+        out.append((f"sparse_attn r2 {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
                     lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
 
-    for B in (128, 64, 256):
-        base = sad.sm90_config(B, 640)
-        early = dataclasses.replace(base, rid_early=True)
-        add("", B, base)
-        add("", B, early)
-        if B == 64:  # the candidate combine: the checked pair, then each combine alone
-            add("wide combine", B, base, wide_combine=True)
-            add("combine only", B, base, piece="combine")
-            add("wide combine only", B, base, piece="combine", wide_combine=True)
-        if B == 128:
-            add("two-pool", B, early, n_win=128)
-            for parts in ATTN_NEXT_SKIPS:
-                add("", B, dataclasses.replace(base, skip=parts))
-    return out
-
-
-def attn_r1_cases():
-    """`--only "sparse_attn r1a"` / `"sparse_attn r1b"` (session 5, round 1; two calls of <= 2.5 min): why the
-    gather alone does not stream at HBM rate and what fixes it. r1a, B128 (one CTA per SM): the default and the
-    two new full programs -- copy="tma" ("T": rows by 2-D TMA boxes into the swizzled stages, no proxy fence left
-    before the wgmmas) and late_refill ("f": the refill after the next block's fence, under PV's wgmmas) --
-    checked; gather-only builds (no QK^T / PV) that change one thing each: the PV warpgroups' proxy fence left
-    out (MEMBAR.ALL.CTA in SASS: may wait for the refill just issued, serialising the 2-stage ring), 1-D bulk row
-    copies by the TMA engine ("B": diagnostic layout), T, f; the timing method (a read-only L2 flush: do_bench's
-    zeroing leaves dirty lines that the kernel writes back). r1b: B64 (split 2, the wide combine) and B256 with
-    T / f / rid_early, 4 stages of 32 rows gather-only, the no-softmax gather-only trio."""
-    import dataclasses
-
-    sad = sparse_attn_decode
-    out = []
-
-    def add(group, what, B, cfg, **kw):
-        out.append((f"sparse_attn r1{group} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
-                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
-
-    base = sad.sm90_config(128, 640)
-    var = functools.partial(dataclasses.replace, base)
+    pf = functools.partial(dataclasses.replace, sad.sm90_config(128, 640))
     n32 = functools.partial(dataclasses.replace, sad.Config(32, sad.WS_THREADS, 1, 4, True))
-    fixed = "gather,ids,qk,softmax,pv"  # the fixed part: Q in, O out, the ring's barriers
-    for what, cfg, kw in [  # the new programs last: a fault there cannot cost the rows before it
-        ("", base, {}), ("read-flush", base, dict(flush="read")),
-        ("", var(rid_early=True), {}), ("", var(skip="pvfence"), {}), ("", n32(), {}),
-        ("", var(skip=fixed), {}), ("read-flush", var(skip=fixed), dict(flush="read")),
-        ("", var(skip="qk,pv"), {}), ("read-flush", var(skip="qk,pv"), dict(flush="read")),
-        ("", var(skip="qk,pv,pvfence"), {}), ("", var(skip="qk,pv", copy="bulk"), {}),
-        ("", var(skip="qk,pv", late_refill=True), {}), ("", var(late_refill=True), {}), ("", n32(late_refill=True), {}),
-        ("", var(skip="qk,pv", copy="tma"), {}), ("", var(copy="tma"), {}),
-        ("read-flush", var(copy="tma"), dict(flush="read")), ("two-pool", var(copy="tma"), dict(n_win=128)),
-        ("", n32(copy="tma"), {}),
-    ]:  # fmt: skip
-        add("a", what, 128, cfg, **kw)
-    b64 = functools.partial(dataclasses.replace, sad.sm90_config(64, 640))
-    b256 = functools.partial(dataclasses.replace, sad.sm90_config(256, 640))
+    read = dict(flush="read")
     for what, B, cfg, kw in [
-        ("", 64, b64(), {}), ("wide combine", 64, b64(), dict(wide_combine=True)),
-        ("combine only", 64, b64(), dict(piece="combine")),
-        ("wide combine only", 64, b64(), dict(piece="combine", wide_combine=True)),
-        ("", 64, b64(late_refill=True), {}), ("", 256, b256(), {}), ("", 256, b256(late_refill=True), {}),
-        ("", 256, b256(rid_early=True), {}), ("two-pool", 128, var(late_refill=True), dict(n_win=128)),
-        ("", 128, n32(skip="qk,pv"), {}), ("", 128, n32(skip="qk,pv", copy="bulk"), {}),
-        ("", 128, n32(skip="qk,pv", late_refill=True), {}),
-        ("", 128, var(skip="qk,softmax,pv"), {}), ("", 128, var(skip="qk,softmax,pv,pvfence"), {}),
-        ("", 128, var(skip="qk,softmax,pv", copy="bulk"), {}), ("", 128, n32(skip="qk,pv", copy="tma"), {}),
-        ("", 64, b64(copy="tma"), {}), ("", 64, b64(stages=4, block_n=32, copy="tma"), {}),
-        ("", 256, b256(copy="tma"), {}), ("", 256, b256(stages=4, block_n=32, copy="tma"), {}),
-    ]:  # fmt: skip
-        add("b", what, B, cfg, **kw)
+        ("", 128, pf(), {}), ("read-flush", 128, pf(), read),
+        ("", 128, pf(l2_prefetch=1), {}), ("read-flush", 128, pf(l2_prefetch=1), read),
+        ("", 128, pf(l2_prefetch=2), {}), ("read-flush", 128, pf(l2_prefetch=2), read),
+        ("", 128, pf(l2_prefetch=3), {}), ("", 128, n32(l2_prefetch=1), {}), ("", 128, n32(l2_prefetch=2), {}),
+        ("two-pool", 128, pf(l2_prefetch=1), dict(n_win=128)),
+        ("read-flush", 128, pf(skip="qk,pv", l2_prefetch=1), read),
+        ("read-flush", 128, pf(skip="gather,ids"), read), ("read-flush", 128, pf(skip="gather,ids,qk,pv"), read),
+    ] + [(w, B, dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d), {}) for B in (64, 256)
+         for w, d in (("", 0), ("", 1), ("", 2))]:  # fmt: skip
+        add(what, B, cfg, **kw)
     return out
 
 

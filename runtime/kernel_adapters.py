@@ -1362,8 +1362,8 @@ class SparseAttnAdapter:
         topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
-        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "rid_early",
-                             "late_refill", "copy") if f in vars(sad.Config())]  # fmt: skip
+        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit")
+                 if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
         if topk % (cfg.block_n * cfg.num_split):
@@ -1377,8 +1377,6 @@ class SparseAttnAdapter:
         two = cmp_kv is not None and _two_pool_program()
         if two and cfg.ws and sad.ws_supported(h, d, "sm90") and n_win % 4:
             two = False  # the ws program copies row ids 4 at a time: concatenate instead
-        if two and getattr(cfg, "copy", "cp") == "tma" and n_win % cfg.block_n:
-            cfg = dataclasses.replace(cfg, copy="cp")  # its one bulk id copy a block reads one list
         rows = win_kv.shape[0] + (cmp_kv.shape[0] if cmp_kv is not None and not two else 0)
         kw = {"kv_fp8": False}
         if two:
@@ -1386,7 +1384,7 @@ class SparseAttnAdapter:
         b = bucket_rows(t, 1)  # queries padded to a power of two (rows of -1 entries give 0): few kernels
         keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
         if cfg.num_split > 1:
-            keys.append(_key("sparse_attn_decode", "combine_program", (b, h, d, cfg.num_split)))
+            keys.append(_key("sparse_attn_decode", sad.combine_name(b), (b, h, d, cfg.num_split)))
         return keys, cfg, two, b
 
     def _o_rope(self, call: Call, o: torch.Tensor) -> Call | None:
@@ -2105,7 +2103,7 @@ def _emulated_attention(key: KernelKey) -> Callable:
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
     kw = dict(key.kwargs)
-    if key.program == "combine_program":
+    if key.program in ("combine_program", "combine_program_wide"):  # the same result
         h = key.args[1]
 
         def combine(op, mp, lp, sink, o):

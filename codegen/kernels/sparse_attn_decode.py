@@ -48,37 +48,27 @@ class Config:
     # which may hold them until their own outstanding global loads land) -- so that one H200 run shows which
     # part bounds the CTA's time (BENCHMARKS.md, session 4).
     skip: str = ""
-    # ws, bf16 KV (not yet measured on the H200): the PV warpgroups load the row ids of block i + stages + 1
-    # right after the proxy fence of block i (one id slot per stage) instead of after the refill of block
-    # i + stages, so that no fence waits for those loads
-    rid_early: bool = False
     # ws, bf16 KV, diagnostic (wrong layout: needs skip "qk,pv"): "bulk" copies each gathered half-row with one
     # 1-D bulk copy (cp.async.bulk, the TMA engine: 512 B, one thread a row, complete_tx on the ring barrier)
     # instead of 16-B cp.async from every loader thread. Its rows land unswizzled, so the wgmmas cannot read
     # them; the row times whether the TMA engine streams the gather faster than per-thread LDGSTS.
-    # "tma" (new, not yet measured; a full, checked program): each quarter half-row (64 columns, 128 B) is one
-    # 2-D TMA tile copy (cp.async.bulk.tensor, box 1 x 64, 128-B swizzle: the TMA swizzles by shared address, so
-    # a 1-row box lands in the wgmma layout), issued by every loader thread for its own rows. The rows arrive
-    # through the async proxy, so no proxy fence (MEMBAR.ALL.CTA) is left before the wgmmas.
     copy: str = "cp"
-    # ws, bf16 KV (new, not yet measured): the PV warpgroups refill the stage PV(i - 1) freed only after their
-    # wait and proxy fence for block i, and after issuing PV(i)'s wgmmas (async: T.gemm would add its own
-    # proxy fence after the loads), then load the next row ids. The fence compiles to MEMBAR.ALL.CTA, which
-    # (suspected) waits for this thread's outstanding loads: refilled right after PV(i - 1), as by default,
-    # the gather of block i - 1 + stages must land before PV(i) may start, so no load overlaps a PV.
-    late_refill: bool = False
+    # ws, bf16 KV (new, not yet measured): each refill of block j also prefetches block j + l2_prefetch into L2
+    # (cp.async.bulk.prefetch.L2: one instruction per half-row, no register or shared destination, nothing for
+    # a fence to wait on). Why: with a read-only L2 flush the gather alone streams at 87% of HBM, yet the full
+    # program is 11 us slower -- a 2-stage ring issues block j only when PV(j - 2) is done, so its HBM latency
+    # under load (~2 us) is exposed at every block; from L2 the refill lands in ~1 us. 0: off.
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
             object.__setattr__(self, "threads", WS_THREADS)
         assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
-        assert not self.rid_early or self.ws, "rid_early: the ws program"
-        assert not self.late_refill or (self.ws and not self.rid_early), "late_refill: the ws program"
-        assert self.copy in ("cp", "bulk", "tma"), self.copy
-        assert self.copy != "tma" or (self.ws and not self.rid_early and not self.late_refill), "tma: own order"
+        assert self.copy in ("cp", "bulk"), self.copy
+        assert self.l2_prefetch >= 0 and (not self.l2_prefetch or (self.ws and self.copy == "cp")), "l2_prefetch"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
-            assert self.ws and {"qk", "pv"} <= set(self.skipped) and not self.rid_early, "bulk: a ws diagnostic"
+            assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
     @property
     def skipped(self) -> tuple[str, ...]:
@@ -91,9 +81,8 @@ class Config:
         else:
             head = f"n{self.block_n}t{self.threads}s{self.stages}"
         head += f"x{self.num_split}" if self.num_split > 1 else ""
-        head += "r" if self.rid_early else ""
-        head += {"cp": "", "bulk": "B", "tma": "T"}[self.copy]
-        head += "f" if self.late_refill else ""
+        head += "B" if self.copy == "bulk" else ""
+        head += f"pf{self.l2_prefetch}" if self.l2_prefetch else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -302,6 +291,12 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
 LOG2E = 1.4426950408889634
 # tl::tma_load's 1-D form (cp.async.bulk): TileLang includes this header only for the copies it lowers itself
 BULK_PRELUDE = "#include <tl_templates/cuda/copy_sm90.h>\n"
+# Config.l2_prefetch: a bulk L2 prefetch (sm90; bytes a multiple of 16, a 16-B aligned address)
+L2_PRELUDE = """
+__device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
+}
+"""
 
 
 class _WsGeom:
@@ -322,7 +317,6 @@ class _WsGeom:
         self.RS = 128 // self.tpr if kv_fp8 else 16  # block rows covered by one pass of the 128 loader threads
         self.R = self.bn // self.RS  # rows a loader thread copies per block
         self.QC = H * self.D2 // 8 // 128  # Q half: 16 B copies a thread
-        self.GPT = self.D2 // 64 * self.bn // 128  # copy="tma": 64-column boxes a loader thread copies per block
         assert self.R >= 1 and self.bn % self.RS == 0 and self.QC * 1024 == H * self.D2 and self.D2 % 64 == 0
 
     def row(self, r, t):
@@ -339,12 +333,6 @@ class _WsGeom:
 
     def scale_byte(self, hf: int, t):  # FP8: this thread's group among those 4 bytes
         return (hf * self.D2 + self.col8(t)) // 32 % 4
-
-    def tma_row(self, t):  # copy="tma": the block row loader thread t copies (TPR threads a row)
-        return t // (128 // self.bn)
-
-    def tma_group(self, t, j):  # copy="tma": its j-th 64-column group of the half-row
-        return t % (128 // self.bn) * self.GPT + j
 
     def q_row(self, k, t):
         return (k * 128 + t) // (self.D2 // 8)
@@ -409,15 +397,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
-    early = cfg.rid_early
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
-    tma = cfg.copy == "tma"  # 2-D TMA copies of 1 x 64 boxes into the swizzled stages
-    asyn = bulk or tma  # rows written through the async proxy: no proxy fence before the wgmmas that read them
-    assert not (asyn and kv_fp8), "bulk / tma copies: bf16 KV"
-    assert not tma or n_win % bn == 0, "tma: a block's row ids come from one list (one bulk copy)"
-    late = cfg.late_refill
-    assert not (late and (kv_fp8 or early)), "late_refill: bf16 KV, not with rid_early"
-    assert not (early and kv_fp8), "rid_early: bf16 KV"
+    assert not (bulk and kv_fp8), "bulk copies: bf16 KV"
+    pf = cfg.l2_prefetch  # blocks between a refill and the block it prefetches into L2
+    assert not (pf and kv_fp8), "l2_prefetch: bf16 KV"
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
@@ -435,12 +418,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     # Python lists: these loops unroll at trace time, so stage indices and branches are static
     ring, tail_blocks, pre_blocks = list(range(NS)), list(range(tail)), list(range(pre))
     la_rounds, la_tail = (nb - 1) // NS, list(range((nb - 1) % NS))  # lookahead: the blocks that issue a next
+    pf_pre = list(range(NS, min(NS + pf, nb))) if pf else []  # l2_prefetch: blocks the prologue prefetches
 
     @T.macro
     def wait_kv(full, st, ph):
         T.barrier_wait(full[st], ph)
         T.barrier_wait(full[NS + st], ph)
-        if not asyn:
+        if not bulk:
             T.fence_proxy_async()  # rows written by other threads (cp.async / st.shared), read by wgmma
 
     @T.macro
@@ -480,46 +464,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def load_rid(src, b, base, blk, t, rid, k):
         if bulk:  # one row a thread (rows t % bn: the threads past bn load a duplicate and copy nothing)
             rid[k, 0] = src.row_id(b, base + blk * bn + t % bn)
-        elif tma:  # 128 / bn threads share a row
-            rid[k, 0] = src.row_id(b, base + blk * bn + g.tma_row(t))
         else:
             for r in T.unroll(R, explicit=True):
                 rid[k, r] = src.row_id(b, base + blk * bn + g.row(r, t))
-
-    def tma_desc(kv):
-        """The tensor map of a bf16 pool [rows, D]: boxes of 1 row x 64 columns, 128-B swizzle (TileLang hoists
-        it to a __grid_constant__ kernel parameter built on the host)."""
-        return T.create_tma_descriptor(9, 2, kv.data, D, kv.shape[0], 2, D * 2, 64, 1, 1, 1, 0, 3, 2, 0)
-
-    @T.macro
-    def tma_box(src, kvh, st, r, u, e, row, col, bar):
-        """TMA copy of pool row `row` (clamped to >= 0), columns col .. col + 63 of entry e's pool, to row r of
-        stage st, 64-column group u, completing on mbarrier bar = (barriers, index) (a tuple: a macro argument
-        bound to full[i] would be copied). The destination is the 128-B line's start: logical column u * 64 +
-        (r % 8) * 8 is where the swizzle (chunk ^ row % 8) puts chunk 0; the TMA applies the same XOR."""
-        dst = T.access_ptr(kvh[st, r, u * 64 + r % 8 * 8], "w", 64)
-        if src.n_win:
-            if e < src.n_win:
-                T.tma_load(tma_desc(src.kv), bar[0][bar[1]], dst, col, T.max(row, 0), 0)
-            else:
-                T.tma_load(tma_desc(src.kv2), bar[0][bar[1]], dst, col, T.max(row, 0), 0)
-        else:
-            T.tma_load(tma_desc(src.kv), bar[0][bar[1]], dst, col, T.max(row, 0), 0)
-
-    @T.macro
-    def bulk_ids(src, dst, b, e, bar):
-        """tma: one 1-D bulk copy (T.tma_copy: it adds the bytes to the barrier's expected count itself) of the
-        bn row ids of entries e .. e + bn - 1 (one list: n_win % bn == 0) to dst = (shared buffer, stage),
-        completing on bar = (barriers, index). An async-proxy write: no generic shared write is left in the PV
-        warpgroups' loop for TileLang's InjectFenceProxy to fence before their wgmmas."""
-        if src.n_win:
-            if e < src.n_win:
-                T.tma_copy(src.idx[b, e : e + bn], dst[0][dst[1], 0:bn], barrier=bar[0][bar[1]])
-            else:
-                T.tma_copy(src.idx2[b, e - src.n_win : e - src.n_win + bn], dst[0][dst[1], 0:bn],
-                           barrier=bar[0][bar[1]])  # fmt: skip
-        else:
-            T.tma_copy(src.idx[b, e : e + bn], dst[0][dst[1], 0:bn], barrier=bar[0][bar[1]])
 
     @T.macro
     def bulk_row(src, dst, e, row, col, bar):
@@ -587,29 +534,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 # the aligned 4 exponent bytes holding this chunk's group
                 cp_row(src, (sc, (st, g.row(r, t), t % g.tpr * 4)), e, rid[k, r],
                        g.scale_word(hf, t), 4, True)  # fmt: skip
-            elif "gather" not in skip and not asyn:
+            elif "gather" not in skip and not bulk:
                 for u in T.unroll(D2 // 64, explicit=True):
                     cp_row(src, (kvh, (st, g.row(r, t), g.col(u, t))), e, rid[k, r],
                            hf * D2 + g.col(u, t), 8, False)  # fmt: skip
         if bulk and "gather" not in skip:
             if t < bn:
                 bulk_row(src, (kvh, (st, t, 0)), base + blk * bn + t, rid[k, 0], hf * D2, full[hf * NS + st])
-        if tma and "gather" not in skip:
-            for j in T.unroll(g.GPT, explicit=True):
-                tma_box(src, kvh, st, g.tma_row(t), g.tma_group(t, j), base + blk * bn + g.tma_row(t), rid[k, 0],
-                        hf * D2 + g.tma_group(t, j) * 64, (full, hf * NS + st))  # fmt: skip
         if hf == 0 and "ids" not in skip:
-            if tma:  # one bulk copy (async proxy too: no generic shared write left in the loop to fence)
-                if t == 0:
-                    bulk_ids(src, (stg_idx, st), b, base + blk * bn, (full, st))
-            elif t < bn // 4:  # the block's row ids, for WG0's mask
+            if t < bn // 4:  # the block's row ids, for WG0's mask
                 cp_ids(src, (stg_idx, (st, t * 4)), b, base + blk * bn + t * 4)
-        if asyn and "gather" not in skip:
+        if bulk and "gather" not in skip:
             if t == 0:  # the rows' bytes join the phase; every thread still arrives (its id copies, if any)
                 T.mbarrier_expect_tx(full[hf * NS + st], bn * D2 * 2)
-        if tma:
-            T.barrier_arrive(full[hf * NS + st])
-        elif not kv_fp8:
+        if not kv_fp8:
             T.cp_async_barrier_noinc(full[hf * NS + st])
 
     @T.macro
@@ -635,6 +573,22 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_arrive(full[hf * NS + st])
 
     @T.macro
+    def l2_block(src, b, base, blk, hf: int, t, rid):
+        """l2_prefetch: threads t < bn prefetch this half of row t of block blk (its pool row in rid[NS, 0])."""
+        if t < bn:
+            e = base + blk * bn + t
+            if src.n_win:
+                if e < src.n_win:
+                    T.call_extern("handle", "di_prefetch_l2", T.access_ptr(src.kv[T.max(rid[NS, 0], 0), hf * D2],
+                                  "r", D2), D2 * 2)  # fmt: skip
+                else:
+                    T.call_extern("handle", "di_prefetch_l2", T.access_ptr(src.kv2[T.max(rid[NS, 0], 0), hf * D2],
+                                  "r", D2), D2 * 2)  # fmt: skip
+            else:
+                T.call_extern("handle", "di_prefetch_l2", T.access_ptr(src.kv[T.max(rid[NS, 0], 0), hf * D2], "r", D2),
+                              D2 * 2)  # fmt: skip
+
+    @T.macro
     def refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, blk, st, hf: int, t, rid, buf, obuf):
         """After PV(blk - NS) freed stage st: bf16 gathers block blk; FP8 dequantises block blk (loaded a
         ring ago) and stages block blk + NS. rid[0] holds the next gather's row ids; refreshed here."""
@@ -645,54 +599,29 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.ptx_commit_group()  # always: keeps NS groups in flight for wait_group
             if blk + NS + 1 < nb:
                 load_rid(src, b, base, blk + NS + 1, t, rid, 0)
-        elif early:  # block blk's ids are in slot blk % NS = st (loaded after an earlier block's fence)
-            gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, st)
         else:
             gather(src, kvh, raw, sc, idx_s, full, b, base, blk, st, hf, t, rid, 0)
             if blk + 1 < nb:
                 load_rid(src, b, base, blk + 1, t, rid, 0)
+            if pf:
+                if blk + pf < nb:
+                    l2_block(src, b, base, blk + pf, hf, t, rid)
+                if blk + 1 + pf < nb:  # the row the next refill's prefetch needs (slot NS)
+                    rid[NS, 0] = src.row_id(b, base + (blk + 1 + pf) * bn + t % bn)
 
     @T.macro
     def pv_wait(full, p_full, st, ph, hf: int):
         T.barrier_wait(p_full[st], ph)
         T.barrier_wait(full[hf * NS + st], ph)
-        if "pvfence" not in skip and not asyn:
+        if "pvfence" not in skip and not bulk:
             T.fence_proxy_async()
-
-    @T.macro
-    def early_rid(src, b, base, blk, st: int, t, rid):
-        """rid_early, after the fence of block blk: the ids of block blk + NS + 1 into slot (st + 1) % NS
-        (freed by the refill of block blk + 1, done after PV(blk + 1 - NS))."""
-        if blk + NS + 1 < nb:
-            load_rid(src, b, base, blk + NS + 1, t, rid, (st + 1) % NS)
-
-    @T.macro
-    def late_refill(src, kvh, idx_s, full, b, base, blk, st: int, hf: int, t, rid):
-        """late (after block blk's wait and fence): gather block blk - 1 + NS into stage (st - 1) % NS, which
-        PV(blk - 1) freed, with the row ids loaded one step earlier in slot (st - 1) % NS; then load the ids of
-        block blk + NS into slot st. Everything this thread has in flight at its next fence was issued a whole
-        step before it, and that fence's wait for the block it guards covers the gather anyway."""
-        prev = (st - 1) % NS
-        if st > 0:
-            if blk - 1 + NS < nb:
-                gather(src, kvh, None, None, idx_s, full, b, base, blk - 1 + NS, prev, hf, t, rid, prev)
-        else:
-            if blk > 0:
-                if blk - 1 + NS < nb:
-                    gather(src, kvh, None, None, idx_s, full, b, base, blk - 1 + NS, prev, hf, t, rid, prev)
-        if blk + NS < nb:
-            load_rid(src, b, base, blk + NS, t, rid, st)
 
     @T.macro
     def pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf: int):
         for h, d in T.Parallel(H, D2):
             o[h, d] = o[h, d] * alpha_s[st, h]
         if "pv" not in skip:
-            if asyn:  # T.gemm would put a proxy fence (MEMBAR.ALL.CTA) before the wgmma
-                T.wgmma_gemm(p_s[st, :, :], kvh[st, :, :], o)
-                T.wait_wgmma(0)
-            else:
-                T.gemm(p_s[st, :, :], kvh[st, :, :], o)
+            T.gemm(p_s[st, :, :], kvh[st, :, :], o)
         T.barrier_arrive(p_empty[st])
         # wgmma.wait_group is per warp: before any thread of this warpgroup refills the stage, all four warps'
         # MMAs (which all read the whole stage) must be done. Named barrier 1 + hf, 128 threads.
@@ -760,32 +689,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         else:
             for j in pre_blocks:
                 gather(src, kvh, raw, sc, idx_s, full, b, base, j, j, hf, t, rid, j)
-            if NS < nb and not late:
+            if NS < nb:
                 load_rid(src, b, base, NS, t, rid, 0)
+            for j in pf_pre:  # the blocks before the first refill's prefetch target
+                rid[NS, 0] = src.row_id(b, base + j * bn + t % bn)
+                l2_block(src, b, base, j, hf, t, rid)
+            if pf and NS + pf < nb:
+                rid[NS, 0] = src.row_id(b, base + (NS + pf) * bn + t % bn)
         for it in T.serial(rounds):
             for st in ring:
-                if late:
-                    pv_wait(full, p_full, st, it & 1, hf)
-                    for h, d in T.Parallel(H, D2):
-                        o[h, d] = o[h, d] * alpha_s[st, h]
-                    if "pv" not in skip:  # issued, not waited: the refill's loads go out under the MMAs
-                        T.wgmma_gemm(p_s[st, :, :], kvh[st, :, :], o)
-                    late_refill(src, kvh, idx_s, full, b, base, it * NS + st, st, hf, t, rid)
-                    if "pv" not in skip:
-                        T.wait_wgmma(0)
-                    T.barrier_arrive(p_empty[st])
-                    T.sync_threads(1 + hf, 128)  # (as in pv_math: all four warps' MMAs done before a refill)
-                    continue
-                if early:
-                    pv_wait(full, p_full, st, it & 1, hf)
-                    early_rid(src, b, base, it * NS + st, st, t, rid)
-                    pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf)
-                else:
-                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
+                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip
-        for st in tail_blocks:  # (late: no refill is left: block rounds * NS + st - 1 + NS >= nb)
+        for st in tail_blocks:
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
         T.barrier_wait(fin, 0)
         if split:
@@ -819,7 +736,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         l = T.alloc_fragment((H,), f32)
         lblk = T.alloc_fragment((H,), f32)
         alpha = T.alloc_fragment((H,), f32)
-        rid = T.alloc_local((NS, R), i32)
+        rid = T.alloc_local((NS + (1 if pf else 0), R), i32)  # l2_prefetch: slot NS holds the prefetch's row
         buf = T.alloc_local((16,), "float8_e4m3fn")
         obuf = T.alloc_local((16,), bf)
         bar_q = T.alloc_barrier(256)
@@ -833,8 +750,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.fill(m, NEG)
             T.fill(l, 0.0)
             T.barrier_wait(bar_q, 0)
-            if asyn:  # Q (cp.async by the PV warpgroups) is read by wgmma; the rows need no fence
-                T.fence_proxy_async()
             if la:
                 # blocks 0 .. nb-2 issue the next block's QK^T before their softmax (unconditionally: a
                 # wgmma under a data-dependent branch makes ptxas serialise every wgmma, C7518); S[i % 2]
@@ -888,7 +803,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
-    prelude = BULK_PRELUDE if asyn else None
+    prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else None)
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
@@ -1247,7 +1162,7 @@ def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str,
     8 threads first fold the chunks' (max, sum) and the sink into each head's chunk weights
     e^(m_s - M) / den (shared memory), then every thread streams its Op values with independent vector
     loads. The one-head CTAs of combine_program took 10.9 us at B64 / split 2 on the H200 (21 MB: 1.9 TB/s),
-    each CTA a chain of dependent loads; not yet measured (`sparse_attn next ... combine wide`)."""
+    each CTA a chain of dependent loads; this one 10.3 us (split_programs uses it from WIDE_COMBINE_MIN_B)."""
     import tilelang.language as T
 
     ns = num_split
@@ -1292,13 +1207,23 @@ def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str,
     return sparse_attn_combine_wide
 
 
+WIDE_COMBINE_MIN_B = 64  # below, combine_program_wide's B x H / 8 CTAs leave most SMs idle
+
+
+def combine_name(B: int) -> str:
+    """The combine program split_programs pairs with the partial kernel at batch B: the wide one from
+    WIDE_COMBINE_MIN_B requests (H200, B64 split 2: 10.3 vs 11.4 us alone, 32.7 vs 33.7 us for the pair, both
+    checked; session 5 round 1), the one-head-a-CTA one below (not measured there)."""
+    return "combine_program_wide" if B >= WIDE_COMBINE_MIN_B else "combine_program"
+
+
 def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False,
                    n_win: int = 0, S_cmp: int = 0):  # fmt: skip
     """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
     assert cfg.num_split > 1
     return (
         program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
-        combine_program(B, H, D, cfg.num_split, target=target),
+        globals()[combine_name(B)](B, H, D, cfg.num_split, target=target),
     )
 
 

@@ -135,12 +135,8 @@ def test_sparse_attn_decode_fp8_kv(kb, run_case, B):
 
 
 @pytest.mark.parametrize(
-    "name",
-    [
-        "lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split", "rid_early", "rid_early_n32s4",
-        "late_refill", "late_refill_n32s4", "late_refill_nosplit", "tma", "tma_n32s4", "tma_nosplit",
-    ],
-)  # fmt: skip
+    "name", ["lookahead", "lookahead_fp8", "n32s4", "n64_nosplit", "portable_split", "l2_prefetch", "l2_prefetch_n32s4"]
+)
 def test_sparse_attn_decode_other_configs(kb, run_case, name):
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
@@ -150,21 +146,13 @@ def test_sparse_attn_decode_other_configs(kb, run_case, name):
         "n32s4": (sad.Config(32, 384, 2, 4, True), False),  # 10 blocks in a 4-stage ring: 2 rounds + 2 tail
         "n64_nosplit": (sad.Config(64, 384, 1, 2, True), False),
         "portable_split": (sad.portable_split_config(64, 640), False),  # the previous default
-        "rid_early": (sad.Config(64, 384, 2, 2, True, rid_early=True), False),  # 5 blocks: the last slot unused
-        "rid_early_n32s4": (sad.Config(32, 384, 2, 4, True, rid_early=True), False),  # 4 id slots, 2-block tail
-        "late_refill": (sad.Config(64, 384, 2, 2, True, late_refill=True), False),  # 5 blocks: a ring tail
-        "late_refill_n32s4": (sad.Config(32, 384, 2, 4, True, late_refill=True), False),  # 2 rounds + 2 tail
-        "late_refill_nosplit": (sad.Config(64, 384, 1, 2, True, late_refill=True), False),  # 10 blocks
-        "tma": (sad.Config(64, 384, 2, 2, True, copy="tma"), False),  # TMA row boxes, 5 blocks: a ring tail
-        "tma_n32s4": (sad.Config(32, 384, 2, 4, True, copy="tma"), False),  # 1 box a thread, 2 rounds + 2 tail
-        "tma_nosplit": (sad.Config(64, 384, 1, 2, True, copy="tma"), False),
+        "l2_prefetch": (sad.Config(64, 384, 2, 2, True, l2_prefetch=2), False),  # 5 blocks: targets past the end
+        "l2_prefetch_n32s4": (sad.Config(32, 384, 2, 4, True, l2_prefetch=1), False),
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8), 64, 640)
 
 
-@pytest.mark.parametrize(
-    "name", ["default_B128", "default_B64_split", "fp8_B64", "rid_early_B128", "late_B128", "tma_B128", "tma_B64"]
-)
+@pytest.mark.parametrize("name", ["default_B128", "default_B64_split", "fp8_B64", "l2_prefetch_B128"])
 def test_sparse_attn_decode_two_pools(kb, run_case, name):
     """Window + compressed pools, two index lists (program(n_win=128)): request 0's window partly -1."""
     from deepinfer.codegen.kernels import sparse_attn_decode
@@ -173,10 +161,7 @@ def test_sparse_attn_decode_two_pools(kb, run_case, name):
         "default_B128": (128, None, False),
         "default_B64_split": (64, None, False),
         "fp8_B64": (64, None, True),
-        "rid_early_B128": (128, sparse_attn_decode.Config(64, 384, 1, 2, True, rid_early=True), False),
-        "late_B128": (128, sparse_attn_decode.Config(64, 384, 1, 2, True, late_refill=True), False),
-        "tma_B128": (128, sparse_attn_decode.Config(64, 384, 1, 2, True, copy="tma"), False),  # one map per pool
-        "tma_B64": (64, sparse_attn_decode.Config(64, 384, 2, 2, True, copy="tma"), False),
+        "l2_prefetch_B128": (128, sparse_attn_decode.Config(64, 384, 1, 2, True, l2_prefetch=1), False),
     }[name]
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, fp8=fp8, n_win=128), B, 640)
 

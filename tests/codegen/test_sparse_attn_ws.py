@@ -131,10 +131,8 @@ def _build_ws(name, func):
         (sad.Config(32, 384, 1, 2, True), True, 0),
         # two pools (V4.1: 128 window + 512 compressed entries), the B128 default blocking
         (sad.Config(64, 384, 1, 2, True), False, 128),
-        # row ids loaded behind the PV warpgroups' fence, one slot per stage (B64's split 2: a ring tail)
-        (sad.Config(64, 384, 2, 2, True, rid_early=True), False, 128),
     ],
-    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2", "bf16_rid_early_n64s2x2_two_pools"],
+    ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
@@ -266,43 +264,10 @@ def test_combine_wide_matches_combine_and_oracle(tilelang_required, ns):
     assert (outs[1] - want).abs().max() < 1e-5 and (outs[1] - outs[0]).abs().max() < 1e-5
 
 
-def test_late_refill_and_bulk_configs_name_and_validate():
-    assert sad.Config(64, 384, 1, 2, True, late_refill=True).tag == "wsn64s2f"
+def test_bulk_config_names_and_validates():
     assert sad.Config(32, 384, 2, 4, True, skip="qk,pv", copy="bulk").tag == "wsn32s4x2B-noqk-nopv"
     with pytest.raises(AssertionError):
         sad.Config(64, 384, 1, 2, True, copy="bulk")  # its rows land unswizzled: the wgmmas must be left out
-    with pytest.raises(AssertionError):
-        sad.Config(64, 384, 1, 2, True, late_refill=True, rid_early=True)  # two id-slot schemes
-    with pytest.raises(AssertionError):
-        sad.Config(64, 256, 1, 2, late_refill=True)  # the portable program has no PV warpgroups
-
-
-def _pv_loops(source: str) -> list[str]:
-    """The bodies of the PV warpgroups' main loops (the loops that wait on p_full)."""
-    loops = re.split(r"for \(int it_\d+ = 0;", source)[1:]
-    return [body.split("fin[0].wait")[0] for body in loops if "p_full[0].wait" in body.split("fin[0].wait")[0]]
-
-
-def test_late_refill_sm90_build_orders_the_refill_under_pv(codegen_cache, nvcc_required):
-    """late_refill (B64 split 2, two pools: a ring tail): in each PV warpgroup's loop the refill's cp.async
-    come after the block's fence and the PV wgmma issue and before the wgmma wait (no proxy fence between
-    them and the MMA, which would wait for the loads), the row-id loads last; no spills, same barriers."""
-    cfg = sad.Config(64, 384, 2, 2, True, late_refill=True)
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p",
-                    sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
-    loops = _pv_loops(art.source)
-    assert len(loops) == 2, "one main loop per PV warpgroup"
-    for body in loops:
-        steps = [st for st in body.split("p_full[")[1:] if "cp_async_gs_conditional" in st]  # refilling steps
-        assert len(steps) == 2, "both stages of the ring refill inside the loop"
-        for step in steps:
-            fence, mma = step.index("fence_proxy_async"), step.index("wgmma_ss")
-            load, wait = step.index("cp_async_gs_conditional"), step.index("wait_wgmma")
-            assert fence < mma < load < wait, "the refill goes out after the fence, under the issued PV"
-            assert step.count("fence_proxy_async") == 1
-    ops = art.opcodes
-    assert ops["HGMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDL"] + ops["STL"] <= 2
-    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
 
 
 def test_bulk_copy_diagnostic_build(codegen_cache, nvcc_required):
@@ -314,42 +279,26 @@ def test_bulk_copy_diagnostic_build(codegen_cache, nvcc_required):
     assert "expect_transaction(32768)" in art.source  # 64 half-rows of 512 B per barrier phase
 
 
-@pytest.mark.parametrize("bn,stages", [(64, 2), (32, 4)])
-def test_tma_boxes_cover_each_block_group_once(bn, stages):
-    """copy="tma": the 128 loader threads' (row, 64-column group) boxes tile a block's half-rows exactly once."""
-    g = sad._WsGeom(64, 512, 640, sad.Config(bn, 384, 1, stages, True, copy="tma"), False)
-    seen = torch.zeros(bn, g.D2 // 64, dtype=torch.int32)
-    for t in range(128):
-        for j in range(g.GPT):
-            seen[g.tma_row(t), g.tma_group(t, j)] += 1
-    assert bool((seen == 1).all())
 
-
-def test_tma_config_names_and_validates():
-    assert sad.Config(64, 384, 2, 2, True, copy="tma").tag == "wsn64s2x2T"
+def test_l2_prefetch_config_names_and_validates():
+    assert sad.Config(64, 384, 2, 2, True, l2_prefetch=2).tag == "wsn64s2x2pf2"
     with pytest.raises(AssertionError):
-        sad.Config(64, 384, 1, 2, True, copy="tma", rid_early=True)  # its own row-id slots
+        sad.Config(64, 256, 1, 2, l2_prefetch=1)  # the ws program's refills issue it
     with pytest.raises(AssertionError):
-        sad.Config(64, 384, 1, 2, True, copy="tma", late_refill=True)  # no fence to move the refill past
-    with pytest.raises(AssertionError):
-        sad.Config(64, 256, 1, 2, copy="tma")  # the ws program only
-    with pytest.raises(AssertionError):  # FP8 KV keeps its cp.async staging
-        sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=sad.Config(32, 384, 1, 2, True, copy="tma"),
+        sad.Config(64, 384, 1, 2, True, skip="qk,pv", copy="bulk", l2_prefetch=1)
+    with pytest.raises(AssertionError):  # FP8 KV stages its rows a ring ahead already
+        sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=sad.Config(32, 384, 1, 2, True, l2_prefetch=1),
                     kv_fp8=True)  # fmt: skip
 
 
-def test_tma_sm90_build(codegen_cache, nvcc_required):
-    """copy="tma" (B64 split 2, two pools): KV rows by 2-D TMA boxes (UTMALDG) from one tensor map per pool,
-    ids by a 1-D bulk copy (UBLKCP), so the only cp.async left are Q's (16 a thread in each PV warpgroup) and
-    no proxy fence is left in the PV warpgroups' loops; no spills, the same named barriers."""
-    cfg = sad.Config(64, 384, 2, 2, True, copy="tma")
+def test_l2_prefetch_sm90_build(codegen_cache, nvcc_required):
+    """l2_prefetch=2 (B64 split 2, two pools: 5 blocks, so the prefetches past the chunk are guarded): bulk L2
+    prefetches (UBLKPF) of half-rows, their row ids in one more id slot; no spills. The targets are blocks 2+ of
+    a chunk, entries >= 128 = n_win: TileLang proves them all in the compressed pool."""
+    cfg = sad.Config(64, 384, 2, 2, True, l2_prefetch=2)
     art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p",
                     sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
-    ops = art.opcodes
-    assert ops["UTMALDG"] > 0 and ops["UBLKCP"] > 0 and ops["HGMMA"] > 0
-    assert ops["LDGSTS"] == 2 * 16, "only the Q copies stay on cp.async"
-    assert ops["LDL"] + ops["STL"] <= 2
-    assert "CUtensorMap KVw_desc" in art.source and "CUtensorMap KVc_desc" in art.source
-    loops = _pv_loops(art.source)
-    assert len(loops) == 2 and all("fence_proxy_async" not in body for body in loops)
-    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
+    assert "UBLKPF" in art.sass and art.opcodes["HGMMA"] > 0 and art.opcodes["LDGSTS"] > 0
+    calls = re.findall(r"di_prefetch_l2\(\(&\((\w+)\[[^;]*\), (\d+)\);", art.source)
+    assert calls and all(pool == "KVc" and size == "512" for pool, size in calls), "half-rows (512 B)"
+    assert art.opcodes["LDL"] + art.opcodes["STL"] <= 2

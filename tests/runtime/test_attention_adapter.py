@@ -143,14 +143,3 @@ def test_fused_attention_first_call_error_at_the_real_head_dims():
     plain.attrs.update(rope)
     assert rel(run(plain)[0], get_op("fused_attention").run(plain.args, plain.attrs)[0]) < 1e-2
 
-
-def test_tma_and_late_refill_bindings_pass_through():
-    """A binding's late_refill / copy fields reach the kernel's config; copy="tma" copies each block's row ids
-    from one index list, so a window list of 36 with 32-row blocks runs the cp.async gather instead."""
-    base = {"block_n": 32, "threads": 384, "num_split": 1, "stages": 2, "ws": True}
-    plan = ka.SparseAttnAdapter()._plan
-    args = attn_args(2, 64, 128, 50, 200, 32, 96, seed=3)
-    assert plan(sparse_call(args, {**base, "copy": "tma"}))[1].copy == "tma"
-    assert plan(sparse_call(args, {**base, "late_refill": True}))[1].late_refill
-    odd = attn_args(2, 64, 128, 50, 200, 36, 92, seed=3)
-    assert plan(sparse_call(odd, {**base, "copy": "tma"}))[1].copy == "cp"
