@@ -1260,7 +1260,8 @@ def attn_r2_cases():
     has each refill of block j also bulk-prefetch block j + d into L2. Rows: the default and pf1/pf2/pf3 at B128
     (also after a read-only flush), the 32-row 4-stage ring with pf1/pf2, two pools, B64 (split 2, now with the
     wide combine) and B256; every full program checked against the reference. Also the CTA's own pipeline with
-    no global load (with and without the MMAs) after a read-only flush: the floor the overlap can reach."""
+    no global load after a read-only flush -- whole, without the MMAs, PV only, QK^T only: the floor the overlap
+    can reach and which side of it bounds the pipeline."""
     import dataclasses
 
     sad = sparse_attn_decode
@@ -1281,6 +1282,7 @@ def attn_r2_cases():
         ("two-pool", 128, pf(l2_prefetch=1), dict(n_win=128)),
         ("read-flush", 128, pf(skip="qk,pv", l2_prefetch=1), read),
         ("read-flush", 128, pf(skip="gather,ids"), read), ("read-flush", 128, pf(skip="gather,ids,qk,pv"), read),
+        ("read-flush", 128, pf(skip="gather,ids,qk"), read), ("read-flush", 128, pf(skip="gather,ids,pv"), read),
     ] + [(w, B, dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d), {}) for B in (64, 256)
          for w, d in (("", 0), ("", 1), ("", 2))]:  # fmt: skip
         add(what, B, cfg, **kw)
