@@ -1261,7 +1261,8 @@ def attn_r2_cases():
     (also after a read-only flush), the 32-row 4-stage ring with pf1/pf2, two pools, B64 (split 2, now with the
     wide combine) and B256; every full program checked against the reference. Also the CTA's own pipeline with
     no global load after a read-only flush -- whole, without the MMAs, PV only, QK^T only: the floor the overlap
-    can reach and which side of it bounds the pipeline."""
+    can reach and which side of it bounds the pipeline. And B16 / B8, where sm90_config's split count launches
+    160 CTAs (two waves), next to one-wave split counts (80 CTAs)."""
     import dataclasses
 
     sad = sparse_attn_decode
@@ -1284,7 +1285,11 @@ def attn_r2_cases():
         ("read-flush", 128, pf(skip="gather,ids"), read), ("read-flush", 128, pf(skip="gather,ids,qk,pv"), read),
         ("read-flush", 128, pf(skip="gather,ids,qk"), read), ("read-flush", 128, pf(skip="gather,ids,pv"), read),
     ] + [(w, B, dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d), {}) for B in (64, 256)
-         for w, d in (("", 0), ("", 1), ("", 2))]:  # fmt: skip
+         for w, d in (("", 0), ("", 1), ("", 2))] + [
+        # small batches: the default's split count gives 160 CTAs (two waves at one CTA an SM) at B8 / B16
+        ("", 16, sad.sm90_config(16, 640), {}), ("one wave", 16, sad.Config(64, sad.WS_THREADS, 5, 2, True), {}),
+        ("", 8, sad.sm90_config(8, 640), {}), ("one wave", 8, sad.Config(64, sad.WS_THREADS, 10, 2, True), {}),
+    ]:  # fmt: skip
         add(what, B, cfg, **kw)
     return out
 
