@@ -1277,6 +1277,7 @@ def attn_r2_cases():
     read = dict(flush="read")
     for what, B, cfg, kw in [
         ("", 128, pf(), {}), ("read-flush", 128, pf(), read),
+        ("L2-hot read-flush", 128, pf(), dict(hot_rows=4096, **read)),  # what an L2 prefetch could reach at best
         ("", 128, pf(l2_prefetch=1), {}), ("read-flush", 128, pf(l2_prefetch=1), read),
         ("", 128, pf(l2_prefetch=2), {}), ("read-flush", 128, pf(l2_prefetch=2), read),
         ("", 128, pf(l2_prefetch=3), {}), ("", 128, n32(l2_prefetch=1), {}), ("", 128, n32(l2_prefetch=2), {}),
