@@ -1,9 +1,11 @@
-"""swab_program(slot_map=True, slots=S): the masked layout's slot -> expert map (Meta = Counts ++ SlotExpert) that
-replaces every CTA's scan of the E counts, and the grid trimmed to S expert slots.
+"""swab_program(slot_map=True, slots=S): the masked layout's slot -> expert map (Meta = Counts ++ SlotExpert ++
+[experts with tokens]) that replaces every CTA's scan of the E counts, the grid trimmed to S expert slots, and the
+persistent grid (cfg.persistent: G CTAs walking the active (slot, N tile) items).
 
 CPU: the map against a plain Python scan (the order the kernel's scan assigns), the programs on TileLang's `c` target
 (E = 12 with idle experts) against the float64 / W4A8 references and against the scan program bit for bit, the slot
-order made observable by a grid with fewer slots than active experts, and the sm90 source (no E-long loop)."""
+order made observable by a grid with fewer slots than active experts, the persistent grid against one CTA per item,
+and the sm90 sources. H200: map == scan and persistent == per-item grid, every output byte."""
 
 import dataclasses
 
