@@ -472,13 +472,23 @@ def _real_operands(tokens: int, kernel: str, max_rows: int, dest: torch.Tensor, 
     return _REAL[key]
 
 
+def _real_tiled(half: int):
+    """The w1|w3 stack and its scales tile-interleaved for the fused SwiGLU without glu_split (the runtime's "tiles"
+    path, taken while the copy fits in memory), made once per run."""
+    if ("tiles", half) not in _REAL:
+        b, sb = _real_experts(2 * MOE_INTER, HIDDEN)
+        tiled = moe_grouped_gemm.gate_up_tiles(b, half), moe_grouped_gemm.gate_up_tiles(sb, half // 32)
+        _REAL[("tiles", half)] = tiled
+    return _REAL[("tiles", half)]
+
+
 def case_moe_decode_real(row: Row, tokens: int, kernel: str, quick: bool, dry: bool, cfg=None, slot_map: bool = True,
-                         slots: int | None = None, with_eager: bool = False):  # fmt: skip
+                         slots: int | None = None, with_eager: bool = False, tiles: bool = False):  # fmt: skip
     """One of the runtime's two routed-expert decode kernels at the real distribution (see above). kernel "swiglu":
-    w1|w3 [E, 4608, 5120] -> Hq e4m3 + Hs (fused clamped SwiGLU, glu_split); "down": w2 [E, 5120, 2304] -> bf16.
-    cfg None: the runtime's; slot_map: Meta = Counts ++ SlotExpert (False: the per-CTA scan of Counts); slots: the
-    grid's expert slots (None: the runtime's, T*6 when below 384; 0: all 384). HBM bytes: the distinct experts'
-    weights + scales, the real rows' activations + scales, the outputs."""
+    w1|w3 [E, 4608, 5120] -> Hq e4m3 + Hs (fused clamped SwiGLU, glu_split; tiles: on the tile-interleaved copy
+    instead); "down": w2 [E, 5120, 2304] -> bf16. cfg None: the runtime's; slot_map: Meta = Counts ++ SlotExpert
+    (False: the per-CTA scan of Counts); slots: the grid's expert slots (None: the runtime's, T*6 when below 384; 0:
+    all 384). HBM bytes: the distinct experts' weights + scales, the real rows' activations + scales, the outputs."""
     cfg = cfg or _real_decode_cfg(tokens, kernel)
     ids, max_rows, dest, counts = _real_routing(tokens, cfg.block_t)
     if slots is None:  # the runtime's trim with the map; the scan program ran on all 384 slots
@@ -488,7 +498,7 @@ def case_moe_decode_real(row: Row, tokens: int, kernel: str, quick: bool, dry: b
     N, K = (2 * MOE_INTER, HIDDEN) if glu else (HIDDEN, MOE_INTER)
     row.shape = f"T{tokens} {active}e {cfg.tag}"
     func = moe_grouped_gemm.swab_program(M, N, K, EXPERTS, fmt="fp8", cfg=cfg, max_rows=max_rows,
-                                         swiglu_limit=SWIGLU_LIMIT if glu else None, glu_split=glu,
+                                         swiglu_limit=SWIGLU_LIMIT if glu else None, glu_split=glu and not tiles,
                                          slot_map=slot_map, slots=slots)  # fmt: skip
     row.bytes_, row.flops = (moe_grouped_gemm.roofline_swiglu(real_rows, N, K, active) if glu else
                              moe_grouped_gemm.roofline(real_rows, N, K, active, 32, 32))  # fmt: skip
@@ -496,6 +506,8 @@ def case_moe_decode_real(row: Row, tokens: int, kernel: str, quick: bool, dry: b
     if dry:
         return
     a, sa_t, b, sb, rows, ref = _real_operands(tokens, kernel, max_rows, dest, counts)
+    if tiles:
+        b, sb = _real_tiled(cfg.block_n // 2)
     meta = (moe_grouped_gemm.slot_expert_meta(counts) if slot_map else counts.int()).cuda()
     if glu:
         outs = (torch.empty(M, N // 2, device="cuda", dtype=torch.float8_e4m3fn),
@@ -553,6 +565,7 @@ def moe_decode_real_cases():
                 add("scan (before)", T_, kernel, slot_map=False, cfg=runtime_cfg(T_, kernel, wide_tma=False))
     for kernel in ("swiglu", "down"):
         add("map full grid", 16, kernel, slots=0)
+    add("map tiles", 64, "swiglu", tiles=True, cfg=_real_decode_cfg(64, "down"))  # the adapter's "tiles" config
     swab = functools.partial(moe_grouped_gemm.SwabConfig, wide_tma=True)
     sweep = {  # (block_n, block_t, block_k, stages, min_blocks), wide; the runtime's defaults are the "map" rows
         "swiglu": (swab(64, 16, 128, 5, 2), swab(64, 16, 128, 3, 3), swab(64, 16, 256, 2, 2), swab(128, 16, 128, 4, 1),
