@@ -93,7 +93,8 @@ def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str, xdt: str | None 
     sums of squares (into `rs`), and each chunk's collapse (sum over streams of p_prev * X) is written to Y --
     hc_pre's one read of X. The caller allocates mix [bm, 32] and rs [bm] (what it reads afterwards).
     xdt: X's and Y's dtype in memory when it is not `act` (fp32: rounded to `act` on load and on store, so the
-    numbers are the act program's)."""
+    values are the act program's; the sums of squares may be reduced in another order: TileLang may infer another
+    fragment layout around an fp32 tile -- H200: not bitwise equal, within 1e-6)."""
     import tilelang.language as T
 
     xdt = xdt or act
@@ -194,7 +195,8 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
     partial: prim_func(X [T, 4D] act, Fn [32, 4D] f32, Pprev [T, 4] f32, Y [T, D] act, Pm [splits, T, 32] f32,
                        Psq [splits, T] f32)
     finish:  prim_func(Pm, Psq, Base [24], Scale [3], Pre [T, 4], Post [T, 4], Comb [T, 16] f32)
-    io "float32": X and Y fp32 in memory with the act (bf16) program's numbers (rounded on load and store)."""
+    io "float32": X and Y fp32 in memory with the act (bf16) program's values (rounded on load and store; the
+    partial reductions' order may differ, see _stream_macro)."""
     import tilelang.language as T
 
     bm, bK, bt = cfg.block_m, cfg.block_k, finish_rows

@@ -7,6 +7,7 @@ import torch
 
 from deepinfer.codegen.kernels import act_quant
 from deepinfer.runtime.kernel_adapters import quant_act
+from tests.codegen._triton_aot import compile_sm90
 
 
 def _hard_rows(m: int, k: int, seed: int) -> torch.Tensor:
@@ -50,30 +51,12 @@ def test_cuda_kernel_matches_quant_act(k):
     assert torch.equal(s[:, :64], rs.T) and torch.equal(q[:64].view(torch.uint8), rq.view(torch.uint8))
 
 
-_AOT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from deepinfer.codegen.kernels import act_quant
-sig = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32",
-       "ROWS": "i32", "G": "constexpr", "GROUP": "constexpr", "BLOCK_G": "constexpr"}
-k = triton.compile(ASTSource(fn=act_quant._kernel(False), signature=sig, constexprs=dict(G=160, GROUP=32, BLOCK_G=256)),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-print(k.asm["ptx"])
-"""
-
-
 def test_compiles_for_hopper_without_approximate_log2():
     """sm_90a PTX: an e4m3 conversion with saturation, and no lg2/ex2 (the scale comes from the bits)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ptx = proc.stdout
+    sig = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32",
+           "ROWS": "i32"}  # fmt: skip
+    ptx, _ = compile_sm90("deepinfer.codegen.kernels.act_quant", "_kernel", sig, dict(G=160, GROUP=32, BLOCK_G=256),
+                          num_warps=4)
     assert ".target sm_90a" in ptx and "e4m3x2" in ptx
     assert "lg2." not in ptx and "ex2." not in ptx
 

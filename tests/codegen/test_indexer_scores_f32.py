@@ -8,6 +8,7 @@ import torch
 
 from deepinfer.codegen.kernels import indexer_topk as it
 from deepinfer.ir.ops.attention import indexer_scores
+from tests.codegen._triton_aot import compile_sm90, spill_free
 
 
 def _inputs(t: int, c: int, start: int, seed: int, device="cpu"):
@@ -49,39 +50,12 @@ def test_config_puts_every_head_of_a_query_in_one_dot():
         assert cfg.block_t * h == 128 or (h > 128 and cfg.block_t == 1)
 
 
-_AOT = """
-import re, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from deepinfer.codegen.kernels import indexer_topk as it
-sig = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
-       "C": "i32", "scale": "fp32", "ratio": "i32", "H": "constexpr", "DI": "constexpr", "BC": "constexpr",
-       "BT": "constexpr", "PREC": "constexpr"}
-k = triton.compile(ASTSource(fn=it._f32_scores_kernel(False), signature=sig,
-                             constexprs=dict(H=32, DI=128, BC=64, BT=4, PREC="tf32x3")),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": it.F32ScoresConfig().warps})
-import os, subprocess, tempfile
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-with tempfile.TemporaryDirectory() as d:
-    open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True).stderr
-print(k.asm["ptx"])
-print("PTXAS", info)
-"""
-
-
 def test_compiles_for_hopper_with_tf32_wgmma():
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ptx = proc.stdout
-    assert " 0 bytes spill stores" in proc.stdout.split("PTXAS")[-1], proc.stdout.split("PTXAS")[-1]
+    sig = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
+           "C": "i32", "scale": "fp32", "ratio": "i32"}  # fmt: skip
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", sig,
+                               dict(H=32, DI=128, BC=64, BT=4, PREC="tf32x3"), num_warps=it.F32ScoresConfig().warps)
+    assert spill_free(report), report
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and ".f32.tf32.tf32" in ptx
 
 

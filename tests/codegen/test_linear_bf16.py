@@ -8,6 +8,7 @@ import torch
 
 from deepinfer.codegen.kernels import linear_bf16 as lb
 from deepinfer.ir.ops.core import Linear, split_f32_to_bf16
+from tests.codegen._triton_aot import compile_sm90, spill_free
 
 
 def _inputs(t: int, n: int, k: int, seed: int, device="cpu"):
@@ -45,39 +46,13 @@ def test_default_config_splits_k_evenly(t, n, k):
     assert ctas <= max(132, -(-n // cfg.block_n) * -(-t // cfg.block_t)) and (t > 64 or ctas >= 64)
 
 
-_AOT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from deepinfer.codegen.kernels import linear_bf16 as lb
-sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "p_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
-       "ROWS": "i32", "BN": "constexpr", "BK": "constexpr", "BT": "constexpr", "STEPS": "constexpr",
-       "STAGES": "constexpr", "F32_DOTS": "constexpr"}
-k = triton.compile(ASTSource(fn=lb._kernel(False), signature=sig,
-                             constexprs=dict(BN=64, BK=64, BT=64, STEPS=5, STAGES=3, F32_DOTS=False)),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": lb.Config().warps})
-import os, subprocess, tempfile
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-with tempfile.TemporaryDirectory() as d:
-    open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True).stderr
-print(k.asm["ptx"])
-print("PTXAS", info)
-"""
-
-
 def test_compiles_for_hopper_with_bf16_wgmma():
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " 0 bytes spill stores" in proc.stdout.split("PTXAS")[-1], proc.stdout.split("PTXAS")[-1]
-    ptx = proc.stdout.split("PTXAS")[0]
+    sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "p_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32",
+           "stride_x": "i32", "ROWS": "i32"}  # fmt: skip
+    consts = dict(BN=64, BK=64, BT=64, STEPS=5, STAGES=3, F32_DOTS=False)
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.linear_bf16", "_kernel", sig, consts,
+                               num_warps=lb.Config().warps)
+    assert spill_free(report), report
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and ".f32.bf16.bf16" in ptx
 
 
