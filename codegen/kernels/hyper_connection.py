@@ -48,41 +48,46 @@ def pad_fn(fn: torch.Tensor) -> torch.Tensor:
 
 def _coefficients_macro(hc_eps: float, iters: int):
     """TileLang macro coefficients(m_s, c_s, Base, Scale, i, row0, Pre, Post, Comb): the per-token scalar tail of
-    hc_pre (gates and the Sinkhorn-normalised 4x4 mix) for row i of m_s (normalised mixes), serial in one thread."""
+    hc_pre (gates and the Sinkhorn-normalised 4x4 mix) for row i of m_s (normalised mixes), serial in one thread.
+    The 4x4 mix lives in 16 registers (a local array indexed only by unrolled loops): held in shared memory, every
+    one of the 20 Sinkhorn iterations was a chain of dependent shared loads and stores (H200: the split pair's
+    finish kernel took 25 us, nearly all of it here). c_s is not used (kept in the signature for the callers)."""
     import tilelang.language as T
 
+    n = N_HC
+
     @T.macro
-    def normalise_cols(c_s, i):
-        for k in T.serial(N_HC):
-            tot = c_s[i, 0, k] + c_s[i, 1, k] + c_s[i, 2, k] + c_s[i, 3, k] + hc_eps
-            for j in T.serial(N_HC):
-                c_s[i, j, k] = c_s[i, j, k] / tot
+    def normalise_cols(c):
+        for k in T.unroll(n):
+            tot = c[k] + c[n + k] + c[2 * n + k] + c[3 * n + k] + hc_eps
+            for j in T.unroll(n):
+                c[j * n + k] = c[j * n + k] / tot
 
     @T.macro
     def coefficients(m_s, c_s, Base, Scale, i, row0, Pre, Post, Comb):
         """Per-token scalar tail of hc_pre: gates and the Sinkhorn-normalised 4x4 mix (serial, one thread)."""
-        for j in T.serial(N_HC):
+        c = T.alloc_local((n * n,), "float32")
+        for j in T.unroll(n):
             Pre[row0 + i, j] = T.sigmoid(m_s[i, j] * Scale[0] + Base[j]) + hc_eps
-            Post[row0 + i, j] = 2.0 * T.sigmoid(m_s[i, N_HC + j] * Scale[1] + Base[N_HC + j])
-        for j in T.serial(N_HC):  # row softmax over k
-            c_s[i, j, 0] = m_s[i, 8 + j * N_HC] * Scale[2] + Base[8 + j * N_HC]
-            for k in T.serial(1, N_HC):
-                c_s[i, j, k] = m_s[i, 8 + j * N_HC + k] * Scale[2] + Base[8 + j * N_HC + k]
-            mx = T.max(T.max(c_s[i, j, 0], c_s[i, j, 1]), T.max(c_s[i, j, 2], c_s[i, j, 3]))
-            for k in T.serial(N_HC):
-                c_s[i, j, k] = T.exp(c_s[i, j, k] - mx)
-            tot = c_s[i, j, 0] + c_s[i, j, 1] + c_s[i, j, 2] + c_s[i, j, 3]
-            for k in T.serial(N_HC):
-                c_s[i, j, k] = c_s[i, j, k] / tot + hc_eps
-        normalise_cols(c_s, i)
+            Post[row0 + i, j] = 2.0 * T.sigmoid(m_s[i, n + j] * Scale[1] + Base[n + j])
+        for j in T.unroll(n):  # row softmax over k
+            for k in T.unroll(n):
+                c[j * n + k] = m_s[i, 8 + j * n + k] * Scale[2] + Base[8 + j * n + k]
+            mx = T.max(T.max(c[j * n], c[j * n + 1]), T.max(c[j * n + 2], c[j * n + 3]))
+            for k in T.unroll(n):
+                c[j * n + k] = T.exp(c[j * n + k] - mx)
+            tot = c[j * n] + c[j * n + 1] + c[j * n + 2] + c[j * n + 3]
+            for k in T.unroll(n):
+                c[j * n + k] = c[j * n + k] / tot + hc_eps
+        normalise_cols(c)
         for _ in T.serial(iters - 1):
-            for j in T.serial(N_HC):
-                tot = c_s[i, j, 0] + c_s[i, j, 1] + c_s[i, j, 2] + c_s[i, j, 3] + hc_eps
-                for k in T.serial(N_HC):
-                    c_s[i, j, k] = c_s[i, j, k] / tot
-            normalise_cols(c_s, i)
-        for j, k in T.grid(N_HC, N_HC):
-            Comb[row0 + i, j * N_HC + k] = c_s[i, j, k]
+            for j in T.unroll(n):
+                tot = c[j * n] + c[j * n + 1] + c[j * n + 2] + c[j * n + 3] + hc_eps
+                for k in T.unroll(n):
+                    c[j * n + k] = c[j * n + k] / tot
+            normalise_cols(c)
+        for j in T.unroll(n * n):
+            Comb[row0 + i, j] = c[j]
 
     return coefficients
 
