@@ -1204,7 +1204,7 @@ def attn_cases(quick: bool):
                 if (cfg, fp8) in ((base, False), (fbase, True)) or (cfg.lookahead and cfg.stages == 4):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
-    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases())
+    return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases())
 
 
 def attn_sweep_cases():
@@ -1305,6 +1305,34 @@ def attn_r2_cases():
         ("", 8, sad.sm90_config(8, 640), {}), ("one wave", 8, sad.Config(64, sad.WS_THREADS, 10, 2, True), {}),
     ]:  # fmt: skip
         add(what, B, cfg, **kw)
+    return out
+
+
+def attn_final_cases():
+    """`--only "sparse_attn final"` (session 5, the last call: one line of <= 60 s): the subset of 'sparse_attn r2'
+    that decides a default -- l2_prefetch 1 / 2 at B128 (also after a read-only flush) and pf1 at B256 / B64 next
+    to the default, B64's new default pair (wide combine), and B16's two-wave default next to a one-wave split
+    count. Baselines first, every row checked against the reference."""
+    import dataclasses
+
+    sad = sparse_attn_decode
+    out = []
+
+    def add(what, B, cfg, **kw):
+        out.append((f"sparse_attn final {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
+                    lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
+
+    def cfg(B, d=0):
+        return dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d)
+
+    read = dict(flush="read")
+    for what, B, c, kw in [
+        ("", 128, cfg(128), {}), ("", 128, cfg(128, 1), {}), ("", 128, cfg(128, 2), {}),
+        ("read-flush", 128, cfg(128), read), ("read-flush", 128, cfg(128, 1), read),
+        ("", 256, cfg(256), {}), ("", 256, cfg(256, 1), {}), ("", 64, cfg(64), {}), ("", 64, cfg(64, 1), {}),
+        ("", 16, cfg(16), {}), ("one wave", 16, sad.Config(64, sad.WS_THREADS, 5, 2, True), {}),
+    ]:  # fmt: skip
+        add(what, B, c, **kw)
     return out
 
 
