@@ -1362,7 +1362,7 @@ class SparseAttnAdapter:
         topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
-        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit")
+        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "l2_prefetch")
                  if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)

@@ -143,3 +143,10 @@ def test_fused_attention_first_call_error_at_the_real_head_dims():
     plain.attrs.update(rope)
     assert rel(run(plain)[0], get_op("fused_attention").run(plain.args, plain.attrs)[0]) < 1e-2
 
+
+
+def test_l2_prefetch_binding_reaches_the_kernel_config():
+    """A binding's l2_prefetch field is part of the kernel's config (and so of its key)."""
+    call = sparse_call(attn_args(2, 64, 128, 50, 200, 32, 96, seed=3),
+                       {"block_n": 32, "threads": 384, "num_split": 1, "stages": 2, "ws": True, "l2_prefetch": 1})
+    assert ka.SparseAttnAdapter()._plan(call)[1].l2_prefetch == 1
