@@ -144,14 +144,19 @@ def portable_split_config(B: int, topk: int, num_sms: int = 132) -> Config:
     return Config(bn, 256, ns, 2)
 
 
-def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False) -> Config:
+def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one_wave: bool = False) -> Config:
     """The ws program with the fewest splits whose B x num_split CTAs cover ~90% of the SMs. A split adds
-    B x H x D fp32 of partial output written and read back by the combine, so large batches use none."""
+    B x H x D fp32 of partial output written and read back by the combine, so large batches use none.
+    one_wave (opt-in until the H200 times it, 'sparse_attn final' B16 rows): when that split count needs more CTAs
+    than SMs (one CTA an SM fits: a second, mostly idle wave -- B16 x10 = 160, B8 x20 = 160) while a smaller one
+    fits in one wave, take the smaller."""
     best = None
     for ns in SPLITS:
         cands = ws_configs(topk, ns, fp8=fp8)
         if not cands:
             continue
+        if one_wave and best is not None and B * ns > num_sms and B * best.num_split <= num_sms:
+            break  # keep the one-wave split count
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
         if B * ns >= 0.9 * num_sms:
             break

@@ -302,3 +302,15 @@ def test_l2_prefetch_sm90_build(codegen_cache, nvcc_required):
     calls = re.findall(r"di_prefetch_l2\(\(&\((\w+)\[[^;]*\), (\d+)\);", art.source)
     assert calls and all(pool == "KVc" and size == "512" for pool, size in calls), "half-rows (512 B)"
     assert art.opcodes["LDL"] + art.opcodes["STL"] <= 2
+
+
+def test_one_wave_split_rule():
+    """sm90_config(one_wave=True): where the ~90%-coverage split count would launch a second wave of CTAs (B16:
+    x10 = 160, B8: x20 = 160 on 132 SMs), the largest split count that fits one wave; elsewhere unchanged."""
+    assert sad.sm90_config(16, 640).num_split == 10 and sad.sm90_config(16, 640, one_wave=True).num_split == 5
+    assert sad.sm90_config(8, 640).num_split == 20 and sad.sm90_config(8, 640, one_wave=True).num_split == 10
+    for B in (1, 2, 32, 64, 128, 256):
+        assert sad.sm90_config(B, 640, one_wave=True) == sad.sm90_config(B, 640)
+    for B in (1, 8, 16, 32, 48, 64):
+        cfg = sad.sm90_config(B, 640, one_wave=True)
+        assert B * cfg.num_split <= 132 and 640 % (cfg.block_n * cfg.num_split) == 0
