@@ -904,35 +904,62 @@ DECODE_DENSE = {"wq_a": (Q_LORA, HIDDEN), "wq_b": (HEADS * HEAD_DIM, Q_LORA), "w
 
 
 def case_dense_swab(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
-    """A decode linear_fp8 (g32 activations, 32x32 weight blocks) on the swap-AB program as ONE expert, as the
-    runtime now runs T <= 64 (runtime/kernel_adapters._dense_swab_plan); checked against the float64 product of
-    the same codes; "eager" = the fp8_gemm program the runtime used before (fp8_gemm.sm90_config at 64 rows)."""
-    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
-    from deepinfer.runtime.kernel_adapters import dense_swab_config
+    """A decode linear_fp8 node (g32 activations, 32x32 weight blocks) as the runtime adapter runs it now: the
+    swap-AB program with K split over 'experts' (kernel_adapters.dense_swab_splits) + the activation quantiser +
+    the partial sum; checked against the op's reference; "eager" = the same node on the fp8_gemm program used
+    before (DEEPINFER_DENSE_SWAB=0: quantiser + GEMM + crop)."""
+    from deepinfer.ir.dtypes import float_to_e8m0
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
 
-    cfg = dense_swab_config(T_)
-    bt = cfg.block_t
-    swab = build(mg.swab_program(bt, N, K, 1, act_group=32, swiglu_limit=None, fmt="fp8", weight_block=32,
-                                 max_rows=bt, target="sm90", cfg=cfg))  # fmt: skip
-    gcfg = fp8_gemm.sm90_config(64, N, 32)
-    rows = max(64, bt)
-    dense = build(fp8_gemm.program(rows, N, K, act_group=32, weight_block=32, target="sm90", cfg=gcfg))
+    adapter = ka.adapter_for("fp8_gemm", "linear_fp8")
+    attrs = {"block": 32, "act_group": 32}
+
+    def node(x, w, s):
+        return ka.Call("linear_fp8", attrs, [x, w, s], ["x", "w", "s"], [False, True, True], {}, {})
+
+    stub = node(torch.empty(T_, K), torch.empty(N, K, dtype=torch.float8_e4m3fn), None)
+    old = os.environ.get(ka.DENSE_SWAB_ENV)
+    keys = {}
+    for mode in ("1", "0"):
+        os.environ[ka.DENSE_SWAB_ENV] = mode
+        with _emulate_plan():
+            keys[mode] = adapter.keys(stub)
+    if old is None:
+        os.environ.pop(ka.DENSE_SWAB_ENV, None)
+    else:
+        os.environ[ka.DENSE_SWAB_ENV] = old
+    kern = {m: [build(ka._factory(k)) for k in ks] for m, ks in keys.items()}
     row.bytes_, row.flops = fp8_gemm.roofline(T_, N, K, 32, 32)
     if dry:
         return
-    x, w = torch.randn(rows, K, device="cuda"), torch.randn(N, K, device="cuda") * 0.05
-    a, sa = quant_fp8_groups(x, 32)
-    b, sb = quant_fp8_blocks(w, 32)
-    sa_t = sa.T.contiguous()
-    counts = torch.full((1,), T_, dtype=torch.int32, device="cuda")
-    c = torch.empty(bt, N, device="cuda", dtype=torch.bfloat16)
-    args = (a[:bt].contiguous(), sa[:bt].T.contiguous(), b.unsqueeze(0), sb.unsqueeze(0).contiguous(), counts, c)
-    swab(*args)
-    ref = fp8_gemm.reference_dequant_f64(a[:T_], sa[:T_], b, sb, 32, 32).float()
-    row.check = expect(rel_err(c[:T_], ref), 2e-2)
-    row.ms = bench_device(lambda: swab(*args), quick)
-    cd = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-    row.eager_ms = bench_device(lambda: dense(a, sa_t, b, sb, cd), quick)
+    x = torch.randn(T_, K, device="cuda")
+    w = (torch.randn(N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s = float_to_e8m0(2.0 ** torch.randint(-8, -4, (N // 32, K // 32), device="cuda").float())
+    now, before = node(x, w, s), node(x, w, s)
+    y = adapter.run(now, kern["1"])[0]
+    row.check = expect(rel_err(y, get_op("linear_fp8").run([x, w, s], attrs)[0]), 2e-2)
+    os.environ[ka.DENSE_SWAB_ENV] = "0"
+    try:
+        adapter.run(before, kern["0"])
+        row.eager_ms = bench_device(lambda: adapter.run(before, kern["0"]), quick)
+    finally:
+        os.environ.pop(ka.DENSE_SWAB_ENV, None)
+    row.ms = bench_device(lambda: adapter.run(now, kern["1"]), quick)
+
+
+class _emulate_plan:
+    """The adapters' planning on CPU stand-in tensors (keys only: no kernel runs)."""
+
+    def __enter__(self):
+        from deepinfer.runtime import kernel_adapters as ka
+
+        self.saved, ka.EMULATE = ka.EMULATE, True
+
+    def __exit__(self, *exc):
+        from deepinfer.runtime import kernel_adapters as ka
+
+        ka.EMULATE = self.saved
 
 
 def case_dequant(row: Row, T_: int, quick: bool, dry: bool):

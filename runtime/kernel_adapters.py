@@ -179,12 +179,34 @@ DENSE_SWAB_MAX_T = 64  # decode linear_fp8 on the swap-AB program up to this man
 DENSE_SWAB_ENV = "DEEPINFER_DENSE_SWAB"  # "0": decode linear_fp8 on fp8_gemm as before
 
 
+@dataclass(frozen=True)
+class SwabSplit:
+    """The dense swap-AB plan's K split: the weight's K in `splits` chunks, each chunk one 'expert' of the masked
+    program over the same token rows; the partial products summed afterwards."""
+
+    splits: int
+
+
+DENSE_SWAB_CTAS = 2 * 132  # target CTAs of a dense swap-AB launch (two per SM at 64-token tiles)
+DENSE_SWAB_MAX_SPLITS = 16  # bf16 partials summed: more splits, more partial traffic and roundings
+
+
+def dense_swab_splits(n: int, k: int, block_n: int = 64, block_k: int = 128) -> int:
+    """K chunks for a dense swap-AB GEMM: N / block_n CTAs alone leave most SMs idle at small N (wkv 512 x 5120:
+    8 CTAs each walking K = 5120 serially), so K is split into the most whole block_k chunks that keep the grid
+    within DENSE_SWAB_CTAS (at most DENSE_SWAB_MAX_SPLITS)."""
+    tiles, steps = n // block_n, k // block_k
+    cands = range(1, min(steps, DENSE_SWAB_MAX_SPLITS) + 1)
+    return max((d for d in cands if steps % d == 0 and tiles * d <= DENSE_SWAB_CTAS), default=1)
+
+
 def _dense_swab_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int):
-    """(key, rows, None) of moe_grouped_gemm's swap-AB program as ONE expert for a decode linear_fp8 [T <= 64],
-    or None. fp8_gemm tiles M by 128 rows and its decode CTAs stream few weight tiles each (wq_b 64 x 32768 x
-    1280: 37 us = 29% of HBM on the H200); the swap-AB program puts the weight rows on the MMA's M side and all
-    T tokens in one tile, the MoE's decode program (93-97% of HBM there with wide TMA boxes). Off with
-    DEEPINFER_DENSE_SWAB=0 and in batch-invariant mode (it sums K in another order than fp8_gemm above 64 rows)."""
+    """(key, rows, SwabSplit) of moe_grouped_gemm's swap-AB program for a decode linear_fp8 [T <= 64], or None.
+    fp8_gemm tiles M by 128 rows and its decode CTAs stream few weight tiles each (wq_b 64 x 32768 x 1280: 37 us =
+    29% of HBM on the H200); the swap-AB program puts the weight rows on the MMA's M side and all T tokens in one
+    tile, the MoE's decode program (93-97% of HBM there with wide TMA boxes), with K split over 'experts' where N
+    alone gives too few CTAs (dense_swab_splits). Off with DEEPINFER_DENSE_SWAB=0 and in batch-invariant mode (it
+    sums K in another order than fp8_gemm above 64 rows)."""
     from deepinfer.passes.select_kernels import batch_invariant_mode
 
     t, k = x2d.shape
@@ -195,22 +217,55 @@ def _dense_swab_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: i
     cfg = dense_swab_config(t)
     if _swab_unfit(n, k, "fp8", cfg, block, group, False):
         return None
-    bt = cfg.block_t
-    return _key("moe_grouped_gemm", "swab_program", (bt, n, k, 1), cfg, act_group=group, swiglu_limit=None,
-                fmt="fp8", weight_block=block, max_rows=bt), bt, None  # fmt: skip
+    bt, splits = cfg.block_t, dense_swab_splits(n, k, cfg.block_n, cfg.block_k)
+    return _key("moe_grouped_gemm", "swab_program", (splits * bt, n, k // splits, splits), cfg, act_group=group,
+                swiglu_limit=None, fmt="fp8", weight_block=block, max_rows=bt), bt, SwabSplit(splits)  # fmt: skip
 
 
 def dense_swab_config(t: int):
-    """The one-expert swap-AB tile of a decode linear_fp8: every token in one tile (16, 32 or 64 rows: the weight
-    read once), 64 weight rows, wide TMA boxes (swab_config's fp8 decode default: 93-97% of HBM for the MoE)."""
+    """The swap-AB tile of a decode linear_fp8: every token in one tile (16, 32 or 64 rows: the weight read once),
+    64 weight rows, wide TMA boxes (swab_config's fp8 decode default: 93-97% of HBM for the MoE)."""
     from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 
     bt = _shared_rows(min(t, DENSE_SWAB_MAX_T))
     return mg.SwabConfig(64, bt, 128, 4, {16: 4, 32: 3}.get(bt, 2), wide_tma=True)
 
 
+def _split_k_stack(w: torch.Tensor, s: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] and its fp32 block scales [N/b, K/b] as `splits` experts of K/splits columns ([S, N, K/S] and
+    [S, N/b, K/(S b)]; views for one split, one copy per weight otherwise)."""
+    if splits == 1:
+        return w.unsqueeze(0), s.unsqueeze(0).contiguous()
+    n, k = w.shape
+    ws = w.view(n, splits, k // splits).transpose(0, 1).contiguous()
+    ss = s.view(s.shape[0], splits, s.shape[1] // splits).transpose(0, 1).contiguous()
+    return ws, ss
+
+
+def _dense_swab(call: Call, kernel, x2d: torch.Tensor, wi: int, si: int, group: int, rows: int, splits: int):
+    """x2d [T, K] @ W^T on the swap-AB program with K in `splits` experts -> fp32 [T, N]."""
+    t, k = x2d.shape
+    n, kc = call.args[wi].shape[0], k // splits
+    w, s = call.prep(f"swab_w{splits}", (wi, si), lambda: _split_k_stack(call.args[wi], scales_f32(call.args[si]),
+                                                                          splits))  # fmt: skip
+    if splits == 1:  # the quantiser pads the token tile itself
+        a, sa_t = quant_rows(x2d, group, rows)
+    else:  # chunk c of every token in the rows of expert c (K chunks are whole act groups: the same codes)
+        xs = x2d.view(t, splits, kc).transpose(0, 1)
+        if rows == t:
+            xg = xs.contiguous()
+        else:
+            xg = x2d.new_zeros(splits, rows, kc)
+            xg[:, :t] = xs
+        a, sa_t = quant_rows(xg.view(splits * rows, kc), group, splits * rows)
+    c = torch.empty(splits * rows, n, dtype=torch.bfloat16, device=x2d.device)
+    kernel(a, sa_t, w, s, _const_counts(call, splits, t, x2d.device), c)
+    part = c.view(splits, rows, n)[:, :t]
+    return part[0].float() if splits == 1 else part.float().sum(0)
+
+
 def _gemm_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int, tuned: bool):
-    """(key, rows, n_pad) of the FP8 GEMM for x2d @ W^T; n_pad None: the swap-AB program (_dense_swab_plan)."""
+    """(key, rows, n_pad) of the FP8 GEMM for x2d @ W^T; n_pad a SwabSplit: the swap-AB program (_dense_swab_plan)."""
     swab = _dense_swab_plan(call, x2d, n, group, block)
     if swab is not None:
         return swab
@@ -235,13 +290,9 @@ def fp8_linear(call: Call, kernel, x: torch.Tensor, wi: int, si: int, group: int
     _, rows, n_pad = key_info
     n = call.args[wi].shape[0]
     x2d = x.reshape(-1, x.shape[-1])
+    if isinstance(n_pad, SwabSplit):  # the swap-AB program (_dense_swab_plan)
+        return _dense_swab(call, kernel, x2d, wi, si, group, rows, n_pad.splits).to(x.dtype).reshape(*x.shape[:-1], n)
     a, sa_t = quant_rows(x2d, group, rows)  # the kernel reads MN-major scales
-    if n_pad is None:  # the swap-AB program, the weight as a one-expert stack (views) and every row counted
-        w, s = call.prep("swab_w", (wi, si), lambda: (call.args[wi].unsqueeze(0),
-                                                       scales_f32(call.args[si]).unsqueeze(0).contiguous()))
-        c = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
-        kernel(a, sa_t, w, s, _const_counts(call, 1, x2d.shape[0], x.device), c)
-        return c[: x2d.shape[0]].to(x.dtype).reshape(*x.shape[:-1], n)
     b, sb = _gemm_weight(call, wi, si, n_pad, block)
     c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=x.device)
     kernel(a, sa_t, b, sb, c)

@@ -1,7 +1,7 @@
-"""linear_fp8 at decode (T <= 64) on moe_grouped_gemm's swap-AB program as one expert (the dense fp8_gemm tiles
-M by 128 rows: ~29% of HBM at 64 x 32768 x 1280 on the H200). Oracle: the op's reference (fake-quantised x times
-the dequantised weight); the real swap-AB program built for the c target, the emulated one, and the fallbacks
-(T > 64, DEEPINFER_DENSE_SWAB=0) on fp8_gemm."""
+"""linear_fp8 at decode (T <= 64) on moe_grouped_gemm's swap-AB program, K split over 'experts' where N gives too
+few CTAs (the dense fp8_gemm tiles M by 128 rows: ~29% of HBM at 64 x 32768 x 1280 on the H200). Oracle: the op's
+reference (fake-quantised x times the dequantised weight); the real swap-AB program built for the c target, the
+emulated one, and the fallbacks (T > 64, DEEPINFER_DENSE_SWAB=0, batch-invariant mode) on fp8_gemm."""
 
 from __future__ import annotations
 
@@ -33,12 +33,15 @@ def _emulate(monkeypatch):
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
 
 
-@pytest.mark.parametrize("t,kernels", [(5, "emulated"), (64, "emulated"), (3, "c_target")])
-def test_decode_rows_take_the_swab_program(t, kernels):
-    call = linear_call(t, seed=t)
+@pytest.mark.parametrize("t,n,k,kernels", [(5, 128, 256, "emulated"), (64, 128, 512, "emulated"),
+                                           (16, 16384, 256, "emulated"), (3, 128, 256, "c_target")])  # fmt: skip
+def test_decode_rows_take_the_swab_program(t, n, k, kernels):
+    call = linear_call(t, n, k, seed=t)
     adapter = ka.adapter_for("fp8_gemm", "linear_fp8")
     keys = adapter.keys(call)
-    assert [k.program for k in keys] == ["swab_program"] and keys[0].args[-1] == 1  # one expert
+    splits = ka.dense_swab_splits(n, k)
+    assert [kk.program for kk in keys] == ["swab_program"] and keys[0].args[-1] == splits  # K chunks as experts
+    assert (splits > 1) == (n < 16384)  # padded (T 5) and unpadded (T 64) token tiles both split K here
     make = ka.emulated_kernel if kernels == "emulated" else ka.c_target_kernel
     got = adapter.run(call, [make(k) for k in keys])[0]
     ref = get_op("linear_fp8").run(call.args, call.attrs)[0]
@@ -54,3 +57,10 @@ def test_more_rows_and_the_switch_keep_fp8_gemm(monkeypatch):
     monkeypatch.delenv(ka.DENSE_SWAB_ENV)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     assert [k.program for k in adapter.keys(linear_call(5))] == ["program"]
+
+
+def test_splits_fill_the_gpu_at_small_n():
+    assert ka.dense_swab_splits(512, 5120) == 10 and ka.dense_swab_splits(32768, 1280) == 1
+    for n, k in ((512, 5120), (1280, 5120), (4096, 1280), (5120, 8192)):
+        s = ka.dense_swab_splits(n, k)
+        assert (k // 128) % s == 0 and n // 64 * s <= ka.DENSE_SWAB_CTAS and s <= ka.DENSE_SWAB_MAX_SPLITS
