@@ -730,9 +730,11 @@ def case_hc_post(row: Row, T_: int, quick: bool, dry: bool):
 DECODE_T = 64
 
 
-def case_index_scores_f32(row: Row, T_: int, C: int, ratio: int, quick: bool, dry: bool, precision: str = "tf32x3"):
+def case_index_scores_f32(row: Row, T_: int, C: int, ratio: int, quick: bool, dry: bool, precision: str = "tf32x3",
+                          tile: dict | None = None):  # fmt: skip
     """index_scores at decode on indexer_topk.triton_scores (f32 q/keys, one launch); check vs the op's reference
-    (the causal mask exactly, the finite scores to 1e-5 of the row maximum for 3xTF32, 5e-3 for one TF32)."""
+    (the causal mask exactly, the finite scores to 1e-5 of the row maximum for 3xTF32, 5e-3 for one TF32).
+    tile: F32ScoresConfig fields other than the default's (block_c / block_t / warps variants)."""
     from deepinfer.codegen.kernels import indexer_topk as it
     from deepinfer.ir.ops.attention import indexer_scores
 
@@ -744,7 +746,7 @@ def case_index_scores_f32(row: Row, T_: int, C: int, ratio: int, quick: bool, dr
     w = torch.randn(T_, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
     keys = torch.randn(C, IDX_DIM, device="cuda")
     pos = torch.arange(C * ratio - T_, C * ratio, device="cuda")  # the last T_ positions: every entry in sight
-    cfg = dataclasses.replace(it.f32_scores_config(T_, C), precision=precision)
+    cfg = dataclasses.replace(it.f32_scores_config(T_, C), precision=precision, **(tile or {}))
     s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5, cfg=cfg)
     ref = indexer_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5)[0]
     fin = torch.isfinite(ref)
@@ -1030,6 +1032,10 @@ def decode_small_cases():
             out.append((f"decode small index_scores f32 {prec}", f"T{DECODE_T} C{C} r{ratio}",
                         lambda r, q, d, C=C, ratio=ratio, prec=prec: case_index_scores_f32(r, DECODE_T, C, ratio, q,
                                                                                             d, prec)))  # fmt: skip
+        # 128 keys per CTA over 8 warps: the query tile's 3xTF32 split amortised over twice the keys (no spill)
+        run = functools.partial(case_index_scores_f32, T_=DECODE_T, C=C, ratio=ratio, tile={"block_c": 128, "warps": 8})
+        out.append(("decode small index_scores f32 tf32x3 c128w8", f"T{DECODE_T} C{C} r{ratio}",
+                    lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
     return out
 
 
