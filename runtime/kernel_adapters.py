@@ -826,16 +826,20 @@ GLU_POLICY = "moe_glu_policy"
 GLU_POLICY_ENV = "DEEPINFER_MOE_GLU"  # the same values, where the runner sets no policy (checks of the split path)
 
 
-def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int, consts: dict | None = None):
+def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_rows: int, consts: dict | None = None,
+                  with_meta: bool = False):  # fmt: skip
     """The masked (decode) layout without a device -> host read: expert e's pairs in rows e*max_rows + rank.
 
     A token that lists one expert twice (hash routing can) would need more than T rows for that expert: such
     pairs are merged into their first occurrence (the weights summed, the duplicate's weight 0, its row the
     first one's), so every count is at most T <= max_rows. Returns (dest [T*K] row of every pair, counts [E]
-    int32, merged weights [T, K] fp32). A pair's rank among its expert's pairs (in flat pair order) is read from
-    a running count of a one-hot [T*K, E+1] table: ~15 small launches where a stable sort took ~25 (decode
-    runs it every step; the table is at most T*K x (E+1) = 1536 x 385 at T = 256). ``consts``: the aranges
-    (layout_consts), made once by the caller instead of two launches per call."""
+    int32 -- with_meta: swab_program's slot map slot_expert_meta [2E+1] instead --, merged weights [T, K] fp32).
+    A pair's rank among its expert's pairs (in flat pair order), the counts and the slot map come from one Triton
+    launch on CUDA (moe_grouped_gemm.masked_rows; its torch formulation, a running count of a one-hot [T*K, E+1]
+    table, took ~0.1 ms a layer on the H200 at T=64 in a scan and a sort) -- bit for bit the same. ``consts``: the
+    aranges (layout_consts), made once by the caller instead of two launches per call."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
     t, k = idx.shape
     c = consts or layout_consts(t, k, n_experts, idx.device)
     idx = idx.long()
@@ -843,11 +847,10 @@ def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_
     keep = first == c["slots"]
     merged = torch.zeros(t, k, device=idx.device).scatter_add_(1, first, weights.float())
     e_kept = torch.where(keep, idx, n_experts).reshape(-1)  # a merged duplicate goes to the spare expert E
-    seen = (e_kept.unsqueeze(1) == c["experts"]).cumsum(0)  # [T*K, E+1]
-    rank = seen.gather(1, e_kept.unsqueeze(1)).squeeze(1) - 1
-    dest = (e_kept * max_rows + rank).view(t, k)
-    dest = torch.gather(dest, 1, first)  # a merged duplicate reads (and writes the same data to) its first row
-    return dest.reshape(-1), seen[-1, :n_experts].to(torch.int32), merged
+    on_triton = e_kept.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    rows, meta = (mg.masked_rows if on_triton else mg.masked_rows_reference)(e_kept, n_experts, max_rows)
+    dest = torch.gather(rows.view(t, k), 1, first)  # a merged duplicate reads (and writes the same data to) its 1st row
+    return dest.reshape(-1), meta if with_meta else meta[:n_experts], merged
 
 
 def layout_consts(t: int, k: int, n_experts: int, device) -> dict:
@@ -1015,16 +1018,13 @@ class MoEGroupedAdapter:
         # glu_split reads two weight tiles per CTA: half the CTAs per SM keep the same weight bytes in flight
         cfg1 = dataclasses.replace(cfg, min_blocks=max(1, cfg.min_blocks // 2)) if split else cfg
         if masked:
-            from deepinfer.codegen.kernels import moe_grouped_gemm as mg
-
             max_rows = -(-t // cfg.block_t) * cfg.block_t
             rows = e * max_rows
             pairs = t * idx.shape[1]
-            dest, counts, merged = masked_layout(idx, call.args[1], e, max_rows,
-                                                 _layout_consts(call, t, idx.shape[1], e, idx.device))  # fmt: skip
-            # Meta = Counts ++ SlotExpert: each CTA finds its expert with one load, not a scan of the E counts; at
-            # most T*K experts have tokens, so fewer pairs than experts trim the grid to T*K slots (keyed on T only)
-            layout = (dest, mg.slot_expert_meta(counts), merged)
+            # Meta = slot_expert_meta: each CTA finds its expert with one load, not a scan of the E counts; at most
+            # T*K experts have tokens, so fewer pairs than experts trim the grid to T*K slots (keyed on T only)
+            layout = masked_layout(idx, call.args[1], e, max_rows, _layout_consts(call, t, idx.shape[1], e, idx.device),
+                                   with_meta=True)  # fmt: skip
             extra = {"max_rows": max_rows, "slot_map": True, "slots": pairs if pairs < e else 0}
             if fmt == "fp8" and "persistent" in swab_decode_opts():  # each kernel: SMs x its CTAs per SM
                 sms = torch.cuda.get_device_properties(idx.device).multi_processor_count if idx.is_cuda else 132

@@ -71,6 +71,7 @@ and a per-element scale product: one FMUL + one FFMA per element per 32 K). SM10
 """
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -902,6 +903,69 @@ def slot_expert_meta(counts: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(idle, stable=True)
     active = counts.numel() - idle.sum(dtype=torch.int32)
     return torch.cat([counts, order.to(torch.int32), active.reshape(1)])
+
+
+# The decode step's masked layout in one launch (Triton, one program): for the expert of every (token, slot) pair
+# (after the duplicate merge; E = a merged duplicate), its row e*max_rows + rank (rank: earlier pairs with the same
+# expert, in flat pair order) and slot_expert_meta of the counts. In torch the ranks were a cumsum of a [T*K, E+1]
+# one-hot along dim 0 (one serial scan per column: 75 us a layer on the H200 at T=64) and the map a radix sort
+# (20 us); here the ranks are [CHUNK, P] equality tiles, the counts a histogram, the map a cumsum of E flags.
+@functools.lru_cache(maxsize=2)
+def _masked_rows_kernel(interpret: bool):
+    """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def masked_rows_kernel(e_ptr, dest_ptr, meta_ptr, P, E, max_rows, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                           CHUNK: tl.constexpr):  # fmt: skip
+        j = tl.arange(0, BLOCK_P)
+        ej = tl.load(e_ptr + j, mask=j < P, other=E)  # padding pairs: the spare expert E
+        # counts of the real experts and the slot map (active experts first, in order, then the idle ones)
+        ex = tl.arange(0, BLOCK_E)
+        counts = tl.where(ex < E, tl.histogram(ej.to(tl.int32), BLOCK_E), 0)
+        active = (counts > 0).to(tl.int32)
+        cs = tl.cumsum(active, axis=0)
+        n_act = tl.sum(active, axis=0)
+        pos = tl.where(active > 0, cs - 1, n_act + ex - cs)
+        tl.store(meta_ptr + ex, counts, mask=ex < E)
+        tl.store(meta_ptr + E + pos, ex, mask=ex < E)
+        tl.store(meta_ptr + 2 * E, n_act)
+        for i0 in tl.static_range(0, BLOCK_P, CHUNK):
+            i = i0 + tl.arange(0, CHUNK)
+            ei = tl.load(e_ptr + i, mask=i < P, other=E)
+            earlier = (ei[:, None] == ej[None, :]) & (j[None, :] < i[:, None])
+            rank = tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(dest_ptr + i, ei * max_rows + rank, mask=i < P)
+
+    return masked_rows_kernel
+
+
+def masked_rows(e_kept: torch.Tensor, n_experts: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [P] int64 = e*max_rows + rank, slot_expert_meta [2E+1]) of the pairs' experts e_kept [P] (values 0..E, E: a
+    merged duplicate, whose row is replaced by its first occurrence's): one Triton launch (CUDA, or the CPU
+    interpreter with TRITON_INTERPRET=1); `masked_rows_reference` is the torch formulation it replaces."""
+    import os
+
+    import triton
+
+    p = e_kept.numel()
+    e_kept = e_kept.reshape(-1).long().contiguous()
+    dest = torch.empty(p, dtype=torch.int64, device=e_kept.device)
+    meta = torch.empty(2 * n_experts + 1, dtype=torch.int32, device=e_kept.device)
+    block_p = max(16, triton.next_power_of_2(p))
+    _masked_rows_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(1,)](
+        e_kept, dest, meta, p, n_experts, max_rows, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(n_experts + 1),
+        CHUNK=16, num_warps=8)  # fmt: skip
+    return dest, meta
+
+
+def masked_rows_reference(e_kept: torch.Tensor, n_experts: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch: the ranks from a running count of a one-hot [P, E+1] table, the map by slot_expert_meta."""
+    e_kept = e_kept.reshape(-1).long()
+    seen = (e_kept.unsqueeze(1) == torch.arange(n_experts + 1, device=e_kept.device)).cumsum(0)
+    rank = seen.gather(1, e_kept.unsqueeze(1)).squeeze(1) - 1
+    return e_kept * max_rows + rank, slot_expert_meta(seen[-1, :n_experts])
 
 
 def masked_tile_expert(counts: torch.Tensor, max_rows: int, block_m: int) -> torch.Tensor:
