@@ -583,7 +583,38 @@ def moe_decode_real_cases():
     for T_ in (64, 16):
         for kernel in ("swiglu", "down"):
             add("map staged", T_, kernel, group="staged", cfg=runtime_cfg(T_, kernel, stage_scales=True))
+    # "moe decode short": one short call -- the T64 defaults next to the persistent grid, and the layout launch
+    for kernel in ("swiglu", "down"):
+        mb = _real_decode_cfg(64, kernel).min_blocks
+        add("map", 64, kernel, group="short")
+        add("map persistent", 64, kernel, group="short", cfg=runtime_cfg(64, kernel, persistent=132 * mb))
+    out.append(("moe decode short layout (triton)", "T64", lambda r, q, d: case_moe_decode_layout(r, 64, q, d)))
     return out
+
+
+def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool):
+    """The adapter's masked layout of a decode step (duplicate merge, rows, counts, slot map): the one Triton launch
+    (moe_grouped_gemm.masked_rows) timed, its torch formulation (masked_rows_reference) as the eager column; the two
+    must agree bit for bit. Eager-launch times (the graph replays them without the Python cost)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    row.shape = f"T{tokens} k{TOPK} E{EXPERTS}"
+    row.bytes_ = float(tokens * TOPK * 8 * 3 + 4 * (2 * EXPERTS + 1))
+    if dry:
+        return
+    gen = torch.Generator().manual_seed(tokens)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).cuda()
+    w = torch.rand(tokens, TOPK, device="cuda")
+    max_rows = -(-tokens // 16) * 16
+    consts = ka.layout_consts(tokens, TOPK, EXPERTS, idx.device)
+    got = ka.masked_layout(idx, w, EXPERTS, max_rows, consts, with_meta=True)
+    e_kept = idx.reshape(-1).long()
+    rows, meta = moe_grouped_gemm.masked_rows_reference(e_kept, EXPERTS, max_rows)
+    if not (torch.equal(got[0], rows) and torch.equal(got[1], meta)):
+        raise AssertionError("masked_rows differs from its torch formulation")
+    row.check = "exact"
+    row.ms = bench(lambda: ka.masked_layout(idx, w, EXPERTS, max_rows, consts, with_meta=True), quick)
+    row.eager_ms = bench(lambda: moe_grouped_gemm.masked_rows_reference(e_kept, EXPERTS, max_rows), quick)
 
 
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):
