@@ -118,19 +118,27 @@ ACT_QUANT_KERNEL_ON_CPU = False  # tests: the kernel under the Triton interprete
 _ACT_QUANT_BROKEN: list = []  # the reason the kernel could not run (then every call takes the torch ops)
 
 
-def quant_rows(x2d: torch.Tensor, group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rows(x2d: torch.Tensor, group: int, rows: int, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """quant_act of x [M, K] as the GEMMs read it: (e4m3 codes [rows, K], MN-major fp32 scales [K/group, rows]),
     rows >= M padded. On CUDA one act_quant launch (codegen/kernels/act_quant.py: the same codes and scales bit for
-    bit) instead of ~12 torch launches; padding rows hold zero codes (their scales differ: never read)."""
+    bit) instead of ~12 torch launches; padding rows hold zero codes (their scales differ: never read).
+    chunks > 1: K in `chunks` column chunks laid out chunk-major ([chunks * rows, K / chunks] codes, row j * rows + t
+    = chunk j of token t: the masked layout of a GEMM whose experts are K chunks), the same codes."""
     if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch" and not _ACT_QUANT_BROKEN:
         try:
             from deepinfer.codegen.kernels import act_quant
 
-            q, s = act_quant.triton_act_quant(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), group, rows)
+            xc = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+            q, s = act_quant.triton_act_quant(xc, group, rows, chunks=chunks)
             return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
         except Exception as e:  # no triton, or it cannot build here: the torch ops (same numbers), said once
             _ACT_QUANT_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
             print(f"act_quant kernel off, torch quantisation instead: {_ACT_QUANT_BROKEN[0]}", flush=True)
+    if chunks > 1:  # the chunk-major layout by a transposed copy, then the one-chunk path
+        m, k = x2d.shape
+        xg = x2d.new_zeros(chunks, rows, k // chunks)
+        xg[:, :m] = x2d.view(m, chunks, k // chunks).transpose(0, 1)
+        return quant_rows(xg.view(chunks * rows, k // chunks), group, chunks * rows)
     a, sa = quant_act(x2d, group)
     return pad_rows(a, rows), pad_rows(sa, rows).T.contiguous()
 
@@ -244,24 +252,16 @@ def _split_k_stack(w: torch.Tensor, s: torch.Tensor, splits: int) -> tuple[torch
 
 def _dense_swab(call: Call, kernel, x2d: torch.Tensor, wi: int, si: int, group: int, rows: int, splits: int):
     """x2d [T, K] @ W^T on the swap-AB program with K in `splits` experts -> fp32 [T, N]."""
-    t, k = x2d.shape
-    n, kc = call.args[wi].shape[0], k // splits
+    t, n = x2d.shape[0], call.args[wi].shape[0]
     w, s = call.prep(f"swab_w{splits}", (wi, si), lambda: _split_k_stack(call.args[wi], scales_f32(call.args[si]),
                                                                           splits))  # fmt: skip
-    if splits == 1:  # the quantiser pads the token tile itself
-        a, sa_t = quant_rows(x2d, group, rows)
-    else:  # chunk c of every token in the rows of expert c (K chunks are whole act groups: the same codes)
-        xs = x2d.view(t, splits, kc).transpose(0, 1)
-        if rows == t:
-            xg = xs.contiguous()
-        else:
-            xg = x2d.new_zeros(splits, rows, kc)
-            xg[:, :t] = xs
-        a, sa_t = quant_rows(xg.view(splits * rows, kc), group, splits * rows)
+    # chunk c of every token in the rows of expert c, quantised in place (K chunks are whole act groups: the same
+    # codes as unsplit); the quantiser pads each chunk's token tile itself
+    a, sa_t = quant_rows(x2d, group, rows, chunks=splits)
     c = torch.empty(splits * rows, n, dtype=torch.bfloat16, device=x2d.device)
     kernel(a, sa_t, w, s, _const_counts(call, splits, t, x2d.device), c)
     part = c.view(splits, rows, n)[:, :t]
-    return part[0].float() if splits == 1 else part.float().sum(0)
+    return part[0].float() if splits == 1 else part.sum(0, dtype=torch.float32)
 
 
 def _gemm_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int, tuned: bool):

@@ -42,13 +42,15 @@ def _kernel(interpret: bool):
         raise ImportError("triton is not installed (pip install deepinfer[codegen])")
 
     @triton.jit
-    def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS, G: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_G: tl.constexpr):  # fmt: skip
+    def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS, ROWS_PER, CHUNK_OFF, G: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
+        t = row % ROWS_PER  # output row `row` = token t of K chunk row // ROWS_PER (one chunk: row itself)
         g = tl.arange(0, BLOCK_G)[:, None]
         c = tl.arange(0, GROUP)[None, :]
-        mask = (g < G) & (row < M)
-        x = tl.load(x_ptr + row * stride_x + g * GROUP + c, mask=mask, other=0.0).to(tl.float32)
+        mask = (g < G) & (t < M)
+        src = x_ptr + t * stride_x + (row // ROWS_PER) * CHUNK_OFF
+        x = tl.load(src + g * GROUP + c, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # SCALE_FLOOR
         bits = amax.to(tl.uint32, bitcast=True)
         ex = ((bits >> 23) & 0xFF).to(tl.int32) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -62,22 +64,26 @@ def _kernel(interpret: bool):
     return act_quant_kernel
 
 
-def triton_act_quant(x: torch.Tensor, group: int, rows: int | None = None, out_dtype=None):
+def triton_act_quant(x: torch.Tensor, group: int, rows: int | None = None, out_dtype=None, chunks: int = 1):
     """x [M, K] (any float dtype, unit stride along K) -> (q [rows, K], s [K/group, rows] fp32); rows >= M (default
     M). `out_dtype` defaults to float8_e4m3fn on CUDA and float32 under the CPU interpreter (no fp8 stores there:
-    the values are the e4m3 codes' values, the cast to fp8 is exact)."""
+    the values are the e4m3 codes' values, the cast to fp8 is exact).
+    chunks > 1: K in `chunks` column chunks of whole groups, laid out chunk-major -- q [chunks * rows, K / chunks],
+    s [K / chunks / group, chunks * rows], row j * rows + t = chunk j of token t (the masked layout of a GEMM whose
+    'experts' are K chunks; the same codes and scales as one chunk, without a transposed copy of x first)."""
     m, k = x.shape
-    assert k % group == 0 and x.stride(1) == 1, (x.shape, x.stride(), group)
+    kc = k // chunks
+    assert kc * chunks == k and kc % group == 0 and x.stride(1) == 1, (x.shape, x.stride(), group, chunks)
     rows = m if rows is None else rows
     assert rows >= m
     if out_dtype is None:
         out_dtype = torch.float8_e4m3fn if x.is_cuda else torch.float32
-    q = torch.empty(rows, k, dtype=out_dtype, device=x.device)
-    s = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
+    q = torch.empty(chunks * rows, kc, dtype=out_dtype, device=x.device)
+    s = torch.empty(kc // group, chunks * rows, dtype=torch.float32, device=x.device)
     if rows:
-        _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(rows,)](
-            x, q, s, m, k, x.stride(0), rows, G=k // group, GROUP=group, BLOCK_G=triton.next_power_of_2(k // group)
-        )
+        _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(chunks * rows,)](
+            x, q, s, m, kc, x.stride(0), chunks * rows, rows, kc, G=kc // group, GROUP=group,
+            BLOCK_G=triton.next_power_of_2(kc // group))  # fmt: skip
     return q, s
 
 

@@ -34,6 +34,20 @@ def test_interpreter_matches_quant_act_bit_for_bit(interpret, m, rows, k):
     assert torch.equal(aq.float(), q.to(torch.float8_e4m3fn).float()) and torch.equal(asc, s)
 
 
+@pytest.mark.parametrize("m,rows,chunks", [(5, 8, 4), (8, 8, 2)])
+def test_interpreter_chunk_major_layout(interpret, m, rows, chunks):
+    """chunks > 1: row j * rows + t holds chunk j of token t, with the one-chunk codes and scales of that chunk
+    (padding rows: zero codes, the floor's scale)."""
+    x = _hard_rows(max(m, 4), 512, seed=chunks)[:m]
+    q, s = act_quant.triton_act_quant(x, 32, rows, chunks=chunks)
+    q1, s1 = act_quant.triton_act_quant(x, 32, rows)
+    kc = 512 // chunks
+    for j in range(chunks):
+        assert torch.equal(q[j * rows : j * rows + m], q1[:m, j * kc : (j + 1) * kc])
+        assert torch.equal(s[:, j * rows : j * rows + m], s1[j * kc // 32 : (j + 1) * kc // 32, :m])
+        assert (q[j * rows + m : (j + 1) * rows] == 0).all() and (s[:, j * rows + m : (j + 1) * rows] == 2.0**-22).all()
+
+
 def test_interpreter_bf16_input(interpret):
     x = (torch.randn(3, 128) * 5).bfloat16()
     q, s = act_quant.triton_act_quant(x, 32)
@@ -54,7 +68,7 @@ def test_cuda_kernel_matches_quant_act(k):
 def test_compiles_for_hopper_without_approximate_log2():
     """sm_90a PTX: an e4m3 conversion with saturation, and no lg2/ex2 (the scale comes from the bits)."""
     sig = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32",
-           "ROWS": "i32"}  # fmt: skip
+           "ROWS": "i32", "ROWS_PER": "i32", "CHUNK_OFF": "i32"}  # fmt: skip
     ptx, _ = compile_sm90("deepinfer.codegen.kernels.act_quant", "_kernel", sig, dict(G=160, GROUP=32, BLOCK_G=256),
                           num_warps=4)
     assert ".target sm_90a" in ptx and "e4m3x2" in ptx
