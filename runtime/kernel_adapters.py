@@ -376,13 +376,9 @@ class GroupedOutProjAdapter:
         t, g, k = x.shape
         r, block = wa.shape[0] // g, call.attrs["block_a"]
         w, s = call.prep("wo_a_stack", (1, 3), lambda: (wa.view(g, r, k), scales_f32(sa).view(g, r // block, -1)))
-        # the masked layout (group g's T rows at g*max_rows ...) in the activations, quantised there in one pass
-        if max_rows == t:  # no padding rows: one copy into the group-major layout (no zero fill of 8 MB first)
-            xg = x.transpose(0, 1).contiguous()
-        else:
-            xg = x.new_zeros(g, max_rows, k)
-            xg[:, :t] = x.transpose(0, 1)
-        a_m, sa_m = quant_rows(xg.view(g * max_rows, k), block, g * max_rows)
+        # the masked layout (group g's T rows at g*max_rows ...): x [T, G, K] is [T, G*K] with the groups as K
+        # chunks, quantised chunk-major straight from x (no transposed copy)
+        a_m, sa_m = quant_rows(x.reshape(t, g * k), block, max_rows, chunks=g)
         counts = _const_counts(call, g, t, x.device)
         c = torch.empty(g * max_rows, r, dtype=torch.bfloat16, device=x.device)
         kernels[0](a_m, sa_m, w, s, counts, c)
