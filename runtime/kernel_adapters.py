@@ -1521,8 +1521,9 @@ class TopKEntriesAdapter:
     -inf entries are the invisible ones, so no positions), the top-k SET out in ascending column order; the set
     is put back in the op's order (score descending, ties to the lower column: a stable sort of the set's
     scores, which is already in ascending column order) -- the reference's indices exactly. Rows are padded to a
-    power of two with -inf rows (no entry: all -1); the scratch (arrival counters the kernel leaves zeroed) is
-    made once per kernel and reused."""
+    power of two with -inf rows (no entry: all -1), columns to a multiple of 4 (the kernel's float4 rows; the
+    indexer's C = compressed count + 1 is odd) with -inf columns (never taken); the scratch (arrival counters the
+    kernel leaves zeroed) is made once per kernel and reused."""
 
     family = "topk_select"
     ops = ("topk_entries",)
@@ -1536,16 +1537,17 @@ class TopKEntriesAdapter:
             raise Decline("topk_select takes the one-level top-k (no candidate blocks)")
         t, c = scores.shape
         k = int(call.attrs["topk"])
-        if c < k or c % 4:
-            raise Decline(f"topk_select needs C >= k and C % 4 == 0 (C={c}, k={k})")
+        if c < k:
+            raise Decline(f"topk_select needs C >= k (C={c}, k={k})")
+        cp = -(-c // 4) * 4  # the kernel's columns: float4 rows (C = 2049 / 4097 at decode get -inf columns)
         rows = bucket_rows(t, 1)
-        cfg = ts.default_config(rows, c, k)
+        cfg = ts.default_config(rows, cp, k)
         try:
-            ts.check_config(c, k, cfg)
+            ts.check_config(cp, k, cfg)
         except AssertionError as e:
-            raise Decline(f"topk_select config for C={c}: {e}") from None
+            raise Decline(f"topk_select config for C={cp}: {e}") from None
         prog = "hist_program" if isinstance(cfg, ts.HistConfig) else "program"
-        return _key("topk_select", prog, (rows, c), cfg, k=k, ratio=1, has_pos=False), rows, cfg
+        return _key("topk_select", prog, (rows, cp), cfg, k=k, ratio=1, has_pos=False), rows, cfg
 
     def keys(self, call: Call) -> list[KernelKey]:
         return [self._plan(call)[0]]
@@ -1556,13 +1558,16 @@ class TopKEntriesAdapter:
         key, rows, cfg = self._plan(call)
         scores = call.args[0].float()
         t, c = scores.shape
+        cp = key.args[1]
         k = int(call.attrs["topk"])
         dev = scores.device
         sk = ("topk_scratch", key)
         if sk not in call.cache:
-            call.cache[sk] = (torch.zeros(rows, dtype=torch.int32, device=dev), *ts.make_scratch(rows, c, k, cfg, dev))
+            call.cache[sk] = (torch.zeros(rows, dtype=torch.int32, device=dev), *ts.make_scratch(rows, cp, k, cfg, dev))
         pos, *scratch = call.cache[sk]
-        s = scores if rows == t else torch.cat([scores, scores.new_full((rows - t, c), float("-inf"))])
+        s = scores  # padded with -inf (never taken) to rows x cp: the set is the same, every index < c
+        if (rows, cp) != (t, c):
+            s = torch.nn.functional.pad(scores, (0, cp - c, 0, rows - t), value=float("-inf"))
         idx = torch.empty(rows, k, dtype=torch.int32, device=dev)
         kernels[0](s.contiguous(), pos, idx, *scratch)
         return [_score_order(scores, idx[:t].long())]

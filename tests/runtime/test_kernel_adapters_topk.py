@@ -58,3 +58,18 @@ def test_two_level_topk_declines():
     call.args[1] = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ka.Decline, match="candidate blocks"):
         ka.adapter_for("topk_select", "topk_entries").keys(call)
+
+
+@pytest.mark.parametrize("c", [257, 258, 259])
+def test_columns_not_a_multiple_of_4(c):
+    """The indexer's C is its compressed count + 1 (2049 / 4097 at 4096 tokens: declined before): the adapter pads
+    the rows with -inf columns to a multiple of 4 (the kernel's float4 rows) -- never taken, so the op's indices
+    exactly, the last real column (made the row's largest score) included; emulated and on the c-target program."""
+    call = topk_call(3, c, 32, seed=c)
+    call.args[0][0, c - 1] = 1e3
+    adapter = ka.adapter_for("topk_select", "topk_entries")
+    assert adapter.keys(call)[0].args[1] == 260
+    ref = reference(call)
+    assert ref[0, 0] == c - 1
+    assert torch.equal(run_adapter(call, ka.emulated_kernel), ref)
+    assert torch.equal(run_adapter(call, ka.c_target_kernel), ref)
