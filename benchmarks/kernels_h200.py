@@ -1802,6 +1802,17 @@ def _topk_diag_rows():
     ]  # fmt: skip
 
 
+def _topk_final_rows():
+    """(T, C, cfg) rows "indexer_topk_select final" (one <= 60 s call): at T4096 C65536 the default (761.6 us
+    before), the streaming ceiling of its grid (diag read: no top-k) and the fused chunk loop (fused=2, 3 CTAs/SM,
+    the __ffs output; exact-checked on heavy ties -- buffer overflows mid-chunk -- and real scores)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    H = ts.HistConfig
+    return [(4096, 65536, H(256, 16, 65536, l2_ahead=2)), (4096, 65536, H(256, 16, 65536, l2_ahead=2, diag="read")),
+            (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True))]  # fmt: skip
+
+
 def _indexer_cases(quick: bool):
     """Split indexer rows (scores, top-k, end to end) over T in {1, 64, 4096} x C in {2048, 16384, 65536}
     (scores of at most 1 GiB), the Triton top-k for comparison, and the fused kernel as before."""
@@ -1838,6 +1849,9 @@ def _indexer_cases(quick: bool):
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         for T_, C, cfg, first in _topk_hist_sweep():
             out.append((f"indexer_topk_select {'hist' if first else 'hsweep'}", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
+        for T_, C, cfg in _topk_final_rows():
+            out.append(("indexer_topk_select final", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         for T_, C, cfg, var in _topk_diag_rows():
             out.append(("indexer_topk_select diag", f"T{T_} C{C} k{IDX_TOPK}",

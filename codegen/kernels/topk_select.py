@@ -973,6 +973,24 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     return topk_select
 
 
+def _make_count_key(ops: _Ops):
+    """Macro count_key(hist_f, hist_c, key): one key into the fine (its top 12 bits) and coarse (top 8) histograms
+    (shared atomics on the GPU)."""
+    import tilelang.language as T
+
+    @T.macro
+    def count_key(hist_f, hist_c, kq):
+        f = T.shift_right(kq, HSHIFT) + HB // 2
+        if ops.cpu:
+            hist_f[f] = hist_f[f] + 1
+            hist_c[f // HSUB] = hist_c[f // HSUB] + 1
+        else:
+            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
+            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+
+    return count_key
+
+
 def _make_hist_bound(ops: _Ops, NT: int):
     """Macros of the histogram bound (`hist_program`): count(hist_f, hist_c, keyf, Q, beta) adds the members >= beta
     of a per-thread key set to the fine (HB bins: the key's top 12 bits) and coarse (NB bins: top 8 bits)
@@ -981,6 +999,7 @@ def _make_hist_bound(ops: _Ops, NT: int):
     import tilelang.language as T
 
     find_bin = _make_find_bin(NT)
+    count_key = _make_count_key(ops)
     NWARP = NT // 32
 
     @T.macro
@@ -989,13 +1008,7 @@ def _make_hist_bound(ops: _Ops, NT: int):
             for q in ops.unroll(Q):
                 kq = keyf(i, q)
                 if T.And(kq != NONE, kq >= beta):
-                    f = T.shift_right(kq, HSHIFT) + HB // 2
-                    if ops.cpu:
-                        hist_f[f] = hist_f[f] + 1
-                        hist_c[f // HSUB] = hist_c[f // HSUB] + 1
-                    else:
-                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
-                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+                    count_key(hist_f, hist_c, kq)
 
     @T.macro
     def threshold(hist_f, hist_c, cum, bc, r, own, sfx):
@@ -1062,6 +1075,7 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
 
     full = T.uint32(0xFFFFFFFF)
     CPL = NB // 32  # coarse bins a lane
+    count_key = _make_count_key(ops)
 
     def ld(buf, j):
         return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
@@ -1109,13 +1123,7 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                         put(bufi, p, idf(i, q))
                         p = p + 1
                         if hist_f is not None:  # counted here, not in a loop of its own (fewer registers)
-                            f = T.shift_right(keyf(i, q), HSHIFT) + HB // 2
-                            if ops.cpu:
-                                hist_f[f] = hist_f[f] + 1
-                                hist_c[f // HSUB] = hist_c[f // HSUB] + 1
-                            else:
-                                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
-                                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+                            count_key(hist_f, hist_c, keyf(i, q))
 
     @T.macro
     def warp_threshold(hist_f, hist_c, fz, r, w):
