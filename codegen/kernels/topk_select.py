@@ -35,7 +35,9 @@ become plain read-modify-writes): the CPU tests check exact selection, ties incl
 A second TileLang program (`hist_program`, chosen by passing a `HistConfig` to `program`; same arguments and
 output) bounds the k-th key by a 12-bit histogram instead of group maxima: only the keys above a running bound
 are counted and kept, and one exact selection runs on the kept ones (its docstring has the details). It is the
-default for long rows of 32+ queries (`default_config`, H200 figures there).
+default for long rows of 32+ queries (`default_config`, H200 figures there). Opt-in until measured:
+`HistConfig.fused` (one CTA barrier a chunk instead of ~17), `min_blocks`, `ffs`; `HistConfig.diag` cuts a
+chunk's work down to a stage (H200 stage costs; not a top-k).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -1196,7 +1198,16 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     bin's count bounds them) is first cut to its exact top-k: beta is then its k-th key + 1 (later chunks
     have higher columns, so a tie with the k-th loses; the buffer's own members keep the histogram's bound),
     which always leaves room for a whole chunk.
-    Several segments: each hands on its exact top-k; the last CTA of the row selects from all of them."""
+    Several segments: each hands on its exact top-k; the last CTA of the row selects from all of them.
+
+    fused (chunks after the first; `_make_fused`): the chunk's keys >= the bound so far are counted and pushed in
+    one pass, each thread reserving its room in the buffer as it goes; one barrier; then one warp moves the
+    bound (after the barrier, or with fused=2 during the next chunk's pushes). No capacity check before a
+    chunk: a thread whose range ends past the buffer writes nothing, the chunk's flag is set, and after the
+    barrier the buffer's complete part (below the lowest failed start) is cut to its exact top-k through the
+    common cut and only the keys without room are pushed after it, against the cut's k-th key (not + 1: some
+    kept keys of this chunk have higher columns). Flags rotate over 3 chunk slots (a slot is reset two
+    barriers after its last read)."""
     import tilelang.language as T
 
     check_config(C, k, cfg)
