@@ -156,9 +156,14 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     """The histogram-bound program for long rows. Many rows (prefill): one CTA streams a row, two chunks
     prefetched into L2; 256 threads (80 registers: 3 CTAs an SM) for 64k rows, 128 for 16k rows (H200: 761.6 us
     vs 851.6 at T4096 C65536, 256.1 vs 275.0 at C16384). Few rows: 128-thread segments of >= 8192 columns (128
-    registers: 4 CTAs an SM) while the grid stays within one wave and the last CTA merges <= MERGE_ALL_MAX."""
+    registers: 4 CTAs an SM) while the grid stays within one wave and the last CTA merges <= MERGE_ALL_MAX.
+    DEEPINFER_TOPK_FUSED=1 (opt-in until the H200 row 'indexer_topk_select final' decides): the prefill rows take
+    the fused chunk loop (fused=2, __ffs output, 3 CTAs/SM at 256 threads)."""
     if T_ >= 2 * sms:
         nt = 256 if C > 16384 else 128
+        if os.environ.get("DEEPINFER_TOPK_FUSED") == "1":
+            return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
+                              ffs=True)  # fmt: skip
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
     while seg >= 16384 and T_ * -(-C // (seg // 2)) <= 2 * sms and -(-C // (seg // 2)) * k <= MERGE_ALL_MAX:

@@ -227,6 +227,12 @@ def test_hist_default_configs(monkeypatch):
     assert isinstance(ts.default_config(1, 65536), ts.HistConfig)
     monkeypatch.setenv("DEEPINFER_TOPK_HIST", "0")
     assert isinstance(ts.default_config(4096, 65536), ts.Config)
+    monkeypatch.delenv("DEEPINFER_TOPK_HIST")
+    assert not ts.default_config(4096, 65536).fused
+    monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "1")  # opt-in: prefill rows only (the measured shape)
+    assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
+    assert ts.default_config(4096, 16384).fused == 2 and ts.default_config(4096, 16384).min_blocks == 0
+    assert not ts.default_config(64, 65536).fused
 
 
 def test_sm90_lowers_decode_default(tilelang_required):
