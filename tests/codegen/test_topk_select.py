@@ -235,6 +235,24 @@ def test_hist_default_configs(monkeypatch):
     assert not ts.default_config(64, 65536).fused
 
 
+@pytest.mark.parametrize("T_,C", [(64, 4100), (1, 4100)])
+def test_c_target_decode_padded_rows(tilelang_required, T_, C):
+    """The programs the runtime's topk_entries takes at decode for the indexer's C = 4097 (padded by the adapter to
+    4100 with -inf columns): T64's hist program (3 chunks of a 6144-column segment, the last partial) and T1's
+    two merge_all segments (the second holds 4 columns); without positions, the last real column the largest, a
+    row with fewer than k visible; exactly the reference set (4 rows of the T64 program)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg, rows = ts.default_config(T_, C), min(T_, 4)
+    kernel = compile_cpu(ts.program(rows, C, k=512, ratio=1, cfg=cfg, target="cpu", has_pos=False))
+    s = _scores("ints", rows, C, seed=C)
+    s[:, C - 3 :] = float("-inf")
+    s[0, C - 4] = 50.0
+    if rows > 1:
+        s[1, 100:] = float("-inf")
+    assert torch.equal(_run_c(kernel, s, 512, None, cfg), ts.reference(s, 512))
+
+
 def test_sm90_lowers_decode_default(tilelang_required):
     """Regression: the default of issue 8's layer-20 decode row (T64 C4160: one 6144-column segment, 3 chunks,
     2 prefetched into L2) failed to lower ("Cannot match type handle vs int32": an in-loop L2 prefetch that is
