@@ -144,12 +144,12 @@ def portable_split_config(B: int, topk: int, num_sms: int = 132) -> Config:
     return Config(bn, 256, ns, 2)
 
 
-def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one_wave: bool = False) -> Config:
+def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one_wave: bool = True) -> Config:
     """The ws program with the fewest splits whose B x num_split CTAs cover ~90% of the SMs. A split adds
     B x H x D fp32 of partial output written and read back by the combine, so large batches use none.
-    one_wave (opt-in until the H200 times it, 'sparse_attn final' B16 rows): when that split count needs more CTAs
-    than SMs (one CTA an SM fits: a second, mostly idle wave -- B16 x10 = 160, B8 x20 = 160) while a smaller one
-    fits in one wave, take the smaller."""
+    one_wave: when that split count needs more CTAs than SMs (one CTA an SM fits: a second, mostly idle wave --
+    B16 x10 = 160, B8 x20 = 160) while a smaller one fits in one wave, take the smaller (H200, B16: x5 20.6 us vs
+    x10 27.8 us, checked; session 5 final call). one_wave=False: the previous rule."""
     best = None
     for ns in SPLITS:
         cands = ws_configs(topk, ns, fp8=fp8)
