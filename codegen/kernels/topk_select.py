@@ -35,9 +35,10 @@ become plain read-modify-writes): the CPU tests check exact selection, ties incl
 A second TileLang program (`hist_program`, chosen by passing a `HistConfig` to `program`; same arguments and
 output) bounds the k-th key by a 12-bit histogram instead of group maxima: only the keys above a running bound
 are counted and kept, and one exact selection runs on the kept ones (its docstring has the details). It is the
-default for long rows of 32+ queries (`default_config`, H200 figures there). Opt-in until measured:
-`HistConfig.fused` (one CTA barrier a chunk instead of ~17), `min_blocks`, `ffs`; `HistConfig.diag` cuts a
-chunk's work down to a stage (H200 stage costs; not a top-k).
+default for long rows of 32+ queries (`default_config`, H200 figures there). `HistConfig.fused` (one CTA
+barrier a chunk instead of ~17; with `min_blocks`=3 and the `ffs` output the default for the 256-thread prefill
+rows: H200 T4096 C65536 557.5 us = 44.5% of HBM vs 757.4 us); `HistConfig.diag` cuts a chunk's work down to a
+stage (H200 stage costs; not a top-k).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -155,13 +156,16 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
 def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistConfig:
     """The histogram-bound program for long rows. Many rows (prefill): one CTA streams a row, two chunks
     prefetched into L2; 256 threads (80 registers: 3 CTAs an SM) for 64k rows, 128 for 16k rows (H200: 761.6 us
-    vs 851.6 at T4096 C65536, 256.1 vs 275.0 at C16384). Few rows: 128-thread segments of >= 8192 columns (128
-    registers: 4 CTAs an SM) while the grid stays within one wave and the last CTA merges <= MERGE_ALL_MAX.
-    DEEPINFER_TOPK_FUSED=1 (opt-in until the H200 row 'indexer_topk_select final' decides): the prefill rows take
-    the fused chunk loop (fused=2, __ffs output, 3 CTAs/SM at 256 threads)."""
+    vs 851.6 at T4096 C65536, 256.1 vs 275.0 at C16384). The 256-thread rows take the fused chunk loop (fused=2,
+    __ffs output, min_blocks=3: 80 registers; H200, same run, exact on heavy ties and real scores: T4096 C65536
+    557.5 us = 44.5% of HBM vs 757.4 us = 32.7%; the grid's streaming ceiling, diag read, 306.8 us = 80.8%).
+    DEEPINFER_TOPK_FUSED=0 turns it off, =1 also gives it to the 128-thread rows (not measured there yet).
+    Few rows: 128-thread segments of >= 8192 columns (128 registers: 4 CTAs an SM) while the grid stays within
+    one wave and the last CTA merges <= MERGE_ALL_MAX."""
     if T_ >= 2 * sms:
         nt = 256 if C > 16384 else 128
-        if os.environ.get("DEEPINFER_TOPK_FUSED") == "1":
+        fused = os.environ.get("DEEPINFER_TOPK_FUSED", "")
+        if fused == "1" or (fused != "0" and nt == 256):
             return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
                               ffs=True)  # fmt: skip
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
@@ -174,11 +178,11 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | HistConfig:
     """Short rows (C <= 4096): one CTA per row, the row in registers (`program`'s group-max filter program).
     Long rows with T >= HIST_MIN_ROWS: the histogram-bound program (`hist_default_config`; H200, same run, every
-    row exact: T4096 C65536 761.6 us = 32.5% of HBM vs 1225.2 us = 20.2%; C16384 256.1 us vs 408; T64 C65536
-    63.0 us vs 88.4). Fewer rows (T1 C65536: 33.7 us vs 31.2 for the filter program): the filter program, a row
-    split into segments (one CTA each) until the grid covers the GPU twice or the last CTA's one-shot merge
-    buffer (segments x k <= MERGE_ALL_MAX) is full. DEEPINFER_TOPK_HIST=1 / 0: the hist / filter program for
-    every long row."""
+    row exact: T4096 C65536 761.6 us = 32.5% of HBM vs 1225.2 us = 20.2%, 557.5 us = 44.5% with the fused chunk
+    loop; C16384 256.1 us vs 408; T64 C65536 63.0 us vs 88.4). Fewer rows (T1 C65536: 33.7 us vs 31.2 for the
+    filter program): the filter program, a row split into segments (one CTA each) until the grid covers the GPU
+    twice or the last CTA's one-shot merge buffer (segments x k <= MERGE_ALL_MAX) is full. DEEPINFER_TOPK_HIST=1
+    / 0: the hist / filter program for every long row."""
     if C <= 4096 or 4096 // 4 < 2 * k:
         chunk = max(1 << max(C - 1, 1).bit_length(), 512)
         nt = min(max(chunk // 16, 32), 512)

@@ -228,11 +228,15 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_HIST", "0")
     assert isinstance(ts.default_config(4096, 65536), ts.Config)
     monkeypatch.delenv("DEEPINFER_TOPK_HIST")
-    assert not ts.default_config(4096, 65536).fused
-    monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "1")  # opt-in: prefill rows only (the measured shape)
-    assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
+    # the fused chunk loop: the measured 256-thread prefill rows by default; =1 adds the 128-thread ones, =0 none
+    fused64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
+    assert ts.default_config(4096, 65536) == fused64
+    assert not ts.default_config(4096, 16384).fused and not ts.default_config(64, 65536).fused
+    monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "1")
     assert ts.default_config(4096, 16384).fused == 2 and ts.default_config(4096, 16384).min_blocks == 0
     assert not ts.default_config(64, 65536).fused
+    monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "0")
+    assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2)
 
 
 @pytest.mark.parametrize("T_,C", [(64, 4100), (1, 4100)])
@@ -270,12 +274,13 @@ def test_sm90_build_hist_prefill(codegen_cache, nvcc_required, fused):
     """The histogram-bound program at the prefill shape (one 256-thread CTA streams a 64k row, two chunks
     prefetched into L2) builds for sm90 without local memory and in at most 80 registers: 3 CTAs fit an SM (the
     occupancy the streaming needs; the T64 regression of the other program was 137 registers = 1 CTA/SM), with
-    a barrier between the histogram atomics and the bin search, and the bulk L2 prefetch. The fused chunk loop
-    needs min_blocks=3 for it (85 registers without: 2 CTAs/SM; an earlier form spilled a just-loaded float4,
-    which stalls on the load)."""
+    a barrier between the histogram atomics and the bin search, and the bulk L2 prefetch. The fused chunk loop (the
+    default here) needs min_blocks=3 for it (85 registers without: 2 CTAs/SM; an earlier form spilled a
+    just-loaded float4, which stalls on the load)."""
     from deepinfer.codegen import tilelang_backend as tb
 
-    cfg = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=fused, min_blocks=3 if fused else 0)
+    cfg = ts.default_config(4096, 65536) if fused else ts.HistConfig(256, 16, 65536, l2_ahead=2)
+    assert bool(cfg.fused) == fused
     art = tb.build("topk_select_sm90", ts.program(4096, 65536, k=512, ratio=2, cfg=cfg, target="sm90"), "sm90")
     assert art.opcodes["LDL"] == 0 and art.opcodes["STL"] == 0, "no local-memory spills"
     assert "cp.async.bulk.prefetch.L2.global" in art.source and art.opcodes["ATOMS"] > 0
