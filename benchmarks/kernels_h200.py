@@ -589,10 +589,12 @@ def moe_decode_real_cases():
         add("map", 64, kernel, group="short")
         add("map persistent", 64, kernel, group="short", cfg=runtime_cfg(64, kernel, persistent=132 * mb))
     out.append(("moe decode short layout (triton)", "T64", lambda r, q, d: case_moe_decode_layout(r, 64, q, d)))
+    out.append(("moe decode short layout (triton spread)", "T64",
+                lambda r, q, d: case_moe_decode_layout(r, 64, q, d, spread=True)))  # fmt: skip
     return out
 
 
-def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool):
+def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool, spread: bool = False):
     """The adapter's masked layout of a decode step (duplicate merge, rows, counts, slot map): the one Triton launch
     (moe_grouped_gemm.masked_rows) timed, its torch formulation (masked_rows_reference) as the eager column; the two
     must agree bit for bit. Eager-launch times (the graph replays them without the Python cost)."""
@@ -607,6 +609,7 @@ def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool):
     w = torch.rand(tokens, TOPK, device="cuda")
     max_rows = -(-tokens // 16) * 16
     consts = ka.layout_consts(tokens, TOPK, EXPERTS, idx.device)
+    os.environ[moe_grouped_gemm.MASKED_ROWS_SPREAD_ENV] = "1" if spread else "0"  # the adapter's opt-in (one launch)
     got = ka.masked_layout(idx, w, EXPERTS, max_rows, consts, with_meta=True)
     e_kept = idx.reshape(-1).long()
     rows, meta = moe_grouped_gemm.masked_rows_reference(e_kept, EXPERTS, max_rows)
@@ -615,6 +618,7 @@ def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool):
     row.check = "exact"
     row.ms = bench(lambda: ka.masked_layout(idx, w, EXPERTS, max_rows, consts, with_meta=True), quick)
     row.eager_ms = bench(lambda: moe_grouped_gemm.masked_rows_reference(e_kept, EXPERTS, max_rows), quick)
+    os.environ.pop(moe_grouped_gemm.MASKED_ROWS_SPREAD_ENV)
 
 
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):

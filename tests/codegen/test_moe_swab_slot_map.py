@@ -53,8 +53,10 @@ cases = [(6, 384, 16), (96, 384, 16), (384, 384, 64), (1536, 384, 256), (7, 12, 
 for seed, (p, e, mr) in enumerate(cases):
     g = torch.Generator().manual_seed(seed)
     ek = torch.randint(0, e + 1, (p,), generator=g)  # e: merged duplicates (the spare expert)
-    got, want = mg.masked_rows(ek, e, mr), mg.masked_rows_reference(ek, e, mr)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (p, e)
+    want = mg.masked_rows_reference(ek, e, mr)
+    for spread in (False, True):
+        got = mg.masked_rows(ek, e, mr, spread=spread)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (p, e, spread)
 # the adapter's layout, duplicates included: the interpreter's launch against the torch path
 g = torch.Generator().manual_seed(9)
 idx = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(5)])
@@ -83,11 +85,12 @@ def test_masked_rows_triton_is_the_torch_formulation_bit_for_bit():
 
 
 @pytest.mark.gpu
-def test_masked_rows_on_the_h200():
+@pytest.mark.parametrize("spread", [False, True])
+def test_masked_rows_on_the_h200(spread):
     for seed, (p, e, mr) in enumerate([(6, 384, 16), (96, 384, 16), (384, 384, 64), (1536, 384, 256)]):
         g = torch.Generator().manual_seed(seed)
         ek = torch.randint(0, e + 1, (p,), generator=g).cuda()
-        got, want = mg.masked_rows(ek, e, mr), mg.masked_rows_reference(ek, e, mr)
+        got, want = mg.masked_rows(ek, e, mr, spread=spread), mg.masked_rows_reference(ek, e, mr)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (p, e)
 
 
@@ -331,13 +334,14 @@ def test_persistent_equals_one_cta_per_item_on_the_h200(glu):
     assert all(torch.equal(x, y) for x, y in zip(*got))
 
 
-@pytest.mark.parametrize("block_p", [512, 2048])  # T = 64 and 256 at top-6
-def test_masked_rows_builds_for_sm90(block_p):
+@pytest.mark.parametrize("block_p,spread", [(512, False), (2048, False), (512, True)])  # T = 64 and 256 at top-6
+def test_masked_rows_builds_for_sm90(block_p, spread):
     from tests.codegen._triton_aot import compile_sm90, spill_free
 
     sig = {"e_ptr": "*i64", "dest_ptr": "*i64", "meta_ptr": "*i32", "P": "i32", "E": "i32", "max_rows": "i32"}
     ptx, report = compile_sm90("deepinfer.codegen.kernels.moe_grouped_gemm", "_masked_rows_kernel", sig,
-                               {"BLOCK_P": block_p, "BLOCK_E": 512, "CHUNK": 16}, num_warps=8)  # fmt: skip
+                               {"BLOCK_P": block_p, "BLOCK_E": 512, "CHUNK": 16, "SPREAD": spread},
+                               num_warps=4 if spread else 8)  # fmt: skip
     assert "st.global" in ptx
     if block_p == 512:  # the decode buckets (T <= 64): no spills
         assert spill_free(report), report
