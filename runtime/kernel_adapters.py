@@ -166,6 +166,17 @@ def _cuda_only(call: Call) -> None:
 
 EMULATE = False  # tests set this: emulated kernels stand in for the compiled ones on CPU
 
+ADAPTER_INTERPRET_ENV = "DEEPINFER_ADAPTER_INTERPRET"
+
+
+def _triton_on(t: torch.Tensor) -> bool:
+    """Whether a Triton-launching adapter runs its kernel for tensor t: always on CUDA; on CPU only when a test asks
+    for Triton's interpreter for the adapters too (DEEPINFER_ADAPTER_INTERPRET=1 next to TRITON_INTERPRET=1), else
+    the op's torch formula. TRITON_INTERPRET alone is not enough: the kernel tests' conftest turns it on for the
+    whole CPU suite, and every runtime test's graph would then run its Triton adapters in the interpreter
+    (minutes per graph)."""
+    return t.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get(ADAPTER_INTERPRET_ENV) == "1")
+
 
 # ---------------------------------------------------------------------------------------------- fp8_gemm
 
@@ -435,7 +446,7 @@ class DequantAdapter:
         from deepinfer.codegen.kernels import act_quant
 
         q, s = call.args
-        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not _triton_on(q):
             from deepinfer.ir.ops.quant import dequant_fp8_groups
 
             return [dequant_fp8_groups(q, s, call.attrs["group"]).float()]
@@ -463,7 +474,7 @@ class ScatterRowsAdapter:
         from deepinfer.codegen.kernels import cache_rows
 
         cache, index, rows = call.args
-        if not cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not _triton_on(cache):
             from deepinfer.runtime import cuda_graphs as cg
 
             return [cg.scatter_rows(cache, index, rows)]  # (the sync-free reference: the same rows)
@@ -843,7 +854,7 @@ def masked_layout(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, max_
     keep = first == c["slots"]
     merged = torch.zeros(t, k, device=idx.device).scatter_add_(1, first, weights.float())
     e_kept = torch.where(keep, idx, n_experts).reshape(-1)  # a merged duplicate goes to the spare expert E
-    on_triton = e_kept.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    on_triton = _triton_on(e_kept)
     rows, meta = (mg.masked_rows if on_triton else mg.masked_rows_reference)(e_kept, n_experts, max_rows)
     dest = torch.gather(rows.view(t, k), 1, first)  # a merged duplicate reads (and writes the same data to) its 1st row
     return dest.reshape(-1), meta if with_meta else meta[:n_experts], merged
@@ -1618,7 +1629,7 @@ class LinearBF16Adapter:
         from deepinfer.codegen.kernels import linear_bf16
 
         x, w, _ = call.args
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not _triton_on(x):
             return [linear_bf16.reference(x, w)]
         return [linear_bf16.triton_linear(x, w, self._cfg(call))]
 
@@ -1650,7 +1661,7 @@ class IndexScoresAdapter:
 
         q, w, keys, pos = call.args
         a = call.attrs
-        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not _triton_on(q):
             from deepinfer.ir.ops.attention import indexer_scores
 
             return [indexer_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]))[0]]
@@ -1804,7 +1815,7 @@ class CompressorKeysAdapter:
         pos = call.args[4] if call.op == "pair_compressor_keys" else call.args[1]
         table = rope_table(call, call.attrs, kv.device)
         kw = {"eps": float(call.attrs["eps"]), "rope_dim": int(call.attrs["rope_dim"])}
-        if not kv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # CPU tests without the interpreter
+        if not _triton_on(kv):  # CPU tests without the interpreter
             from deepinfer.ir.registry import get_op
 
             return get_op(call.op).run(call.args, call.attrs)

@@ -79,7 +79,7 @@ def test_masked_rows_triton_is_the_torch_formulation_bit_for_bit():
     import sys
 
     pytest.importorskip("triton", reason="triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_ADAPTER_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 

@@ -72,7 +72,8 @@ print("OK")
 
 def test_kernel_quantisation_inside_the_adapters_is_bit_exact():
     pytest.importorskip("triton", reason="triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_ADAPTER_INTERPRET": "1",
+           "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 

@@ -79,7 +79,8 @@ def test_triton_path_matches_the_reference_under_the_interpreter():
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_ADAPTER_INTERPRET": "1",
+           "PYTHONPATH": os.path.dirname(__file__)}
     env.pop(ka.COMPRESSOR_KEYS_ENV, None)
     proc = subprocess.run([sys.executable, "-c", _TRITON], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
