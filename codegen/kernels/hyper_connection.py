@@ -46,12 +46,12 @@ def pad_fn(fn: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _coefficients_macro(hc_eps: float, iters: int):
-    """TileLang macro coefficients(m_s, c_s, Base, Scale, i, row0, Pre, Post, Comb): the per-token scalar tail of
-    hc_pre (gates and the Sinkhorn-normalised 4x4 mix) for row i of m_s (normalised mixes), serial in one thread.
-    The 4x4 mix lives in 16 registers (a local array indexed only by unrolled loops): held in shared memory, every
-    one of the 20 Sinkhorn iterations was a chain of dependent shared loads and stores (H200: the split pair's
-    finish kernel took 25 us, nearly all of it here). c_s is not used (kept in the signature for the callers)."""
+def _tail_macro(mem: Mem, K4: int, eps: float, hc_eps: float, iters: int):
+    """TileLang macro tail(mix, sq, rows, row0, Base, Scale, Pre, Post, Comb): the end of hc_pre for `rows` tokens
+    from their raw mixes [rows, 32] and sums of squares [rows] (fragments): the RMS scale, then per token (serial,
+    one thread each) the gates and the Sinkhorn-normalised 4x4 mix. The 4x4 mix lives in 16 registers (a local
+    array indexed only by unrolled loops): held in shared memory, every one of the 20 Sinkhorn iterations was a
+    chain of dependent shared loads and stores (H200: the split pair's finish kernel took 25 us, nearly all here)."""
     import tilelang.language as T
 
     n = N_HC
@@ -64,7 +64,7 @@ def _coefficients_macro(hc_eps: float, iters: int):
                 c[j * n + k] = c[j * n + k] / tot
 
     @T.macro
-    def coefficients(m_s, c_s, Base, Scale, i, row0, Pre, Post, Comb):
+    def coefficients(m_s, Base, Scale, i, row0, Pre, Post, Comb):
         """Per-token scalar tail of hc_pre: gates and the Sinkhorn-normalised 4x4 mix (serial, one thread)."""
         c = T.alloc_local((n * n,), "float32")
         for j in T.unroll(n):
@@ -89,7 +89,25 @@ def _coefficients_macro(hc_eps: float, iters: int):
         for j in T.unroll(n * n):
             Comb[row0 + i, j] = c[j]
 
-    return coefficients
+    @T.macro
+    def tail(mix, sq, rows, row0, Base, Scale, Pre, Post, Comb):
+        # via shared memory: sq and mix come from different thread layouts (reduce vs MMA)
+        r_s = mem.shared((rows,), "float32")
+        for i in mem.par(rows):
+            r_s[i] = T.rsqrt(sq[i] / K4 + eps)
+        m_s = mem.shared((rows, MIX_PAD), "float32")
+        for i, j in mem.par(rows, MIX_PAD):
+            m_s[i, j] = mix[i, j] * r_s[i]
+        # the 4x4 Sinkhorn is a few hundred serial flops per token: one thread per token
+        if mem.cpu:
+            for i in T.serial(rows):
+                coefficients(m_s, Base, Scale, i, row0, Pre, Post, Comb)
+        else:
+            tx = T.get_thread_binding()
+            if tx < rows:
+                coefficients(m_s, Base, Scale, tx, row0, Pre, Post, Comb)
+
+    return tail
 
 
 def _stream_macro(mem: Mem, D: int, bm: int, bK: int, act: str, xdt: str | None = None):
@@ -147,7 +165,7 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
     act = "float32" if mem.cpu else "bfloat16"
     K4 = N_HC * D
 
-    coefficients = _coefficients_macro(hc_eps, iters)
+    tail = _tail_macro(mem, K4, eps, hc_eps, iters)
     stream_channels = _stream_macro(mem, D, bm, bK, act)
 
     @T.prim_func
@@ -166,22 +184,7 @@ def pre_program(T_: int, D: int, *, eps: float, hc_eps: float, iters: int, targe
             mix = mem.fragment((bm, MIX_PAD), "float32")
             rs = mem.fragment((bm,), "float32")
             stream_channels(X, Fn, Pprev, Y, mix, rs, bx * bm, 0, D // bK)
-            # via shared memory: rs and mix come from different thread layouts (reduce vs MMA)
-            r_s = mem.shared((bm,), "float32")
-            for i in mem.par(bm):
-                r_s[i] = T.rsqrt(rs[i] / K4 + eps)
-            m_s = mem.shared((bm, MIX_PAD), "float32")
-            for i, j in mem.par(bm, MIX_PAD):
-                m_s[i, j] = mix[i, j] * r_s[i]
-            c_s = mem.shared((bm, N_HC, N_HC), "float32")
-            # the 4x4 Sinkhorn is a few hundred serial flops per token: one thread per token
-            if mem.cpu:
-                for i in T.serial(bm):
-                    coefficients(m_s, c_s, Base, Scale, i, bx * bm, Pre, Post, Comb)
-            else:
-                tx = T.get_thread_binding()
-                if tx < bm:
-                    coefficients(m_s, c_s, Base, Scale, tx, bx * bm, Pre, Post, Comb)
+            tail(mix, rs, bm, bx * bm, Base, Scale, Pre, Post, Comb)
 
     return hc_pre
 
@@ -211,7 +214,7 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
     act = "float32" if mem.cpu else "bfloat16"
     K4, per = N_HC * D, D // splits
     xdt = "float32" if io == "float32" else act
-    coefficients = _coefficients_macro(hc_eps, iters)
+    tail = _tail_macro(mem, K4, eps, hc_eps, iters)
     stream_channels = _stream_macro(mem, D, bm, bK, act, xdt)
 
     @T.prim_func
@@ -254,20 +257,7 @@ def pre_split_programs(T_: int, D: int, *, eps: float, hc_eps: float, iters: int
                     acc[i, j] += Pm[q, bx * bt + i, j]
                 for i in mem.par(bt):
                     sq[i] += Psq[q, bx * bt + i]
-            r_s = mem.shared((bt,), "float32")
-            for i in mem.par(bt):
-                r_s[i] = T.rsqrt(sq[i] / K4 + eps)
-            m_s = mem.shared((bt, MIX_PAD), "float32")
-            for i, j in mem.par(bt, MIX_PAD):
-                m_s[i, j] = acc[i, j] * r_s[i]
-            c_s = mem.shared((bt, N_HC, N_HC), "float32")
-            if mem.cpu:
-                for i in T.serial(bt):
-                    coefficients(m_s, c_s, Base, Scale, i, bx * bt, Pre, Post, Comb)
-            else:
-                tx = T.get_thread_binding()
-                if tx < bt:
-                    coefficients(m_s, c_s, Base, Scale, tx, bx * bt, Pre, Post, Comb)
+            tail(acc, sq, bt, bx * bt, Base, Scale, Pre, Post, Comb)
 
     return hc_pre_partial, hc_pre_finish
 
