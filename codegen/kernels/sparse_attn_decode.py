@@ -59,6 +59,12 @@ class Config:
     # program is 11 us slower -- a 2-stage ring issues block j only when PV(j - 2) is done, so its HBM latency
     # under load (~2 us) is exposed at every block; from L2 the refill lands in ~1 us. 0: off.
     l2_prefetch: int = 0
+    # ws, bf16 KV, single pass (new, not yet measured): a persistent grid of `persist` CTAs, each walking the
+    # requests c, c + persist, ... (prefill: T query tokens, one "request" each). Why: a CTA's fixed cost (launch,
+    # Q load, ring start-up, epilogue: ~12.5 us of ~35 us at B256, BENCHMARKS session 5) is paid once per CTA,
+    # not once per token; the KV ring runs on across tokens (the last round of token k gathers token k + 1's
+    # first blocks) and the next token's Q loads under the last PV of this one. 0: one CTA per request.
+    persist: int = 0
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -67,6 +73,9 @@ class Config:
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
         assert self.copy in ("cp", "bulk"), self.copy
         assert self.l2_prefetch >= 0 and (not self.l2_prefetch or (self.ws and self.copy == "cp")), "l2_prefetch"
+        if self.persist:
+            assert self.ws and self.num_split == 1 and not self.lookahead and not self.l2_prefetch, "persist"
+            assert self.copy == "cp" and not self.skip, "persist: the full bf16 program"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -83,6 +92,7 @@ class Config:
         head += f"x{self.num_split}" if self.num_split > 1 else ""
         head += "B" if self.copy == "bulk" else ""
         head += f"pf{self.l2_prefetch}" if self.l2_prefetch else ""
+        head += f"p{self.persist}" if self.persist else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -161,6 +171,39 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         if B * ns >= 0.9 * num_sms:
             break
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
+
+
+PREFILL_PERSIST = False  # prefill_config's default: the persistent grid once an H200 row shows it faster
+MAX_LAUNCH_ROWS = 32768  # one launch's requests: the grid is (num_split, B) and gridDim.y <= 65535
+
+
+def prefill_config(T: int, topk: int, num_sms: int = 132, *, persist: bool | None = None) -> Config:
+    """Prefill (T query tokens of one chunk). The op is per query -- each token has its own window list
+    (causal inside the chunk: window_indices) and its own selected compressed entries (-1 where not yet
+    visible) -- so the decode program at B = T is the prefill program, exactly. T >= the SM count fills the
+    machine without a split (a split only adds T x H x D fp32 partials and a combine), so: one CTA per token,
+    64-row blocks in 2 stages; `persist` (Config.persist = num_sms CTAs walking the tokens) where chosen.
+    T is not part of the choice: one build (its B is symbolic) serves every chunk length."""
+    cands = ws_configs(topk, 1)
+    if not cands:
+        return Config(32, 256, 1, 2)  # top-k not a multiple of 32: no ws config (the binding falls back)
+    persist = PREFILL_PERSIST if persist is None else persist
+    base = cands[0]
+    if persist and (topk // base.block_n) % base.stages == 0:
+        return Config(base.block_n, WS_THREADS, 1, base.stages, True, persist=num_sms)
+    return base
+
+
+def prefill_roofline(T: int, H: int, D: int, topk: int, pool_rows: int, act_bytes: int = 2) -> dict:
+    """The bounds of a T-token prefill: 'hbm' bytes (q and o once, the index lists, every pool row once -- the
+    chunk's pools are ~10-25 MB and stay in L2, so the per-query gathers are L2 traffic), 'gathers' (the bytes
+    the queries gather, T x topk rows: what the decode roofline counts), 'flops' (QK^T + PV). At V4.1 shapes
+    the matrix term is ~3x the gathers' HBM-rate time and ~10x the HBM bytes': prefill is compute-bound."""
+    return {
+        "hbm": float(T * (2 * H * D * act_bytes + topk * 4) + pool_rows * D * act_bytes),
+        "gathers": float(T * topk * D * act_bytes),
+        "flops": float(4 * T * H * topk * D),
+    }
 
 
 def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config = Config(), kv_fp8: bool = False,
@@ -808,12 +851,138 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
     Bd, Sd, Sc = T.dynamic("B"), T.dynamic("S"), T.dynamic("S_cmp")
+
+    # ------------------------------------------------------------------------ persistent grid (Config.persist)
+    P = cfg.persist
+    if P:
+        assert not split and not kv_fp8 and not la and not pf and not skip and not bulk, "persist: bf16 single pass"
+        assert tail == 0 and rounds >= 2, "persist: whole rounds, at least two (blocks of a token % stages == 0)"
+
+    @T.macro
+    def load_q(Q, b, hf: int, t, q_h, bar_q):
+        """This PV warpgroup's half of request b's Q (cp.async), completing on bar_q."""
+        for u in T.unroll(g.QC, explicit=True):
+            T.ptx_cp_async(
+                T.access_ptr(q_h[g.q_row(u, t), g.q_col(u, t)], "w", 8),
+                T.access_ptr(Q[b, g.q_row(u, t), hf * D2 + g.q_col(u, t)], "r", 8),
+                8,
+            )
+        T.cp_async_barrier_noinc(bar_q)
+
+    @T.macro
+    def next_rid(src, b, blk, t, rid):
+        """Row ids of the next gather into rid[0]: block blk of request b, or past its last block, block 0 of
+        the CTA's next request (none after the last)."""
+        if blk < nb:
+            load_rid(src, b, 0, blk, t, rid, 0)
+        elif b + P < Bd:
+            load_rid(src, b + P, 0, 0, t, rid, 0)
+
+    @T.macro
+    def pv_role_p(Q, src, O, c, ntok, hf: int, t, o, q_h, kvh, idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty,
+                  bar_q, fin, rid):  # fmt: skip
+        """The PV warpgroups of the persistent grid. Block i of the CTA's k-th request is global block
+        k * nb + i: stage i % NS, parity (k * rounds + i // NS) & 1 (nb % NS == 0), so the ring never drains."""
+        T.fill(o, 0.0)
+        if c < Bd:  # the first request: Q, the ring's first NS blocks, the next block's row ids
+            load_q(Q, c, hf, t, q_h, bar_q)
+            for j in pre_blocks:
+                load_rid(src, c, 0, j, t, rid, j)
+            for j in pre_blocks:
+                gather(src, kvh, None, None, idx_s, full, c, 0, j, j, hf, t, rid, j)
+            load_rid(src, c, 0, NS, t, rid, 0)
+        for k in T.serial(ntok):
+            b = c + k * P
+            for it in T.serial(rounds - 1):
+                for st in ring:
+                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, (k * rounds + it) & 1, hf)
+                    gather(src, kvh, None, None, idx_s, full, b, 0, (it + 1) * NS + st, st, hf, t, rid, 0)
+                    next_rid(src, b, (it + 1) * NS + st + 1, t, rid)
+            for st in ring:  # the last round: its refills gather the next request's first NS blocks
+                pv_wait(full, p_full, st, (k * rounds + rounds - 1) & 1, hf)
+                if st == NS - 1:
+                    if b + P < Bd:  # WG0 is past its last QK^T of request b (it armed p_full of this block)
+                        load_q(Q, b + P, hf, t, q_h, bar_q)
+                pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf)
+                if b + P < Bd:
+                    gather(src, kvh, None, None, idx_s, full, b + P, 0, st, st, hf, t, rid, 0)
+                    load_rid(src, b + P, 0, st + 1, t, rid, 0)
+            T.barrier_wait(fin, k & 1)  # WG0's fin_s of request b (it cannot be a request ahead: see body_p)
+            for h, d in T.Parallel(H, D2):
+                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+            T.fill(o, 0.0)
+
+    @T.macro
+    def body_p(Q, src, Sink, O, Op, Mp, Lp, sp, c):
+        """The persistent CTA c: requests c, c + P, ... Hand-offs as in body, plus two that span requests:
+        bar_q (parity k & 1: the next Q, loaded by the PV warpgroups once WG0 armed p_full of the request's
+        last block, i.e. finished its last QK^T) and fin (parity k & 1). WG0 cannot write fin_s of request
+        k + 1 before the PV warpgroups read that of request k: its last softmax of k + 1 waits p_empty of a
+        block of k + 1, which they arm only after their epilogue of k."""
+        q_l = T.alloc_shared((H, D2), bf)
+        q_r = T.alloc_shared((H, D2), bf)
+        kv_l = T.alloc_shared((NS, bn, D2), bf)
+        kv_r = T.alloc_shared((NS, bn, D2), bf)
+        p_s = T.alloc_shared((NS, H, bn), bf)
+        alpha_s = T.alloc_shared((NS, H), f32)
+        idx_s = T.alloc_shared((NS, bn), i32)
+        fin_s = T.alloc_shared((H,), f32)
+        s0 = T.alloc_fragment((H, bn), f32)
+        o_l = T.alloc_fragment((H, D2), f32)
+        o_r = T.alloc_fragment((H, D2), f32)
+        m = T.alloc_fragment((H,), f32)
+        m_prev = T.alloc_fragment((H,), f32)
+        l = T.alloc_fragment((H,), f32)
+        lblk = T.alloc_fragment((H,), f32)
+        alpha = T.alloc_fragment((H,), f32)
+        rid = T.alloc_local((NS, R), i32)
+        bar_q = T.alloc_barrier(256)
+        full = T.alloc_barrier([128] * (2 * NS))
+        p_full = T.alloc_barrier([128] * NS)
+        p_empty = T.alloc_barrier([256] * NS)
+        fin = T.alloc_barrier(128)
+        ntok = (Bd - c + P - 1) // P  # c < P: >= 0, and 0 for a CTA past the last request
+        tx = T.get_thread_binding()
+        if tx < 128:  # ------------------------------------------------------ WG0: QK^T + softmax
+            for k in T.serial(ntok):
+                T.fill(m, NEG)
+                T.fill(l, 0.0)
+                T.barrier_wait(bar_q, k & 1)
+                for it in T.serial(rounds):
+                    for st in ring:
+                        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, (k * rounds + it) & 1, True)
+                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st,
+                                (k * rounds + it) & 1)  # fmt: skip
+                for h in T.Parallel(H):  # the sink joins the denominator only
+                    fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
+                T.barrier_arrive(fin)
+        elif tx < 256:
+            pv_role_p(Q, src, O, c, ntok, 0, tx - 128, o_l, q_l, kv_l, idx_s, p_s, alpha_s, fin_s, full, p_full,
+                      p_empty, bar_q, fin, rid)  # fmt: skip
+        else:
+            pv_role_p(Q, src, O, c, ntok, 1, tx - 256, o_r, q_r, kv_r, idx_s, p_s, alpha_s, fin_s, full, p_full,
+                      p_empty, bar_q, fin, rid)  # fmt: skip
+
     prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else None)
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
-        return _two_pool_entry(body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split, prelude=prelude)  # fmt: skip
+        return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
+                                  fp8=kv_fp8, split=split, prelude=prelude, persist=P)  # fmt: skip
+    if P:
+
+        @T.prim_func
+        def sparse_attn_decode_ws_persist(
+            Q: T.Tensor((Bd, H, D), bf),
+            KV: T.Tensor((Sd, D), kvt),
+            Idx: T.Tensor((Bd, topk), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((Bd, H, D), bf),
+        ):
+            with T.Kernel(P, threads=WS_THREADS) as c:
+                body_p(Q, _Src(KV, None, Idx), Sink, O, None, None, None, 0, c)
+
+        return sparse_attn_decode_ws_persist
     if kv_fp8 and split:
 
         @T.prim_func
@@ -876,12 +1045,29 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16", prelude=None):  # fmt: skip
+                       act="bfloat16", prelude=None, persist: int = 0):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
-    of any of the programs; threads None: TileLang's c target."""
+    of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
+    is the CTA index (the persistent ws body walks the requests itself)."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
+    if persist:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_persist(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVc: T.Tensor((Sc, D), kvt),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+        ):
+            with T.Kernel(persist, threads=threads, prelude=prelude) as c:
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, 0, c)
+
+        return sparse_attn_decode_ws2_persist
     if fp8 and split:
 
         @T.prim_func
