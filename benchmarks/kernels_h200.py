@@ -1273,7 +1273,7 @@ def attn_cases(quick: bool):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
     return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases()
-                                     + attn_realnode_cases())
+                                     + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases())
 
 
 def attn_sweep_cases():
@@ -1438,6 +1438,100 @@ def attn_realnode_cases():
     """`--only "sparse_attn realnode"`: case_attn_realnode at the decode-64 config, logit std 1 / 8 / 32."""
     return [(f"sparse_attn realnode std{s:g}", "B64 H64 k640",
              lambda r, q, d, s=s: case_attn_realnode(r, 64, s, q, d)) for s in (1.0, 8.0, 32.0)]  # fmt: skip
+
+
+def _prefill_attn_inputs(T_: int, topk: int, n_win: int, start: int, ratio: int):
+    """A T-token prefill chunk's attention operands at positions start .. start + T - 1, built as the V4.1 graph
+    builds them: the window pool = [SWA ring (n_win rows); this chunk's own KV rows] (concat: the chunk's rows
+    exist before the attention reads them), win_idx = window_indices (causal inside the chunk, -1 before position
+    0); the compressed pool = the (start + T) // ratio entries emitted so far, cmp_idx = each token's top-(topk -
+    n_win) of random scores among the entries it may see (w < (p + 1) // ratio), -1 where fewer are visible."""
+    from deepinfer.ir.ops.attention import WindowIndices
+
+    pos = torch.arange(start, start + T_, device="cuda")
+    win_idx = WindowIndices.reference(pos, window=n_win).to(torch.int32).contiguous()
+    C = (start + T_) // ratio
+    visible = torch.arange(C, device="cuda") < ((pos + 1) // ratio).unsqueeze(-1)
+    scores = torch.rand(T_, C, device="cuda").masked_fill(~visible, -1.0)
+    top = scores.topk(min(topk - n_win, C), dim=-1)
+    cmp_idx = torch.full((T_, topk - n_win), -1, device="cuda", dtype=torch.int32)
+    cmp_idx[:, : top.indices.shape[1]] = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)
+    q = torch.randn(T_, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    win_kv = torch.randn(n_win + T_, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cmp_kv = torch.randn(C, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return q, win_kv, win_idx, cmp_kv, cmp_idx, torch.randn(HEADS, device="cuda")
+
+
+def case_attn_prefill(row: Row, T_: int, topk: int, quick: bool, dry: bool, cfg=None, start: int = 0,
+                      ratio: int = 2, eager: bool = True):  # fmt: skip
+    """Prefill: one chunk of T tokens, 64 heads x 512, each token's own 128 window entries + topk - 128 selected
+    compressed entries (_prefill_attn_inputs), through sparse_attn_decode's program at B = T with the two pools
+    (cfg None: prefill_config), checked against the graph op's torch reference (SparseAttention.reference, f32)
+    and timed next to it (eager). Roofline: the matrix term (4 T H topk D flops at the BF16 peak) is the bound that
+    applies; the row's check column also prints the HBM bytes (q, o, indices, every pool row once) and the bytes
+    the queries gather (mostly from L2)."""
+    from deepinfer.ir.ops.attention import SparseAttention
+
+    sad = sparse_attn_decode
+    n_win = 128
+    cfg = cfg or sad.prefill_config(T_, topk)
+    C = (start + T_) // ratio
+    kernel = build(sad.program(T_, HEADS, HEAD_DIM, n_win + T_, topk, target="sm90", cfg=cfg, n_win=n_win, S_cmp=C))
+    bounds = sad.prefill_roofline(T_, HEADS, HEAD_DIM, topk, n_win + T_ + C)
+    row.bytes_, row.flops, row.peak = bounds["hbm"], bounds["flops"], "bf16"
+    if dry:
+        return
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _prefill_attn_inputs(T_, topk, n_win, start, ratio)
+    out = torch.empty_like(q)
+
+    def run():
+        if cfg.persist:
+            kernel(q, win_kv, cmp_kv, win_idx, cmp_idx, sink, out)
+            return
+        for lo in range(0, T_, sad.MAX_LAUNCH_ROWS):  # gridDim.y <= 65535
+            hi = min(T_, lo + sad.MAX_LAUNCH_ROWS)
+            kernel(q[lo:hi], win_kv, cmp_kv, win_idx[lo:hi], cmp_idx[lo:hi], sink, out[lo:hi])
+
+    def ref():
+        return SparseAttention.reference(q, sink, win_kv, win_idx, cmp_kv, cmp_idx, scale=HEAD_DIM**-0.5)
+
+    run()
+    err = rel_err(out, ref())
+    row.check = (f"{expect(err, 2e-2)} ({cfg.tag}; HBM {bounds['hbm'] / 1e9:.2f} GB, gathers "
+                 f"{bounds['gathers'] / 1e9:.1f} GB, {bounds['flops'] / 1e12:.2f} TFLOP)")  # fmt: skip
+    torch.cuda.empty_cache()
+    row.ms = bench(run, quick)
+    if eager:
+        row.eager_ms = bench(ref, True)
+
+
+def attn_prefill_cases():
+    """`--only "sparse_attn prefill"`: prefill chunks of 4096 / 8192 tokens (fresh prompt, V4.1 ratio-2 layer,
+    top-k 512 -> 640 entries; 8192 also with top-k 1024 -> 1152 entries, and a second chunk at position 8192 on a
+    ratio-1 layer), the one-CTA-per-token program (prefill_config) next to the persistent grid (Config.persist,
+    132 CTAs) and the torch reference."""
+    sad = sparse_attn_decode
+    out = []
+    for T_, topk, start, ratio in ((4096, 640, 0, 2), (8192, 640, 0, 2), (8192, 1152, 0, 2), (4096, 640, 8192, 1)):
+        shape = f"T{T_} H64 k{topk}" + (f" @{start} r{ratio}" if start else "")
+        for persist in (False, True):
+            cfg = sad.prefill_config(T_, topk, persist=persist)
+            out.append((f"sparse_attn prefill {cfg.tag}", shape,
+                        lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=not persist: case_attn_prefill(
+                            r, T_, k, q, d, c, s, rt, e)))  # fmt: skip
+    return out
+
+
+def attn_persist_cases():
+    """`--only "sparse_attn persist"`: decode at B 128 / 256 (two pools, n_win 128), the default next to the
+    persistent grid (132 CTAs; B256: two requests a CTA, the ring running on between them)."""
+    sad = sparse_attn_decode
+    out = []
+    for B in (256, 128):
+        for cfg in (sad.sm90_config(B, 640), sad.Config(64, 384, 1, 2, True, persist=132)):
+            out.append((f"sparse_attn persist {cfg.tag}", f"B{B} H64 k640",
+                        lambda r, q, d, B=B, cfg=cfg: case_attn_decode(r, B, 640, q, d, cfg, n_win=128)))  # fmt: skip
+    return out
 
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
@@ -2044,6 +2138,94 @@ def grouped_ws_cases(quick: bool):
     return sorted(out, key=lambda c: (" c2n" in c[0], " s4d" in c[0]))
 
 
+# V4.1 MoE prefill in the V4 format (issue 8): FP4 experts converted to FP8 128x128 blocks (convert_fp4_to_fp8
+# block=128, exactness checked), activations per 1x32 (exact: the model's groups) or per 1x128 (the labelled
+# prefill_act_group=128 option), next to today's 32x32 blocks with 1x32 activations. --only "grouped_gemm v41g128".
+V41_EXPERT_GEMMS = {"w13": (2 * MOE_INTER, HIDDEN), "w2": (HIDDEN, MOE_INTER)}
+
+
+@functools.lru_cache(maxsize=2)
+def _v41_converted_experts(E: int, N: int, K: int, wb: int):
+    """Random FP4 experts in the checkpoint format (_grouped_fp4_weights) through the convert pass's checked
+    conversion at weight block wb: (B [E, N, K] e4m3, SB [E, N/wb, K/wb] fp32). Raises if a value is not exact."""
+    from deepinfer.ir import dtypes as dt
+    from deepinfer.passes.convert_fp4_to_fp8 import fp4_to_fp8_checked
+
+    packed, scale = _grouped_fp4_weights(E, N, K)
+    conv = [fp4_to_fp8_checked(packed[e], scale[e].view(torch.float8_e8m0fnu), wb, f"expert {e}") for e in range(E)]
+    return torch.stack([c for c, _ in conv]), torch.stack([dt.e8m0_to_float(s) for _, s in conv])
+
+
+def _grouped_f64(a, sa, ag: int, b, sb, wb: int, row_expert: torch.Tensor) -> torch.Tensor:
+    """Float64 oracle on the GPU: each row's operands dequantised exactly, one matmul per expert (rows of
+    expert -1 stay zero)."""
+    from deepinfer.codegen.kernels._common import expand_scales
+
+    a64 = a.double() * expand_scales(sa.double(), 1, ag, a.shape)
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    for e in torch.unique(row_expert[row_expert >= 0]).tolist():
+        sel = row_expert == e
+        out[sel] = a64[sel] @ (b[e].double() * expand_scales(sb[e].double(), wb, wb, b[e].shape)).T
+    return out
+
+
+def _norm_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def case_grouped_v41(row: Row, tokens: int, E: int, which: str, wb: int, ag: int, quick: bool, dry: bool):
+    """EP8 slice of V4.1 prefill (tokens x top-6 over E local experts) on the persistent program the adapter takes
+    (moe_grouped_gemm.sm90_config with k_group = ag): expert GEMM `which` (w13: N 2x2304, K 5120; w2: N 5120, K
+    2304) with FP4 experts converted to FP8 wb x wb blocks, activations quantised per 1 x ag. Check: the kernel vs
+    the float64 oracle on its own operands (max rel 2e-2). For ag > 32 the check column adds the format's
+    deviation: |C - C_exact| / |C_exact| (norm-wise) where C_exact is the float64 product with the same x
+    quantised per 1x32 (the model's numbers), next to the 1x32 format's own error vs the unquantised x."""
+    N, K = V41_EXPERT_GEMMS[which]
+    cfg = moe_grouped_gemm.sm90_config(tokens * TOPK, N, k_group=ag)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, E, (tokens * TOPK,), generator=gen)
+    rows, tiles = moe_grouped_gemm.contiguous_layout(ids, E, cfg.block_m)
+    M, R = rows.numel(), tokens * TOPK
+    row.shape = f"{R}r/{M}x{N}x{K} E{E}"
+    func = moe_grouped_gemm.program(M, N, K, E, act_group=ag, weight_block=wb, target="sm90", cfg=cfg)
+    row.bytes_, row.flops = moe_grouped_gemm.roofline(R, N, K, E, ag, wb)
+    kernel = build(func)
+    if dry:
+        return
+    b, sb = _v41_converted_experts(E, N, K, wb)
+    rows, tiles = rows.cuda(), tiles.cuda()
+    real = rows >= 0
+    x = torch.where(real[:, None], torch.randn(R, K, device="cuda")[rows.clamp_min(0)], 0.0)
+    a, sa = quant_fp8_groups(x, ag)
+    sa_t = sa.T.contiguous()
+    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    kernel(a, sa_t, b, sb, tiles, c)
+    row_expert = torch.where(real, tiles.repeat_interleave(cfg.block_m), -1)
+    want = _grouped_f64(a, sa, ag, b, sb, wb, row_expert)
+    row.check = expect(rel_err(c[real], want[real]), 2e-2)
+    if ag > 32:
+        a32, sa32 = quant_fp8_groups(x, 32)
+        exact = _grouped_f64(a32, sa32, 32, b, sb, wb, row_expert)[real]
+        full = _grouped_f64(x, torch.ones(M, 1, device="cuda"), K, b, sb, wb, row_expert)[real]
+        row.check += f" dev {_norm_rel(c[real], exact):.1e} (g32 vs fp32 {_norm_rel(exact, full):.1e})"
+        del exact, full
+    del want
+    row.ms = bench(lambda: kernel(a, sa_t, b, sb, tiles, c), quick)
+
+
+def grouped_v41g128_cases(quick: bool):
+    """V4.1 prefill expert GEMMs: 32x32 weights + 1x32 activations (today), 128x128 weights + 1x32 (exact, the
+    default of the converted experts), 128x128 + 1x128 (the prefill_act_group=128 option)."""
+    out = []
+    for T_ in (4096,) if quick else (4096, 8192):
+        for which in V41_EXPERT_GEMMS:
+            for wb, ag in ((32, 32), (128, 32), (128, 128)):
+                run = functools.partial(case_grouped_v41, tokens=T_, E=48, which=which, wb=wb, ag=ag)
+                out.append((f"moe_grouped_gemm v41g128 {which} w{wb}a{ag}", f"EP8 {T_} tok",
+                            lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    return out
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -2099,6 +2281,7 @@ def cases(quick: bool):
     out += attn_cases(quick)
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
+    out += grouped_v41g128_cases(quick)
     return out
 
 

@@ -24,31 +24,59 @@ import importlib
 import torch
 
 from deepinfer.codegen.targets import TARGETS
-from deepinfer.errors import ConfigError
+from deepinfer.errors import CheckpointError, ConfigError
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph, TensorType
 from deepinfer.passes.pipeline import register_pass
 
-FN = "deepinfer.passes.convert_fp4_to_fp8:fp4_to_fp8_block"
+FN = "deepinfer.passes.convert_fp4_to_fp8:fp4_to_fp8_checked"
 FP4_GROUP = 32
+MOE_ACT_META = "moe_act_groups"  # graph.meta key: {"decode": g, "prefill": g, "weight_block": b}
+PREFILL_ACT_GROUPS = (0, 128)  # prefill_act_group option: 0 = the model's group at every bucket
 
 
 def fp4_to_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed FP4 [N, K/2] with e8m0 [N, K/32] -> (E4M3 [N, K], e8m0 [ceil(N/block), ceil(K/block)])."""
+    """Packed FP4 [N, K/2] with e8m0 [N, K/32] -> (E4M3 [N, K], e8m0 [ceil(N/block), ceil(K/block)]); no check
+    (see fp4_to_fp8_checked)."""
+    codes, big, _ = _convert(w, scale, block)
+    return codes, big
+
+
+Converted = tuple[torch.Tensor, torch.Tensor]
+
+
+def fp4_to_fp8_checked(w: torch.Tensor, scale: torch.Tensor, block: int, name: str = "") -> Converted:
+    """fp4_to_fp8_block, raising CheckpointError when a value does not survive the conversion exactly (a block
+    whose live groups span more than 14 binades: module doc)."""
+    codes, big, inexact = _convert(w, scale, block)
+    if inexact:
+        what = f"{name} " if name else ""
+        raise CheckpointError(
+            f"convert_fp4_to_fp8: {what}[{w.shape[0]}, {2 * w.shape[1]}] is not exact in {block}x{block} FP8 blocks "
+            f"({inexact} values off the E4M3 grid: a block's FP4 group scales span > 14 binades); compile with "
+            f"convert_fp4_to_fp8 block={FP4_GROUP}"
+        )
+    return codes, big
+
+
+def _convert(w: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes, block scales, number of values the E4M3 cast changed)."""
     vals = dt.fp4_to_float(w)  # [N, K]
     n, k = vals.shape
     exp = dt.e8m0_to_float(scale).log2().round()  # [N, K/32], exact integers
     live = vals.unflatten(-1, (-1, FP4_GROUP)).ne(0).any(-1)  # groups with a nonzero code
     exp_el = exp.repeat_interleave(FP4_GROUP, 1)  # per element
     nb, kb = -(-n // block), -(-k // block)
-    pad = torch.full((nb * block, kb * block), -1e9)
-    pad[:n, :k] = torch.where(live.repeat_interleave(FP4_GROUP, 1), exp_el, torch.tensor(-1e9))
+    pad = torch.full((nb * block, kb * block), -1e9, device=vals.device)
+    pad[:n, :k] = torch.where(live.repeat_interleave(FP4_GROUP, 1), exp_el, torch.tensor(-1e9, device=vals.device))
     top = pad.view(nb, block, kb, block).amax(dim=(1, 3))  # largest live group exponent per block
     big = (top - 6).clamp(-127, 127)
     big = torch.where(top < -1e8, torch.zeros_like(big), big)  # an all-zero block: any scale, take 2^0
     big_el = big.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    codes = (vals * torch.exp2(exp_el - big_el)).to(torch.float8_e4m3fn)
-    return codes, dt.float_to_e8m0(torch.exp2(big))
+    want = vals * torch.exp2(exp_el - big_el)  # exact in fp32: a 2-bit code times a power of two
+    codes = want.to(torch.float8_e4m3fn)
+    inexact = int(codes.float().ne(want).sum())
+    return codes, dt.float_to_e8m0(torch.exp2(big)), inexact
 
 
 def apply_param_conversions(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,7 +86,10 @@ def apply_param_conversions(meta: dict, tensors: dict[str, torch.Tensor]) -> dic
         module, fn_name = conv["fn"].split(":")
         fn = getattr(importlib.import_module(module), fn_name)
         for wname, sname in conv["params"]:
-            out[wname], out[sname] = fn(tensors[wname], tensors[sname], conv["block"])
+            if fn is fp4_to_fp8_checked:
+                out[wname], out[sname] = fn(tensors[wname], tensors[sname], conv["block"], wname)
+            else:
+                out[wname], out[sname] = fn(tensors[wname], tensors[sname], conv["block"])
     return out
 
 
@@ -70,8 +101,14 @@ def _lacks_fp4(target: str) -> bool:
 
 
 @register_pass("convert_fp4_to_fp8")
-def convert_fp4_to_fp8(g: Graph, target: str | None = None, block: int | None = None) -> Graph:
-    """FP4 experts -> block-scaled FP8 for a target without FP4 matrix units (sm90); no target: no change."""
+def convert_fp4_to_fp8(g: Graph, target: str | None = None, block: int | None = None,
+                       prefill_act_group: int = 0) -> Graph:  # fmt: skip
+    """FP4 experts -> block-scaled FP8 for a target without FP4 matrix units (sm90); no target: no change.
+    block: the FP8 weight block (default: the node's, the model's activation group); prefill_act_group: the
+    experts' activation group at prefill buckets (0: the model's; 128: the labelled g128 option, module doc)."""
+    if prefill_act_group not in PREFILL_ACT_GROUPS:
+        raise ConfigError(f"convert_fp4_to_fp8: prefill_act_group {prefill_act_group} is not one of "
+                          f"{PREFILL_ACT_GROUPS}")  # fmt: skip
     if target is None or not _lacks_fp4(target):
         return g
     pairs: list[list[str]] = []
@@ -80,6 +117,7 @@ def convert_fp4_to_fp8(g: Graph, target: str | None = None, block: int | None = 
         if n.op != "moe_experts" or n.attrs["fmt"] != "fp4":
             continue
         b = block or n.attrs["block"]
+        _record_act_groups(g, n.attrs["block"], b, prefill_act_group)
         for i in range(0, len(n.inputs) - 3, 2):
             w, s = n.inputs[3 + i], n.inputs[4 + i]
             key = (w.shape, b)
@@ -96,3 +134,30 @@ def convert_fp4_to_fp8(g: Graph, target: str | None = None, block: int | None = 
         convs[-1]["params"] += pairs
         pairs = []
     return g
+
+
+def _record_act_groups(g: Graph, act_group: int, block: int, prefill_act_group: int) -> None:
+    """graph.meta[MOE_ACT_META]: the experts' activation groups per bucket kind and the weight block. The model's
+    group (the node's block before conversion) at decode always; at prefill too unless the g128 option is on."""
+    if prefill_act_group and (block % prefill_act_group or prefill_act_group % act_group):
+        raise ConfigError(
+            f"convert_fp4_to_fp8: prefill_act_group {prefill_act_group} needs a weight block that is "
+            f"a multiple of it (block={block}), and must be a multiple of the model's {act_group}"
+        )
+    rec = {"decode": act_group, "prefill": prefill_act_group or act_group, "weight_block": block}
+    old = g.meta.get(MOE_ACT_META)
+    if old is not None and old != rec:
+        raise ConfigError(f"convert_fp4_to_fp8: MoE layers with different activation groups ({old} vs {rec})")
+    g.meta[MOE_ACT_META] = rec
+
+
+def describe_act_groups(meta: dict) -> str:
+    """One line for reports: how the converted experts' activations are quantised (empty: no conversion)."""
+    rec = meta.get(MOE_ACT_META)
+    if not rec:
+        return ""
+    line = (f"MoE experts: FP8 {rec['weight_block']}x{rec['weight_block']} weight blocks; activations 1x"
+            f"{rec['decode']} at decode")  # fmt: skip
+    if rec["prefill"] == rec["decode"]:
+        return line + " and prefill (exact: the model's groups)"
+    return line + f", 1x{rec['prefill']} at prefill buckets (option prefill_act_group={rec['prefill']}: not exact)"
