@@ -1273,7 +1273,7 @@ def attn_cases(quick: bool):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
     return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases()
-                                     + attn_realnode_cases())
+                                     + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases())
 
 
 def attn_sweep_cases():
@@ -1438,6 +1438,100 @@ def attn_realnode_cases():
     """`--only "sparse_attn realnode"`: case_attn_realnode at the decode-64 config, logit std 1 / 8 / 32."""
     return [(f"sparse_attn realnode std{s:g}", "B64 H64 k640",
              lambda r, q, d, s=s: case_attn_realnode(r, 64, s, q, d)) for s in (1.0, 8.0, 32.0)]  # fmt: skip
+
+
+def _prefill_attn_inputs(T_: int, topk: int, n_win: int, start: int, ratio: int):
+    """A T-token prefill chunk's attention operands at positions start .. start + T - 1, built as the V4.1 graph
+    builds them: the window pool = [SWA ring (n_win rows); this chunk's own KV rows] (concat: the chunk's rows
+    exist before the attention reads them), win_idx = window_indices (causal inside the chunk, -1 before position
+    0); the compressed pool = the (start + T) // ratio entries emitted so far, cmp_idx = each token's top-(topk -
+    n_win) of random scores among the entries it may see (w < (p + 1) // ratio), -1 where fewer are visible."""
+    from deepinfer.ir.ops.attention import WindowIndices
+
+    pos = torch.arange(start, start + T_, device="cuda")
+    win_idx = WindowIndices.reference(pos, window=n_win).to(torch.int32).contiguous()
+    C = (start + T_) // ratio
+    visible = torch.arange(C, device="cuda") < ((pos + 1) // ratio).unsqueeze(-1)
+    scores = torch.rand(T_, C, device="cuda").masked_fill(~visible, -1.0)
+    top = scores.topk(min(topk - n_win, C), dim=-1)
+    cmp_idx = torch.full((T_, topk - n_win), -1, device="cuda", dtype=torch.int32)
+    cmp_idx[:, : top.indices.shape[1]] = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)
+    q = torch.randn(T_, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    win_kv = torch.randn(n_win + T_, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cmp_kv = torch.randn(C, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return q, win_kv, win_idx, cmp_kv, cmp_idx, torch.randn(HEADS, device="cuda")
+
+
+def case_attn_prefill(row: Row, T_: int, topk: int, quick: bool, dry: bool, cfg=None, start: int = 0,
+                      ratio: int = 2, eager: bool = True):  # fmt: skip
+    """Prefill: one chunk of T tokens, 64 heads x 512, each token's own 128 window entries + topk - 128 selected
+    compressed entries (_prefill_attn_inputs), through sparse_attn_decode's program at B = T with the two pools
+    (cfg None: prefill_config), checked against the graph op's torch reference (SparseAttention.reference, f32)
+    and timed next to it (eager). Roofline: the matrix term (4 T H topk D flops at the BF16 peak) is the bound that
+    applies; the row's check column also prints the HBM bytes (q, o, indices, every pool row once) and the bytes
+    the queries gather (mostly from L2)."""
+    from deepinfer.ir.ops.attention import SparseAttention
+
+    sad = sparse_attn_decode
+    n_win = 128
+    cfg = cfg or sad.prefill_config(T_, topk)
+    C = (start + T_) // ratio
+    kernel = build(sad.program(T_, HEADS, HEAD_DIM, n_win + T_, topk, target="sm90", cfg=cfg, n_win=n_win, S_cmp=C))
+    bounds = sad.prefill_roofline(T_, HEADS, HEAD_DIM, topk, n_win + T_ + C)
+    row.bytes_, row.flops, row.peak = bounds["hbm"], bounds["flops"], "bf16"
+    if dry:
+        return
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _prefill_attn_inputs(T_, topk, n_win, start, ratio)
+    out = torch.empty_like(q)
+
+    def run():
+        if cfg.persist:
+            kernel(q, win_kv, cmp_kv, win_idx, cmp_idx, sink, out)
+            return
+        for lo in range(0, T_, sad.MAX_LAUNCH_ROWS):  # gridDim.y <= 65535
+            hi = min(T_, lo + sad.MAX_LAUNCH_ROWS)
+            kernel(q[lo:hi], win_kv, cmp_kv, win_idx[lo:hi], cmp_idx[lo:hi], sink, out[lo:hi])
+
+    def ref():
+        return SparseAttention.reference(q, sink, win_kv, win_idx, cmp_kv, cmp_idx, scale=HEAD_DIM**-0.5)
+
+    run()
+    err = rel_err(out, ref())
+    row.check = (f"{expect(err, 2e-2)} ({cfg.tag}; HBM {bounds['hbm'] / 1e9:.2f} GB, gathers "
+                 f"{bounds['gathers'] / 1e9:.1f} GB, {bounds['flops'] / 1e12:.2f} TFLOP)")  # fmt: skip
+    torch.cuda.empty_cache()
+    row.ms = bench(run, quick)
+    if eager:
+        row.eager_ms = bench(ref, True)
+
+
+def attn_prefill_cases():
+    """`--only "sparse_attn prefill"`: prefill chunks of 4096 / 8192 tokens (fresh prompt, V4.1 ratio-2 layer,
+    top-k 512 -> 640 entries; 8192 also with top-k 1024 -> 1152 entries, and a second chunk at position 8192 on a
+    ratio-1 layer), the one-CTA-per-token program (prefill_config) next to the persistent grid (Config.persist,
+    132 CTAs) and the torch reference."""
+    sad = sparse_attn_decode
+    out = []
+    for T_, topk, start, ratio in ((4096, 640, 0, 2), (8192, 640, 0, 2), (8192, 1152, 0, 2), (4096, 640, 8192, 1)):
+        shape = f"T{T_} H64 k{topk}" + (f" @{start} r{ratio}" if start else "")
+        for persist in (False, True):
+            cfg = sad.prefill_config(T_, topk, persist=persist)
+            out.append((f"sparse_attn prefill {cfg.tag}", shape,
+                        lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=not persist: case_attn_prefill(
+                            r, T_, k, q, d, c, s, rt, e)))  # fmt: skip
+    return out
+
+
+def attn_persist_cases():
+    """`--only "sparse_attn persist"`: decode at B 128 / 256 (two pools, n_win 128), the default next to the
+    persistent grid (132 CTAs; B256: two requests a CTA, the ring running on between them)."""
+    sad = sparse_attn_decode
+    out = []
+    for B in (256, 128):
+        for cfg in (sad.sm90_config(B, 640), sad.Config(64, 384, 1, 2, True, persist=132)):
+            out.append((f"sparse_attn persist {cfg.tag}", f"B{B} H64 k640",
+                        lambda r, q, d, B=B, cfg=cfg: case_attn_decode(r, B, 640, q, d, cfg, n_win=128)))  # fmt: skip
+    return out
 
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
