@@ -821,9 +821,50 @@ class _MoEPlan:
     keys: list
     layout: tuple  # masked: (dest, slot_expert_meta [2E+1], merged weights); contiguous: (slot, tile_expert, m_rows)
     split: bool = False  # glu from the plain w1|w3 stack (swab_program glu_split): no interleaved copy
+    act_group: int = 0  # contiguous fp8: the experts' activation group (x and the SwiGLU output); 0: the block
 
 
 SWAB_DOWN_ACT_GROUP = 32  # the SwiGLU output is quantised per 32 columns (what the fused epilogue writes)
+# Call.cache key: the plan's graph.meta["moe_act_groups"] (passes/convert_fp4_to_fp8.py: {"decode", "prefill",
+# "weight_block"}), put there by the runner (moe_act_cache_entries). Absent: the weight block at every bucket.
+MOE_ACT_POLICY = "moe_act_groups"
+
+
+def moe_act_cache_entries(meta: dict) -> dict:
+    """The Call.cache entries a runner sets from its plan's graph.meta so the MoE adapter quantises the experts'
+    activations with the groups the plan was compiled for (empty when the plan records none)."""
+    rec = meta.get(MOE_ACT_POLICY)
+    return {MOE_ACT_POLICY: dict(rec)} if rec else {}
+
+
+def moe_act_groups(call: Call) -> tuple[int, int]:
+    """(decode, prefill) activation groups of an fp8 moe_grouped_experts call. The plan's record when it names
+    this node's weight block -- V4.1's experts converted to 128x128 blocks keep the model's 1x32 activations
+    (exact) and take 1x128 at prefill only with the convert pass's prefill_act_group=128 option --, else the
+    weight block at both (the experts converted at the model's block, or natively FP8)."""
+    block = call.attrs["block"]
+    rec = call.cache.get(MOE_ACT_POLICY)
+    if rec and rec.get("weight_block") == block and call.attrs["fmt"] == "fp8":
+        return int(rec["decode"]), int(rec["prefill"])
+    return block, block
+
+
+def _swab_block(call: Call) -> int:
+    """The weight-scale grid the decode (swap-AB) programs read: fp8 weights in blocks coarser than the decode
+    activation group (128x128 with 1x32) are read through their scales expanded to the group's grid
+    (_expand_block_scales), so the measured decode kernels and their fused SwiGLU tiles run unchanged."""
+    if call.attrs["fmt"] != "fp8":
+        return call.attrs["block"]
+    dec = moe_act_groups(call)[0]
+    return dec if call.attrs["block"] % dec == 0 else call.attrs["block"]
+
+
+def _expand_block_scales(s: torch.Tensor, block: int, fine: int, n: int, k: int) -> torch.Tensor:
+    """[E, ceil(n/block), ceil(k/block)] block scales -> [E, ceil(n/fine), ceil(k/fine)], each repeated over the
+    fine blocks it covers. Exact: a GEMM reading these computes the same products (the codes of a fine block
+    are the coarse block's codes; the promotion multiplies the same scale)."""
+    r = block // fine
+    return s.repeat_interleave(r, 1)[:, : -(-n // fine)].repeat_interleave(r, 2)[:, :, : -(-k // fine)].contiguous()
 # the interleaved w1|w3 copy is made only if it takes at most this share of the free memory and leaves this much
 GLU_COPY_HEADROOM = 0.25
 GLU_COPY_LEAVE_BYTES = 24 << 30
@@ -871,6 +912,31 @@ def _layout_consts(call: Call, t: int, k: int, e: int, device) -> dict:
     if key not in call.cache:
         call.cache[key] = layout_consts(t, k, e, device)
     return call.cache[key]
+
+
+def _layout_tokens(slot: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    """The token each row of the contiguous layout holds ([rows] int64; pair t*k + j sits at row slot[t*k + j]);
+    padding rows read token 0 (finite values in rows nobody reads back)."""
+    src = torch.zeros(rows, dtype=torch.long, device=slot.device)
+    src[slot] = torch.arange(slot.numel(), device=slot.device) // k
+    return src
+
+
+def _gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """src[rows]; FP8 rows move as bytes."""
+    if src.dtype == torch.float8_e4m3fn:
+        return src.view(torch.uint8)[rows].view(torch.float8_e4m3fn)
+    return src[rows]
+
+
+def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clamped SwiGLU of a w1|w3 GEMM output c [M, 2I] (gate columns, then up) quantised per `group` columns:
+    (e4m3 codes [M, I], MN-major fp32 scales [I/group, M]) -- what the prefill w2 GEMM reads. torch's SwiGLU in
+    fp32 (ir/ops/moe.py swiglu), then one act_quant launch on CUDA."""
+    from deepinfer.ir.ops.moe import swiglu
+
+    inter = c.shape[1] // 2
+    return quant_rows(swiglu(c[:, :inter], c[:, inter:], limit), group, c.shape[0])
 
 
 def _scatter_rows(rows: int, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -996,9 +1062,9 @@ class MoEGroupedAdapter:
         why = "prefill"
         if self._decode(call, t):
             cfg = _swab_decode_cfg(call, t, idx.shape[1], e, fmt, (d, inter))
-            why = self._swab_unfit(call, cfg, d, inter, fmt, block)
+            why = self._swab_unfit(call, cfg, d, inter, fmt, _swab_block(call))
             if why is None:
-                return self._swab_plan(call, cfg, t, d, inter, e, block, idx, masked=True)
+                return self._swab_plan(call, cfg, t, d, inter, e, _swab_block(call), idx, masked=True)
         if fmt == "fp4":
             from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 
@@ -1073,17 +1139,37 @@ class MoEGroupedAdapter:
         return call.cache[k]
 
     def _contiguous_plan(self, call, t, d, inter, e, block, idx) -> _MoEPlan:
-        cfg = self._cfg(call)
-        if (2 * inter) % cfg.block_n or d % cfg.block_n or d % cfg.block_k or inter % cfg.block_k:
-            raise Decline(f"expert dims D={d}, I={inter} do not tile by {cfg.block_n}x{cfg.block_k}")
-        slot, tile_expert, rows = _moe_layout(idx, e, cfg.block_m)
-        k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg, act_group=block, weight_block=block)
-        k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg, act_group=block, weight_block=block)
-        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows))
+        """fp8 prefill: both GEMMs on the contiguous layout, activations (x and the SwiGLU output) per the
+        prefill group (moe_act_groups: the model's, or 128 with the plan's g128 option)."""
+        ag = moe_act_groups(call)[1]
+        cfg13, cfg2 = self._prefill_cfg(call, 2 * inter, d, ag), self._prefill_cfg(call, d, inter, ag)
+        slot, tile_expert, rows = _moe_layout(idx, e, cfg13.block_m)
+        k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block)
+        k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block)
+        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows), act_group=ag)
 
-    def _cfg(self, call: Call):
+    tuned = True  # prefill: the measured sm90 persistent program where the dims tile by it (tests may turn it off)
+
+    def _prefill_cfg(self, call: Call, n: int, k: int, ag: int):
+        """One prefill GEMM's config: fp8_gemm's persistent warp-specialised program (moe_grouped_gemm.sm90_config
+        with k_group = ag; H200: 40% of the FP8 peak with 1x32 groups, 65-69% with 1x128 -- BENCHMARKS.md
+        sessions 3-4) where [N, K] tiles by 256 x 128, else the binding's config (_cfg). 128-row tiles either way
+        (the layout pads every expert to them)."""
+        from deepinfer.codegen.kernels import moe_grouped_gemm
+
+        group = min(ag, call.attrs["block"])
+        if self.tuned and n % 256 == 0 and k % 128 == 0 and 128 % group == 0:
+            return moe_grouped_gemm.sm90_config(0, n, k_group=ag)
+        cfg = self._cfg(call, group)
+        if n % cfg.block_n or k % cfg.block_k:
+            raise Decline(f"expert dims D={call.args[0].shape[1]}, I={call.args[9].shape[0]} do not tile by "
+                          f"{cfg.block_n}x{cfg.block_k}")  # fmt: skip
+        return cfg
+
+    def _cfg(self, call: Call, group: int):
         """The binding's config, else the sm90 grouped main loop (moe_grouped_gemm.sm90_config: fp8_gemm's
-        2-warpgroup overlapped loop); the portable plain loop where the expert dims do not tile by it."""
+        2-warpgroup overlapped loop); the portable plain loop where the expert dims do not tile by it. group: the
+        finer of the activation group and the weight block (the promotion step)."""
         from deepinfer.codegen.kernels import fp8_gemm, moe_grouped_gemm
 
         fields = {f: call.config[f] for f in vars(fp8_gemm.Config()) if f in call.config}
@@ -1095,20 +1181,23 @@ class MoEGroupedAdapter:
         fits = (
             cfg.block_m == 128
             and cfg.n_split == 1
+            and not cfg.persistent
             and all(n % cfg.block_n == 0 and n % block == 0 for n in (2 * inter, d))
             and all(k % cfg.block_k == 0 for k in (d, inter))
-            and (cfg.block_k % block == 0 if sm90_loop else block % cfg.block_k == 0)
+            and (cfg.block_k % group == 0 if sm90_loop else group % cfg.block_k == 0)
         )
-        return cfg if fits else fp8_gemm.default_config(block)
+        return cfg if fits else fp8_gemm.default_config(group)
 
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)
         return self._plan(call).keys + self._shared_keys(call)
 
     def path(self, call: Call) -> str:
-        """Which routed path this call takes (tests and reports)."""
+        """Which routed path this call takes (tests and reports); "[act128]": activations per 1x128 where the
+        experts' block is coarser than the model's group (the plan's g128 prefill option)."""
         p = self._plan(call)
-        return p.path + ("+swiglu" if p.glu else "") + ("(split)" if p.split else "")
+        act = f"[act{p.act_group}]" if p.act_group and p.act_group != moe_act_groups(call)[0] else ""
+        return p.path + ("+swiglu" if p.glu else "") + ("(split)" if p.split else "") + act
 
     # -- running -----------------------------------------------------------------------------------------
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
@@ -1128,7 +1217,7 @@ class MoEGroupedAdapter:
         w13, s13, w2, s2 = self._swab_weights(call, p, e)
         if p.path == "swab_masked":
             dest, meta, w = p.layout
-            a, sa_t = _quant_x(call, 32 if p.fmt == "fp4" else block)  # [R >= T, K] codes, [K/g, R] scales
+            a, sa_t = _quant_x(call, 32 if p.fmt == "fp4" else _swab_block(call))  # [R >= T, K] codes, [K/g, R]
             tok = _layout_consts(call, t, k, e, x.device)["tok"]
             a_m = _scatter_rows(p.rows, a[tok], dest)
             sa_m = torch.empty(sa_t.shape[0], p.rows, device=x.device)
@@ -1138,7 +1227,7 @@ class MoEGroupedAdapter:
             w = call.args[1].float()
             a_rows = torch.zeros(p.rows, d, device=x.device, dtype=torch.float32)
             a_rows[dest] = x.float().repeat_interleave(k, 0)
-            a_m, sa_rows = quant_act(a_rows, 32 if p.fmt == "fp4" else block)
+            a_m, sa_rows = quant_act(a_rows, 32 if p.fmt == "fp4" else _swab_block(call))
             sa_m = sa_rows.T.contiguous()
         if p.glu:
             hq = torch.empty(p.rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -1163,9 +1252,13 @@ class MoEGroupedAdapter:
         params = tuple(range(9, len(call.args)))
         if p.fmt == "fp8":
             b13, s13, b2, s2 = call.prep("moe_stack", params, lambda: stack_experts(call, e))
+            block, wb = call.attrs["block"], _swab_block(call)
+            if wb != block:  # 128x128 weights read on the decode group's grid (_swab_block)
+                d, inter = call.args[0].shape[1], b2.shape[2]
+                s13, s2 = call.prep(f"moe_scales{wb}", params, lambda: (_expand_block_scales(
+                    s13, block, wb, 2 * inter, d), _expand_block_scales(s2, block, wb, d, inter)))  # fmt: skip
             if p.glu and not p.split:
-                wb = call.attrs["block"]
-                b13, s13 = call.prep(f"moe_glu{p.half}", params, lambda: (
+                b13, s13 = call.prep(f"moe_glu{p.half}_{wb}", params, lambda: (
                     mg.gate_up_tiles(b13, p.half), mg.gate_up_tiles(s13, p.half // wb)))  # fmt: skip
             return b13, s13, b2, s2
 
@@ -1178,25 +1271,20 @@ class MoEGroupedAdapter:
         return call.prep(f"moe_w4a8_{p.half if p.glu and not p.split else 0}", params, fp4_operands)
 
     def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
-        from deepinfer.ir.ops.moe import swiglu
-
         t, d, inter, e, block, idx = self._shapes(call)
         x, weights = call.args[0], call.args[1]
         slot, tile_expert, m_rows = p.layout
         b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
-        k = idx.shape[1]
-        a_rows = torch.zeros(m_rows, d, device=x.device, dtype=torch.float32)
-        a_rows[slot] = x.float().repeat_interleave(k, 0)  # pair (t, j) is row t*k + j of idx.reshape(-1)
-        h13 = self._grouped(kernels[0], a_rows, b13, s13, tile_expert, block, 2 * inter)
-        h = swiglu(h13[:, :inter], h13[:, inter:], call.attrs["swiglu_limit"])
-        y_rows = self._grouped(kernels[1], h, b2, s2, tile_expert, block, d)
-        return (y_rows[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
-
-    def _grouped(self, kernel, a_rows, b, s, tile_expert, block, n):
-        a, sa = quant_act(a_rows, block)
-        c = torch.empty(a_rows.shape[0], n, dtype=torch.bfloat16, device=a_rows.device)
-        kernel(a, sa.T.contiguous(), b, s, tile_expert, c)
-        return c
+        k, ag = idx.shape[1], p.act_group or block
+        # x quantised once per token (one act_quant launch), its rows gathered into the layout: not T*K fp32 rows
+        q, sq = quant_rows(x, ag, t)
+        src = _layout_tokens(slot, k, m_rows)
+        c1 = torch.empty(m_rows, 2 * inter, dtype=torch.bfloat16, device=x.device)
+        kernels[0](_gather_rows(q, src), sq[:, src], b13, s13, tile_expert, c1)
+        hq, hs = swiglu_quant_rows(c1, call.attrs["swiglu_limit"], ag)
+        c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
+        kernels[1](hq, hs, b2, s2, tile_expert, c2)
+        return (c2[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
 
     # -- the shared expert ---------------------------------------------------------------------------------
     # Decode: one more swap-AB pair, the shared expert as a 1-expert stack with all T rows (fused clamped SwiGLU
