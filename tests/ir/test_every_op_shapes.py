@@ -120,4 +120,8 @@ def test_every_registered_op_is_shape_checked_somewhere():
 DEDICATED = {
     "rmsnorm_quant_fp8",  # tests/passes/test_fusions.py (fires only with explicit activation quant)
     "constant",  # tests/passes/test_phase0.py (fold_constants)
+    # tests/passes/test_batch_decode.py (the batch_decode pass's graphs, run with check=True)
+    "batched_window_indices", "batched_ring_slots", "batched_rows", "batched_compressor",
+    "batched_pair_compressor_keys", "batched_index_scores", "batched_indexer_topk", "batched_compressed_indices",
+    "batched_engram_hash", "batched_engram_history",
 }
