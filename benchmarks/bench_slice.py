@@ -106,12 +106,23 @@ SLICE_BUCKETS = {"decode": {"T": 1}, "small": {"T": 64}, "batch": {"T": 256}, "p
 DECODE_MAX_T = 256  # decode attention kernel and swap-AB masked MoE up to this many tokens (see module doc)
 
 
-def slice_pipeline(experts: str = "fp8"):
-    """default_pipeline("sm90") with the slice's buckets, the masked MoE layout up to DECODE_MAX_T, and (experts
-    "fp4") the FP4 experts kept for the W4A8 programs instead of converted to FP8."""
+# --moe-format: how the FP4 experts become FP8 on sm90 (passes/convert_fp4_to_fp8.py options). g32: 32x32 weight
+# blocks, 1x32 activations (the model's numbers); w128: 128x128 weight blocks (exactness checked at conversion),
+# 1x32 activations everywhere (the same numbers); g128: w128 plus 1x128 activations at PREFILL buckets (the
+# labelled prefill_act_group=128 option: not exact, act_quant.py states the deviation).
+MOE_FORMATS = {"g32": {}, "w128": {"block": 128}, "g128": {"block": 128, "prefill_act_group": 128}}
+
+
+def slice_pipeline(experts: str = "fp8", moe_format: str = "g32"):
+    """default_pipeline("sm90") with the slice's buckets, the masked MoE layout up to DECODE_MAX_T, the convert
+    pass's --moe-format options, and (experts "fp4") the FP4 experts kept for the W4A8 programs instead of
+    converted to FP8."""
     from deepinfer.compiler import default_pipeline
 
     pipe = default_pipeline("sm90")
+    quantize = [(n, {**o, **MOE_FORMATS[moe_format]}) if n == "convert_fp4_to_fp8" else (n, o)
+                for n, o in pipe.phases["quantize"]]  # fmt: skip
+    pipe = pipe.with_phase("quantize", quantize)
     fuse = [(n, {**o, "masked_max_t": DECODE_MAX_T}) if n == "fuse_moe_experts" else (n, o)
             for n, o in pipe.phases["fuse"]]  # fmt: skip
     pipe = pipe.with_phase("fuse", fuse)
@@ -122,7 +133,7 @@ def slice_pipeline(experts: str = "fp8"):
     return pipe
 
 
-def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8", preset: str = "real"):
+def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8", preset: str = "real", moe_format: str = "g32"):
     from deepinfer.models import get_model
     from deepinfer.passes import select_kernels as sk
     from deepinfer.passes.pipeline import run_pipeline
@@ -131,7 +142,7 @@ def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8", preset: str = "real
     g = mod.build_graph(mod.parse_config(slice_config(layers, preset)))
     saved, sk.DECODE_ATTN_MAX_T = sk.DECODE_ATTN_MAX_T, DECODE_MAX_T
     try:
-        opt, _ = run_pipeline(g, slice_pipeline(experts))
+        opt, _ = run_pipeline(g, slice_pipeline(experts, moe_format))
     finally:
         sk.DECODE_ATTN_MAX_T = saved
     return opt
@@ -208,14 +219,14 @@ def _stacked_experts(n, params: dict, device) -> None:
     from deepinfer.ir import dtypes as dt
 
     names = [v.name for v in n.inputs[9:]]
-    e = n.attrs["n_experts"]
+    e, block = n.attrs["n_experts"], n.attrs["block"]
     inter, d = (int(x) for x in n.inputs[9].shape)
     b13, b2 = _fp8((e, 2 * inter, d), device), _fp8((e, d, inter), device)
     for i in range(e):
         params[names[6 * i]], params[names[6 * i + 4]] = b13[i, :inter], b13[i, inter:]
         params[names[6 * i + 2]] = b2[i]
         for j, (rows, cols) in ((1, (inter, d)), (5, (inter, d)), (3, (d, inter))):
-            sh = (-(-rows // 32), -(-cols // 32))
+            sh = (-(-rows // block), -(-cols // block))
             e8 = -4 - round(math.log2(math.sqrt(cols)))
             params[names[6 * i + j]] = torch.full(sh, 127 + e8, dtype=torch.uint8, device=device).view(
                 dt.e8m0.torch_dtype
@@ -509,13 +520,14 @@ class Setup:
         self.eager = eager  # every node's reference
         self.backend_factory = backend_factory  # () -> graph backend, or None (graphs off)
         self.nominal_limits = nominal_limits
+        self.moe_act = ""  # how the experts' activations are quantised (describe_act_groups), for the report
 
 
 def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layers=DEFAULT_LAYERS,
         batches=(1, 16, 64, 256), context=(4096, 32768), prefill: int = 8192, reps: int = 5,
         torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto", graphs: bool = True,
         preset: str = "real", compile_mode: str = "default", compile_batches=None,
-        profile_batches=(64,)) -> list[dict]:  # fmt: skip
+        profile_batches=(64,), moe_format: str = "g32") -> list[dict]:  # fmt: skip
     """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir).
     context: one cached length or several (each decode batch runs at each). preset "tiny": the CPU smoke mode
     (tiny dims, CPU stand-ins of the kernels, emulated graphs, nominal H200 limits): checks the plumbing only."""
@@ -523,7 +535,8 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     contexts = (context,) if isinstance(context, int) else tuple(context)
-    st = _setup(layers, experts, moe_glu, graphs, preset, budget_s, max(contexts) + max(batches or (1,)) + prefill)
+    st = _setup(layers, experts, moe_glu, graphs, preset, budget_s, max(contexts) + max(batches or (1,)) + prefill,
+                moe_format)  # fmt: skip
     cases = [("decode", b, ctx) for ctx in contexts for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
     compile_batches = set(batches if compile_batches is None else compile_batches)
     profile_batches = set(profile_batches or ())
@@ -542,7 +555,7 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
             torch.cuda.empty_cache()
         # each case's table and the JSON so far as soon as it is done: a run cut short keeps what it measured
         print_table([row], flush=True)
-        _write_json(out, st, layers, experts, preset, rows)
+        _write_json(out, st, layers, experts, preset, rows, moe_format)
     print(st.comp.report(), flush=True)
     _plot(rows, out / "bench_slice.png")
     print("\nAll cases:")
@@ -550,16 +563,18 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     return rows
 
 
-def _write_json(out: Path, st, layers, experts: str, preset: str, rows: list) -> None:
+def _write_json(out: Path, st, layers, experts: str, preset: str, rows: list, moe_format: str = "g32") -> None:
     (out / "bench_slice.json").write_text(json.dumps({"limits": vars(st.lim), "nominal_limits": st.nominal_limits,
                                                       "layers": list(layers), "experts": experts, "preset": preset,
+                                                      "moe_format": moe_format, "moe_act": st.moe_act,
                                                       "rows": rows}, indent=1, default=str))  # fmt: skip
 
 
-def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions) -> Setup:
+def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, moe_format: str = "g32") -> Setup:
+    from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
     from deepinfer.runtime import cuda_graphs as cg
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
-    from deepinfer.runtime.kernel_adapters import GLU_POLICY, MAX_POSITIONS
+    from deepinfer.runtime.kernel_adapters import GLU_POLICY, MAX_POSITIONS, moe_act_cache_entries
 
     if preset == "real":
         require_cuda("the slice benchmark")
@@ -579,7 +594,9 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions) ->
         backend_factory = cg.EmulatedGraphBackend if graphs else None
     log(f"limits{' (nominal, CPU smoke mode)' if nominal else ''}: HBM copy {lim.hbm / 1e12:.2f} TB/s, "
         f"FP8 {lim.fp8 / 1e12:.0f} TFLOPS, BF16 {lim.bf16 / 1e12:.0f} TFLOPS")  # fmt: skip
-    g = slice_graph(layers, experts, preset)
+    g = slice_graph(layers, experts, preset, moe_format)
+    moe_act = describe_act_groups(g.meta) or f"MoE experts {experts} (no FP4 -> FP8 conversion)"
+    log(f"--moe-format {moe_format}: {moe_act}")
     params = gpu_weights(g, device=device)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -588,8 +605,11 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions) ->
     comp = GraphExecutor(g, params, kernels=kernels, sync_free="always", max_positions=max_positions)
     comp.prep_cache[GLU_POLICY] = moe_glu  # the fused SwiGLU's interleaved w1|w3 copies (kernel_adapters)
     comp.prep_cache[MAX_POSITIONS] = max_positions  # rope tables sized once: no host read of the positions
+    comp.prep_cache.update(moe_act_cache_entries(g.meta))  # the experts' activation groups the plan records
     eager = GraphExecutor(g, params, compiled=False)
-    return Setup(g, params, comp, eager, lim, device, backend_factory, nominal)
+    st = Setup(g, params, comp, eager, lim, device, backend_factory, nominal)
+    st.moe_act = moe_act
+    return st
 
 
 def _cpu_stand_in(key):
@@ -658,6 +678,9 @@ def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode, pr
         row["layers"] = _layer_rows(st, t, feeds, layers_c, layers_e, graph_ms, base)
         comp.run(feeds, profile=True)  # where the time goes, per op and how it ran (one more call)
         row["op_times"] = comp.op_times
+        if kind == "prefill":
+            row["moe"] = moe_part(st, feeds, t, reps=3)
+            row["moe_act"] = st.moe_act
         log(f"{row['case']}: slowest ops of the executor (ms): " + "; ".join(
             f"{k} {v:.2f}" for k, v in list(comp.op_times.items())[:10]))  # fmt: skip
         if kind == "decode" and t > 1:
@@ -742,6 +765,101 @@ def _kernel_table(fn, top: int = 15) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
+# ---------------------------------------------------------------------------------------------- the MoE part
+
+
+def moe_node_names(g) -> set[str]:
+    """Output names of each layer's MoE nodes: the routing (gate GEMM + top-k), the quantisation of the experts'
+    input (a quant node whose only reader is the experts), the routed + shared experts (one moe_grouped_experts
+    node after fuse_moe_experts)."""
+    readers: dict[str, set[str]] = {}
+    for n in g.nodes:
+        for v in n.inputs:
+            if v is not None:
+                readers.setdefault(v.name, set()).add(n.op)
+    out = set()
+    for n in g.nodes:
+        name = n.outputs[0].name
+        feeds_experts_only = readers.get(name) == {"moe_grouped_experts"} and "quant" in n.op
+        if n.op.startswith("moe_") or feeds_experts_only:
+            out.add(name)
+    return out
+
+
+def moe_flops(g, t: int) -> dict[str, float]:
+    """Per layer: FP8 expert flops of t tokens -- 2 x 3 x D x I per routed expert visit (top-k of them) plus the
+    shared expert's 2 x 3 x D x I_s; the routing's gate GEMM (fp32, ~1% of it) is not counted."""
+    from deepinfer.runtime.cuda_executor import plan_steps
+
+    out: dict[str, float] = {}
+    for step in plan_steps(g):
+        n = step.node
+        if n.op != "moe_grouped_experts":
+            continue
+        d, k = int(n.inputs[0].shape[1]), int(n.inputs[2].shape[1])
+        inter = int(n.inputs[9].shape[0])
+        shared = int(n.inputs[3].shape[0]) if n.inputs[3] is not None else 0
+        out[step.layer] = out.get(step.layer, 0.0) + 2.0 * t * 3 * d * (k * inter + shared)
+    return out
+
+
+def layer_node_ms(ex, feeds: dict, reps: int) -> dict[str, dict[str, tuple[str, float]]]:
+    """Per layer, per node (output name): (op, median ms) over reps calls of the executor, CUDA events before
+    every node (each node's device time including its launch gaps; prefill nodes run milliseconds)."""
+    from deepinfer.ir.interpreter import bind_symbols
+    from deepinfer.runtime.cuda_executor import elapsed_ms, mark
+
+    t = int(feeds["tokens"].shape[0])
+    times: dict[tuple, list[float]] = {}
+    for _ in range(reps):
+        vals = dict(feeds)
+        vals.update({p.name: ex.params[p.name] for p in ex.graph.params})
+        nodes: list = []
+        with ex.sync_free_scope(t):
+            ex.run_steps(ex.steps, vals, bind_symbols(ex.graph, feeds), t, nodes=nodes)
+        end = mark()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for (step, a), (_, b) in zip(nodes, nodes[1:] + [(None, end)]):
+            times.setdefault((step.layer, step.node.op, step.outputs[0]), []).append(elapsed_ms(a, b))
+    out: dict[str, dict[str, tuple[str, float]]] = {}
+    for (layer, op, name), ms in times.items():
+        out.setdefault(layer, {})[name] = (op, _median(ms))
+    return out
+
+
+def moe_part(st: Setup, feeds: dict, t: int, reps: int = 3) -> dict:
+    """Per layer: the MoE part (moe_node_names) as ms, share of the layer (the same profiled calls) and FP8
+    expert flops over the measured FP8 peak, with each MoE node's ms and how it ran."""
+    per_layer = layer_node_ms(st.comp, feeds, reps)
+    names, flops = moe_node_names(st.g), moe_flops(st.g, t)
+    how = st.comp.stats.per_node
+    out = {}
+    for layer, nodes in per_layer.items():
+        moe = {name: v for name, v in nodes.items() if name in names}
+        if not moe:
+            continue
+        ms = sum(v[1] for v in moe.values())
+        layer_ms = sum(v[1] for v in nodes.values())
+        f = flops.get(layer, 0.0)
+        out[layer] = {"ms": ms, "layer_ms": layer_ms, "flops": f, "tflops": f / (ms * 1e-3) / 1e12 if ms else 0.0,
+                      "pct_fp8": 100 * f / (ms * 1e-3) / st.lim.fp8 if ms else 0.0,
+                      "nodes": {name: {"op": op, "ms": v, "how": how.get(name, "?")[:120]}
+                                for name, (op, v) in moe.items()}}  # fmt: skip
+    return out
+
+
+def _print_moe(r: dict) -> None:
+    pad = " " * 25
+    print(f"{pad}MoE part (routing + experts' input quant + routed + shared experts; FP8 expert flops / measured "
+          f"FP8 peak); {r.get('moe_act', '')}")  # fmt: skip
+    for layer, m in r["moe"].items():
+        print(f"{pad}{layer}: MoE {m['ms']:.3f} ms of {m['layer_ms']:.3f} ms ({100 * m['ms'] / m['layer_ms']:.0f}% "
+              f"of the layer): {m['tflops']:.0f} TFLOPS = {m['pct_fp8']:.1f}% of the FP8 peak")  # fmt: skip
+        for name, n in m["nodes"].items():
+            print(f"{pad}    {n['ms']:8.3f}  {n['op']:<22} {n['how']:<40} {name}")
+
+
 def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, base) -> dict:
     """Per layer: executor / graph / eager / straight-line / compiled times, % roofline (of the graph time when
     there is one), and the KV bytes a true batch of t sequences would add (see _kv_bytes)."""
@@ -801,6 +919,8 @@ def print_table(rows: list, flush: bool = False) -> None:
         gms = r.get("graph_total_ms", float("nan"))
         print(f"{r['case']:<24} {'all':<6} {_fmt(gms):>9} {r['ms']:>9.3f} {'':>6} {'':>8} {r['eager_ms']:>9.3f}")
         _print_notes(r)
+        if r.get("moe"):
+            _print_moe(r)
         if r["case"].startswith("decode 1 "):
             decode1[r["case"].split("ctx ")[-1]] = gms if gms == gms else r["ms"]
         elif r["case"].startswith("decode ") and r["case"].split("ctx ")[-1] in decode1:
@@ -898,6 +1018,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: none)")
     ap.add_argument("--experts", choices=("fp8", "fp4"), default="fp8",
                     help="routed experts FP8 (converted, default) or FP4 (the W4A8 programs)")  # fmt: skip
+    ap.add_argument("--moe-format", choices=tuple(MOE_FORMATS), default="g32",
+                    help="FP8 experts: g32 = 32x32 weight blocks + 1x32 activations (the model's numbers); w128 = "
+                         "128x128 weight blocks (exact) + 1x32; g128 = w128 + 1x128 activations at prefill only "
+                         "(convert_fp4_to_fp8 prefill_act_group=128: not exact; act_quant.py)")  # fmt: skip
     ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
                     help="the decode MoE's fused SwiGLU epilogue (needs an interleaved w1|w3 copy per layer: auto "
                          "makes it while memory allows)")  # fmt: skip
@@ -937,16 +1061,19 @@ def run_from_args(args) -> list[dict]:
                graphs=getattr(args, "graphs", "on") == "on", preset=getattr(args, "preset", "real"),
                compile_mode=getattr(args, "compile_mode", "default"),
                compile_batches=_ints(getattr(args, "compile_batches", "")) or None,
-               profile_batches=_ints(getattr(args, "profile_batches", "64")))  # fmt: skip
+               profile_batches=_ints(getattr(args, "profile_batches", "64")),
+               moe_format=getattr(args, "moe_format", "g32"))  # fmt: skip
 
 
 def dry_run(args) -> int:
     """The slice graph and its kernel bindings at every bucket, on the CPU (what the H200 run will execute)."""
+    from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
     from deepinfer.passes.select_kernels import format_kernel_report
 
     t0 = time.time()
-    g = slice_graph(_ints(args.layers), args.experts, getattr(args, "preset", "real"))
+    g = slice_graph(_ints(args.layers), args.experts, getattr(args, "preset", "real"), args.moe_format)
     log(f"slice graph: {len(g.nodes)} nodes in {time.time() - t0:.1f} s")
+    log(f"--moe-format {args.moe_format}: {describe_act_groups(g.meta) or 'no FP4 -> FP8 conversion'}")
     print(format_kernel_report(g))
     return 0
 
