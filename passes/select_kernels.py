@@ -37,7 +37,7 @@ ENV_INVARIANT = "DEEPINFER_BATCH_INVARIANT"
 VIEW_OPS = {"reshape", "expand", "slice"}
 COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "cp_gather"}
 REDUCING_COLLECTIVES = {"all_reduce", "reduce_scatter"}
-DECODE_ATTN_MAX_T = 64  # above this a bucket is prefill: the decode attention kernel is not used there
+DECODE_ATTN_MAX_T = 64  # above this a bucket is prefill: the attention takes sparse_attn_decode.prefill_config
 
 
 def batch_invariant_mode(option: bool | None = None) -> bool:
@@ -177,18 +177,24 @@ def bind_attention(c: _Ctx):
         q, _, _, win_idx, _, cmp_idx = c.node.inputs
     t, h, d = c.shape(q)
     topk = c.shape(win_idx)[1] + (c.shape(cmp_idx)[1] if cmp_idx is not None else 0)
-    if t > DECODE_ATTN_MAX_T:
-        raise Fallback(f"prefill bucket (T={t}): sparse_attn_decode is the decode kernel (no prefill family)")
-    if c.target.name in ("sm90", "sm100"):
+    prefill = t > DECODE_ATTN_MAX_T
+    if c.target.name in ("sm90", "sm100") and prefill:
+        # the op is per query (its own window list, causal in the chunk; its own selection): the program at B = T
+        cfg = sparse_attn_decode.prefill_config(t, topk, c.target.sm_count)
+        if topk % cfg.block_n:
+            raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
+    elif c.target.name in ("sm90", "sm100"):
         cfg = sparse_attn_decode.sm90_config(t, topk, c.target.sm_count)  # split-K: fill the SMs at small B
         if topk % (cfg.num_split * cfg.block_n):
             raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
+    elif prefill:
+        raise Fallback(f"prefill bucket (T={t}): sparse_attn_decode serves prefill on sm90 / sm100 only")
     else:
         space = sparse_attn_decode.config_space(t, topk)
         if not space:
             raise Fallback(f"sparse_attn_decode needs top-k (here {topk}) to be a multiple of its KV chunk")
         cfg = space[0] if t * h < 2 * c.target.sm_count else space[-1]  # small batches: short KV chunks
-    shape = {"B": t, "H": h, "D": d, "topk": topk}
+    shape = {"B": t, "H": h, "D": d, "topk": topk, **({"prefill": True} if prefill else {})}
     if fused:  # the kernel is the attention core only; the op's other steps run in torch around it
         a = c.node.attrs
         steps = (("q rmsnorm", a["q_norm"]), ("rope(q)", True), ("inverse rope(o)", True),

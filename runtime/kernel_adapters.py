@@ -1479,6 +1479,25 @@ def _pad_idx(idx: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def _symbolic_rows(cfg, h: int, d: int) -> bool:
+    """The ws single-pass program's batch is symbolic: it runs on the real query count (the key keeps the bucket)."""
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    return cfg.ws and cfg.num_split == 1 and sad.ws_supported(h, d, "sm90")
+
+
+def _launch_rows(kernel, cfg, q, kv: tuple, idx: tuple, sink, o) -> None:
+    """The single pass over q's rows: one launch, or pieces of MAX_LAUNCH_ROWS rows (its grid's y is the request
+    count, at most 65535) for a long prefill chunk; the persistent grid takes any count in one launch."""
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    n = q.shape[0]
+    step = n if getattr(cfg, "persist", 0) or n <= sad.MAX_LAUNCH_ROWS else sad.MAX_LAUNCH_ROWS
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        kernel(q[lo:hi], *kv, *(i[lo:hi] for i in idx), sink, o[lo:hi])
+
+
 class SparseAttnAdapter:
     """sparse_attention / fused_attention at decode: the attention core through sparse_attn_decode (the sm90
     warp-specialised program where H = 64 and D % 128 == 0, the portable program elsewhere; split-K plus the
@@ -1508,8 +1527,8 @@ class SparseAttnAdapter:
         topk = n_win + (cmp_idx.shape[1] if cmp_kv is not None else 0)
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
-        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "l2_prefetch")
-                 if f in vars(sad.Config())]  # fmt: skip
+        names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "l2_prefetch",
+                             "persist") if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
         if topk % (cfg.block_n * cfg.num_split):
@@ -1520,6 +1539,8 @@ class SparseAttnAdapter:
             cfg = sad.Config(**{f: getattr(cfg, f) for f in names})
         if topk % (cfg.block_n * cfg.num_split):
             raise Decline(f"top-k {topk} is not a multiple of the KV chunk {cfg.block_n} x {cfg.num_split}")
+        if getattr(cfg, "persist", 0) and (topk // cfg.block_n % cfg.stages or topk // cfg.block_n < 2 * cfg.stages):
+            cfg = sad.Config(**{f: getattr(cfg, f) for f in names if f != "persist"})  # whole rounds only
         two = cmp_kv is not None and _two_pool_program()
         if two and cfg.ws and sad.ws_supported(h, d, "sm90") and n_win % 4:
             two = False  # the ws program copies row ids 4 at a time: concatenate instead
@@ -1531,6 +1552,8 @@ class SparseAttnAdapter:
         keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
         if cfg.num_split > 1:
             keys.append(_key("sparse_attn_decode", sad.combine_name(b), (b, h, d, cfg.num_split)))
+        if _symbolic_rows(cfg, h, d):  # the ws single pass: one build takes any B (prefill: no padded CTAs)
+            b = t
         return keys, cfg, two, b
 
     def _o_rope(self, call: Call, o: torch.Tensor) -> Call | None:
@@ -1569,7 +1592,7 @@ class SparseAttnAdapter:
         sink = sink.float().contiguous()
         o = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
         if cfg.num_split == 1:
-            kernels[0](qb, *kv, *idx, sink, o)
+            _launch_rows(kernels[0], cfg, qb, kv, idx, sink, o)
         else:
             ns = cfg.num_split
             op = torch.empty(b, ns, h, d, device=q.device)
@@ -2266,8 +2289,11 @@ def _emulated_attention(key: KernelKey) -> Callable:
         return combine
     b, h, d, s, topk = key.args
     n_win, ns = kw.get("n_win", 0), dict(kw["cfg"])["num_split"]
+    cfg = dict(kw["cfg"])
+    symbolic = bool(cfg.get("ws")) and ns == 1 and sad.ws_supported(h, d, "sm90")  # any B, as the ws program
 
     def attn(q, *rest):
+        b = q.shape[0] if symbolic else key.args[0]
         if n_win:
             kvw, kvc, iw, ic, *rest = rest
             _check_abi(key, (iw, (b, n_win)), (ic, (b, topk - n_win)), (kvw, (s, d)))

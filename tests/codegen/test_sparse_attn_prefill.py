@@ -1,0 +1,143 @@
+"""Sparse attention at prefill (issue 6): a chunk of T query tokens through sparse_attn_decode's program at B = T.
+
+Why that is the prefill program: the graph's sparse_attention op is per query -- each token carries its own
+window list (window_indices over [SWA ring ; this chunk's own KV rows]: causal inside the chunk, -1 before
+position 0) and its own compressed selection (-1 where it sees fewer entries than top-k), and the chunk's rows
+are an input of the op (the concat), so nothing is read before it is written. These tests build the indices the
+way the graph does and compare with the op's torch reference:
+
+- the ws program's CPU mirror (TileLang's c target, fp32) on a chunk at position 0 and on a second chunk;
+- the binding: prefill buckets bind sparse_attn_decode with prefill_config on sm90 (no split, 64-row blocks);
+- the runtime adapter at prefill with emulated kernels: no padded query rows (the ws batch is symbolic), long
+  chunks launched in pieces of MAX_LAUNCH_ROWS, the persistent config passed through.
+The H200 checks of the same inputs at real sizes: tests/codegen/test_gpu_kernels.py -k prefill.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import sparse_attn_decode as sad
+from deepinfer.ir.ops.attention import SparseAttention, WindowIndices
+
+
+def chunk_operands(T, H, D, window, n_sel, start, ratio, seed):
+    """q, sink and the two pools with the graph's index lists for the chunk at positions start .. start+T-1."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(start, start + T)
+    win_idx = WindowIndices.reference(pos, window=window).to(torch.int32)
+    C = (start + T) // ratio
+    visible = torch.arange(C) < ((pos + 1) // ratio).unsqueeze(-1)
+    scores = torch.rand(T, C, generator=g).masked_fill(~visible, -1.0)
+    top = scores.topk(min(n_sel, C), dim=-1)
+    cmp_idx = torch.full((T, n_sel), -1, dtype=torch.int32)
+    cmp_idx[:, : top.indices.shape[1]] = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)
+    q = torch.randn(T, H, D, generator=g)
+    win_kv, cmp_kv = torch.randn(window + T, D, generator=g), torch.randn(max(C, 1), D, generator=g)
+    return q, torch.randn(H, generator=g) * 2, win_kv, win_idx, cmp_kv, cmp_idx
+
+
+def test_chunk_operands_are_what_the_graph_builds():
+    """The oracle's inputs have the structure the kernel must handle: early tokens with -1 window slots and no
+    compressed entry, a token's own row in its window (causality), no entry past a token's position."""
+    q, sink, win_kv, win_idx, cmp_kv, cmp_idx = chunk_operands(40, 4, 16, 8, 8, 0, 2, seed=1)
+    assert (win_idx[0] >= 0).sum() == 1 and int(win_idx[0, -1]) == 8  # position 0: only its own row (ring + 0)
+    assert bool((win_idx[20] == torch.arange(8 + 13, 8 + 21)).all())  # positions 13..20, rows W + p
+    assert bool((cmp_idx[0] == -1).all()) and int((cmp_idx[9] >= 0).sum()) == 5  # p = 9 sees w < 5
+    assert int(cmp_idx.max()) < 20 and bool(((cmp_idx < ((torch.arange(40) + 1) // 2).unsqueeze(-1))).all())
+
+
+@pytest.mark.parametrize("start,ratio", [(0, 2), (96, 1)], ids=["first_chunk", "second_chunk_ratio1"])
+def test_ws_mirror_on_a_prefill_chunk(tilelang_required, start, ratio):
+    """The ws program at B = T (its CPU mirror: same geometry, ring, mask and softmax) on graph-built indices:
+    window 32 (n_win 32, one 32-row block), 32 selected entries, 2 blocks in a 2-stage ring."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    T, H, D, W, n_sel = 24, 64, 128, 32, 32
+    q, sink, win_kv, win_idx, cmp_kv, cmp_idx = chunk_operands(T, H, D, W, n_sel, start, ratio, seed=3)
+    want = SparseAttention.reference(q, sink, win_kv, win_idx, cmp_kv, cmp_idx, scale=D**-0.5)
+    cat = torch.cat([win_idx, torch.where(cmp_idx < 0, -1, cmp_idx + win_kv.shape[0])], dim=1)
+    f64 = sad.reference_f64_loops(q, torch.cat([win_kv, cmp_kv]), cat, sink)
+    assert (want.double() - f64).abs().max() < 1e-5  # the op's reference and the loop oracle agree
+    cfg = sad.Config(32, 384, 1, 2, True)
+    kernel = compile_cpu(sad.program(T, H, D, win_kv.shape[0], W + n_sel, target="cpu", cfg=cfg, n_win=W,
+                                     S_cmp=cmp_kv.shape[0]))  # fmt: skip
+    out = torch.empty(T, H, D)
+    kernel(q, win_kv, cmp_kv, win_idx, cmp_idx, sink, out)
+    assert (out - f64).abs().max() < 1e-5
+
+
+def test_prefill_config_rules():
+    for topk in (640, 1152):
+        cfg = sad.prefill_config(8192, topk, persist=False)
+        assert cfg.ws and cfg.num_split == 1 and cfg.block_n == 64 and cfg.stages == 2 and not cfg.persist
+        p = sad.prefill_config(8192, topk, 132, persist=True)
+        assert p.persist == 132 and p.tag == "wsn64s2p132" and (topk // p.block_n) % p.stages == 0
+    assert sad.prefill_config(4096, 640) == sad.prefill_config(64000, 640)  # T is not part of the choice
+    assert not sad.prefill_config(4096, 96, persist=True).persist  # 3 blocks of 32: not whole rounds of 2 stages
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 2, 2, True, persist=132)  # the persistent grid is a single pass
+    b = sad.prefill_roofline(8192, 64, 512, 640, 128 + 8192 + 4096)
+    assert b["flops"] == 4 * 8192 * 64 * 640 * 512 and b["gathers"] == 8192 * 640 * 1024
+    # V4.1 at 8192 tokens: matrix time (at ~700 TFLOPS) well above the HBM bytes' (at ~4.3 TB/s)
+    assert b["flops"] / 700e12 > 3 * b["hbm"] / 4.3e12
+
+
+def _attention_graph(heads: int, dim: int, window: int, n_sel: int):
+    from deepinfer.ir.builder import GraphBuilder
+
+    b = GraphBuilder("attn")
+    q = b.input("q", "f32", ["T", heads, dim])
+    sink = b.input("sink", "f32", [heads])
+    win_kv = b.input("win_kv", "f32", [window + 8192, dim])
+    win_idx = b.input("win_idx", "i64", ["T", window])
+    cmp_kv = b.input("cmp_kv", "f32", [4096, dim])
+    cmp_idx = b.input("cmp_idx", "i64", ["T", n_sel])
+    b.output(b.sparse_attention(q, sink, win_kv, win_idx, cmp_kv, cmp_idx, scale=dim**-0.5))
+    return b.build()
+
+
+def test_prefill_bucket_binds_the_attention_kernel():
+    from deepinfer.passes.select_kernels import select_kernels
+
+    buckets = {"decode": {"T": 1}, "prefill": {"T": 8192}}
+    g = select_kernels(_attention_graph(64, 512, 128, 512), target="sm90", buckets=buckets)
+    rec = next(iter(g.meta["kernels"]["nodes"].values()))["buckets"]
+    assert rec["prefill"]["family"] == "sparse_attn_decode", rec["prefill"]
+    assert rec["prefill"]["shape"]["prefill"] and rec["prefill"]["shape"]["B"] == 8192
+    want = sad.prefill_config(8192, 640, 132)
+    assert rec["prefill"]["config"]["num_split"] == 1 and rec["prefill"]["config"]["persist"] == want.persist
+    assert rec["decode"]["config"]["num_split"] > 1  # decode keeps split-K
+    cpu = select_kernels(_attention_graph(64, 512, 128, 512), target="cpu", buckets=buckets)
+    rec = next(iter(cpu.meta["kernels"]["nodes"].values()))["buckets"]
+    assert rec["prefill"]["family"] == "torch_ref" and "sm90" in rec["prefill"]["reason"]
+
+
+@pytest.mark.parametrize("persist", [0, 132])
+def test_adapter_at_prefill_runs_unpadded_rows_in_pieces(monkeypatch, persist):
+    """300 queries (a prefill bucket) through the adapter with emulated kernels: the ws single pass sees exactly
+    300 rows (no pad to 512), in pieces of MAX_LAUNCH_ROWS (here 128: 3 launches) unless persistent (1)."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    monkeypatch.setattr(sad, "MAX_LAUNCH_ROWS", 128)
+    T, H, D, W, n_sel = 300, 64, 128, 32, 96  # 4 blocks of 32: whole rounds of the 2-stage ring (persist)
+    args = list(chunk_operands(T, H, D, W, n_sel, 40, 2, seed=5))
+    cfg = {"block_n": 32, "num_split": 1, "stages": 2, "ws": True, "threads": 384, "persist": persist}
+    call = ka.Call("sparse_attention", {"scale": D**-0.5}, args, [f"a{i}" for i in range(6)], [False] * 6, cfg, {})
+    adapter = ka.adapter_for("sparse_attn_decode", "sparse_attention")
+    keys = adapter.keys(call)
+    assert len(keys) == 1 and keys[0].args[0] == 512 and dict(dict(keys[0].kwargs)["cfg"])["persist"] == persist
+    rows = []
+    emulated = ka.emulated_kernel(keys[0])
+
+    def kernel(q, *rest):
+        rows.append(q.shape[0])
+        emulated(q, *rest)
+
+    out = adapter.run(call, [kernel])[0]
+    assert rows == ([300] if persist else [128, 128, 44])
+    ref = get_op("sparse_attention").run(args, call.attrs)[0]
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2  # bf16 q and pools
