@@ -1509,14 +1509,15 @@ def attn_prefill_cases():
     """`--only "sparse_attn prefill"`: prefill chunks of 4096 / 8192 tokens (fresh prompt, V4.1 ratio-2 layer,
     top-k 512 -> 640 entries; 8192 also with top-k 1024 -> 1152 entries, and a second chunk at position 8192 on a
     ratio-1 layer), the one-CTA-per-token program (prefill_config) next to the persistent grid (Config.persist,
-    132 CTAs) and the torch reference."""
+    132 CTAs) and the torch reference. `--only "sparse_attn prefill wsn"`: the one-CTA-per-token rows only,
+    `--only "sparse_attn prefill persist"`: the persistent ones only."""
     sad = sparse_attn_decode
     out = []
     for T_, topk, start, ratio in ((4096, 640, 0, 2), (8192, 640, 0, 2), (8192, 1152, 0, 2), (4096, 640, 8192, 1)):
         shape = f"T{T_} H64 k{topk}" + (f" @{start} r{ratio}" if start else "")
         for persist in (False, True):
             cfg = sad.prefill_config(T_, topk, persist=persist)
-            out.append((f"sparse_attn prefill {cfg.tag}", shape,
+            out.append((f"sparse_attn prefill {'persist ' if persist else ''}{cfg.tag}", shape,
                         lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=not persist: case_attn_prefill(
                             r, T_, k, q, d, c, s, rt, e)))  # fmt: skip
     return out
