@@ -535,19 +535,25 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     contexts = (context,) if isinstance(context, int) else tuple(context)
+    formats = moe_formats(moe_format)
     st = _setup(layers, experts, moe_glu, graphs, preset, budget_s, max(contexts) + max(batches or (1,)) + prefill,
-                moe_format)  # fmt: skip
-    cases = [("decode", b, ctx) for ctx in contexts for b in batches] + ([("prefill", prefill, 0)] if prefill else [])
+                formats[0])  # fmt: skip
+    acts = {f: _act_record(layers, experts, preset, f) for f in formats}
+    cases = [("decode", b, ctx, formats[0]) for ctx in contexts for b in batches]
+    cases += [("prefill", prefill, 0, f) for f in formats] if prefill else []
     compile_batches = set(batches if compile_batches is None else compile_batches)
     profile_batches = set(profile_batches or ())
     rows = []
-    for kind, t, ctx in cases:
+    for kind, t, ctx, fmt in cases:
+        name = _case_name(kind, t, ctx) + (f" [{fmt}]" if len(formats) > 1 else "")
         if end - time.time() < 25:
-            log(f"{kind} T={t} ctx {ctx}: skipped (time budget)")
-            rows.append({"case": _case_name(kind, t, ctx), "skipped": "time budget"})
+            log(f"{name}: skipped (time budget)")
+            rows.append({"case": name, "skipped": "time budget"})
             continue
+        _use_act_record(st, *acts[fmt])
         comp_on = torch_compile and kind == "decode" and t in compile_batches
         row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode, t in profile_batches)
+        row["case"], row["moe_format"] = name, fmt
         if kind == "decode" and not comp_on:
             row["compile_note"] = "off (--no-torch-compile)" if not torch_compile else "not in --compile-batches"
         rows.append(row)
@@ -561,6 +567,35 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     print("\nAll cases:")
     print_table(rows)
     return rows
+
+
+def moe_formats(text: str) -> list[str]:
+    """--moe-format's comma list; several formats share one slice (one weight generation) only where their graphs
+    are the same but for the activation record (w128 and g128: the same 128x128 weights)."""
+    formats = [f for f in text.split(",") if f]
+    unknown = [f for f in formats if f not in MOE_FORMATS]
+    if unknown or not formats:
+        raise ValueError(f"--moe-format: unknown {unknown} (known: {', '.join(MOE_FORMATS)})")
+    if len({MOE_FORMATS[f].get("block", 0) for f in formats}) > 1:
+        raise ValueError(f"--moe-format {text}: formats with different weight blocks need separate runs")
+    return formats
+
+
+def _act_record(layers, experts: str, preset: str, fmt: str) -> tuple[dict, str]:
+    """(the Call.cache entries, the report line) of a --moe-format: its graph's activation record."""
+    from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
+    from deepinfer.runtime.kernel_adapters import moe_act_cache_entries
+
+    g = slice_graph(layers, experts, preset, fmt)
+    return moe_act_cache_entries(g.meta), describe_act_groups(g.meta) or f"MoE experts {experts} (no conversion)"
+
+
+def _use_act_record(st: Setup, entries: dict, line: str) -> None:
+    from deepinfer.runtime.kernel_adapters import MOE_ACT_POLICY
+
+    st.comp.prep_cache.pop(MOE_ACT_POLICY, None)
+    st.comp.prep_cache.update(entries)
+    st.moe_act = line
 
 
 def _write_json(out: Path, st, layers, experts: str, preset: str, rows: list, moe_format: str = "g32") -> None:
@@ -1018,8 +1053,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: none)")
     ap.add_argument("--experts", choices=("fp8", "fp4"), default="fp8",
                     help="routed experts FP8 (converted, default) or FP4 (the W4A8 programs)")  # fmt: skip
-    ap.add_argument("--moe-format", choices=tuple(MOE_FORMATS), default="g32",
-                    help="FP8 experts: g32 = 32x32 weight blocks + 1x32 activations (the model's numbers); w128 = "
+    ap.add_argument("--moe-format", default="g32",
+                    help="FP8 experts (a comma list runs each prefill case per format in one slice: w128,g128): "
+                         "g32 = 32x32 weight blocks + 1x32 activations (the model's numbers); w128 = "
                          "128x128 weight blocks (exact) + 1x32; g128 = w128 + 1x128 activations at prefill only "
                          "(convert_fp4_to_fp8 prefill_act_group=128: not exact; act_quant.py)")  # fmt: skip
     ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
@@ -1071,7 +1107,7 @@ def dry_run(args) -> int:
     from deepinfer.passes.select_kernels import format_kernel_report
 
     t0 = time.time()
-    g = slice_graph(_ints(args.layers), args.experts, getattr(args, "preset", "real"), args.moe_format)
+    g = slice_graph(_ints(args.layers), args.experts, getattr(args, "preset", "real"), moe_formats(args.moe_format)[0])
     log(f"slice graph: {len(g.nodes)} nodes in {time.time() - t0:.1f} s")
     log(f"--moe-format {args.moe_format}: {describe_act_groups(g.meta) or 'no FP4 -> FP8 conversion'}")
     print(format_kernel_report(g))
