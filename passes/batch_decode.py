@@ -155,7 +155,7 @@ def _flat_index(g: Graph, node: Node, new_nodes: list[Node], offsets: dict) -> N
     key = (idx.name, pool.name)
     if key not in offsets:
         off = Node("batched_rows", [idx, pool], {})
-        off.outputs = [_fresh_value(g, f"{idx.name}.rows", off)]
+        off.outputs = [_fresh_value(g, f"{node.outputs[0].name}.rows", off)]  # named in the reader's layer
         _reinfer(off)
         new_nodes.append(off)
         offsets[key] = off.outputs[0]

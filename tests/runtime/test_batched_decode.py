@@ -92,3 +92,29 @@ def test_batched_step_on_the_h200_matches_the_single_sequence_steps(sm90_tiny):
             fams = set(dec.exec.stats.compiled)
             assert {"sparse_attn_decode", "fp8_gemm", "scatter_rows in place"} <= fams, dec.report()
             assert not dec.exec.kernels.failed, dec.report()
+
+
+def test_bench_batched_decode_tiny_smoke_mode(tmp_path, monkeypatch):
+    """benchmarks/bench_batched_decode.py --preset tiny on the CPU: every layer row has times, the cache bytes of
+    all sequences in its roofline, and the torch eager baseline."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from deepinfer.runtime import kernel_adapters as ka
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_batched_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_batched_decode_for_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(ka, "EMULATE", False)  # the smoke mode turns it on; restored after the test
+    rc = mod.main(["--preset", "tiny", "--batches", "2", "--context", "12", "--reps", "1", "--no-torch-compile",
+                   "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "bench_batched_decode.json").read_text())["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["sequences"] == 2 and set(row["layers"]) == {"embed", "l0", "l1", "head"}
+    for layer in ("l0", "l1"):
+        m = row["layers"][layer]
+        assert m["kv_bytes"] > 0 and m["weight_bytes"] > 0 and m["roofline_pct"] > 0
+        assert m["graph_ms"] >= 0 and m["torch_eager_ms"] > 0 and m["compile_note"].startswith("off")

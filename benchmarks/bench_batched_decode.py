@@ -1,0 +1,293 @@
+"""Batched decode of B sequences on an H200: one step of the batch_decode graph (B sequences, each with `context`
+cached tokens), per real V4.1 layer, vs the HBM roofline counting every sequence's cache reads, vs torch eager
+and torch.compile of the same batched graph.
+
+    python3 benchmarks/bench_batched_decode.py [--layers 2,20] [--batches 16,64] [--context 4096] [--reps 5]
+                                               [--compile-batches 64] [--no-torch-compile] [--budget-s 420]
+                                               [--preset real|tiny] [-j 15] [--out DIR] [--dry-run]
+
+The slice (real layers renumbered into one graph, random weights on the GPU in the checkpoint formats) is
+bench_slice.py's, imported; the batched graph is passes/batch_decode.py's rewrite of it and runs on
+runtime/batched_decode.py's executor (kernels at T = B for the row-wise nodes, the decode attention kernel over
+the flat pools, batched_* ops as torch references, cache writes in place). Unlike bench_slice's "decode B"
+(B new tokens of ONE sequence: a lower bound), each of the B sequences here has its own caches at `context`
+(positions context-1 and context alternate, so ratio-2 layers close a pair in half of them).
+
+Per layer (CUDA events between the layers' graphs, median of reps):
+  graph ms     the step as one CUDA graph per layer (runtime/layer_graphs.py: warm-up, host reads named,
+               capture, replay checked against the eager step)
+  exec ms      the executor node by node from Python
+  eager ms     every node's torch reference (the executor, and the same references as a straight-line function
+               per layer: the faster of the two is "torch eager")
+  compile ms   that straight-line function under torch.compile (bench_slice.layer_baselines)
+Roofline per layer: the bytes that must be read over the HBM copy bandwidth measured in the run -- the weights
+(dense + the expected distinct experts of B tokens, bench_slice.layer_roofline) plus, for EVERY sequence, the
+cache rows the step must read: all index keys (the indexer scores each one), the attended compressed rows
+(top-k per query), the window ring, the compressor states -- against the FP8 peak for the flops; "kv MB" is the
+cache part. --preset tiny is the CPU smoke mode (tiny dims, kernel stand-ins, emulated graphs, nominal limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_slice as bs  # noqa: E402  (the slice, weights, roofline, timing and baselines)
+import torch  # noqa: E402
+
+TINY_LAYERS = (2, 6)  # the tiny V4.1 preset's ratio-2 kv source and ratio-1 source (layers 2 and 20 at real dims)
+log = bs.log
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def setup(layers, preset: str, budget_s: float, max_len: int, donate: bool = True) -> SimpleNamespace:
+    """The slice, its weights, the batched decoder (compiled) and the eager executor of the same batched graph."""
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.batched_decode import BatchedDecoder
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
+
+    if preset == "real":
+        require_cuda("the batched decode benchmark")
+        import kernels_h200
+
+        lim, device, nominal = kernels_h200.measure_limits(quick=True), "cuda", False
+        kernels = KernelCache(budget_s=max(30.0, budget_s * 0.4))
+        backend_factory = lambda: cg.CudaGraphBackend(torch.device("cuda"))  # noqa: E731
+    else:
+        lim, device, nominal = SimpleNamespace(hbm=4.3e12, fp8=1.98e15, bf16=0.99e15), "cpu", True
+        ka.EMULATE = True  # the adapters take CPU tensors; their kernels are torch stand-ins
+        kernels = KernelCache(builder=bs._cpu_stand_in)
+        backend_factory = cg.EmulatedGraphBackend
+    log(f"limits{' (nominal, CPU smoke mode)' if nominal else ''}: HBM copy {lim.hbm / 1e12:.2f} TB/s, "
+        f"FP8 {lim.fp8 / 1e12:.0f} TFLOPS")  # fmt: skip
+    g = bs.slice_graph(layers=layers, experts="fp8", preset=preset)
+    params = bs.gpu_weights(g, device=device)
+    dec = BatchedDecoder(g, params, device, max_model_len=max_len, kernels=kernels, donate_caches=donate)
+    dec.exec.prep_cache[ka.GLU_POLICY] = "auto"
+    dec.exec.prep_cache.update(ka.moe_act_cache_entries(g.meta))
+    eager = GraphExecutor(dec.graph, params, compiled=False)
+    log(f"batched graph: {len(dec.graph.nodes)} nodes ({len(g.nodes)} one-sequence), batched ops "
+        f"{ {k: v for k, v in dec.graph.op_counts().items() if k.startswith('batched_')} }")  # fmt: skip
+    return SimpleNamespace(g=g, dec=dec, params=params, eager=eager, lim=lim, device=device, nominal=nominal,
+                           backend_factory=backend_factory)  # fmt: skip
+
+
+def batched_feeds(dec, b: int, context: int, device: str, seed: int = 0) -> dict:
+    """B sequences at positions context-1 / context (alternating), caches random (attention and top-k see
+    realistic, tie-free scores), one [B, ...] tensor per cache."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    caches = dec.allocate(b)
+    for v in caches.values():
+        if v.is_floating_point():
+            v.normal_(0.0, 0.5, generator=gen)
+    positions = torch.tensor([context - 1 + (i % 2) for i in range(b)], device=device)
+    tokens = torch.randint(3, 120000 if device == "cuda" else 500, (b,), device=device, generator=gen)
+    return dec.feeds(tokens, positions, caches)
+
+
+# ---------------------------------------------------------------------------------------------- roofline
+
+
+def cache_read_bytes(graph, feeds: dict) -> dict[str, float]:
+    """Per layer: the cache bytes one batched step must read for ALL its sequences (see the module doc)."""
+    from deepinfer.ir.interpreter import bind_symbols
+    from deepinfer.ir.shapes import evaluate
+    from deepinfer.runtime.cuda_executor import plan_steps
+
+    env = bind_symbols(graph, feeds)
+
+    def nbytes(v, rows=None) -> float:  # a value's bytes, or `rows` of its rows
+        shape = [evaluate(d, env) for d in v.shape]
+        n = rows * math.prod(shape[1:]) if rows is not None else math.prod(shape)
+        return n * v.dtype.torch_dtype.itemsize
+
+    b = int(feeds["tokens"].shape[0])
+    out: dict[str, float] = {}
+    for step in plan_steps(graph):
+        node, acc = step.node, 0.0
+        if node.op in ("batched_index_scores", "batched_indexer_topk"):
+            acc = nbytes(node.inputs[2])  # every index key of every sequence
+        elif node.op == "batched_compressor":
+            acc = nbytes(node.inputs[4]) + nbytes(node.inputs[5])  # the compressor rings
+        elif node.op == "batched_pair_compressor_keys":
+            acc = nbytes(node.inputs[2]) + nbytes(node.inputs[3])  # the pending rows
+        elif node.op == "fused_attention":
+            acc = nbytes(node.inputs[3], b * evaluate(node.inputs[4].shape[1], env))  # the window rows
+            if node.inputs[6] is not None:  # the attended compressed rows (top-k per query)
+                acc += nbytes(node.inputs[5], b * evaluate(node.inputs[6].shape[1], env))
+        if acc:
+            out[step.layer] = out.get(step.layer, 0.0) + acc
+    return out
+
+
+def layer_rows(st, b: int, feeds: dict, graph_ms: dict, exec_ms: dict, eager_ms: dict, base: dict) -> dict:
+    roof = bs.layer_roofline(st.dec.graph, st.params, b)
+    kv = cache_read_bytes(st.dec.graph, feeds)
+    rows = {}
+    for layer, ms in exec_ms.items():
+        w_bytes, flops = roof.get(layer, (0.0, 0.0))
+        total = w_bytes + kv.get(layer, 0.0)
+        bound_ms = max(total / st.lim.hbm, flops / st.lim.fp8) * 1e3
+        ours = graph_ms.get(layer, ms)
+        r = {"graph_ms": graph_ms.get(layer, float("nan")), "exec_ms": ms,
+             "eager_ms": eager_ms.get(layer, float("nan")), "weight_bytes": w_bytes, "kv_bytes": kv.get(layer, 0.0),
+             "flops": flops, "bound_ms": bound_ms,
+             "roofline_pct": 100 * bound_ms / ours if ours else 0.0,
+             "weights_only_pct": 100 * max(w_bytes / st.lim.hbm, flops / st.lim.fp8) * 1e3 / ours if ours else 0.0,
+             "tok_s": b / (ours * 1e-3) if ours else 0.0}  # fmt: skip
+        r.update(base.get(layer, {}))
+        r["torch_eager_ms"] = min(x for x in (r["eager_ms"], r.get("line_ms", float("inf"))) if x == x)
+        rows[layer] = r
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- one case
+
+
+def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on: bool, mode: str) -> dict:
+    from deepinfer.runtime.layer_graphs import LayerGraphs
+
+    row: dict = {"case": f"batched decode {b} ctx {context}", "sequences": b, "context": context}
+    try:
+        feeds = batched_feeds(st.dec, b, context, st.device)
+        ex = st.dec.exec
+        if jobs and st.device == "cuda":
+            from deepinfer.runtime.kernel_adapters import prebuild
+
+            keys = [k for k in ex.kernel_keys(feeds) if k not in ex.kernels.kernels]
+            prebuild(keys, jobs, max(10.0, (end - time.time()) * 0.5), log)
+        t0 = time.time()
+        ex.run(feeds)
+        _sync(st)
+        log(f"{row['case']}: first call {time.time() - t0:.1f} s")
+        row["node_runs"] = bs._node_runs(ex, lambda: ex.run(feeds))
+        exec_ms, row["exec_total_ms"] = bs.time_layers(ex, feeds, reps)
+        eager_ms, row["eager_total_ms"] = bs.time_layers(st.eager, feeds, max(2, reps // 2))
+        lg = LayerGraphs(ex, feeds, st.backend_factory())
+        lg.prepare()
+        row["graphs_report"], row["fell_back"] = lg.report(), lg.fell_back()
+        log(f"{row['case']}: {lg.report()}")
+        graph_ms, row["graph_total_ms"] = bs.time_graph_layers(lg, reps)
+        base = bs.layer_baselines(lg, st.eager, st.params, reps, compile_on, mode, end)
+        row["layers"] = layer_rows(st, b, feeds, graph_ms, exec_ms, eager_ms, base)
+        ex.run(feeds, profile=True)
+        row["op_times"] = ex.op_times
+        log(f"{row['case']}: slowest ops (executor, ms): "
+            + "; ".join(f"{k} {v:.3f}" for k, v in list(ex.op_times.items())[:10]))  # fmt: skip
+    except Exception as e:  # one case's failure keeps the others' figures
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"{row['case']}: ERROR {row['error']}")
+        traceback.print_exc(limit=6)
+    return row
+
+
+def _sync(st) -> None:
+    if st.device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def print_table(rows: list) -> None:
+    head = (f"{'case':<28} {'layer':<6} {'graph ms':>9} {'% roof':>7} {'% w-only':>8} {'kv MB':>8} {'exec ms':>8} "
+            f"{'eager ms':>9} {'compile ms':>10} {'vs eager':>8} {'vs comp':>8}")  # fmt: skip
+    print(head)
+    for r in rows:
+        if "layers" not in r:
+            print(f"{r['case']:<28} {r.get('error', r.get('skipped', ''))}")
+            continue
+        for layer, m in r["layers"].items():
+            ours = m["graph_ms"] if m["graph_ms"] == m["graph_ms"] else m["exec_ms"]
+            comp = m.get("compile_ms", float("nan"))
+            print(f"{r['case']:<28} {layer:<6} {m['graph_ms']:>9.3f} {m['roofline_pct']:>6.1f}% "
+                  f"{m['weights_only_pct']:>7.1f}% {m['kv_bytes'] / 1e6:>8.1f} {m['exec_ms']:>8.3f} "
+                  f"{m['torch_eager_ms']:>9.3f} {comp:>10.3f} {m['torch_eager_ms'] / ours:>7.1f}x "
+                  f"{comp / ours:>7.1f}x")  # fmt: skip
+        print(f"{r['case']:<28} step   {r.get('graph_total_ms', float('nan')):>9.3f} ms in graphs, "
+              f"{r['sequences'] / (r.get('graph_total_ms', float('nan')) * 1e-3):.0f} tok/s; executor "
+              f"{r['exec_total_ms']:.3f} ms, eager {r['eager_total_ms']:.3f} ms")  # fmt: skip
+
+
+def run(args) -> list[dict]:
+    end = time.time() + args.budget_s
+    layers = bs._ints(args.layers) or (TINY_LAYERS if args.preset == "tiny" else (2, 20))
+    batches, context = bs._ints(args.batches), int(args.context)
+    st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate)
+    compile_batches = set(bs._ints(args.compile_batches) or batches)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for b in batches:
+        if end - time.time() < 25:
+            rows.append({"case": f"batched decode {b} ctx {context}", "skipped": "time budget"})
+            continue
+        comp_on = not args.no_torch_compile and b in compile_batches
+        rows.append(case(st, b, context, args.reps, args.jobs, end, comp_on, args.compile_mode))
+        print_table(rows[-1:])
+        (out / "bench_batched_decode.json").write_text(json.dumps(
+            {"limits": vars(st.lim), "nominal_limits": st.nominal, "layers": list(layers), "preset": args.preset,
+             "rows": rows}, indent=1, default=str))  # fmt: skip
+        if st.device == "cuda":
+            torch.cuda.empty_cache()
+    print(st.dec.report(), flush=True)
+    print("\nAll cases:")
+    print_table(rows)
+    return rows
+
+
+def dry_run(args) -> int:
+    """The slice, its batched graph and the kernel bindings its row-wise nodes keep, on the CPU."""
+    from deepinfer.passes.batch_decode import batch_decode
+    from deepinfer.passes.select_kernels import format_kernel_report
+
+    layers = bs._ints(args.layers) or (TINY_LAYERS if args.preset == "tiny" else (2, 20))
+    t0 = time.time()
+    g = bs.slice_graph(layers=layers, experts="fp8", preset=args.preset)
+    bg = batch_decode(g)
+    log(f"slice {list(layers)}: {len(g.nodes)} nodes -> batched {len(bg.nodes)} nodes in {time.time() - t0:.1f} s")
+    log(f"batched ops: { {k: v for k, v in bg.op_counts().items() if k.startswith('batched_')} }")
+    print(format_kernel_report(bg))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default="", help="real layer ids (default 2,20; tiny: 2,6)")
+    ap.add_argument("--batches", default="16,64", help="sequences per step (comma list)")
+    ap.add_argument("--context", default="4096", help="cached tokens of every sequence")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--compile-batches", default="", help="batches that get the torch.compile baseline (default all)")
+    ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"))
+    ap.add_argument("--no-donate", action="store_true", help="functional cache writes (the whole pool copied)")
+    ap.add_argument("--preset", choices=("real", "tiny"), default="real", help="tiny: the CPU smoke mode")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--jobs", "-j", type=int, default=0, help="pre-build kernels in this many processes")
+    ap.add_argument("--dry-run", action="store_true", help="build the batched slice graph on the CPU and exit")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_batched_decode_out")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
+    if args.preset == "real" and not torch.cuda.is_available():
+        print("bench_batched_decode: error: needs a CUDA device (--preset tiny is the CPU smoke mode)", file=sys.stderr)
+        return 2
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
