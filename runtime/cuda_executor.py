@@ -27,6 +27,7 @@ how the accounting is tested without a GPU.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
@@ -49,6 +50,7 @@ from deepinfer.runtime import kernel_adapters as ka
 # The norm-wise bound leaves room for the grouped MoE, which rounds two activations to e4m3 (x and the SwiGLU
 # output; ~3.6% rms relative each, so ~5% together: 5.6% measured on the tiny V4.1 plan's experts, D=64).
 VERIFY_TOL = 0.1
+BATCHED_DECODE_ENV = "DEEPINFER_BATCHED_DECODE"  # 1: CudaRunner decodes with one batched step per bucket
 VERIFY_TOL_FP8 = 0.25
 VERIFY_L2 = 0.08
 
@@ -168,6 +170,8 @@ class GraphExecutor:
         self.prep_cache: dict = {}
         if max_positions:
             self.prep_cache[ka.MAX_POSITIONS] = int(max_positions)
+        # the MoE activation groups the plan was compiled for (convert_fp4_to_fp8's record; none: the weight block)
+        self.prep_cache.update(ka.moe_act_cache_entries(g.meta))
         self.layer_times: dict[str, float] | None = None  # filled by run(timed=True), milliseconds
         self.op_times: dict[str, float] | None = None  # filled by run(profile=True), milliseconds
         self._attrs_cache: dict = {}
@@ -473,7 +477,8 @@ class CudaRunner:
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], device: str = "cuda", *,
                  kernels: KernelCache | None = None, verify: bool = True, max_model_len: int | None = None,
-                 cuda_graphs: bool = True, buckets=cg.BUCKETS, graph_backend=None):  # fmt: skip
+                 cuda_graphs: bool = True, buckets=cg.BUCKETS, graph_backend=None,
+                 batched_decode: bool | None = None):  # fmt: skip
         if str(device).startswith("cuda"):
             require_cuda("running an sm90 plan")
         self.device = torch.device(device)
@@ -487,6 +492,13 @@ class CudaRunner:
         if max_model_len:
             self.graphs = cg.DecodeGraphs(self.exec, g, max_model_len, self.device, enabled=cuda_graphs,
                                           buckets=buckets, backend=graph_backend)  # fmt: skip
+        if batched_decode is None:
+            batched_decode = os.environ.get(BATCHED_DECODE_ENV, "") == "1"
+        if max_model_len and batched_decode:  # one batched step per bucket (runtime/batched_decode.py; opt-in)
+            from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+
+            self.graphs = BatchedDecodeGraphs(self.exec, g, dev_params, max_model_len, self.device,
+                                              enabled=cuda_graphs, buckets=buckets, backend=graph_backend)  # fmt: skip
 
     @property
     def decode_batch_max(self) -> int:
