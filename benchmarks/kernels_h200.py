@@ -1515,21 +1515,24 @@ def attn_prefill_cases():
     out = []
     for T_, topk, start, ratio in ((4096, 640, 0, 2), (8192, 640, 0, 2), (8192, 1152, 0, 2), (4096, 640, 8192, 1)):
         shape = f"T{T_} H64 k{topk}" + (f" @{start} r{ratio}" if start else "")
-        for persist in (False, True):
-            cfg = sad.prefill_config(T_, topk, persist=persist)
-            out.append((f"sparse_attn prefill {'persist ' if persist else ''}{cfg.tag}", shape,
-                        lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=not persist: case_attn_prefill(
+        base, persist = sad.prefill_config(T_, topk, persist=False), sad.prefill_config(T_, topk, persist=True)
+        lookahead = dataclasses.replace(persist, lookahead=True)  # compute-bound: QK^T(i + 1) under softmax(i)
+        for cfg in (base, persist, lookahead):
+            out.append((f"sparse_attn prefill {'persist ' if cfg.persist else ''}{cfg.tag}", shape,
+                        lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=cfg is base: case_attn_prefill(
                             r, T_, k, q, d, c, s, rt, e)))  # fmt: skip
     return out
 
 
 def attn_persist_cases():
     """`--only "sparse_attn persist"`: decode at B 128 / 256 (two pools, n_win 128), the default next to the
-    persistent grid (132 CTAs; B256: two requests a CTA, the ring running on between them)."""
+    persistent grid (132 CTAs; B256: two requests a CTA, the ring running on between them), without and with
+    lookahead."""
     sad = sparse_attn_decode
     out = []
     for B in (256, 128):
-        for cfg in (sad.sm90_config(B, 640), sad.Config(64, 384, 1, 2, True, persist=132)):
+        for cfg in (sad.sm90_config(B, 640), sad.Config(64, 384, 1, 2, True, persist=132),
+                    sad.Config(64, 384, 1, 2, True, True, persist=132)):  # fmt: skip
             out.append((f"sparse_attn persist {cfg.tag}", f"B{B} H64 k640",
                         lambda r, q, d, B=B, cfg=cfg: case_attn_decode(r, B, 640, q, d, cfg, n_win=128)))  # fmt: skip
     return out

@@ -74,7 +74,7 @@ class Config:
         assert self.copy in ("cp", "bulk"), self.copy
         assert self.l2_prefetch >= 0 and (not self.l2_prefetch or (self.ws and self.copy == "cp")), "l2_prefetch"
         if self.persist:
-            assert self.ws and self.num_split == 1 and not self.lookahead and not self.l2_prefetch, "persist"
+            assert self.ws and self.num_split == 1 and not self.l2_prefetch, "persist"
             assert self.copy == "cp" and not self.skip, "persist: the full bf16 program"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
@@ -855,7 +855,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     # ------------------------------------------------------------------------ persistent grid (Config.persist)
     P = cfg.persist
     if P:
-        assert not split and not kv_fp8 and not la and not pf and not skip and not bulk, "persist: bf16 single pass"
+        assert not split and not kv_fp8 and not pf and not skip and not bulk, "persist: bf16 single pass"
         assert tail == 0 and rounds >= 2, "persist: whole rounds, at least two (blocks of a token % stages == 0)"
 
     @T.macro
@@ -913,6 +913,38 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.fill(o, 0.0)
 
     @T.macro
+    def wg0_lookahead_p(q_l, q_r, kv_l, kv_r, s0, s1, idx_s, full, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full,
+                        p_empty, kr):  # fmt: skip
+        """WG0's blocks of one request with `lookahead` (as in body; kr = the request's first ring round): the
+        QK^T of block i + 1 is issued before the softmax of block i, alternating S accumulators; nb is a whole
+        number of rounds here, so blocks 0 .. nb - 2 issue a next and block nb - 1 (stage NS - 1) does not."""
+        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, 0, kr & 1, False)
+        for it in T.serial(rounds - 1):
+            for st in ring:
+                T.wait_wgmma(0)
+                nst, nph = (st + 1, (kr + it) & 1) if st + 1 < NS else (0, (kr + it + 1) & 1)
+                if st % 2 == 0:
+                    qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, nst, nph, False)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, (kr + it) & 1)
+                else:
+                    qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, nst, nph, False)
+                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, (kr + it) & 1)
+        for st in ring:  # the last round: its last block issues nothing
+            T.wait_wgmma(0)
+            ph = (kr + rounds - 1) & 1
+            if st + 1 < NS:
+                if st % 2 == 0:
+                    qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, st + 1, ph, False)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+                else:
+                    qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st + 1, ph, False)
+                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+            elif st % 2 == 0:
+                softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+            else:
+                softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+
+    @T.macro
     def body_p(Q, src, Sink, O, Op, Mp, Lp, sp, c):
         """The persistent CTA c: requests c, c + P, ... Hand-offs as in body, plus two that span requests:
         bar_q (parity k & 1: the next Q, loaded by the PV warpgroups once WG0 armed p_full of the request's
@@ -928,6 +960,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         idx_s = T.alloc_shared((NS, bn), i32)
         fin_s = T.alloc_shared((H,), f32)
         s0 = T.alloc_fragment((H, bn), f32)
+        s1 = T.alloc_fragment((H, bn), f32)
         o_l = T.alloc_fragment((H, D2), f32)
         o_r = T.alloc_fragment((H, D2), f32)
         m = T.alloc_fragment((H,), f32)
@@ -948,11 +981,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 T.fill(m, NEG)
                 T.fill(l, 0.0)
                 T.barrier_wait(bar_q, k & 1)
-                for it in T.serial(rounds):
-                    for st in ring:
-                        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, (k * rounds + it) & 1, True)
-                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st,
-                                (k * rounds + it) & 1)  # fmt: skip
+                if la:
+                    wg0_lookahead_p(q_l, q_r, kv_l, kv_r, s0, s1, idx_s, full, m, m_prev, l, lblk, alpha, p_s,
+                                    alpha_s, p_full, p_empty, k * rounds)  # fmt: skip
+                else:
+                    for it in T.serial(rounds):
+                        for st in ring:
+                            qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, (k * rounds + it) & 1, True)
+                            softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st,
+                                    (k * rounds + it) & 1)  # fmt: skip
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
                 T.barrier_arrive(fin)

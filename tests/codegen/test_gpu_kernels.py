@@ -181,17 +181,22 @@ def test_sparse_attn_decode_single_pass_config(kb, run_case):
 
 @pytest.mark.parametrize(
     "T_,topk,persist,start,ratio",
-    [(4096, 640, False, 0, 2), (4096, 640, True, 0, 2), (8192, 1152, True, 0, 2), (1000, 640, True, 8192, 1)],
-    ids=["T4096", "T4096_persist", "T8192_k1152_persist", "T1000_second_chunk_persist"],
+    [(4096, 640, False, 0, 2), (4096, 640, True, 0, 2), (8192, 1152, True, 0, 2), (1000, 640, True, 8192, 1),
+     (4096, 640, "lookahead", 0, 2)],
+    ids=["T4096", "T4096_persist", "T8192_k1152_persist", "T1000_second_chunk_persist", "T4096_persist_lookahead"],
 )
 def test_sparse_attn_prefill(kb, run_case, T_, topk, persist, start, ratio):
     """A prefill chunk through the decode program at B = T (prefill_config) and the persistent grid: window lists
     from window_indices (causal, -1 before position 0), each token's own compressed selection (-1 past what it
     sees), against the graph op's reference. T1000: 1000 tokens over 132 CTAs (uneven: 7 or 8 tokens a CTA)."""
+    import dataclasses
+
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
-    cfg = sad.prefill_config(T_, topk, persist=persist)
-    assert bool(cfg.persist) == persist
+    cfg = sad.prefill_config(T_, topk, persist=bool(persist))
+    assert bool(cfg.persist) == bool(persist)
+    if persist == "lookahead":
+        cfg = dataclasses.replace(cfg, lookahead=True)
     run_case(functools.partial(kb.case_attn_prefill, cfg=cfg, start=start, ratio=ratio, eager=False), T_, topk)
 
 
