@@ -51,10 +51,12 @@ def fp4_to_fp8_checked(w: torch.Tensor, scale: torch.Tensor, block: int, name: s
     codes, big, inexact = _convert(w, scale, block)
     if inexact:
         what = f"{name} " if name else ""
+        remedy = f"compile with convert_fp4_to_fp8 block={FP4_GROUP}"
+        if block <= FP4_GROUP:
+            remedy = "no FP8 block holds it exactly: keep the FP4 experts (the W4A8 programs; convert pass off)"
         raise CheckpointError(
             f"convert_fp4_to_fp8: {what}[{w.shape[0]}, {2 * w.shape[1]}] is not exact in {block}x{block} FP8 blocks "
-            f"({inexact} values off the E4M3 grid: a block's FP4 group scales span > 14 binades); compile with "
-            f"convert_fp4_to_fp8 block={FP4_GROUP}"
+            f"({inexact} values off the E4M3 grid: a block's FP4 group scales span > 14 binades); {remedy}"
         )
     return codes, big
 

@@ -931,10 +931,16 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The clamped SwiGLU of a w1|w3 GEMM output c [M, 2I] (gate columns, then up) quantised per `group` columns:
-    (e4m3 codes [M, I], MN-major fp32 scales [I/group, M]) -- what the prefill w2 GEMM reads. torch's SwiGLU in
-    fp32 (ir/ops/moe.py swiglu), then one act_quant launch on CUDA."""
+    (e4m3 codes [M, I], MN-major fp32 scales [I/group, M]) -- what the prefill w2 GEMM reads. One Triton launch
+    (act_quant.triton_swiglu_quant) where Triton runs (_triton_on), else torch's SwiGLU in fp32 (ir/ops/moe.py
+    swiglu) and quant_rows (the same scales; a code may differ by one E4M3 step where silu's last ulp differs)."""
     from deepinfer.ir.ops.moe import swiglu
 
+    if _triton_on(c) and os.environ.get(ACT_QUANT_ENV) != "torch":
+        from deepinfer.codegen.kernels import act_quant
+
+        q, s = act_quant.triton_swiglu_quant(c if c.stride(1) == 1 else c.contiguous(), limit, group)
+        return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
     inter = c.shape[1] // 2
     return quant_rows(swiglu(c[:, :inter], c[:, inter:], limit), group, c.shape[0])
 

@@ -15,6 +15,23 @@ ceil, exp2, div, clamp, cast) plus the padding and the scales' transpose; at dec
 (the MoE's routed and shared experts, linear_fp8, grouped_out_proj), where the GEMM itself is a few
 microseconds. One program per row (rows past M are written as zero codes with the floor's scale: the GEMM's
 padding rows), the row held as [groups, group] so each group's amax is one axis reduction.
+
+Coarser groups: what the g128 prefill option changes (convert_fp4_to_fp8 prefill_act_group=128). V4.1 quantises
+the experts' activations per 1x32; the option quantises the same values per 1x128 (x: a rebase of the 1x32 codes,
+requantised from their dequantised values; the SwiGLU output h: from fp32) so the prefill GEMMs promote once per
+128 K. Statement (``rebase_stats`` measures it, tests/codegen/test_moe_prefill_g128*.py check it):
+  Let s32, s128 be the two ue8m0 scales of an element v (s128 = 2^j s32, j >= 0: the 128-group's amax bounds the
+  32-group's, and the scale is monotone in it). Both codes are round-to-nearest-even of v/s onto E4M3, whose normal
+  numbers (|c| >= 2^-6) all carry 3 mantissa bits: dividing by a power of two only moves the exponent, so wherever
+  v/s128 is normal the two roundings commute and  q128 * s128 == q32 * s32  bit for bit. Hence every element with
+  |v| >= 2^-6 * s128 is unchanged. Since amax/448 <= s128 < 2 amax/448, the threshold lies in
+  [amax/28672, amax/14336) of the 128-group's largest magnitude. Below it v/s128 is subnormal (step 2^-9): the
+  1x128 value is within 2^-10 s128 of v and the 1x32 one within 2^-10 s128 too (relative error <= 2^-4 of
+  |v| < 2^-6 s128, or its own smaller subnormal step), so |q128 s128 - q32 s32| <= 2^-9 s128 < amax / 57344.
+  (Groups under the floor share the floor's scale: identical. No clamp is ever active: |v|/s <= 448 by the scale.)
+The GEMM on top: the 1x128 path also lets wgmma accumulate 4 x 32 K in the tensor core before each promotion
+(the DeepGEMM trade-off V4's own format makes) instead of promoting every 32 K in fp32: the kernels_h200
+'grouped_gemm v41g128' rows measure the whole deviation against the float64 product of the exact 1x32 operands.
 """
 
 from __future__ import annotations
@@ -140,3 +157,87 @@ def triton_dequant(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor
         _dequant_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(q2.shape[0],)](
             q2, s2, y, k, G=k // group, GROUP=group, BLOCK_G=triton.next_power_of_2(k // group))  # fmt: skip
     return y.view(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------- coarser groups
+
+
+def rebase_stats(x: torch.Tensor, fine: int = 32, coarse: int = 128) -> dict:
+    """The module doc's statement on x [M, K]: per-`fine` vs per-`coarse` quantisation (reference()'s numbers),
+    dequantised. Returns the share of elements whose values differ, the share below the threshold 2^-6 * s_coarse,
+    whether every element at or above it is bit-identical, and the largest |difference| / s_coarse below it (the
+    bound is 2^-9)."""
+    qf, sf = reference(x, fine)
+    qc, sc = reference(x, coarse)
+    vf = qf.float() * sf.T.repeat_interleave(fine, 1)
+    s_el = sc.T.repeat_interleave(coarse, 1)
+    vc = qc.float() * s_el
+    below = x.float().abs() < 2.0**-6 * s_el
+    differ = vf != vc
+    return {"differ": differ.float().mean().item(), "below": below.float().mean().item(),
+            "above_identical": not bool((differ & ~below).any()),
+            "max_below_over_scale": ((vf - vc).abs() / s_el)[below].max().item() if below.any() else 0.0}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU + quant
+# The prefill w2 GEMM's A operand from the w1|w3 GEMM's output in one launch: h = silu(min(g, L)) * clamp(u, -L, L)
+# (ir/ops/moe.py swiglu, fp32; L = 0: no clamp) quantised per `group` columns exactly as above -- where torch takes
+# ~8 launches over [M, 2I] (slices, clamps, silu, product) before act_quant's. silu as g / (1 + exp(-g)): within
+# an ulp or so of torch's, so a code can flip at a rounding boundary (the tests bound it to one E4M3 step).
+
+
+@functools.lru_cache(maxsize=2)
+def _swiglu_kernel(interpret: bool):
+    if triton is None:
+        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+
+    @triton.jit
+    def swiglu_quant_kernel(c_ptr, q_ptr, s_ptr, M, INTER, stride_c, ROWS, LIMIT, G: tl.constexpr,
+                            GROUP: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        c = tl.arange(0, GROUP)[None, :]
+        mask = (g < G) & (row < M)
+        src = c_ptr + row * stride_c + g * GROUP + c
+        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(src + INTER, mask=mask, other=0.0).to(tl.float32)
+        if LIMIT > 0:
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.clamp(up, -LIMIT, LIMIT)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4)  # SCALE_FLOOR
+        bits = amax.to(tl.uint32, bitcast=True)
+        ex = ((bits >> 23) & 0xFF).to(tl.int32) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        scale = ((ex + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - ex).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        q = tl.clamp(h * inv[:, None], -448.0, 448.0)  # FP8_MAX
+        tl.store(q_ptr + row * INTER + g * GROUP + c, q.to(q_ptr.dtype.element_ty), mask=g < G)
+        gs = tl.arange(0, BLOCK_G)
+        tl.store(s_ptr + gs * ROWS + row, scale, mask=gs < G)
+
+    return swiglu_quant_kernel
+
+
+def triton_swiglu_quant(c: torch.Tensor, limit: float, group: int, out_dtype=None):
+    """c [M, 2I] (gate columns, then up; any float dtype, unit stride along columns) -> (q [M, I] e4m3 codes,
+    s [I/group, M] fp32 MN-major scales) of the clamped SwiGLU (limit 0: none). out_dtype as triton_act_quant's."""
+    m, n = c.shape
+    inter = n // 2
+    assert inter * 2 == n and inter % group == 0 and c.stride(1) == 1, (c.shape, c.stride(), group)
+    if out_dtype is None:
+        out_dtype = torch.float8_e4m3fn if c.is_cuda else torch.float32
+    q = torch.empty(m, inter, dtype=out_dtype, device=c.device)
+    s = torch.empty(inter // group, m, dtype=torch.float32, device=c.device)
+    if m:
+        _swiglu_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(m,)](
+            c, q, s, m, inter, c.stride(0), m, float(limit), G=inter // group, GROUP=group,
+            BLOCK_G=triton.next_power_of_2(inter // group))  # fmt: skip
+    return q, s
+
+
+def swiglu_quant_reference(c: torch.Tensor, limit: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch: ir/ops/moe.py's swiglu in fp32, then reference()'s quantisation -- (q [M, I] e4m3, s [I/group, M])."""
+    from deepinfer.ir.ops.moe import swiglu
+
+    inter = c.shape[1] // 2
+    return reference(swiglu(c[:, :inter], c[:, inter:], limit), group)
