@@ -102,3 +102,30 @@ def test_persistent_grouped_128_blocks_c_target(cpu, ag):
     real = mg.row_experts(tiles, bm, masked=False) >= 0
     assert (c[real].double() - want[real]).abs().max() <= 1e-5 * want.abs().max()
     assert c[~real].isnan().all()
+
+
+@pytest.mark.parametrize("group,bg", [(32, 128), (128, 32)])
+def test_swiglu_quant_compiles_for_hopper_spill_free(group, bg):
+    """sm_90a build at V4.1's I = 2304 (bf16 in, e4m3 out): no spills, the e4m3 conversion, no lg2 (the scale
+    comes from the bits)."""
+    from tests.codegen._triton_aot import compile_sm90, spill_free
+
+    sig = {"c_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "INTER": "i32", "stride_c": "i32",
+           "ROWS": "i32", "LIMIT": "fp32"}  # fmt: skip
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.act_quant", "_swiglu_kernel", sig,
+                               dict(G=2304 // group, GROUP=group, BLOCK_G=bg), num_warps=4)  # fmt: skip
+    assert ".target sm_90a" in ptx and "e4m3x2" in ptx and "lg2." not in ptx
+    assert spill_free(report), report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [32, 128])
+def test_cuda_swiglu_quant_matches_the_torch_formula(group):
+    """The compiled kernel at the prefill w2 operand's shape (rows x 2 x 2304, bf16) against swiglu + quant."""
+    c = (torch.randn(4096, 2 * 2304, device="cuda") * 4).bfloat16()
+    q, s = act_quant.triton_swiglu_quant(c, 10.0, group)
+    rq, rs = act_quant.swiglu_quant_reference(c, 10.0, group)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(s, rs)
+    got, want = q.float(), rq.float()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2.0**-6))) - 3)
+    assert ((got - want).abs() <= step).all() and (got == want).float().mean() >= 0.99
