@@ -1273,7 +1273,8 @@ def attn_cases(quick: bool):
                     continue  # (the 32-row 4-stage lookahead spills 1.1 KB and takes a minute to lower)
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
     return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases()
-                                     + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases())
+                                     + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases()
+                                     + attn_fixedcost_cases())
 
 
 def attn_sweep_cases():
@@ -1521,6 +1522,20 @@ def attn_prefill_cases():
             out.append((f"sparse_attn prefill {'persist ' if cfg.persist else ''}{cfg.tag}", shape,
                         lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=cfg is base: case_attn_prefill(
                             r, T_, k, q, d, c, s, rt, e)))  # fmt: skip
+    return out
+
+
+def attn_fixedcost_cases():
+    """`--only "sparse_attn fixedcost"` (diagnostic): the single-pass ws program at B128 (one CTA an SM, one wave) and
+    the persistent grid at B256 (two requests a CTA) over top-k 128 / 256 .. 1152 (2 .. 18 blocks of 64): time = fixed +
+    blocks x per-block, so a line through the rows splits a CTA's fixed cost (launch, Q, ring start-up, epilogue)
+    from the block pipeline's -- what persistence amortises and what a faster block loop would buy."""
+    sad = sparse_attn_decode
+    out = []
+    for B, cfg in ((128, sad.Config(64, 384, 1, 2, True)), (256, sad.Config(64, 384, 1, 2, True, persist=132))):
+        for k in (128, 256, 384, 640, 1152)[1 if cfg.persist else 0 :]:  # persist: >= 2 whole ring rounds
+            out.append((f"sparse_attn fixedcost {cfg.tag}", f"B{B} H64 k{k}",
+                        lambda r, q, d, B=B, k=k, cfg=cfg: case_attn_decode(r, B, k, q, d, cfg)))  # fmt: skip
     return out
 
 

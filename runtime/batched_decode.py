@@ -14,12 +14,18 @@ Cache writes in place (``donate_caches``, the default): the graph writes each ca
 functional form -- and the cache_rows kernel adapter -- copies the whole pool first. At B sequences x 4k context
 that copy is B times one sequence's cache per write (0.5 GB for a V4.1 ratio-1 layer at B = 64), so the decoder
 writes the rows into the pool itself: the verifier guarantees the old version has no later reader, and the pool
-is a view of the caller's [B, ...] cache tensor (the graph's output for that cache is a view of it too); step()
-copies the small functional states (compressor rings, Engram history) back, so every tensor passed in holds the
-new state afterwards, as the runtime's static decode slots want. Each sequence writes at most one row per pool per step, into its own rows, so a
-skipped write (-1: a compressor that did not close a window) rewrites a row of its own with its current value,
-a fixed-shape index_copy_ without a host read. A replay of the same step writes the same rows with the same
-values (the compressor states are functional outputs), so CUDA-graph replays stay idempotent.
+is a view of the caller's [B, ...] cache tensor (the graph's output for that cache is a view of it too);
+step() copies the small functional states (compressor rings, Engram history) back, so every tensor passed in
+holds the new state afterwards, as the runtime's static decode slots want. Each sequence writes at most one
+row per pool per step, into its own rows, so a skipped write (-1: a compressor that did not close a window)
+rewrites a row of its own with its current value, a fixed-shape index_copy_ without a host read. A replay of
+the executor's step writes the same rows with the same values (the compressor states are its functional
+outputs), so per-layer CUDA-graph replays of one step (benchmarks) stay idempotent.
+
+BatchedDecodeGraphs is cuda_graphs.DecodeGraphs' counterpart for the engine (CudaRunner(batched_decode=True) or
+DEEPINFER_BATCHED_DECODE=1): one captured batched step per bucket instead of a chain of single-token steps.
+It is opt-in: its logits equal the single-token steps' only to fp32/kernel rounding at B > 1 (the GEMMs run at
+M = B), where the engine's tests ask the decode path for the same bits as the one-sequence forward.
 """
 
 from __future__ import annotations
@@ -111,3 +117,173 @@ class BatchedDecoder:
 
     def report(self) -> str:
         return self.exec.report()
+
+
+class BatchedDecodeGraphs:
+    """cuda_graphs.DecodeGraphs' interface -- ``run(tokens, positions, fill)``, ``report()``, ``max_bucket`` -- over
+    ONE batched step per bucket instead of a chain of single-token steps: the weights are read once per step.
+
+    Static slots: one [max_bucket, *shape] tensor per cache (slot j = row j, what ``fill(j, caches)`` writes),
+    token and position rows, a logits buffer. Bucket b runs the batched graph over slots 0..b-1 (a contiguous
+    prefix: the flat pools are views); slots n..b-1 are padding (token 0 at position 0 over initial caches, a
+    valid step whose outputs are ignored). First use of a bucket: the step runs eagerly (kernels built, checks,
+    re-layouts), then -- with the slots restored to their state before it, as the step updates them in place --
+    it is captured and replayed once; the replay must reproduce the eager logits, else the bucket stays eager
+    with the reason (a failed capture too). Before the first capture one step runs under HostSyncGuard in record
+    mode, naming any host read (then that bucket stays eager). ``ex``: the runner's one-sequence executor, whose
+    kernel cache and prepared weights (re-layouts) the batched executor shares."""
+
+    def __init__(self, ex: GraphExecutor, graph: Graph, params: Mapping[str, torch.Tensor], max_len: int, device,
+                 *, enabled: bool = True, buckets=None, backend=None):  # fmt: skip
+        from deepinfer.runtime import cuda_graphs as cg
+
+        self.dec = BatchedDecoder(graph, params, device, max_model_len=max_len, kernels=ex.kernels, verify=ex.verify)
+        self.dec.exec.prep_cache = ex.prep_cache  # one copy of every re-laid-out weight
+        self.device, self.max_len = torch.device(device), max_len
+        self.buckets = sorted(set(buckets or cg.BUCKETS))
+        self.max_bucket = self.buckets[-1]
+        self.names = self.dec.cache_names
+        self.init = {e["name"]: e.get("init", 0) for e in graph.meta.get("caches", [])}
+        self.caches = self.dec.allocate(self.max_bucket)
+        self.tok = torch.zeros(self.max_bucket, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(self.max_bucket, dtype=torch.long, device=self.device)
+        self.logits = torch.zeros(self.max_bucket, int(graph.outputs[0].shape[-1]), device=self.device)
+        self.padded = [True] * self.max_bucket
+        self.off_reason = None if enabled else "off (cuda_graphs=False)"
+        if enabled and backend is None:
+            backend = cg.CudaGraphBackend(self.device) if self.device.type == "cuda" else None
+            self.off_reason = None if backend else f"off (no CUDA graphs on {self.device})"
+        self.backend = backend if self.off_reason is None else None
+        self.graphs: dict[int, tuple] = {}
+        self.failed: dict[int, str] = {}
+        self.memo: dict = {}
+        self.replays = {b: 0 for b in self.buckets}
+        self.capture_s: dict[int, float] = {}
+        self.eager_steps = self.batches = 0
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, tokens: list[int], positions: list[int], fill):
+        n = len(tokens)
+        if not 1 <= n <= self.max_bucket:
+            raise ValueError(f"a decode batch of {n} (1..{self.max_bucket})")
+        self.batches += 1
+        b = self.bucket(n)
+        self._write(tokens, positions, fill)
+        self._pad(n, b)
+        if self.backend is not None and b in self.graphs:
+            self.backend.replay(*self.graphs[b])
+            self.replays[b] += 1
+        else:
+            self.eager_steps += 1
+            if self.backend is not None and b not in self.failed:
+                self._capture(b)
+            else:
+                self._step(b)
+        return self.logits[:n].cpu(), [{k: self.caches[k][j] for k in self.names} for j in range(n)]
+
+    def _write(self, tokens, positions, fill) -> None:
+        n = len(tokens)
+        host = torch.tensor([tokens, positions], dtype=torch.long)
+        self.tok[:n].copy_(host[0], non_blocking=True)
+        self.pos[:n].copy_(host[1], non_blocking=True)
+        for j in range(n):
+            fill(j, {k: self.caches[k][j] for k in self.names})
+            self.padded[j] = False
+
+    def _pad(self, n: int, b: int) -> None:
+        for j in range(n, b):
+            if not self.padded[j]:
+                self.tok[j], self.pos[j] = 0, 0
+                for k in self.names:
+                    self.caches[k][j].fill_(self.init[k])
+                self.padded[j] = True
+
+    def _step(self, b: int) -> list[dict]:
+        """The batched step over slots 0..b-1, in place; returns its outputs as a graph backend wants them."""
+        logits, _ = self.dec.step(self.tok[:b], self.pos[:b], {k: v[:b] for k, v in self.caches.items()})
+        self.logits[:b].copy_(logits)
+        return [{"logits": self.logits[:b]}]
+
+    # -- capture -----------------------------------------------------------------------------------------
+    def _snapshot(self, b: int) -> dict[str, torch.Tensor]:
+        return {k: v[:b].clone() for k, v in self.caches.items()}
+
+    def _restore(self, saved: dict[str, torch.Tensor]) -> None:
+        for k, v in saved.items():
+            self.caches[k][: v.shape[0]].copy_(v)
+
+    def _capture(self, b: int) -> None:
+        import copy
+        import time
+
+        from deepinfer.runtime import cuda_graphs as cg
+
+        before = self._snapshot(b)
+        self._step(b)  # the warm-up, and this call's result unless the replay takes over
+        eager, after = self.logits[:b].clone(), self._snapshot(b)
+        stats = copy.deepcopy(self.dec.exec.stats)  # captured node runs are not executions
+        try:
+            self._restore(before)
+            reads = self._host_reads(b)  # per bucket: a reference may read the host at T > 1 only (tiny MoE)
+            if reads:
+                self.failed[b] = reads
+                return
+            self._restore(before)
+            t0 = time.perf_counter()
+            try:
+                handle, outs = self.backend.capture(lambda: self._guarded_step(b))
+            except Exception as e:  # an op that still synchronises: this bucket stays eager, with the reason
+                self.failed[b] = f"capture failed: {cg._one_line(e)}"
+                return
+            self.capture_s[b] = time.perf_counter() - t0
+            self._restore(before)
+            self.backend.replay(handle, outs)
+            err = float((self.logits[:b] - eager).abs().max())
+            scale = max(float(eager.abs().max()), 1.0)
+            if not err <= cg.REPLAY_TOL * scale:  # NaN fails too
+                self.failed[b] = f"replay differs from the eager step (max abs {err:.3g}, logits max {scale:.3g})"
+                return
+            self.graphs[b] = (handle, outs)
+        finally:
+            self.dec.exec.stats = stats
+            if b not in self.graphs:  # the eager step's results stand
+                self._restore(after)
+                self.logits[:b].copy_(eager)
+
+    def _guarded_step(self, b: int) -> list[dict]:
+        from deepinfer.runtime import cuda_graphs as cg
+
+        with cg.HostSyncGuard(memo=self.memo):
+            return self._step(b)
+
+    def _host_reads(self, b: int) -> str | None:
+        """One step recording every host read (and making the memoised host -> device copies); the reason the
+        step cannot be captured, or None."""
+        from deepinfer.runtime import cuda_graphs as cg
+
+        guard = cg.HostSyncGuard(record=True, memo=self.memo)
+        try:
+            with guard:
+                self._step(b)
+        except Exception as e:
+            return f"host-read check failed: {cg._one_line(e)}"
+        if not guard.hits:
+            return None
+        listed = "; ".join(f"{what} (x{k})" for what, k in guard.hits.most_common(4))
+        return f"the step reads device values on the host: {listed}"
+
+    # -- report ------------------------------------------------------------------------------------------
+    def report(self) -> str:
+        lines = [f"decode graphs (batched step, weights read once): {self.off_reason or 'on'}; buckets "
+                 f"{', '.join(map(str, self.buckets))}; static caches for max_model_len {self.max_len}"]  # fmt: skip
+        for b in self.buckets:
+            if b in self.graphs:
+                lines.append(f"  bucket {b:>2}: captured in {self.capture_s[b]:.2f} s, {self.replays[b]} replays")
+            elif b in self.failed:
+                lines.append(f"  bucket {b:>2}: eager -- {self.failed[b]}")
+        lines.append(f"  decode batches: {self.batches}, {sum(self.replays.values())} replayed, "
+                     f"{self.eager_steps} eager")  # fmt: skip
+        return "\n".join(lines)

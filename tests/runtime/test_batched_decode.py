@@ -118,3 +118,61 @@ def test_bench_batched_decode_tiny_smoke_mode(tmp_path, monkeypatch):
         m = row["layers"][layer]
         assert m["kv_bytes"] > 0 and m["weight_bytes"] > 0 and m["roofline_pct"] > 0
         assert m["graph_ms"] >= 0 and m["torch_eager_ms"] > 0 and m["compile_note"].startswith("off")
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def _greedy_rows(llm, prompts, n: int):
+    """Greedy tokens and every sampled logits row by (prompt, position)."""
+    import deepinfer.runtime.executor as ex_mod
+    from deepinfer.runtime.sampler import SamplingParams
+
+    rows, orig = {}, ex_mod.sample_row
+
+    def spy(row, params, seed, position, prompt, output):
+        rows[(tuple(prompt), position)] = row.clone()
+        return orig(row, params, seed, position, prompt, output)
+
+    ex_mod.sample_row = spy
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    finally:
+        ex_mod.sample_row = orig
+    return [o.token_ids for o in outs], rows
+
+
+def _llm(model, **runner_kw):
+    from deepinfer.runtime.cuda_executor import CudaRunner
+    from deepinfer.runtime.engine import LLM
+
+    llm = LLM(plan=model.plan, params=model.params, tokenizer=None, max_model_len=16, overlap=False)
+    llm.executor.runner = CudaRunner(model.plan.graph, model.params, device="cpu", max_model_len=16, **runner_kw)
+    return llm
+
+
+def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41):
+    """The engine's decode path through BatchedDecodeGraphs (emulated graph backend): the same greedy tokens as
+    the chained single-token steps; one sequence (bucket 1, captured and replayed) gives the same bits, two
+    (bucket 2) logits within fp32 rounding -- that bucket stays eager, its reason named (the tiny MoE reference
+    reads its routing on the host at T > 1)."""
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+
+    from .conftest import prompts_of_lengths
+
+    prompts = prompts_of_lengths([5, 3], seed=11)
+    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False), prompts, 3)
+    llm = _llm(tiny_v41, batched_decode=True, buckets=(1, 2), graph_backend=cg.EmulatedGraphBackend())
+    dg = llm.executor.runner.graphs
+    assert isinstance(dg, BatchedDecodeGraphs)
+    got_tokens, got = _greedy_rows(llm, prompts[:1], 3)
+    assert got_tokens == want_tokens[:1] and all(torch.equal(got[k], want[k]) for k in got)
+    assert list(dg.graphs) == [1] and dg.replays[1] >= 1, dg.report()
+    got_tokens, got = _greedy_rows(llm, prompts, 3)
+    assert got_tokens == want_tokens and got.keys() == want.keys()
+    for k, row in got.items():
+        torch.testing.assert_close(row, want[k], rtol=1e-4, atol=1e-4)
+    assert 2 not in dg.graphs and "host" in dg.failed[2], dg.report()
+    assert "bucket  2: eager" in llm.executor.runner.report()
+    assert llm.kv.num_used_blocks == 0 and llm.kv.num_used_slots == 0
