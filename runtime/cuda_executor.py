@@ -170,6 +170,8 @@ class GraphExecutor:
         self.prep_cache: dict = {}
         if max_positions:
             self.prep_cache[ka.MAX_POSITIONS] = int(max_positions)
+        # the MoE activation groups the plan was compiled for (convert_fp4_to_fp8's record; none: the weight block)
+        self.prep_cache.update(ka.moe_act_cache_entries(g.meta))
         self.layer_times: dict[str, float] | None = None  # filled by run(timed=True), milliseconds
         self.op_times: dict[str, float] | None = None  # filled by run(profile=True), milliseconds
         self._attrs_cache: dict = {}
