@@ -20,6 +20,12 @@ and two PV warpgroups (one per D half) that also gather their half of the rows i
 stages, so the gather, QK^T, the softmax and PV of consecutive blocks overlap. It also reads the FP8 KV
 cache (`kv_fp8`: e4m3 codes + ue8m0 exponents per 32, MODEL_SPEC §3), dequantised to bf16 (exactly) in
 shared memory. `_program_ws_cpu` mirrors it on TileLang's c target (fp32) for the CPU tests.
+
+Prefill is the same program at B = T (`prefill_config`): the op is per query -- each token of a chunk has its own
+window list (causal inside the chunk) and its own selected entries -- so a chunk of T tokens is T "requests"
+whose rows mostly hit L2 (the chunk's pools are ~10-25 MB): compute-bound (`prefill_roofline`). `Config.persist`
+runs a persistent grid (one CTA an SM walking the requests, its KV ring and the next Q running on between them):
+the per-CTA fixed cost is then paid once per SM, not once per token.
 Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 

@@ -141,3 +141,23 @@ def test_adapter_at_prefill_runs_unpadded_rows_in_pieces(monkeypatch, persist):
     assert rows == ([300] if persist else [128, 128, 44])
     ref = get_op("sparse_attention").run(args, call.attrs)[0]
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2  # bf16 q and pools
+
+
+def test_persistent_program_sm90_build(codegen_cache, nvcc_required):
+    """Config.persist (two pools, V4.1 shape): bf16 wgmma, cp.async gathers, mbarriers, at most a few spilled words,
+    only the PV warpgroups' named barriers, and the request loop over the symbolic batch (132 CTAs: B + 131)."""
+    import re
+
+    import tvm
+
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = sad.prefill_config(8192, 640, 132, persist=True)
+    func = sad.program(8192, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128)
+    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):
+        art = tb.build(f"sparse_attn_{cfg.tag}_2p", func, "sm90")
+    ops = art.opcodes
+    assert ops["HGMMA"] > 0 and ops["LDGSTS"] > 0 and ops["SYNCS"] > 0
+    assert ops["LDL"] + ops["STL"] <= 8, "register spills"
+    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
+    assert "(B + 131)" in art.source and "__launch_bounds__(384, 1)" in art.source
