@@ -176,3 +176,41 @@ def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41):
     assert 2 not in dg.graphs and "host" in dg.failed[2], dg.report()
     assert "bucket  2: eager" in llm.executor.runner.report()
     assert llm.kv.num_used_blocks == 0 and llm.kv.num_used_slots == 0
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
+    """The engine on the H200 with DEEPINFER_BATCHED_DECODE=1 (tiny V4.1 sm90 plan, 5 prompts, 8 greedy tokens)
+    against the default decode path (chained single-token steps): each sequence's tokens agree until a step
+    whose default logits have a top-2 margin within the kernels' rounding (then the sequences may part), and
+    the agreeing rows are close. Bucket 1 is captured; larger buckets may stay eager (the tiny MoE's layout
+    reads its tile count on the host at T > 1), with the reason in the report."""
+    from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
+    from deepinfer.runtime.engine import LLM
+
+    from .conftest import prompts_of_lengths
+
+    plan, params = sm90_tiny
+    prompts = prompts_of_lengths([5, 9, 3, 12, 7], seed=2, vocab=120000)
+
+    def run():
+        llm = LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
+                  overlap=False)  # fmt: skip
+        return (*_greedy_rows(llm, prompts, 8), llm)
+
+    want_tokens, want, _ = run()
+    monkeypatch.setenv(BATCHED_DECODE_ENV, "1")
+    got_tokens, got, llm = run()
+    dg = llm.executor.runner.graphs
+    print(llm.executor.runner.report())
+    assert isinstance(dg, BatchedDecodeGraphs) and dg.batches > 0 and sum(dg.replays.values()) > 0, dg.report()
+    for p, a, b in zip(prompts, got_tokens, want_tokens):
+        for i, (x, y) in enumerate(zip(a, b)):
+            key = (tuple(p), len(p) + i)  # the row token i was sampled from (i = 0: the prefill's)
+            row = want[key]
+            assert _rel(got[key], row) <= 5e-2, key
+            if x != y:
+                top2 = row.float().topk(2).values
+                assert float(top2[0] - top2[1]) <= 5e-2 * float(row.abs().max()), key
+                break
