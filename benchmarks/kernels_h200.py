@@ -1966,6 +1966,28 @@ def _topk_final_rows():
             (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True))]  # fmt: skip
 
 
+def _topk_r1_rows():
+    """(T, C, cfg) rows "indexer_topk_select r1" (session 6, helper C, issue 6): HistConfig.fast -- the fused chunk
+    loop with the chunk kept as raw float bits, compared with the bound as floats, and warps whose largest score
+    is below it skipping the count / reservation / push (the SASS of a later chunk: ~3 instructions a score
+    instead of ~20) -- next to each shape's current default: T4096 C65536 (the fused default, 557.5 us), C16384
+    at 128 and 256 threads, the decode shapes T64 C65536 (4 and 8 segments), T64 C4160 (issue 8's layer 20) and
+    T1 C65536 (8 segments). Every row exact-checked (heavy ties, then real scores twice)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    H = ts.HistConfig
+    fast = dict(fused=2, ffs=True, fast=True)
+    return [
+        (4096, 65536, None), (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)),
+        (4096, 16384, None), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
+        (4096, 16384, H(256, 16, 16384, l2_ahead=2, min_blocks=3, **fast)),
+        (64, 65536, None), (64, 65536, H(128, 16, 16384, l2_ahead=2, **fast)),
+        (64, 65536, H(128, 16, 8192, l2_ahead=2, **fast)),
+        (64, 4160, None), (64, 4160, H(128, 16, 6144, l2_ahead=2, **fast)),
+        (1, 65536, None), (1, 65536, H(256, 16, 8192, **fast)),
+    ]  # fmt: skip
+
+
 def _indexer_cases(quick: bool):
     """Split indexer rows (scores, top-k, end to end) over T in {1, 64, 4096} x C in {2048, 16384, 65536}
     (scores of at most 1 GiB), the Triton top-k for comparison, and the fused kernel as before."""
@@ -2005,6 +2027,9 @@ def _indexer_cases(quick: bool):
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         for T_, C, cfg in _topk_final_rows():
             out.append(("indexer_topk_select final", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
+        for T_, C, cfg in _topk_r1_rows():
+            out.append(("indexer_topk_select r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         for T_, C, cfg, var in _topk_diag_rows():
             out.append(("indexer_topk_select diag", f"T{T_} C{C} k{IDX_TOPK}",

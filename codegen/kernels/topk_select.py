@@ -105,6 +105,9 @@ class HistConfig:
     fused: int = 0
     min_blocks: int = 0  # __launch_bounds__ CTAs an SM (nvcc caps the registers to fit them), 0: not set
     ffs: bool = False  # the output's set bits found with __ffs (GPU)
+    # (fused) chunks after the first kept as raw float bits and compared with the bound as floats; a warp whose
+    # maximum is below it skips the count, reservation and push (no key conversion of the ~all keys that fail)
+    fast: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -117,6 +120,7 @@ class HistConfig:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
+                + ("v" if self.fast else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -320,6 +324,7 @@ def _tl_unkey(k):
     return T.reinterpret(T.if_then_else(k >= 0, k, T.bitwise_xor(k, 0x7FFFFFFF)), "float32")
 
 
+KEY_NEG_INF = -(2**31) + 0x7FFFFF  # the key of -inf (bits 0xff800000 ^ 0x7fffffff = 0x807fffff)
 RED0 = NB  # offset of block_sum's warp partials in the `cum` scratch (find_bin's warp sums below it)
 
 
@@ -608,8 +613,11 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False):
                 if w < NW:
                     word = bitmap[T.min(w, NW - 1)]
                     if ffs and not ops.cpu:
+                        # (the loop bound in a register: a shared load in a loop extent broke TileLang's sync
+                        # planner when a thread owns one word -- C 2048 at 128 threads)
                         rest = T.alloc_var("int32", init=word)
-                        for _b in T.serial(T.call_extern("int32", "__popc", word)):
+                        nset = T.alloc_var("int32", init=T.call_extern("int32", "__popc", rest))
+                        for _b in T.serial(nset):
                             Idx[t, p] = w * 32 + T.call_extern("int32", "__ffs", rest) - 1
                             p = p + 1
                             rest = T.bitwise_and(rest, rest - 1)  # (the lowest set bit cleared)
@@ -1105,18 +1113,39 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
         else:
             T.evaluate(T.call_extern("handle", "tl_topk_put", T.address_of(buf[0]), j, v))
 
+    def warp_any(pred):  # (GPU) whether any lane of the warp has pred; the `c` target takes every thread's path
+        return T.call_extern("int32", "__any_sync", full, pred) != 0
+
     @T.macro
-    def reserve_push(bufk, bufi, ctl, fz, par, keyf, idf, takef, fl, tmp, hist_f=None, hist_c=None):
+    def reserve_push(bufk, bufi, ctl, fz, par, keyf, idf, takef, fl, tmp, hist_f=None, hist_c=None, hitx=None):
+        """hitx = (xf, thr) (GPU): no key of thread i is taken unless max_q xf(i, q) >= thr (a float): a warp
+        where that holds for no lane skips the count, the reservation and the push."""
+        hitf = None if hitx is None or ops.cpu else hitx
+        if hitf is not None:  # fl = whether the thread's largest float reaches the bound
+            for i in ops.par(NT):  # (one loop over a register array per parallel loop: TileLang's layouts)
+                xm = T.alloc_var("float32", init=-T.infinity("float32"))
+                for q in ops.unroll(E):
+                    xm = T.max(xm, hitf[0](i, q))
+                fl[i] = T.if_then_else(xm >= hitf[1], 1, 0)
         for i in ops.par(NT):  # (the count in fl first: one loop over the keys a parallel loop)
-            fl[i] = 0
-            for q in ops.unroll(E):
-                fl[i] = fl[i] + T.if_then_else(takef(i, q), 1, 0)
+            if hitf is None:
+                fl[i] = 0
+                for q in ops.unroll(E):
+                    fl[i] = fl[i] + T.if_then_else(takef(i, q), 1, 0)
+            elif warp_any(fl[i] != 0):  # (warp-uniform) most warps of a later chunk have no key at the bound
+                fl[i] = 0
+                for q in ops.unroll(E):
+                    fl[i] = fl[i] + T.if_then_else(takef(i, q), 1, 0)
+            else:
+                fl[i] = 0
         for i in ops.par(NT):
             n = T.alloc_var("int32", init=fl[i])
             if ops.cpu:
                 tmp[0] = ctl[0]
                 ctl[0] = ctl[0] + n
-            else:
+            elif hitf is None:
+                warp_reserve(ctl, 0, n, i % 32, tmp)
+            elif warp_any(n > 0):  # (warp-uniform: the shuffles need every lane) no atomic for an idle warp
                 warp_reserve(ctl, 0, n, i % 32, tmp)
             p = T.alloc_var("int32", init=tmp[0])
             fl[i] = T.if_then_else(T.And(n > 0, p + n > BUF), 1, 0)
@@ -1127,8 +1156,8 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                 else:
                     T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(fz[FZ_FLAG + par]), 1))
                     T.evaluate(T.call_extern("int32", "atomicMin", T.address_of(fz[FZ_MINF + par]), p))
-            else:  # (opaque stores on the GPU: the planner put a barrier into this divergent branch for them)
-                for q in ops.unroll(E):
+            elif T.bool(True) if hitf is None else n > 0:  # (opaque stores on the GPU: the planner put a
+                for q in ops.unroll(E):  # barrier into this divergent branch for them)
                     if takef(i, q):
                         put(bufk, p, keyf(i, q))
                         put(bufi, p, idf(i, q))
@@ -1239,12 +1268,36 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
+    FAST = bool(cfg.fast) and FUSED > 0  # (fused chunks: raw float bits in kc, float compares, idle warps skip)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
 
     def at_least(kc, beta):
         return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
+
+    # (fast) a fused chunk's kc holds the raw float bits: key >= bound and visible <=> x >= the float of
+    # max(bound, key(-inf) + 1) (keys are the floats' order; the max keeps -inf and NONE out) and col < lim
+    def raw_x(kc, i, j):
+        return T.reinterpret(kc[i, j], "float32")
+
+    def bound_x(bound):
+        return _tl_unkey(T.max(bound, KEY_NEG_INF + 1))
+
+    def raw_at_least(kc, c0, lim, bound):
+        return lambda i, j: T.And(io.col_of(c0, i, j) < lim, raw_x(kc, i, j) >= bound_x(bound))
+
+    def raw_key(kc):  # (of a key that passed raw_at_least: visible, not -inf)
+        return lambda i, j: _tl_key(raw_x(kc, i, j))
+
+    def raw_hit(kc, bound):  # (reserve_push's hitx) a thread's floats, and the float of the bound
+        return (lambda i, j: raw_x(kc, i, j)), bound_x(bound)
+
+    @T.macro
+    def raw_bits(xr, kc):
+        for i in ops.par(NT):
+            for j in ops.unroll(E):
+                kc[i, j] = T.reinterpret(xr[i, j], "int32")
 
     @T.macro
     def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it):
@@ -1263,6 +1316,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         def take(i, j):
             bound = T.if_then_else(mode == 2, T.max(beta, floor - 1), T.max(beta, floor))
             return T.And(T.Or(mode != 2, fl[i] == 1), T.And(kc[i, j] != NONE, kc[i, j] >= bound))
+
+        return take
+
+    def raw_pushed(kc, c0, lim, fl, beta, floor):
+        """(fast) `pushed` in mode 2 on a fused chunk's raw bits."""
+        def take(i, j):
+            return T.And(fl[i] == 1, raw_at_least(kc, c0, lim, T.max(beta, floor - 1))(i, j))
 
         return take
 
@@ -1405,7 +1465,12 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 mode = 1
                 if it < NCH:
                     if c0_of(sg, it) < lim:
-                        chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        if not FAST:
+                            chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        elif it < OLD_CHUNKS:
+                            chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        else:  # (fast) no key conversion: the bits, compared as floats
+                            raw_bits(xr, kc)
                         if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
                             prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
                         if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
@@ -1436,6 +1501,11 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                         fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
                                     if DIAG == "count":
                                         count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                    elif FAST:
+                                        c0, bnd = c0_of(sg, it), T.max(beta, floor)
+                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
+                                                           raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
+                                                           raw_hit(kc, bnd))  # fmt: skip
                                     else:  # (the keys without room are not counted: a looser bound, rare)
                                         fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc), id_c(c0_of(sg, it)),
                                                            at_least(kc, T.max(beta, floor)), fl, tmp,
@@ -1471,9 +1541,16 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             if bc[2] == NSEG - 1:
                                 last = 1
                 if DIAG in ("", "push"):
-                    if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                    if not FAST:
+                        if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                            push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                                 pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
+                    elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
                         push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), pushed(kc, fl, mode, beta, floor),
                              E, rc, tmp)  # fmt: skip
+                    elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
+                        push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
+                             raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
             if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
                 for i in ops.par(NT):
                     if i < k:

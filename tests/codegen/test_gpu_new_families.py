@@ -46,8 +46,8 @@ def test_indexer_split_end_to_end(kb, run_case, T_, C):
 
 
 @pytest.mark.parametrize("T_,C", [(512, 2048), (264, 16384), (64, 65536), (1, 65536)])
-@pytest.mark.parametrize("kind", ["ints", "zeros"])
-@pytest.mark.parametrize("program", ["default", "hist", "fused"])
+@pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
+@pytest.mark.parametrize("program", ["default", "hist", "fused", "fast"])
 def test_topk_select_ties_exact(kb, T_, C, kind, program):
     """The default top-k program per shape (one CTA per row / streamed rows / merge_all decode), and the
     histogram-bound program (one CTA streaming a row; at T <= 64, 8192-column segments and the last CTA's merge),
@@ -55,7 +55,8 @@ def test_topk_select_ties_exact(kb, T_, C, kind, program):
     the filter / the histogram's bin, so the buffer is cut to its exact top-k), causal limits included: exactly
     topk_entries' set, run twice (the arrival counters reset). "fused": the hist program's one-barrier chunk loop
     (warps push without waiting for each other; all-zero rows run out of buffer room mid-chunk) with the
-    overlapped bin search, 3 CTAs/SM and the __ffs output."""
+    overlapped bin search, 3 CTAs/SM and the __ffs output. "fast": the fused loop on raw float bits, whole warps
+    below the bound skipping their pass (the skip exists on the GPU only; "randn" rows take it)."""
     import torch
 
     from deepinfer.codegen.kernels import topk_select as ts
@@ -65,11 +66,14 @@ def test_topk_select_ties_exact(kb, T_, C, kind, program):
     if program != "default":
         seg = 8192 if T_ <= 64 and C > 8192 else C
         cfg = ts.HistConfig(256, 16, seg, l2_ahead=2) if C >= 4096 else ts.HistConfig(128, 16, C)
-        if program == "fused":
-            cfg = dataclasses.replace(cfg, fused=2, ffs=True, min_blocks=3 if cfg.threads == 256 else 0)
+        if program in ("fused", "fast"):
+            cfg = dataclasses.replace(cfg, fused=2, ffs=True, min_blocks=3 if cfg.threads == 256 else 0,
+                                      fast=program == "fast")
     kern = kb.build(ts.program(T_, C, k=k, ratio=2, cfg=cfg, target="sm90"))
     g = torch.Generator().manual_seed(T_)
     s = torch.randint(-3, 4, (T_, C), generator=g).float() if kind == "ints" else torch.zeros(T_, C)
+    if kind == "randn":  # (no ties: most warps of a later chunk hold no key at the bound -- fast's skip)
+        s = torch.randn(T_, C, generator=g)
     s[:, ::5] = torch.where(s[:, ::5] == 0, -0.0, s[:, ::5])
     pos = torch.randint(0, 2 * C + 8, (T_,), generator=g, dtype=torch.int32)  # some rows see < k, some all
     s, pos = s.cuda(), pos.cuda()

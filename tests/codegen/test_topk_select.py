@@ -112,6 +112,7 @@ def c_hist_kernels(tilelang_required):
     one, two = ts.HistConfig(32, 8, 1024), ts.HistConfig(32, 8, 512)
     one_f, two_f = ts.HistConfig(32, 8, 1024, fused=True), ts.HistConfig(32, 8, 512, fused=True)
     one_f2 = ts.HistConfig(32, 8, 1024, fused=2)  # (the bin search of chunk j during chunk j + 1's pushes)
+    one_v, two_v = ts.HistConfig(32, 8, 1024, fused=2, fast=True), ts.HistConfig(32, 8, 512, fused=1, fast=True)
     return {
         "one": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one, target="cpu")), one, 2, [0, 2, 40, 5000]),
         "two": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two, target="cpu")), two, 1, [5, 700, 5000]),
@@ -121,6 +122,10 @@ def c_hist_kernels(tilelang_required):
                       [5, 700, 5000]),
         "one_fused2": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one_f2, target="cpu")), one_f2, 2,
                        [0, 2, 40, 5000]),
+        "one_fast": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one_v, target="cpu")), one_v, 2,
+                     [0, 2, 40, 5000]),
+        "two_fast": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two_v, target="cpu")), two_v, 1,
+                     [5, 700, 5000]),
     }  # fmt: skip
 
 
@@ -137,7 +142,7 @@ def test_c_target_hist_without_positions(tilelang_required):
     assert torch.equal(_run_c(kernel, s, 16, None, cfg), ts.reference(s, 16))
 
 
-@pytest.mark.parametrize("which", ["one", "two", "one_fused", "two_fused", "one_fused2"])
+@pytest.mark.parametrize("which", ["one", "two", "one_fused", "two_fused", "one_fused2", "one_fast", "two_fast"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_bound(c_hist_kernels, kind, which):
     """The histogram bound (12-bit bins; the first chunk counted whole, later ones above the bound), the buffer
@@ -267,6 +272,17 @@ def test_sm90_lowers_decode_default(tilelang_required):
     assert isinstance(cfg, ts.HistConfig) and cfg.seg // cfg.chunk <= 1 + cfg.l2_ahead
     src = tb.lower(ts.program(64, 4160, k=512, ratio=1, cfg=cfg, target="sm90", has_pos=False), tb.get_target("sm90"))
     assert "tl_topk_prefetch_l2(" in src
+
+
+def test_sm90_lowers_ffs_one_word_a_thread(tilelang_required):
+    """Regression: the __ffs output did not lower where a thread owns one bitmap word and some threads none (C 2048
+    at 128 threads: the 'fused' GPU tie test at T512; here C 1024 at 64 threads): its loop bound was a shared load
+    (TileLang's sync planner: 'allow_append_ ... bitmap[tx]'). The bound is a register now."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.HistConfig(64, 8, 1024, fused=2, ffs=True)
+    src = tb.lower(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="sm90"), tb.get_target("sm90"))
+    assert "__ffs(" in src
 
 
 @pytest.mark.parametrize("fused", [False, True])
