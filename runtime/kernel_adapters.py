@@ -1581,11 +1581,9 @@ class SparseAttnAdapter:
         _, cfg, two, b = self._plan(call)
         q, sink, win_kv, win_idx, cmp_kv, cmp_idx = self._operands(call)
         fused = call.op == "fused_attention"
-        if fused:
-            q = self._prologue(call, q)
         t, h, d = q.shape
         ratio = float(call.attrs["scale"]) * d**0.5  # the kernel scales the logits by D^-0.5
-        qb = pad_rows((q if ratio == 1.0 else q * ratio).to(torch.bfloat16), b)
+        qb = self._q_operand(call, q, ratio, b)
         if two:
             kv = (win_kv.to(torch.bfloat16).contiguous(), cmp_kv.to(torch.bfloat16).contiguous())
             idx = (_pad_idx(win_idx, b), _pad_idx(cmp_idx, b))
@@ -1618,13 +1616,26 @@ class SparseAttnAdapter:
 
         return {k: call.attrs[k] for k in ROPE_ATTRS}
 
-    def _prologue(self, call: Call, q: torch.Tensor) -> torch.Tensor:
-        from deepinfer.ir.ops.attention import Rope
+    def _q_operand(self, call: Call, q: torch.Tensor, ratio: float, rows: int) -> torch.Tensor:
+        """The kernel's bf16 q [rows, H, D] (rows > T: zero rows), fused_attention's prologue (q RMSNorm, RoPE of the
+        last rope_dim channels: the op's formulas) and the scale ratio applied on the way into it -- the values of
+        the reference's rotated f32 copy cast to bf16, without that copy (1 GB written and read again at an
+        8192-token prefill chunk)."""
+        from deepinfer.ir.ops.attention import apply_rope
         from deepinfer.ir.ops.core import RMSNorm
 
+        t = q.shape[0]
+        out = (torch.empty if rows == t else torch.zeros)((rows, *q.shape[1:]), dtype=torch.bfloat16, device=q.device)
+        if call.op != "fused_attention":
+            out[:t] = q if ratio == 1.0 else q * ratio
+            return out
         if call.attrs["q_norm"]:
             q = RMSNorm.reference(q, None, eps=call.attrs["eps"])
-        return Rope.reference(q, call.args[1], inverse=False, **self._rope_attrs(call))
+        r = call.attrs["rope_dim"]
+        rot = apply_rope(q[..., -r:], call.args[1], **self._rope_attrs(call))  # the last r channels alone
+        out[:t, ..., :-r] = q[..., :-r] if ratio == 1.0 else q[..., :-r] * ratio
+        out[:t, ..., -r:] = rot if ratio == 1.0 else rot * ratio
+        return out
 
     def _epilogue(self, call: Call, o: torch.Tensor, rotated: bool = False) -> list[torch.Tensor]:
         from deepinfer.ir.ops.attention import Rope

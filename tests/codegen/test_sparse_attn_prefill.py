@@ -161,3 +161,25 @@ def test_persistent_program_sm90_build(codegen_cache, nvcc_required):
     assert ops["LDL"] + ops["STL"] <= 8, "register spills"
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
     assert "(B + 131)" in art.source and "__launch_bounds__(384, 1)" in art.source
+
+
+@pytest.mark.parametrize("q_norm,scale_ratio,rows", [(True, 1.0, 6), (False, 0.5, 8)])
+def test_adapter_q_operand_is_the_reference_prologue_bit_for_bit(q_norm, scale_ratio, rows):
+    """fused_attention's q prologue written straight into the kernel's bf16 operand (no rotated f32 copy of q) equals
+    the op's formulas -- RMSNorm, RoPE, the scale ratio, the bf16 cast -- bit for bit; padded rows are zero."""
+    from deepinfer.ir.ops.attention import Rope
+    from deepinfer.ir.ops.core import RMSNorm
+    from deepinfer.runtime import kernel_adapters as ka
+
+    rope = {"rope_dim": 16, "theta": 10000.0, "yarn_factor": 4.0, "yarn_orig_len": 64, "beta_fast": 32.0,
+            "beta_slow": 1.0}  # fmt: skip
+    t, h, d = 6, 4, 64
+    g = torch.Generator().manual_seed(9)
+    q, pos = torch.randn(t, h, d, generator=g), torch.arange(1000, 1000 + t)
+    attrs = {"q_norm": q_norm, "eps": 1e-6, **rope, "scale": scale_ratio * d**-0.5, "out_groups": 0, "quant_group": 0}
+    call = ka.Call("fused_attention", attrs, [q, pos], ["q", "p"], [False] * 2, {}, {})
+    got = ka.SparseAttnAdapter()._q_operand(call, q, scale_ratio, rows)
+    want = RMSNorm.reference(q, None, eps=1e-6) if q_norm else q
+    want = Rope.reference(want, pos, inverse=False, **rope) * scale_ratio
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, h, d)
+    assert torch.equal(got[:t], want.to(torch.bfloat16)) and not got[t:].any()
