@@ -15,7 +15,10 @@ step of that element, whatever caused it).
 Printed: per operand, the share of elements whose dequantised value changes from 1x32 to 1x128 and the share below
 the threshold 2^-6 s128 (act_quant.py: only those can change); per GEMM output, the g128 path's norm-wise and max
 deviation from the exact (1x32) path, next to the 1x32 format's own error against unquantised fp32 operands (the
-activations before the graph's 1x32 quantisation, no bf16 rounding).
+activations before the graph's 1x32 quantisation, no bf16 rounding) and the noise floor: the exact path with its
+products summed in fp32 instead of float64. The w2 output deviates more than the w1|w3 product because any
+perturbation of the product flips some bf16 roundings of it and then E4M3 roundings of h (one step: 1/8 at the top
+binade); the noise floor shows the same mechanism at the size of a summation-order difference.
 """
 
 from __future__ import annotations
@@ -63,17 +66,18 @@ def quant(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * s.T.repeat_interleave(group, 1)).double()
 
 
-def expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group: int | None) -> tuple[torch.Tensor, ...]:
+def expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, group: int | None,
+           dtype=torch.float64) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """(x operand, w1|w3 product, SwiGLU output h (fp32, of the bf16-rounded product), h operand, w2 output) with
-    activations per `group` (None: unquantised fp32 operands, no bf16 rounding)."""
+    activations per `group` (None: unquantised fp32 operands, no bf16 rounding); products summed in `dtype`."""
     from deepinfer.ir.ops.moe import swiglu
 
     a = quant(x, group) if group else x.double()
-    c1 = a @ w13.T
+    c1 = (a.to(dtype) @ w13.to(dtype).T).double()
     c1r = c1.to(torch.bfloat16).double() if group else c1
     h = swiglu(c1r[:, :INTER].float(), c1r[:, INTER:].float(), LIMIT)
     hq = quant(h, group) if group else h.double()
-    return a, c1, h, hq, hq @ w2.T
+    return a, c1, h, hq, (hq.to(dtype) @ w2.to(dtype).T).double()
 
 
 def changed(v32: torch.Tensor, v128: torch.Tensor, raw: torch.Tensor) -> str:
@@ -106,6 +110,7 @@ def main(argv=None) -> int:
     x = quant(raw, 32).float()  # the experts' input as the graph feeds it: 1x32 values (fake_quant_fp8)
     exact, g128 = (expert(x, w13, w2, g) for g in (32, 128))
     full = expert(raw, w13, w2, None)  # fp32 operands before any activation quantisation
+    order = expert(x, w13, w2, 32, torch.float32)  # the exact format, products summed in fp32 (another order)
     print(f"V4.1 routed expert, {args.tokens} tokens, D {D}, I {INTER}, FP4 -> FP8 128x128 (exact), massive "
           f"channels x{args.massive:g}, seed {args.seed} ({time.time() - t0:.0f} s)")  # fmt: skip
     print(f"  x  operand (1x32 values rebased to 1x128): {changed(exact[0], g128[0], x)}")
@@ -114,6 +119,10 @@ def main(argv=None) -> int:
     print(f"  h  operand (SwiGLU output): {changed(exact[3], quant(h, 128), h)}")
     print(f"  w2 output (the expert's): g128 vs exact {dev(g128[4], exact[4])}   | exact 1x32 vs fp32 "
           f"{dev(exact[4], full[4])}")  # fmt: skip
+    print(
+        f"  noise floor: the exact 1x32 path with fp32-summed products vs float64: w1|w3 {dev(order[1], exact[1])}, "
+        f"w2 output {dev(order[4], exact[4])} (bf16 / E4M3 rounding flips of h: any kernel's summation order)"
+    )
     return 0
 
 
