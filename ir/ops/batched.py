@@ -386,3 +386,23 @@ class BatchedEngramHistory:
 
 
 __all__ = ["batched_compressor_reference", "batched_indexer_scores", "batched_pair_pool"]
+
+
+@register_op("batched_gather_rows", "pool, index", level="model")
+class BatchedGatherRows:
+    """The rows a batched attention query reads, gathered into a compact pool: pool [N, d], index [B, K] flat
+    pool rows (-1 = none) -> (rows [B*K, d]: row b*K + j = pool[index[b, j]] (row 0 where -1), index' [B, K]:
+    b*K + j, or -1). Attention over (rows, index') reads the same rows in the same order as over (pool, index);
+    a kernel that stages its pool in another dtype then converts B*K rows, not the B sequences' whole caches."""
+
+    def infer(pool, index):
+        if pool.rank != 2 or index.rank != 2 or index.dtype not in (dt.i32, dt.i64):
+            raise shape_fail("batched_gather_rows", "needs pool [N, d] and integer index [B, K]", pool, index)
+        b, k = index.shape
+        return TensorType(pool.dtype, (b * k, pool.shape[1])), TensorType(dt.i64, index.shape)
+
+    def reference(pool, index):
+        idx = index.long()
+        rows = pool.index_select(0, idx.clamp(min=0).reshape(-1))
+        compact = torch.arange(idx.numel(), device=idx.device).view(idx.shape)
+        return rows, torch.where(idx >= 0, compact, torch.full_like(idx, -1))

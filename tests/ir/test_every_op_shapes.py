@@ -123,5 +123,5 @@ DEDICATED = {
     # tests/passes/test_batch_decode.py (the batch_decode pass's graphs, run with check=True)
     "batched_window_indices", "batched_ring_slots", "batched_rows", "batched_compressor",
     "batched_pair_compressor_keys", "batched_index_scores", "batched_indexer_topk", "batched_compressed_indices",
-    "batched_engram_hash", "batched_engram_history",
+    "batched_engram_hash", "batched_engram_history", "batched_gather_rows",
 }

@@ -137,7 +137,7 @@ def test_batched_ops_are_exact_per_sequence(tiny):
     bg = batch_decode(g)
     checked = set()
     for node in bg.nodes:
-        if not node.op.startswith("batched_") or node.op == "batched_rows":
+        if not node.op.startswith("batched_") or node.op in ("batched_rows", "batched_gather_rows"):
             continue
         args = [None if v is None else params[v.name] if v.kind == "param" else
                 torch.cat([s[v.name.removesuffix(".flat")] for s in singles]) for v in node.inputs]  # fmt: skip
@@ -155,3 +155,18 @@ def test_batched_ops_are_exact_per_sequence(tiny):
                     assert torch.equal(part, want), f"{node.op} %{o.name} (output {k}), sequence {b}"
         checked.add(node.op)
     assert checked >= {"batched_ring_slots", "batched_window_indices"}
+
+
+def test_compact_attention_pools_change_no_bit(tiny):
+    """compact=True (the default) gathers the attended compressed rows before the attention: same outputs, bit
+    for bit, as the attention over the flat pools."""
+    name, g, params = tiny
+    lengths = LENGTHS[name]
+    seqs = _prefilled(g, params, lengths)
+    feeds = {"tokens": torch.tensor([5, 6, 7]), "positions": torch.tensor(lengths)}
+    feeds |= {k: torch.stack([c[k] for c in seqs]) for k in _cache_names(g)}
+    compact, flat = batch_decode(g), batch_decode(g, compact=False)
+    assert "batched_gather_rows" in compact.op_counts() and "batched_gather_rows" not in flat.op_counts()
+    a = interpreter.run(compact, {k: v.clone() for k, v in feeds.items()}, params)
+    b = interpreter.run(flat, feeds, params)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
