@@ -68,6 +68,15 @@ for V4.1's 32-groups on SM90 -- whether the FP4 experts are converted to FP8 32x
 (convert_fp4_to_fp8, then this fp8 path) or dequantised in the kernel (W4A8 above, which adds the dequant
 and a per-element scale product: one FMUL + one FFMA per element per 32 K). SM100's block-scaled MMA
 (kind::mxf8f6f4, ue8m0 per 32 K in hardware) is the format's native fix.
+
+V4.1 prefill in the V4 format (issue 8, SM90). convert_fp4_to_fp8 block=128 converts the FP4 experts to 128x128
+FP8 blocks (exact where a block's FP4 group scales span <= 14 binades; checked at load, an error otherwise). The
+programs take weight_block != act_group: at decode the adapter keeps the model's 1x32 activations and reads the
+128x128 scales expanded to the 32-grid (the swap-AB kernels unchanged, the same products bit for bit); at prefill
+the persistent program runs w128a32 (exact: 4 promotions per weight block, one weight scale per N slice) or, with
+the plan's prefill_act_group=128 option, w128a128 -- V4's format, one promotion per 128 K (not exact:
+act_quant.py states and benchmarks/moe_g128_numerics.py measures the deviation). kernels_h200
+--only "grouped_gemm v41g128" times the three formats (w32a32 / w128a32 / w128a128) at V4.1's prefill dims.
 """
 
 import dataclasses
