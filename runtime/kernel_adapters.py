@@ -929,6 +929,14 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return src[rows]
 
 
+def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The prefill un-permute y[t] = sum_j weights[t, j] c[slot[t K + j]] in fp32: one Triton launch where Triton runs
+    (moe_grouped_gemm.combine_rows), else its torch formulation."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights)
+
+
 def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The clamped SwiGLU of a w1|w3 GEMM output c [M, 2I] (gate columns, then up) quantised per `group` columns:
     (e4m3 codes [M, I], MN-major fp32 scales [I/group, M]) -- what the prefill w2 GEMM reads. One Triton launch
@@ -1290,7 +1298,7 @@ class MoEGroupedAdapter:
         hq, hs = swiglu_quant_rows(c1, call.attrs["swiglu_limit"], ag)
         c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
         kernels[1](hq, hs, b2, s2, tile_expert, c2)
-        return (c2[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
+        return _combine(c2, slot, weights)
 
     # -- the shared expert ---------------------------------------------------------------------------------
     # Decode: one more swap-AB pair, the shared expert as a 1-expert stack with all T rows (fused clamped SwiGLU
@@ -1604,9 +1612,8 @@ class SparseAttnAdapter:
             kernels[0](qb, *kv, *idx, op, mp, lp)
             kernels[1](op, mp, lp, sink, o)
         rc = self._o_rope(call, o[:t]) if fused else None
-        if rc is not None:
-            o = ADAPTERS["rope"].run(rc, kernels[-1:])[0].to(call.args[0].dtype)
-            return self._epilogue(call, o, rotated=True)
+        if rc is not None:  # bf16 o: the FP8 epilogue reads it as is (its codes from the bf16 values, exact)
+            return self._epilogue(call, ADAPTERS["rope"].run(rc, kernels[-1:])[0], rotated=True)
         o = o[:t].to(call.args[0].dtype)
         return self._epilogue(call, o) if fused else [o]
 
@@ -1646,8 +1653,8 @@ class SparseAttnAdapter:
             o = o.reshape(o.shape[0], call.attrs["out_groups"], -1)
         group = call.attrs["quant_group"]
         if not group:
-            return [o]
-        o2 = o.reshape(-1, o.shape[-1])
+            return [o.to(call.args[0].dtype) if rotated else o]
+        o2 = o.reshape(-1, o.shape[-1])  # (rotated: the rope kernel's bf16, read without an f32 copy)
         codes, scale_t = quant_rows(o2, group, o2.shape[0])  # quant_fp8_groups' numbers, no synchronising check
         return [codes.view(o.shape), _pow2_to_e8m0(scale_t.T).reshape(*o.shape[:-1], -1)]
 
