@@ -929,6 +929,14 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return src[rows]
 
 
+def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The prefill un-permute y[t] = sum_j weights[t, j] c[slot[t K + j]] in fp32: one Triton launch where Triton runs
+    (moe_grouped_gemm.combine_rows), else its torch formulation."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights)
+
+
 def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The clamped SwiGLU of a w1|w3 GEMM output c [M, 2I] (gate columns, then up) quantised per `group` columns:
     (e4m3 codes [M, I], MN-major fp32 scales [I/group, M]) -- what the prefill w2 GEMM reads. One Triton launch
@@ -1290,7 +1298,7 @@ class MoEGroupedAdapter:
         hq, hs = swiglu_quant_rows(c1, call.attrs["swiglu_limit"], ag)
         c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
         kernels[1](hq, hs, b2, s2, tile_expert, c2)
-        return (c2[slot].float().view(t, k, d) * weights.float().unsqueeze(-1)).sum(1)
+        return _combine(c2, slot, weights)
 
     # -- the shared expert ---------------------------------------------------------------------------------
     # Decode: one more swap-AB pair, the shared expert as a 1-expert stack with all T rows (fused clamped SwiGLU

@@ -1018,6 +1018,52 @@ def masked_rows_reference(e_kept: torch.Tensor, n_experts: int, max_rows: int) -
     return e_kept * max_rows + rank, slot_expert_meta(seen[-1, :n_experts])
 
 
+# The prefill un-permute: y[t] = sum_j w[t, j] * C[slot[t * K + j]] in fp32, one program per (token, D block). In
+# torch it is a gather of the T*K bf16 rows, a widening copy, a product and a sum over K (~5 GB of traffic a layer at
+# 8192 tokens, D 5120, top-6); here each C row is read once and y written once.
+@functools.lru_cache(maxsize=2)
+def _combine_kernel(interpret: bool):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def combine_rows_kernel(c_ptr, slot_ptr, w_ptr, y_ptr, D, stride_c, K: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(slot_ptr + t * K + j).to(tl.int64)
+            wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+            acc += wj * tl.load(c_ptr + row * stride_c + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t.to(tl.int64) * D + d, acc, mask=d < D)
+
+    return combine_rows_kernel
+
+
+def combine_rows(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, block_d: int = 1024) -> torch.Tensor:
+    """y [T, D] fp32 = sum over j of weights[t, j] * c[slot[t * K + j]] (c [rows, D], unit stride along D; slot
+    [T*K] rows of the pairs in token-major order; weights [T, K]): one Triton launch (CUDA, or the interpreter with
+    TRITON_INTERPRET=1). `combine_rows_reference` is the torch formulation (the same products; fp32 sums in
+    another order)."""
+    import os
+
+    import triton
+
+    t, k = weights.shape
+    d = c.shape[1]
+    assert c.stride(1) == 1 and slot.numel() == t * k, (c.stride(), slot.shape, weights.shape)
+    y = torch.empty(t, d, dtype=torch.float32, device=c.device)
+    if t:
+        _combine_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(t, triton.cdiv(d, block_d))](
+            c, slot.contiguous(), weights.float().contiguous(), y, d, c.stride(0), K=k, BLOCK_D=block_d)  # fmt: skip
+    return y
+
+
+def combine_rows_reference(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    t, k = weights.shape
+    return (c[slot].float().view(t, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+
+
 def masked_tile_expert(counts: torch.Tensor, max_rows: int, block_m: int) -> torch.Tensor:
     """The contiguous-layout tile map equivalent to a masked layout (-1 for tiles with no real row):
     lets `reference` check the masked kernel."""

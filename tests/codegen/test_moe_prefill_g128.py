@@ -129,3 +129,38 @@ def test_cuda_swiglu_quant_matches_the_torch_formula(group):
     got, want = q.float(), rq.float()
     step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2.0**-6))) - 3)
     assert ((got - want).abs() <= step).all() and (got == want).float().mean() >= 0.99
+
+
+# ---------------------------------------------------------------------------------------------- the un-permute
+
+
+def test_combine_rows_interpreter_matches_the_torch_formula(interpret):
+    """y[t] = sum_j w[t, j] C[slot[t K + j]]: padding rows of C never read, D not a multiple of the block."""
+    g = torch.Generator().manual_seed(7)
+    t, k, d, rows = 5, 3, 1100, 40
+    c = torch.randn(rows, d, generator=g).bfloat16()
+    slot = torch.randperm(rows, generator=g)[: t * k]
+    c[torch.tensor([i for i in range(rows) if i not in set(slot.tolist())])] = float("nan")
+    w = torch.rand(t, k, generator=g)
+    got = mg.combine_rows(c, slot, w, block_d=512)
+    want = mg.combine_rows_reference(c, slot, w)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_combine_rows_compiles_for_hopper_spill_free():
+    from tests.codegen._triton_aot import compile_sm90, spill_free
+
+    sig = {"c_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*fp32", "y_ptr": "*fp32", "D": "i32", "stride_c": "i32"}
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.moe_grouped_gemm", "_combine_kernel", sig,
+                               dict(K=6, BLOCK_D=1024), num_warps=4)  # fmt: skip
+    assert ".target sm_90a" in ptx and spill_free(report), report
+
+
+@pytest.mark.gpu
+def test_cuda_combine_rows_matches_the_torch_formula():
+    t, k, d = 8192, 6, 5120
+    c = torch.randn(t * k + 500, d, device="cuda").bfloat16()
+    slot = torch.randperm(t * k + 500, device="cuda")[: t * k]
+    w = torch.rand(t, k, device="cuda")
+    got = mg.combine_rows(c, slot, w)
+    assert torch.allclose(got, mg.combine_rows_reference(c, slot, w), rtol=1e-5, atol=1e-5)
