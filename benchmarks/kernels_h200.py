@@ -1274,7 +1274,7 @@ def attn_cases(quick: bool):
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
     return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases()
                                      + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases()
-                                     + attn_fixedcost_cases())
+                                     + attn_fixedcost_cases() + attn_prefill_compiled_cases())
 
 
 def attn_sweep_cases():
@@ -1463,6 +1463,31 @@ def _prefill_attn_inputs(T_: int, topk: int, n_win: int, start: int, ratio: int)
     return q, win_kv, win_idx, cmp_kv, cmp_idx, torch.randn(HEADS, device="cuda")
 
 
+def case_attn_prefill_compiled(row: Row, T_: int, topk: int, quick: bool, dry: bool):
+    """The second baseline of a prefill row: torch.compile (inductor, dynamic=False) of the op's reference on the same
+    inputs, checked against eager; the row's time is the compiled reference (no kernel: %limit against the same
+    matrix bound)."""
+    from deepinfer.ir.ops.attention import SparseAttention
+
+    n_win, C = 128, T_ // 2
+    bounds = sparse_attn_decode.prefill_roofline(T_, HEADS, HEAD_DIM, topk, n_win + T_ + C)
+    row.bytes_, row.flops, row.peak = bounds["hbm"], bounds["flops"], "bf16"
+    if dry:
+        return
+    args = _prefill_attn_inputs(T_, topk, n_win, 0, 2)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = args
+
+    def ref(q, sink, win_kv, win_idx, cmp_kv, cmp_idx):
+        return SparseAttention.reference(q, sink, win_kv, win_idx, cmp_kv, cmp_idx, scale=HEAD_DIM**-0.5)
+
+    compiled = torch.compile(ref, dynamic=False)
+    t0 = time.time()
+    got = compiled(q, sink, win_kv, win_idx, cmp_kv, cmp_idx)
+    row.check = f"{expect(rel_err(got, ref(q, sink, win_kv, win_idx, cmp_kv, cmp_idx)), 2e-2)} vs eager " \
+                f"(compiled in {time.time() - t0:.0f} s)"  # fmt: skip
+    row.ms = bench(lambda: compiled(q, sink, win_kv, win_idx, cmp_kv, cmp_idx), True)
+
+
 def case_attn_prefill(row: Row, T_: int, topk: int, quick: bool, dry: bool, cfg=None, start: int = 0,
                       ratio: int = 2, eager: bool = True):  # fmt: skip
     """Prefill: one chunk of T tokens, 64 heads x 512, each token's own 128 window entries + topk - 128 selected
@@ -1523,6 +1548,12 @@ def attn_prefill_cases():
                         lambda r, q, d, T_=T_, k=topk, c=cfg, s=start, rt=ratio, e=cfg is base: case_attn_prefill(
                             r, T_, k, q, d, c, s, rt, e)))  # fmt: skip
     return out
+
+
+def attn_prefill_compiled_cases():
+    """`--only "sparse_attn torchcompile"`: torch.compile of the op's reference at the prefill rows' main shapes."""
+    return [("sparse_attn torchcompile prefill ref", f"T{T_} H64 k640",
+             lambda r, q, d, T_=T_: case_attn_prefill_compiled(r, T_, 640, q, d)) for T_ in (4096, 8192)]  # fmt: skip
 
 
 def attn_fixedcost_cases():
