@@ -110,3 +110,15 @@ def test_an_inexact_block_is_an_error_not_a_rounding():
     scale[0, 2] -= 16  # one row's group alone: inexact in any FP8 block (its 32x32 block holds 31 other rows)
     with pytest.raises(CheckpointError, match="not exact in 32x32 .* keep the FP4 experts"):
         fp4_to_fp8_checked(packed, scale.view(dt.e8m0.torch_dtype), 32, "w1")
+
+
+@pytest.mark.parametrize("record", [EXACT, G128])
+def test_prefill_with_the_triton_launches_in_the_interpreter(interpret, monkeypatch, record):
+    """The prefill path as it runs on CUDA: x quantised by act_quant's kernel, the SwiGLU + quant and the
+    un-permute as Triton launches (the interpreter), the GEMMs' stand-ins -- against the torch path."""
+    call = moe_call(80, 128, record)
+    want = run(call)
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    monkeypatch.setattr(ka, "ACT_QUANT_KERNEL_ON_CPU", True)
+    got = run(moe_call(80, 128, record))
+    assert rel(got, want) < 1e-2  # a SwiGLU code may round one E4M3 step the other way (act_quant.py)
