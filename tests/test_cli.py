@@ -140,7 +140,10 @@ def test_run_input_jsonl_to_output_jsonl_with_progress_and_summary(tmp_path, cap
 
 def test_sm90_plan_compiles_here_and_refuses_to_run_without_a_gpu(tmp_path, capsys):
     plan = tmp_path / "plan90"
-    assert main(["compile", "--model", "deepseek-v4-flash", "--target", "sm90", "-o", str(plan), "-v"]) == 0
+    # --kernels none: building the bound kernels with nvcc takes ~2 min on CI's 2 cores and is covered by
+    # tests/codegen/test_plan_kernels.py; this test is about the CLI path and the run-time refusal
+    assert main(["compile", "--model", "deepseek-v4-flash", "--target", "sm90", "-o", str(plan), "-v",
+                 "--kernels", "none"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "select_kernels" in out and "convert_fp4_to_fp8" in out
     assert main(["run", str(plan), "--max-tokens", "2"]) == 2
