@@ -609,7 +609,7 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, mo
     from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
     from deepinfer.runtime import cuda_graphs as cg
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
-    from deepinfer.runtime.kernel_adapters import GLU_POLICY, MAX_POSITIONS, moe_act_cache_entries
+    from deepinfer.runtime.kernel_adapters import GLU_POLICY, MAX_POSITIONS, MOE_TILE_STATS, moe_act_cache_entries
 
     if preset == "real":
         require_cuda("the slice benchmark")
@@ -641,6 +641,7 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, mo
     comp.prep_cache[GLU_POLICY] = moe_glu  # the fused SwiGLU's interleaved w1|w3 copies (kernel_adapters)
     comp.prep_cache[MAX_POSITIONS] = max_positions  # rope tables sized once: no host read of the positions
     comp.prep_cache.update(moe_act_cache_entries(g.meta))  # the experts' activation groups the plan records
+    comp.prep_cache[MOE_TILE_STATS] = {}  # each prefill MoE call's padding (rows of expert tiles vs pairs)
     eager = GraphExecutor(g, params, compiled=False)
     st = Setup(g, params, comp, eager, lim, device, backend_factory, nominal)
     st.moe_act = moe_act
@@ -821,6 +822,13 @@ def moe_node_names(g) -> set[str]:
     return out
 
 
+def moe_first_experts(g) -> dict[str, str]:
+    """Per layer: the name of its MoE node's first expert parameter (the key of the adapter's tile stats)."""
+    from deepinfer.runtime.cuda_executor import plan_steps
+
+    return {st.layer: st.node.inputs[9].name for st in plan_steps(g) if st.node.op == "moe_grouped_experts"}
+
+
 def moe_flops(g, t: int) -> dict[str, float]:
     """Per layer: FP8 expert flops of t tokens -- 2 x 3 x D x I per routed expert visit (top-k of them) plus the
     shared expert's 2 x 3 x D x I_s; the routing's gate GEMM (fp32, ~1% of it) is not counted."""
@@ -866,8 +874,11 @@ def layer_node_ms(ex, feeds: dict, reps: int) -> dict[str, dict[str, tuple[str, 
 def moe_part(st: Setup, feeds: dict, t: int, reps: int = 3) -> dict:
     """Per layer: the MoE part (moe_node_names) as ms, share of the layer (the same profiled calls) and FP8
     expert flops over the measured FP8 peak, with each MoE node's ms and how it ran."""
+    from deepinfer.runtime.kernel_adapters import MOE_TILE_STATS
+
     per_layer = layer_node_ms(st.comp, feeds, reps)
     names, flops = moe_node_names(st.g), moe_flops(st.g, t)
+    tiles, first = st.comp.prep_cache.get(MOE_TILE_STATS) or {}, moe_first_experts(st.g)
     how = st.comp.stats.per_node
     out = {}
     for layer, nodes in per_layer.items():
@@ -879,6 +890,7 @@ def moe_part(st: Setup, feeds: dict, t: int, reps: int = 3) -> dict:
         f = flops.get(layer, 0.0)
         out[layer] = {"ms": ms, "layer_ms": layer_ms, "flops": f, "tflops": f / (ms * 1e-3) / 1e12 if ms else 0.0,
                       "pct_fp8": 100 * f / (ms * 1e-3) / st.lim.fp8 if ms else 0.0,
+                      "tiles": tiles.get(first.get(layer, ""), {}),
                       "nodes": {name: {"op": op, "ms": v, "how": how.get(name, "?")[:120]}
                                 for name, (op, v) in moe.items()}}  # fmt: skip
     return out
@@ -891,6 +903,12 @@ def _print_moe(r: dict) -> None:
     for layer, m in r["moe"].items():
         print(f"{pad}{layer}: MoE {m['ms']:.3f} ms of {m['layer_ms']:.3f} ms ({100 * m['ms'] / m['layer_ms']:.0f}% "
               f"of the layer): {m['tflops']:.0f} TFLOPS = {m['pct_fp8']:.1f}% of the FP8 peak")  # fmt: skip
+        tl = m.get("tiles") or {}
+        if tl:
+            real = 100 * tl["pairs"] / tl["tile_rows"]
+            print(f"{pad}    routed rows: {tl['pairs']} (token, expert) pairs in {tl['tile_rows']} rows of 128-row "
+                  f"expert tiles ({real:.0f}% real; the rest pads each expert's last tile and is computed), launch "
+                  f"bucket {tl['rows']} rows (empty tiles skipped)")  # fmt: skip
         for name, n in m["nodes"].items():
             print(f"{pad}    {n['ms']:8.3f}  {n['op']:<22} {n['how']:<40} {name}")
 

@@ -828,6 +828,10 @@ SWAB_DOWN_ACT_GROUP = 32  # the SwiGLU output is quantised per 32 columns (what 
 # Call.cache key: the plan's graph.meta["moe_act_groups"] (passes/convert_fp4_to_fp8.py: {"decode", "prefill",
 # "weight_block"}), put there by the runner (moe_act_cache_entries). Absent: the weight block at every bucket.
 MOE_ACT_POLICY = "moe_act_groups"
+# Call.cache key a runner may set to a dict (benchmarks): each fp8 prefill call records there, under its first expert
+# parameter's name, {"pairs", "tile_rows" (rows of tiles holding an expert's pairs), "rows" (the launch's bucket)}
+# -- one host read, prefill only
+MOE_TILE_STATS = "moe_tile_stats"
 
 
 def moe_act_cache_entries(meta: dict) -> dict:
@@ -1158,6 +1162,10 @@ class MoEGroupedAdapter:
         ag = moe_act_groups(call)[1]
         cfg13, cfg2 = self._prefill_cfg(call, 2 * inter, d, ag), self._prefill_cfg(call, d, inter, ag)
         slot, tile_expert, rows = _moe_layout(idx, e, cfg13.block_m)
+        stats = call.cache.get(MOE_TILE_STATS)
+        if stats is not None:
+            tile_rows = int((tile_expert >= 0).sum()) * cfg13.block_m
+            stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": tile_rows, "rows": rows}
         k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block)
         k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block)
         return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows), act_group=ag)

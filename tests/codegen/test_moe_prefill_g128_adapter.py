@@ -122,3 +122,11 @@ def test_prefill_with_the_triton_launches_in_the_interpreter(interpret, monkeypa
     monkeypatch.setattr(ka, "ACT_QUANT_KERNEL_ON_CPU", True)
     got = run(moe_call(80, 128, record))
     assert rel(got, want) < 1e-2  # a SwiGLU code may round one E4M3 step the other way (act_quant.py)
+
+
+def test_a_runner_can_ask_for_the_prefill_padding():
+    call = moe_call(80, 128, G128)
+    call.cache[ka.MOE_TILE_STATS] = {}
+    ka.MoEGroupedAdapter().keys(call)
+    (st,) = call.cache[ka.MOE_TILE_STATS].values()
+    assert st["pairs"] == 80 * K and st["tile_rows"] % 128 == 0 and st["pairs"] <= st["tile_rows"] <= st["rows"]
