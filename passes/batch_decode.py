@@ -25,9 +25,10 @@ Ops that read the positions row by row (rope, fused_attention's RoPE, candidate_
 topk_entries (per-row scores) stay as they are. Any other op that reads the positions or a cache has no batched
 form yet: the pass raises, naming it (never a silently wrong graph).
 
-The input is a graph at one token per sequence: the optimised plan graph (symbolic T) or one specialised to
-T=1; the output is symbolic in T (specialise it per batch bucket). Node and value names are kept, so kernel
-bindings (meta["kernels"]) still apply; meta["batch_decode"] records the layout.
+The input is the plan graph, symbolic in T (its row dims are written for any T, which is what lets T count
+sequences; a graph specialised to T=1 has lost that); the output is symbolic in T too (specialise it per batch).
+Node and value names are kept, so kernel bindings (meta["kernels"]) still apply; meta["batch_decode"] records the
+layout.
 """
 
 from __future__ import annotations
@@ -66,70 +67,91 @@ FLAT_IDS = {"batched_ring_slots", "batched_window_indices"}
 @register_pass("batch_decode")
 def batch_decode(g: Graph, compact: bool = True) -> Graph:
     """The B-sequence decode graph of ``g`` (a new graph; ``g`` is untouched). See the module doc."""
-    out = clone_graph(g)
+    _check_symbolic_tokens(g)
+    rw = _Rewrite(clone_graph(g))
     t = sym("T")
-    caches = [e["name"] for e in out.meta.get("caches", [])]
-    _check_one_token(out)
-    reshapes, flat = _flatten_cache_inputs(out, caches, t)
+    caches = [e["name"] for e in rw.g.meta.get("caches", [])]
+    reshapes, flat = _flatten_cache_inputs(rw, caches, t)
     sequence_values = {"positions"} | {v.name for v in flat}
-    new_nodes: list[Node] = []
-    offsets: dict[tuple[str, str], Value] = {}
-    for node in out.nodes:
+    for node in rw.g.nodes:
         _check_supported(node, sequence_values)
         if node.op in BATCHED_FORMS:
             node.op = BATCHED_FORMS[node.op]
         if node.op in FLAT_INDEX:
-            _flat_index(out, node, new_nodes, offsets)
+            _flat_index(rw, node)
             if compact and node.op in ATTENTION_POOLS:
-                _compact_pool(out, node, new_nodes, offsets)
+                _compact_pool(rw, node)
         _reinfer(node)
-        new_nodes.append(node)
+        rw.nodes.append(node)
         sequence_values |= _pool_outputs(node, sequence_values)
-    out.nodes = reshapes + new_nodes
-    _unflatten_cache_outputs(out, caches, t)
-    out.meta.pop("_batch_decode_names", None)
-    out.meta["batch_decode"] = {"sequences": "T", "caches": "inputs and outputs [T, *per-sequence shape]"}
-    verify(out)
-    return out
+    rw.g.nodes = reshapes + rw.nodes
+    _unflatten_cache_outputs(rw, caches, t)
+    rw.g.meta["batch_decode"] = {"sequences": "T", "caches": "inputs and outputs [T, *per-sequence shape]"}
+    verify(rw.g)
+    return rw.g
 
 
-def _check_one_token(g: Graph) -> None:
-    bucket = g.meta.get("bucket", {})
-    if bucket.get("T", 1) != 1:
-        raise IRError(f"batch_decode: the graph is specialised to T={bucket['T']}; it needs one token per sequence")
+class _Rewrite:
+    """The graph being rewritten, the nodes of the new order, names taken so far (new nodes are not in g.nodes
+    until the end), and the nodes made once per operand pair (flat row ids, compact pools)."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.nodes: list[Node] = []
+        self.taken = set(g.values())
+        self.made: dict[tuple, list[Value]] = {}
+
+    def add(self, op: str, inputs: list[Value], hints: list[str], key: tuple) -> list[Value]:
+        """The outputs of a new node placed before the node being rewritten; made once per ``key``."""
+        if key not in self.made:
+            node = Node(op, inputs, {})
+            node.outputs = [self.value(h, node) for h in hints]
+            _reinfer(node)
+            self.nodes.append(node)
+            self.made[key] = node.outputs
+        return self.made[key]
+
+    def value(self, hint: str, node: Node) -> Value:
+        name = fresh_name(self.g, hint, self.taken)
+        self.taken.add(name)
+        return Value(name, TensorType(node.inputs[0].dtype, ()), "node", node)  # typed by _reinfer
 
 
-def _flatten_cache_inputs(g: Graph, caches: list[str], t) -> tuple[list[Node], list[Value]]:
+def _check_symbolic_tokens(g: Graph) -> None:
+    if "T" in g.meta.get("bucket", {}):
+        raise IRError(f"batch_decode: the graph is specialised to T={g.meta['bucket']['T']}; it takes the graph "
+                      f"symbolic in T (the plan's), and its result is specialised per batch")  # fmt: skip
+
+
+def _flatten_cache_inputs(rw: _Rewrite, caches: list[str], t) -> tuple[list[Node], list[Value]]:
     """Cache inputs become [T, *shape]; each is read through a reshape to a [T*N, ...] pool (its uses rewired).
     Returns the reshape nodes and the flat pools."""
-    by_name = {v.name: v for v in g.inputs}
-    users = g.users()
+    by_name = {v.name: v for v in rw.g.inputs}
+    users = rw.g.users()
     nodes: list[Node] = []
-    flat: list[Value] = []
     for name in caches:
         v = by_name[name]
         per_seq = v.type.shape
         v.type = TensorType(v.dtype, (t, *per_seq))
         node = Node("reshape", [v], {"shape": [-1, *per_seq[1:]]})
-        node.outputs = [_fresh_value(g, f"{name}.flat", node)]
+        node.outputs = [rw.value(f"{name}.flat", node)]
         _reinfer(node)
         for user in users.get(name, []):
             user.inputs = [node.outputs[0] if i is v else i for i in user.inputs]
         nodes.append(node)
-        flat.append(node.outputs[0])
-    return nodes, flat
+    return nodes, [n.outputs[0] for n in nodes]
 
 
-def _unflatten_cache_outputs(g: Graph, caches: list[str], t) -> None:
+def _unflatten_cache_outputs(rw: _Rewrite, caches: list[str], t) -> None:
     """The graph returns each new cache as [T, *shape] (outputs 1..n follow meta["caches"], as the runtime reads)."""
-    per_seq = {v.name: v.type.shape[1:] for v in g.inputs if v.name in caches}
+    per_seq = {v.name: v.type.shape[1:] for v in rw.g.inputs if v.name in caches}
     for k, name in enumerate(caches, start=1):
-        v = g.outputs[k]
+        v = rw.g.outputs[k]
         node = Node("reshape", [v], {"shape": [t, *per_seq[name]]})
-        node.outputs = [_fresh_value(g, f"{name}.next", node)]
+        node.outputs = [rw.value(f"{name}.next", node)]
         _reinfer(node)
-        g.nodes.append(node)
-        g.outputs[k] = node.outputs[0]
+        rw.g.nodes.append(node)
+        rw.g.outputs[k] = node.outputs[0]
 
 
 def _pool_outputs(node: Node, sequence_values: set[str]) -> set[str]:
@@ -152,7 +174,7 @@ def _check_supported(node: Node, sequence_values: set[str]) -> None:
                       f"has no batched form")  # fmt: skip
 
 
-def _flat_index(g: Graph, node: Node, new_nodes: list[Node], offsets: dict) -> None:
+def _flat_index(rw: _Rewrite, node: Node) -> None:
     """Route the node's per-sequence row ids through batched_rows (one per (ids, pool) pair, shared by readers)."""
     i_idx, i_pool = FLAT_INDEX[node.op]
     if i_idx >= len(node.inputs) or node.inputs[i_idx] is None:
@@ -160,40 +182,20 @@ def _flat_index(g: Graph, node: Node, new_nodes: list[Node], offsets: dict) -> N
     idx, pool = node.inputs[i_idx], node.inputs[i_pool]
     if idx.producer is not None and idx.producer.op in FLAT_IDS:
         return
-    key = (idx.name, pool.name)
-    if key not in offsets:
-        off = Node("batched_rows", [idx, pool], {})
-        off.outputs = [_fresh_value(g, f"{node.outputs[0].name}.rows", off)]  # named in the reader's layer
-        _reinfer(off)
-        new_nodes.append(off)
-        offsets[key] = off.outputs[0]
-    node.inputs[i_idx] = offsets[key]
+    hint = f"{node.outputs[0].name}.rows"  # named in the reader's layer (the executor's segments follow names)
+    (node.inputs[i_idx],) = rw.add("batched_rows", [idx, pool], [hint], key=("rows", idx.name, pool.name))
 
 
-def _fresh_value(g: Graph, hint: str, node: Node) -> Value:
-    """A new output value for a node the pass adds (typed by _reinfer); names made so far are remembered in
-    g.meta's scratch key, as the new nodes are not in g.nodes until the end."""
-    taken = g.meta.setdefault("_batch_decode_names", set(g.values()))
-    name = fresh_name(g, hint, taken)
-    taken.add(name)
-    return Value(name, TensorType(node.inputs[0].dtype, ()), "node", node)
-
-
-def _compact_pool(g: Graph, node: Node, new_nodes: list[Node], gathers: dict) -> None:
+def _compact_pool(rw: _Rewrite, node: Node) -> None:
     """Read the attention's compressed rows from a compact pool (one gather per (pool, ids), shared by readers)."""
     i_pool, i_idx = ATTENTION_POOLS[node.op]
     if i_idx >= len(node.inputs) or node.inputs[i_idx] is None:
         return
     pool, idx = node.inputs[i_pool], node.inputs[i_idx]
-    key = ("gather", pool.name, idx.name)
-    if key not in gathers:
-        gather = Node("batched_gather_rows", [pool, idx], {})
-        base = node.outputs[0].name
-        gather.outputs = [_fresh_value(g, f"{base}.cmp_rows", gather), _fresh_value(g, f"{base}.cmp_ids", gather)]
-        _reinfer(gather)
-        new_nodes.append(gather)
-        gathers[key] = gather.outputs
-    node.inputs[i_pool], node.inputs[i_idx] = gathers[key]
+    base = node.outputs[0].name
+    rows, ids = rw.add("batched_gather_rows", [pool, idx], [f"{base}.cmp_rows", f"{base}.cmp_ids"],
+                       key=("gather", pool.name, idx.name))  # fmt: skip
+    node.inputs[i_pool], node.inputs[i_idx] = rows, ids
 
 
 def _reinfer(node: Node) -> None:
