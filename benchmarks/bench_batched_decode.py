@@ -24,7 +24,9 @@ Roofline per layer: the bytes that must be read over the HBM copy bandwidth meas
 (dense + the expected distinct experts of B tokens, bench_slice.layer_roofline) plus, for EVERY sequence, the
 cache rows the step must read: all index keys (the indexer scores each one), the attended compressed rows
 (top-k per query), the window ring, the compressor states -- against the FP8 peak for the flops; "kv MB" is the
-cache part. --preset tiny is the CPU smoke mode (tiny dims, kernel stand-ins, emulated graphs, nominal limits).
+cache part. Each case also checks the step: the batched graph's references against the one-sequence graph's for
+two sequences, and the kernels against the batched references (logits). --preset tiny is the CPU smoke mode
+(tiny dims, kernel stand-ins, emulated graphs, nominal limits).
 """
 
 from __future__ import annotations
@@ -176,6 +178,10 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         row["node_runs"] = bs._node_runs(ex, lambda: ex.run(feeds))
         exec_ms, row["exec_total_ms"] = bs.time_layers(ex, feeds, reps)
         eager_ms, row["eager_total_ms"] = bs.time_layers(st.eager, feeds, max(2, reps // 2))
+        row["check"] = reference_check(st, feeds)
+        chk = row["check"]
+        log(f"{row['case']}: logits max rel err: batched references vs one-sequence references "
+            f"{chk['batched_vs_single']:.2e}, kernels vs references {chk['kernels_vs_eager']:.2e}")  # fmt: skip
         lg = LayerGraphs(ex, feeds, st.backend_factory())
         lg.prepare()
         row["graphs_report"], row["fell_back"] = lg.report(), lg.fell_back()
@@ -192,6 +198,26 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         log(f"{row['case']}: ERROR {row['error']}")
         traceback.print_exc(limit=6)
     return row
+
+
+def reference_check(st, feeds: dict) -> dict:
+    """The batched step against the one-sequence graph at these dims: the batched graph's references vs the
+    one-sequence graph's references for sequences 0 and 1 (positions of both parities), and the compiled step
+    vs the batched references (max |a - b| / max |b| of the logits rows)."""
+    from deepinfer.runtime.cuda_executor import GraphExecutor
+
+    def rel(a, b) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+    names = [e["name"] for e in st.g.meta["caches"]]
+    batched = st.eager.run(feeds)[0]
+    compiled = st.dec.exec.run(feeds)[0]
+    single = GraphExecutor(st.g, st.params, compiled=False)
+    errs = []
+    for b in range(min(2, batched.shape[0])):
+        one = {"tokens": feeds["tokens"][b : b + 1], "positions": feeds["positions"][b : b + 1]}
+        errs.append(rel(batched[b], single.run({**one, **{k: feeds[k][b] for k in names}})[0][0]))
+    return {"batched_vs_single": max(errs), "kernels_vs_eager": rel(compiled, batched)}
 
 
 def _sync(st) -> None:
