@@ -20,6 +20,8 @@ Per layer (CUDA events between the layers' graphs, median of reps):
   eager ms     every node's torch reference (the executor, and the same references as a straight-line function
                per layer: the faster of the two is "torch eager")
   compile ms   that straight-line function under torch.compile (bench_slice.layer_baselines)
+  B x 1-seq    B times one sequence's single-token step (the one-sequence graph at T=1, its kernels, CUDA graphs
+               per layer): what the engine's decode chains per step without the batched graph
 Roofline per layer: the bytes that must be read over the HBM copy bandwidth measured in the run -- the weights
 (dense + the expected distinct experts of B tokens, bench_slice.layer_roofline) plus, for EVERY sequence, the
 cache rows the step must read: all index keys (the indexer scores each one), the attended compressed rows
@@ -84,7 +86,7 @@ def setup(layers, preset: str, budget_s: float, max_len: int, donate: bool = Tru
     log(f"batched graph: {len(dec.graph.nodes)} nodes ({len(g.nodes)} one-sequence), batched ops "
         f"{ {k: v for k, v in dec.graph.op_counts().items() if k.startswith('batched_')} }")  # fmt: skip
     return SimpleNamespace(g=g, dec=dec, params=params, eager=eager, lim=lim, device=device, nominal=nominal,
-                           backend_factory=backend_factory)  # fmt: skip
+                           backend_factory=backend_factory, single=None, single_steps=True)  # fmt: skip
 
 
 def batched_feeds(dec, b: int, context: int, device: str, seed: int = 0) -> dict:
@@ -189,6 +191,10 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         graph_ms, row["graph_total_ms"] = bs.time_graph_layers(lg, reps)
         base = bs.layer_baselines(lg, st.eager, st.params, reps, compile_on, mode, end)
         row["layers"] = layer_rows(st, b, feeds, graph_ms, exec_ms, eager_ms, base)
+        if st.single_steps:
+            for layer, ms in single_step_ms(st, feeds, reps).items():
+                if layer in row["layers"]:
+                    row["layers"][layer]["single_step_ms"] = ms  # x B: the chained single-token steps
         ex.run(feeds, profile=True)
         row["op_times"] = ex.op_times
         log(f"{row['case']}: slowest ops (executor, ms): "
@@ -198,6 +204,24 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         log(f"{row['case']}: ERROR {row['error']}")
         traceback.print_exc(limit=6)
     return row
+
+
+def single_step_ms(st, feeds: dict, reps: int) -> dict[str, float]:
+    """Per layer: one sequence's single-token step (the one-sequence graph at T=1, its kernels, CUDA graphs per
+    layer) on sequence 0's caches -- what the engine's decode runs B times per step without the batched graph."""
+    from deepinfer.runtime.cuda_executor import GraphExecutor
+    from deepinfer.runtime.layer_graphs import LayerGraphs
+
+    if st.single is None:
+        st.single = GraphExecutor(st.g, st.params, kernels=st.dec.exec.kernels, sync_free="always",
+                                  max_positions=st.dec.max_len)  # fmt: skip
+        st.single.prep_cache = st.dec.exec.prep_cache  # the same prepared weights
+    names = [e["name"] for e in st.g.meta["caches"]]
+    one = {"tokens": feeds["tokens"][:1], "positions": feeds["positions"][:1], **{k: feeds[k][0] for k in names}}
+    st.single.run(one)
+    lg = LayerGraphs(st.single, one, st.backend_factory())
+    lg.prepare()
+    return bs.time_graph_layers(lg, reps)[0]
 
 
 def reference_check(st, feeds: dict) -> dict:
@@ -230,7 +254,8 @@ def _sync(st) -> None:
 
 def print_table(rows: list) -> None:
     head = (f"{'case':<28} {'layer':<6} {'graph ms':>9} {'% roof':>7} {'% w-only':>8} {'kv MB':>8} {'exec ms':>8} "
-            f"{'eager ms':>9} {'compile ms':>10} {'vs eager':>8} {'vs comp':>8}")  # fmt: skip
+            f"{'eager ms':>9} {'compile ms':>10} {'vs eager':>8} {'vs comp':>8} {'B x 1-seq ms':>12} "
+            f"{'vs B x 1':>8}")  # fmt: skip
     print(head)
     for r in rows:
         if "layers" not in r:
@@ -239,10 +264,11 @@ def print_table(rows: list) -> None:
         for layer, m in r["layers"].items():
             ours = m["graph_ms"] if m["graph_ms"] == m["graph_ms"] else m["exec_ms"]
             comp = m.get("compile_ms", float("nan"))
+            chain = r["sequences"] * m.get("single_step_ms", float("nan"))
             print(f"{r['case']:<28} {layer:<6} {m['graph_ms']:>9.3f} {m['roofline_pct']:>6.1f}% "
                   f"{m['weights_only_pct']:>7.1f}% {m['kv_bytes'] / 1e6:>8.1f} {m['exec_ms']:>8.3f} "
                   f"{m['torch_eager_ms']:>9.3f} {comp:>10.3f} {m['torch_eager_ms'] / ours:>7.1f}x "
-                  f"{comp / ours:>7.1f}x")  # fmt: skip
+                  f"{comp / ours:>7.1f}x {chain:>12.3f} {chain / ours:>7.1f}x")  # fmt: skip
         print(f"{r['case']:<28} step   {r.get('graph_total_ms', float('nan')):>9.3f} ms in graphs, "
               f"{r['sequences'] / (r.get('graph_total_ms', float('nan')) * 1e-3):.0f} tok/s; executor "
               f"{r['exec_total_ms']:.3f} ms, eager {r['eager_total_ms']:.3f} ms")  # fmt: skip
@@ -253,6 +279,7 @@ def run(args) -> list[dict]:
     layers = bs._ints(args.layers) or (TINY_LAYERS if args.preset == "tiny" else (2, 20))
     batches, context = bs._ints(args.batches), int(args.context)
     st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate)
+    st.single_steps = not args.no_single_steps
     compile_batches = set(bs._ints(args.compile_batches) or batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-batches", default="", help="batches that get the torch.compile baseline (default all)")
     ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"))
     ap.add_argument("--no-donate", action="store_true", help="functional cache writes (the whole pool copied)")
+    ap.add_argument("--no-single-steps", action="store_true", help="skip the one-sequence T=1 step (B x 1-seq ms)")
     ap.add_argument("--preset", choices=("real", "tiny"), default="real", help="tiny: the CPU smoke mode")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--jobs", "-j", type=int, default=0, help="pre-build kernels in this many processes")
