@@ -1105,11 +1105,12 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0, w
     if cfg.num_split > 1:
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         if wide_combine:  # the candidate combine (same signature)
-            progs = (progs[0], sad.combine_program_wide(B, HEADS, HEAD_DIM, cfg.num_split, target="sm90"))
+            progs = (progs[0], sad.combine_program_wide(B, HEADS, HEAD_DIM, cfg.num_split, target="sm90",
+                                                        **sad.combine_kwargs(cfg, HEADS, HEAD_DIM)))  # fmt: skip
         part, comb = (build(f) for f in progs)
         ns = cfg.num_split
         scratch = None if dry else (
-            torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda"),
+            torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda", dtype=sad.partial_dtype(cfg, HEADS, HEAD_DIM)),
             torch.empty(B, ns, HEADS, device="cuda"),
             torch.empty(B, ns, HEADS, device="cuda"),
         )  # fmt: skip
@@ -1274,7 +1275,7 @@ def attn_cases(quick: bool):
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
     return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases()
                                      + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases()
-                                     + attn_fixedcost_cases() + attn_prefill_compiled_cases())
+                                     + attn_fixedcost_cases() + attn_prefill_compiled_cases() + attn_partial16_cases())
 
 
 def attn_sweep_cases():
@@ -1554,6 +1555,19 @@ def attn_prefill_compiled_cases():
     """`--only "sparse_attn torchcompile"`: torch.compile of the op's reference at the prefill rows' main shapes."""
     return [("sparse_attn torchcompile prefill ref", f"T{T_} H64 k640",
              lambda r, q, d, T_=T_: case_attn_prefill_compiled(r, T_, 640, q, d)) for T_ in (4096, 8192)]  # fmt: skip
+
+
+def attn_partial16_cases():
+    """`--only "sparse_attn partial16"`: the split configs (B1 / B16 / B64, two pools as the runtime passes them) with
+    the chunks' partial outputs in bf16 (Config.partial_bf16) next to fp32 partials (the default)."""
+    sad = sparse_attn_decode
+    out = []
+    for B in (64, 16, 1):
+        base = sad.sm90_config(B, 640)
+        for cfg in (base, dataclasses.replace(base, partial_bf16=True)):
+            out.append((f"sparse_attn partial16 {cfg.tag}", f"B{B} H64 k640",
+                        lambda r, q, d, B=B, cfg=cfg: case_attn_decode(r, B, 640, q, d, cfg, n_win=128)))  # fmt: skip
+    return out
 
 
 def attn_fixedcost_cases():

@@ -1550,7 +1550,7 @@ class SparseAttnAdapter:
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
         names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "l2_prefetch",
-                             "persist") if f in vars(sad.Config())]  # fmt: skip
+                             "persist", "partial_bf16") if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
         if topk % (cfg.block_n * cfg.num_split):
@@ -1573,7 +1573,8 @@ class SparseAttnAdapter:
         b = bucket_rows(t, 1)  # queries padded to a power of two (rows of -1 entries give 0): few kernels
         keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
         if cfg.num_split > 1:
-            keys.append(_key("sparse_attn_decode", sad.combine_name(b), (b, h, d, cfg.num_split)))
+            keys.append(_key("sparse_attn_decode", sad.combine_name(b), (b, h, d, cfg.num_split),
+                             **sad.combine_kwargs(cfg, h, d)))  # fmt: skip
         if _symbolic_rows(cfg, h, d):  # the ws single pass: one build takes any B (prefill: no padded CTAs)
             b = t
         return keys, cfg, two, b
@@ -1594,6 +1595,8 @@ class SparseAttnAdapter:
         return keys + ([ADAPTERS["rope"].keys(rc)[0]] if rc is not None else [])
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
         _, cfg, two, b = self._plan(call)
         q, sink, win_kv, win_idx, cmp_kv, cmp_idx = self._operands(call)
         fused = call.op == "fused_attention"
@@ -1615,7 +1618,7 @@ class SparseAttnAdapter:
             _launch_rows(kernels[0], cfg, qb, kv, idx, sink, o)
         else:
             ns = cfg.num_split
-            op = torch.empty(b, ns, h, d, device=q.device)
+            op = torch.empty(b, ns, h, d, device=q.device, dtype=sad.partial_dtype(cfg, h, d))
             mp, lp = torch.empty(b, ns, h, device=q.device), torch.empty(b, ns, h, device=q.device)
             kernels[0](qb, *kv, *idx, op, mp, lp)
             kernels[1](op, mp, lp, sink, o)

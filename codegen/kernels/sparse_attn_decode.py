@@ -71,6 +71,10 @@ class Config:
     # not once per token; the KV ring runs on across tokens (the last round of token k gathers token k + 1's
     # first blocks) and the next token's Q loads under the last PV of this one. 0: one CTA per request.
     persist: int = 0
+    # ws, split (new, not yet measured): the chunks' unnormalised outputs Op in bf16, not fp32 -- half the bytes the
+    # split kernel writes and the combine reads back (B64 x 2 chunks: 16.8 -> 8.4 MB; the combine alone was 10.3 of
+    # the pair's 32.6 us). Each chunk's partial takes one bf16 rounding more before the weighted sum (~2^-9 relative).
+    partial_bf16: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -82,6 +86,7 @@ class Config:
         if self.persist:
             assert self.ws and self.num_split == 1 and not self.l2_prefetch, "persist"
             assert self.copy == "cp" and not self.skip, "persist: the full bf16 program"
+        assert not self.partial_bf16 or (self.ws and self.num_split > 1), "partial_bf16: the ws split pass"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -99,6 +104,7 @@ class Config:
         head += "B" if self.copy == "bulk" else ""
         head += f"pf{self.l2_prefetch}" if self.l2_prefetch else ""
         head += f"p{self.persist}" if self.persist else ""
+        head += "h" if self.partial_bf16 else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -759,7 +765,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         for st in tail_blocks:
             pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
         T.barrier_wait(fin, 0)
-        if split:
+        if split and cfg.partial_bf16:
+            for h, d in T.Parallel(H, D2):
+                Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], bf)
+        elif split:
             for h, d in T.Parallel(H, D2):
                 Op[b, sp, h, hf * D2 + d] = o[h, d]
         else:
@@ -1008,10 +1017,11 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else None)
     kvt = "float8_e4m3fn" if kv_fp8 else bf
+    opt = bf if cfg.partial_bf16 else f32  # the split pass's Op
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split, prelude=prelude, persist=P)  # fmt: skip
+                                  fp8=kv_fp8, split=split, prelude=prelude, persist=P, op_dtype=opt)  # fmt: skip
     if P:
 
         @T.prim_func
@@ -1034,7 +1044,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             KV: T.Tensor((Sd, D), kvt),
             KVs: T.Tensor((Sd, D // 32), "uint8"),
             Idx: T.Tensor((Bd, topk), i32),
-            Op: T.Tensor((Bd, ns, H, D), f32),
+            Op: T.Tensor((Bd, ns, H, D), opt),
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
@@ -1064,7 +1074,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             Q: T.Tensor((Bd, H, D), bf),
             KV: T.Tensor((Sd, D), kvt),
             Idx: T.Tensor((Bd, topk), i32),
-            Op: T.Tensor((Bd, ns, H, D), f32),
+            Op: T.Tensor((Bd, ns, H, D), opt),
             Mp: T.Tensor((Bd, ns, H), f32),
             Lp: T.Tensor((Bd, ns, H), f32),
         ):
@@ -1088,7 +1098,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16", prelude=None, persist: int = 0):  # fmt: skip
+                       act="bfloat16", prelude=None, persist: int = 0, op_dtype="float32"):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
     is the CTA index (the persistent ws body walks the requests itself)."""
@@ -1122,7 +1132,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             KVsc: T.Tensor((Sc, D // 32), "uint8"),
             IdxW: T.Tensor((B, nw), i32),
             IdxC: T.Tensor((B, nc), i32),
-            Op: T.Tensor((B, ns, H, D), f32),
+            Op: T.Tensor((B, ns, H, D), op_dtype),
             Mp: T.Tensor((B, ns, H), f32),
             Lp: T.Tensor((B, ns, H), f32),
         ):
@@ -1157,7 +1167,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             KVc: T.Tensor((Sc, D), kvt),
             IdxW: T.Tensor((B, nw), i32),
             IdxC: T.Tensor((B, nc), i32),
-            Op: T.Tensor((B, ns, H, D), f32),
+            Op: T.Tensor((B, ns, H, D), op_dtype),
             Mp: T.Tensor((B, ns, H), f32),
             Lp: T.Tensor((B, ns, H), f32),
         ):
@@ -1353,18 +1363,21 @@ def _program_ws_cpu(
     return ws_cpu
 
 
-def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, threads: int = 128):
+def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, threads: int = 128,
+                    op_dtype: str = "float32"):  # fmt: skip
     """prim_func(Op, Mp, Lp, Sink, O): O[b, h] = Σ_s e^(m_s − M) o_s / (Σ_s e^(m_s − M) l_s + e^(sink − M)),
-    M = max(max_s m_s, sink). A chunk with no valid entry has m_s = NEG, l_s = 0, o_s = 0: weight exactly 0."""
+    M = max(max_s m_s, sink). A chunk with no valid entry has m_s = NEG, l_s = 0, o_s = 0: weight exactly 0.
+    op_dtype: Op's dtype (bfloat16: Config.partial_bf16; the c target keeps fp32)."""
     import tilelang.language as T
 
     ns = num_split
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"
+    opt = "float32" if mem.cpu else op_dtype
 
     @T.prim_func
     def sparse_attn_combine(
-        Op: T.Tensor((B, ns, H, D), "float32"),
+        Op: T.Tensor((B, ns, H, D), opt),
         Mp: T.Tensor((B, ns, H), "float32"),
         Lp: T.Tensor((B, ns, H), "float32"),
         Sink: T.Tensor((H,), "float32"),
@@ -1384,14 +1397,15 @@ def combine_program(B: int, H: int, D: int, num_split: int, *, target: str, thre
                 acc[d] = 0.0
             for sp in T.serial(ns):
                 for d in mem.par(D):
-                    acc[d] = acc[d] + Op[b, sp, h, d] * T.exp(Mp[b, sp, h] - mx[0])
+                    acc[d] = acc[d] + T.cast(Op[b, sp, h, d], "float32") * T.exp(Mp[b, sp, h] - mx[0])
             for d in mem.par(D):
                 O[b, h, d] = T.cast(acc[d] / den[0], act)
 
     return sparse_attn_combine
 
 
-def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str, heads: int = 8, threads: int = 256):
+def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str, heads: int = 8, threads: int = 256,
+                         op_dtype: str = "float32"):  # fmt: skip
     """The combine of `combine_program` (same signature and result) with one CTA per (request, `heads` heads):
     8 threads first fold the chunks' (max, sum) and the sink into each head's chunk weights
     e^(m_s - M) / den (shared memory), then every thread streams its Op values with independent vector
@@ -1402,13 +1416,14 @@ def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str,
     ns = num_split
     mem = Mem(target)
     act = "float32" if mem.cpu else "bfloat16"
+    opt = "float32" if mem.cpu else op_dtype  # Op's dtype (Config.partial_bf16: bfloat16)
     hb_n = heads if H % heads == 0 else 1
     chunks, rest = list(range(ns)), list(range(1, ns))  # Python lists: these loops unroll at trace time
     preload = ns <= 4 and hb_n * D <= 16 * threads  # at most 16 registers a thread per chunk
 
     @T.prim_func
     def sparse_attn_combine_wide(
-        Op: T.Tensor((B, ns, H, D), "float32"),
+        Op: T.Tensor((B, ns, H, D), opt),
         Mp: T.Tensor((B, ns, H), "float32"),
         Lp: T.Tensor((B, ns, H), "float32"),
         Sink: T.Tensor((H,), "float32"),
@@ -1421,7 +1436,7 @@ def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str,
             vals = [mem.fragment((hb_n, D), "float32") for _ in chunks] if preload else []
             for sp in chunks if preload else []:
                 for i, d in mem.par(hb_n, D):
-                    vals[sp][i, d] = Op[b, sp, hb * hb_n + i, d]
+                    vals[sp][i, d] = T.cast(Op[b, sp, hb * hb_n + i, d], "float32")
             for i in mem.par(hb_n):
                 h = hb * hb_n + i
                 top = Sink[h]  # the max counts the sink: every exponent <= 0, an all-invalid chunk weighs 0
@@ -1433,9 +1448,10 @@ def combine_program_wide(B: int, H: int, D: int, num_split: int, *, target: str,
                 for sp in chunks:
                     wt[i, sp] = T.exp(Mp[b, sp, h] - top) / den
             for i, d in mem.par(hb_n, D):
-                acc = (vals[0][i, d] if preload else Op[b, 0, hb * hb_n + i, d]) * wt[i, 0]
+                acc = (vals[0][i, d] if preload else T.cast(Op[b, 0, hb * hb_n + i, d], "float32")) * wt[i, 0]
                 for sp in rest:
-                    acc = acc + (vals[sp][i, d] if preload else Op[b, sp, hb * hb_n + i, d]) * wt[i, sp]
+                    acc = acc + (vals[sp][i, d] if preload else T.cast(Op[b, sp, hb * hb_n + i, d], "float32")) * wt[
+                        i, sp]
                 O[b, hb * hb_n + i, d] = T.cast(acc, act)
 
     return sparse_attn_combine_wide
@@ -1457,22 +1473,36 @@ def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cf
     assert cfg.num_split > 1
     return (
         program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
-        globals()[combine_name(B)](B, H, D, cfg.num_split, target=target),
+        globals()[combine_name(B)](B, H, D, cfg.num_split, target=target, **combine_kwargs(cfg, H, D)),
     )
+
+
+def _bf16_partials(cfg: Config, H: int, D: int) -> bool:
+    return cfg.partial_bf16 and ws_supported(H, D, "sm90")  # elsewhere the portable program writes fp32 partials
+
+
+def combine_kwargs(cfg: Config, H: int, D: int) -> dict:
+    """The combine factory's arguments that follow the partial pass's config (Op's dtype)."""
+    return {"op_dtype": "bfloat16"} if _bf16_partials(cfg, H, D) else {}
+
+
+def partial_dtype(cfg: Config, H: int, D: int) -> torch.dtype:
+    """Op's torch dtype for a split config (the scratch run_split / the runtime allocate)."""
+    return torch.bfloat16 if _bf16_partials(cfg, H, D) else torch.float32
 
 
 def _as_args(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None):
+def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None, op_dtype=torch.float32):
     """Launch the split pair; `scratch` (Op, Mp, Lp) can be passed to skip the allocations. kv is the
     bf16 pool or a tuple of the KV arguments in signature order ((codes, exponents) for the FP8-KV program;
     two pools: (KVw, KVc) or (KVw, KVsw, KVc, KVsc)); idx the Idx tensor or (IdxW, IdxC)."""
     B, H, D = q.shape
     if scratch is None:
         scratch = (
-            torch.empty(B, num_split, H, D, device=q.device, dtype=torch.float32),
+            torch.empty(B, num_split, H, D, device=q.device, dtype=op_dtype),
             torch.empty(B, num_split, H, device=q.device, dtype=torch.float32),
             torch.empty(B, num_split, H, device=q.device, dtype=torch.float32),
         )

@@ -200,6 +200,18 @@ def test_sparse_attn_prefill(kb, run_case, T_, topk, persist, start, ratio):
     run_case(functools.partial(kb.case_attn_prefill, cfg=cfg, start=start, ratio=ratio, eager=False), T_, topk)
 
 
+@pytest.mark.parametrize("B", [64, 16, 1])
+def test_sparse_attn_decode_bf16_partials(kb, run_case, B):
+    """Config.partial_bf16: the split pass writes its chunks' outputs in bf16, the combine (wide at B64) reads them;
+    two pools, request 0's second half of entries -1 (whole chunks of invalid entries: weight 0)."""
+    import dataclasses
+
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    cfg = dataclasses.replace(sad.sm90_config(B, 640), partial_bf16=True)
+    run_case(functools.partial(kb.case_attn_decode, cfg=cfg, n_win=128), B, 640)
+
+
 @pytest.mark.parametrize("B", [256, 100])
 def test_sparse_attn_decode_persist(kb, run_case, B):
     """The persistent grid at decode (two pools): B256 = 2 requests on most CTAs, B100 leaves 32 CTAs idle."""

@@ -183,3 +183,32 @@ def test_adapter_q_operand_is_the_reference_prologue_bit_for_bit(q_norm, scale_r
     want = Rope.reference(want, pos, inverse=False, **rope) * scale_ratio
     assert got.dtype == torch.bfloat16 and got.shape == (rows, h, d)
     assert torch.equal(got[:t], want.to(torch.bfloat16)) and not got[t:].any()
+
+
+def test_adapter_bf16_partials_with_emulated_kernels(monkeypatch):
+    """Config.partial_bf16 through the adapter: the combine key carries Op's dtype, the scratch Op is bf16, the
+    result stays within the bf16 tolerance of the op's reference (H64 / D128: the ws shapes)."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    args = list(chunk_operands(5, 64, 128, 32, 96, 200, 2, seed=7))
+    cfg = {"block_n": 32, "num_split": 2, "stages": 2, "ws": True, "threads": 384, "partial_bf16": True}
+    call = ka.Call("sparse_attention", {"scale": 128**-0.5}, args, [f"a{i}" for i in range(6)], [False] * 6, cfg, {})
+    adapter = ka.adapter_for("sparse_attn_decode", "sparse_attention")
+    keys = adapter.keys(call)
+    assert dict(keys[1].kwargs) == {"op_dtype": "bfloat16"}
+    dtypes = []
+    part = ka.emulated_kernel(keys[0])
+
+    def spy(q, *rest):
+        dtypes.append(rest[-3].dtype)  # Op
+        part(q, *rest)
+
+    out = adapter.run(call, [spy, ka.emulated_kernel(keys[1])])[0]
+    assert dtypes == [torch.bfloat16]
+    ref = get_op("sparse_attention").run(args, call.attrs)[0]
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert sad.Config(64, 384, 2, 2, True, partial_bf16=True).tag == "wsn64s2x2h"
+    with pytest.raises(AssertionError):
+        sad.Config(64, 384, 1, 2, True, partial_bf16=True)  # no split: no partials
