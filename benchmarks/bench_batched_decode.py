@@ -218,6 +218,11 @@ def single_step_ms(st, feeds: dict, reps: int) -> dict[str, float]:
         st.single.prep_cache = st.dec.exec.prep_cache  # the same prepared weights
     names = [e["name"] for e in st.g.meta["caches"]]
     one = {"tokens": feeds["tokens"][:1], "positions": feeds["positions"][:1], **{k: feeds[k][0] for k in names}}
+    if st.jobs and st.device == "cuda":  # the T=1 kernels in parallel too (a lazy build is ~30 s each)
+        from deepinfer.runtime.kernel_adapters import prebuild
+
+        keys = [k for k in st.single.kernel_keys(one) if k not in st.single.kernels.kernels]
+        prebuild(keys, st.jobs, max(10.0, (st.end - time.time()) * 0.3), log)
     st.single.run(one)
     lg = LayerGraphs(st.single, one, st.backend_factory())
     lg.prepare()
@@ -279,7 +284,7 @@ def run(args) -> list[dict]:
     layers = bs._ints(args.layers) or (TINY_LAYERS if args.preset == "tiny" else (2, 20))
     batches, context = bs._ints(args.batches), int(args.context)
     st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate)
-    st.single_steps = not args.no_single_steps
+    st.single_steps, st.jobs, st.end = not args.no_single_steps, args.jobs, end
     compile_batches = set(bs._ints(args.compile_batches) or batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
