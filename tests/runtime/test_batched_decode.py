@@ -14,6 +14,7 @@ from deepinfer.runtime.session import allocate_caches
 
 MAX_LEN = 24
 LENGTHS = (5, 8, 11)  # tiny V4.1 (window 8, ratios 1 and 2): mixed pair closings, a wrapped ring
+KERNEL_TOL = 0.15  # batched kernels vs one-sequence kernels, relative to the logits' max (see the GPU test)
 
 
 def test_in_place_scatter_writes_the_functional_rows():
@@ -75,7 +76,9 @@ def test_batched_step_on_the_h200_matches_the_single_sequence_steps(sm90_tiny):
     g, dev = plan.graph, "cuda"
     dparams = to_device(params, dev)
     tokens = [3, 10, 17]
-    for compiled, tol in ((False, 1e-4), (True, 5e-2)):
+    # kernels: the same formats on both sides, but programs chosen per T round differently (an FP8 activation code
+    # on a rounding boundary is 1/8 of its value); a sequence mixed up with another is O(1)
+    for compiled, tol in ((False, 1e-4), (True, KERNEL_TOL)):
         single = GraphExecutor(g, dparams, compiled=compiled, sync_free=True, max_positions=MAX_LEN)
         seqs = _prefill(single, g, LENGTHS, dev)
         want = _single_steps(single, g, tokens, LENGTHS, seqs, dev)
@@ -211,8 +214,8 @@ def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
         for i, (x, y) in enumerate(zip(a, b)):
             key = (tuple(p), len(p) + i)  # the row token i was sampled from (i = 0: the prefill's)
             row = want[key]
-            assert _rel(got[key], row) <= 5e-2, key
+            assert _rel(got[key], row) <= KERNEL_TOL, key
             if x != y:
                 top2 = row.float().topk(2).values
-                assert float(top2[0] - top2[1]) <= 5e-2 * float(row.abs().max()), key
+                assert float(top2[0] - top2[1]) <= KERNEL_TOL * float(row.abs().max()), key
                 break
