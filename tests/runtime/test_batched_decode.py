@@ -219,3 +219,68 @@ def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
                 top2 = row.float().topk(2).values
                 assert float(top2[0] - top2[1]) <= KERNEL_TOL * float(row.abs().max()), key
                 break
+
+
+# ---------------------------------------------------------------------------------------------- attention kernel
+
+
+def _attention_case(device, b=4, h=64, d=512, w=128, c=1024, k=512, seed=0):
+    """B sequences at V4.1's attention dims: per-sequence (window pool, its ids, compressed cache, top-k ids) and
+    the batched graph's operands for the same rows (flat rings + new rows, flat ids, a compact compressed pool)."""
+    from deepinfer.ir.registry import get_op
+
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.tensor([w + 3, 2 * w + 7, 40, 3 * w][:b])  # wrapped rings, a ring not yet full
+    q, rings, new = torch.randn(b, h, d, generator=gen), torch.randn(b, w, d, generator=gen), torch.randn(b, d)
+    ckv = torch.randn(b, c, d, generator=gen)
+    ids = torch.stack([torch.randperm(c, generator=gen)[:k] for _ in range(b)])
+    ids[:, -37:] = -1  # padding
+    sink = torch.randn(h, generator=gen)
+    single = []
+    for i in range(b):
+        win_idx = get_op("window_indices").run([positions[i : i + 1]], {"window": w})[0]
+        single.append([q[i : i + 1], sink, torch.cat([rings[i], new[i : i + 1]]), win_idx, ckv[i], ids[i : i + 1]])
+    flat = ckv.reshape(b * c, d)
+    rows = get_op("batched_rows").run([ids, flat], {})[0]
+    cmp_rows, cmp_ids = get_op("batched_gather_rows").run([flat, rows], {})
+    win_idx = get_op("batched_window_indices").run([positions], {"window": w})[0]
+    batched = [q, sink, torch.cat([rings.reshape(b * w, d), new]), win_idx, cmp_rows, cmp_ids]
+    to = lambda xs: [x.to(device) for x in xs]  # noqa: E731
+    return [to(s) for s in single], to(batched)
+
+
+def _attend(args, builder) -> torch.Tensor:
+    from deepinfer.runtime import kernel_adapters as ka
+
+    call = ka.Call("sparse_attention", {"scale": args[0].shape[-1] ** -0.5}, list(args), [f"a{i}" for i in range(6)],
+                   [False] * 6, {}, {})  # fmt: skip
+    adapter = ka.adapter_for("sparse_attn_decode", "sparse_attention")
+    return adapter.run(call, [builder(key) for key in adapter.keys(call)])[0].float()
+
+
+def _check_attention_over_flat_pools(device, builder, tol: float) -> None:
+    from deepinfer.ir.registry import get_op
+
+    single, batched = _attention_case(device)
+    got = _attend(batched, builder)
+    want = torch.cat([_attend(s, builder) for s in single])
+    ref = torch.cat([get_op("sparse_attention").run(s, {"scale": s[0].shape[-1] ** -0.5})[0] for s in single])
+    assert _rel(got, want) <= tol and _rel(got, ref.float()) <= 2 * tol, (_rel(got, want), _rel(got, ref.float()))
+
+
+def test_attention_kernel_over_flat_pools_emulated(monkeypatch):
+    """The decode attention's adapter on the batched graph's operands (flat rings, flat window ids, the compact
+    compressed pool) with the kernels' CPU stand-ins: each query's output equals its own sequence's call."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    _check_attention_over_flat_pools("cpu", ka.emulated_kernel, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_kernel_over_flat_pools():
+    """The same on the H200 with the compiled sparse_attn_decode programs (V4.1 dims: H 64, D 512, 128 window +
+    512 top-k): the batched call vs four one-sequence calls (bf16 pools both: ~1e-2) and vs the reference."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    _check_attention_over_flat_pools("cuda", ka.build_kernel, 2e-2)
