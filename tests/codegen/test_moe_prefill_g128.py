@@ -2,6 +2,8 @@
 the one-launch SwiGLU + quant that feeds the prefill w2 GEMM, and the persistent grouped program with 128x128 weight
 blocks and 1x32 or 1x128 activation groups on TileLang's `c` target against the float64 oracle."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,12 +84,20 @@ def cpu(tilelang_required):
     return compile_cpu
 
 
-@pytest.mark.parametrize("ag", [32, 128])
-def test_persistent_grouped_128_blocks_c_target(cpu, ag):
+_WS_128 = {  # (act group, config): c-target sizes, and the adapter's own sm90_config tile (128 x 256, 2 N slices)
+    "a32 64x128": (32, fp8_gemm.Config(64, 128, 128, 3, 128, True, True, 1, persistent=True, raster=2, sms=5)),
+    "a128 64x128": (128, fp8_gemm.Config(64, 128, 128, 3, 128, False, True, 1, persistent=True, raster=2, sms=5)),
+    "a32 sm90_config": (32, dataclasses.replace(mg.sm90_config(0, 256, k_group=32), raster=2, sms=3)),
+    "a128 sm90_config": (128, dataclasses.replace(mg.sm90_config(0, 256, k_group=128), raster=2, sms=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(_WS_128))
+def test_persistent_grouped_128_blocks_c_target(cpu, name):
     """The prefill program the adapter takes for 128x128 experts (fp8_gemm's persistent schedule with experts):
     1x32 activations (exact path: 4 promotions per 128-K weight block, one weight scale) and 1x128 (the option).
     Padding tiles skipped; against the float64 dequantised oracle."""
-    cfg = fp8_gemm.Config(64, 128, 128, 3, 128, ag < 128, True, 1, persistent=True, raster=2, sms=5)
+    ag, cfg = _WS_128[name]
     E, N, K, bm, wb = 3, 256, 384, cfg.block_m, 128
     tiles = torch.tensor([1, 1, -1, 0, 2, -1, 2], dtype=torch.int32)
     torch.manual_seed(ag)
