@@ -93,7 +93,8 @@ def test_batched_step_on_the_h200_matches_the_single_sequence_steps(sm90_tiny):
                 assert _rel(caches[k][b], w) <= tol if w.is_floating_point() else torch.equal(caches[k][b], w), k
         if compiled:
             fams = set(dec.exec.stats.compiled)
-            assert {"sparse_attn_decode", "fp8_gemm", "scatter_rows in place"} <= fams, dec.report()
+            # (tiny's top-k of 8 + 6 is no multiple of the attention kernel's chunk: test_gpu_attention_kernel_*)
+            assert {"fp8_gemm", "moe_grouped_gemm", "scatter_rows in place"} <= fams, dec.report()
             assert not dec.exec.kernels.failed, dec.report()
 
 
