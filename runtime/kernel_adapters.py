@@ -1511,6 +1511,26 @@ def _symbolic_rows(cfg, h: int, d: int) -> bool:
     return cfg.ws and cfg.num_split == 1 and sad.ws_supported(h, d, "sm90")
 
 
+def _ws_pools(cfg, h: int, d: int) -> bool:
+    """The ws program (its pool sizes symbolic on sm90; the c-target mirror is built for the key's S_cmp)."""
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    return cfg.ws and sad.ws_supported(h, d, "sm90")
+
+
+def _selected_rows(kv: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 pool, indices) for the kernel from an f32 pool: the pool converted whole, or -- where the queries select
+    fewer rows than it holds (the compressed cache of many requests at decode: converting all of it every step costs
+    more than the attention) -- only the selected rows, in the queries' entry order, with indices 0 .. T*K - 1 (-1
+    kept). The same rows in the same order: the same result."""
+    n = idx.numel()
+    if n >= kv.shape[0]:
+        return kv.to(torch.bfloat16).contiguous(), idx
+    rows = kv.index_select(0, idx.reshape(-1).clamp_min(0).long()).to(torch.bfloat16)
+    local = torch.arange(n, device=idx.device, dtype=torch.int32).view(idx.shape)
+    return rows, torch.where(idx >= 0, local, torch.full_like(local, -1))
+
+
 def _launch_rows(kernel, cfg, q, kv: tuple, idx: tuple, sink, o) -> None:
     """The single pass over q's rows: one launch, or pieces of MAX_LAUNCH_ROWS rows (its grid's y is the request
     count, at most 65535) for a long prefill chunk; the persistent grid takes any count in one launch."""
@@ -1571,8 +1591,9 @@ class SparseAttnAdapter:
             two = False  # the ws program copies row ids 4 at a time: concatenate instead
         rows = win_kv.shape[0] + (cmp_kv.shape[0] if cmp_kv is not None and not two else 0)
         kw = {"kv_fp8": False}
-        if two:
-            kw.update(n_win=n_win, S_cmp=cmp_kv.shape[0])
+        if two:  # (the compressed pool the kernel gets: _selected_rows')
+            s_cmp = min(cmp_idx.numel(), cmp_kv.shape[0]) if _ws_pools(cfg, h, d) else cmp_kv.shape[0]
+            kw.update(n_win=n_win, S_cmp=s_cmp)
         b = bucket_rows(t, 1)  # queries padded to a power of two (rows of -1 entries give 0): few kernels
         keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
         if cfg.num_split > 1:
@@ -1607,8 +1628,11 @@ class SparseAttnAdapter:
         ratio = float(call.attrs["scale"]) * d**0.5  # the kernel scales the logits by D^-0.5
         qb = self._q_operand(call, q, ratio, b)
         if two:
-            kv = (win_kv.to(torch.bfloat16).contiguous(), cmp_kv.to(torch.bfloat16).contiguous())
-            idx = (_pad_idx(win_idx, b), _pad_idx(cmp_idx, b))
+            # the ws program's pools are symbolic: it can read the selected rows alone (_selected_rows)
+            cmp_pool, cmp_sel = _selected_rows(cmp_kv, cmp_idx) if _ws_pools(cfg, h, d) else (
+                cmp_kv.to(torch.bfloat16).contiguous(), cmp_idx)
+            kv = (win_kv.to(torch.bfloat16).contiguous(), cmp_pool)
+            idx = (_pad_idx(win_idx, b), _pad_idx(cmp_sel, b))
         elif cmp_kv is not None:
             kv = (torch.cat([win_kv, cmp_kv]).to(torch.bfloat16),)
             off = torch.where(cmp_idx >= 0, cmp_idx + win_kv.shape[0], torch.full_like(cmp_idx, -1))

@@ -212,3 +212,39 @@ def test_adapter_bf16_partials_with_emulated_kernels(monkeypatch):
     assert sad.Config(64, 384, 2, 2, True, partial_bf16=True).tag == "wsn64s2x2h"
     with pytest.raises(AssertionError):
         sad.Config(64, 384, 1, 2, True, partial_bf16=True)  # no split: no partials
+
+
+def test_adapter_reads_only_the_selected_compressed_rows_of_a_large_pool(monkeypatch):
+    """A compressed pool much larger than what the queries select (many requests' cache at decode): the ws kernel gets
+    the T x K selected rows in entry order (indices 0 .. T*K-1, -1 kept) instead of the whole pool converted to
+    bf16 -- the same rows in the same order; a pool smaller than the selection is converted whole."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    q, sink, win_kv, win_idx, _, cmp_idx = chunk_operands(3, 64, 128, 32, 96, 600, 2, seed=8)
+    cmp_kv = torch.randn(5000, 128)
+    cmp_idx = torch.where(cmp_idx >= 0, cmp_idx * 16, -1)  # spread over the large pool
+    args = [q, sink, win_kv, win_idx, cmp_kv, cmp_idx]
+    cfg = {"block_n": 32, "num_split": 2, "stages": 2, "ws": True, "threads": 384}
+    call = ka.Call("sparse_attention", {"scale": 128**-0.5}, args, [f"a{i}" for i in range(6)], [False] * 6, cfg, {})
+    adapter = ka.adapter_for("sparse_attn_decode", "sparse_attention")
+    keys = adapter.keys(call)
+    assert dict(keys[0].kwargs)["S_cmp"] == 3 * 96
+    seen = []
+    part = ka.emulated_kernel(keys[0])
+
+    def spy(q_, kvw, kvc, iw, ic, *rest):
+        seen.append((kvc.shape[0], kvc.dtype))
+        part(q_, kvw, kvc, iw, ic, *rest)
+
+    out = adapter.run(call, [spy, ka.emulated_kernel(keys[1])])[0]
+    assert seen == [(3 * 96, torch.bfloat16)]
+    ref = get_op("sparse_attention").run(args, call.attrs)[0]
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    rows, sel = ka._selected_rows(cmp_kv, cmp_idx)
+    assert torch.equal(sel < 0, cmp_idx < 0)
+    valid = cmp_idx >= 0
+    assert torch.equal(rows[sel[valid].long()], cmp_kv[cmp_idx[valid].long()].to(torch.bfloat16))
+    whole, same = ka._selected_rows(cmp_kv[:100], cmp_idx.clamp_max(99))
+    assert whole.shape[0] == 100 and same is not None
