@@ -55,8 +55,8 @@ BATCHED_FORMS = {
 }
 # ops that read positions / pools row by row, or only gather the rows their (flat) indices name
 ROW_WISE = {"rope", "fused_attention", "sparse_attention", "candidate_blocks", "compressor_keys", "topk_entries",
-            "scatter_rows", "concat", "reshape"}  # fmt: skip
-# (op, input) pairs holding per-sequence row ids of a pool that must become flat pool rows: (index input, pool input)
+            "scatter_rows"}  # fmt: skip
+# op -> (index input, pool input): per-sequence row ids of a pool that must become flat pool rows
 FLAT_INDEX = {"scatter_rows": (1, 0), "fused_attention": (6, 5), "sparse_attention": (5, 4)}
 # attention ops: (compressed pool input, its index input)
 ATTENTION_POOLS = {"fused_attention": (5, 6), "sparse_attention": (4, 5)}
@@ -155,23 +155,32 @@ def _unflatten_cache_outputs(rw: _Rewrite, caches: list[str], t) -> None:
 
 
 def _pool_outputs(node: Node, sequence_values: set[str]) -> set[str]:
-    """The outputs that are (new versions of) flat pools: a stateful op's written states, a concat or reshape of
-    a pool (the attention's window pool). Readers of these must be batched or row-wise forms."""
+    """The outputs that are (new versions of) flat pools: a stateful op's written states, the attention's window
+    pool. Readers of these must be batched or row-wise forms."""
     opdef = get_op(node.op)
     if opdef.stateful:
         return {node.outputs[k].name for k in opdef.writes}
-    if node.op in ("concat", "reshape") and any(i is not None and i.name in sequence_values for i in node.inputs):
+    if _is_window_pool(node, sequence_values):
         return {o.name for o in node.outputs}
     return set()
 
 
 def _check_supported(node: Node, sequence_values: set[str]) -> None:
-    if node.op in BATCHED_FORMS or node.op in ROW_WISE:
+    if node.op in BATCHED_FORMS or node.op in ROW_WISE or _is_window_pool(node, sequence_values):
         return
     reads = [i.name for i in node.inputs if i is not None and i.name in sequence_values]
     if reads:
         raise IRError(f"batch_decode: {node.label} reads %{reads[0]} (per-sequence positions or cache rows) and "
                       f"has no batched form")  # fmt: skip
+
+
+def _is_window_pool(node: Node, sequence_values: set[str]) -> bool:
+    """concat(ring pool, new rows) along rows: the attention's window pool, the layout batched_window_indices
+    addresses (rings [T*W] first, then the T new rows)."""
+    if node.op != "concat" or node.attrs.get("axis") != 0 or len(node.inputs) != 2:
+        return False
+    ring, new = node.inputs
+    return ring.name in sequence_values and new.name not in sequence_values
 
 
 def _flat_index(rw: _Rewrite, node: Node) -> None:

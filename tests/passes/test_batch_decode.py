@@ -170,3 +170,17 @@ def test_compact_attention_pools_change_no_bit(tiny):
     a = interpreter.run(compact, {k: v.clone() for k, v in feeds.items()}, params)
     b = interpreter.run(flat, feeds, params)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_an_op_without_a_batched_form_is_refused_by_name():
+    """V4.1's bounded-replay ("compact") graph slices the positions for its decoder tail: no batched form, so the
+    pass raises naming the node instead of returning a graph that would mix sequences."""
+    from deepinfer.errors import IRError
+    from deepinfer.models import deepseek_v41
+    from deepinfer.models.presets import preset_config
+    from deepinfer.passes.pipeline import run_pipeline
+
+    cfg = deepseek_v41.parse_config(preset_config("deepseek-v4.1-flash", "tiny"))
+    g, _ = run_pipeline(deepseek_v41.build_graph(cfg, mode="compact", keep_tokens=14))
+    with pytest.raises(IRError, match=r"= slice reads %positions .* no batched form"):
+        batch_decode(g)
