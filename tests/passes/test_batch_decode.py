@@ -184,3 +184,30 @@ def test_an_op_without_a_batched_form_is_refused_by_name():
     g, _ = run_pipeline(deepseek_v41.build_graph(cfg, mode="compact", keep_tokens=14))
     with pytest.raises(IRError, match=r"= slice reads %positions .* no batched form"):
         batch_decode(g)
+
+
+def test_batched_ops_read_nothing_on_the_host(tiny):
+    """Every batched_* node (and the runtime's in-place cache write) runs under a strict HostSyncGuard: no .item(),
+    nonzero, boolean mask or tolist -- what a CUDA graph capture of the batched step needs."""
+    from deepinfer.runtime.batched_decode import scatter_rows_in_place
+    from deepinfer.runtime.cuda_graphs import HostSyncGuard
+
+    name, g, params = tiny
+    lengths = LENGTHS[name]
+    seqs = _prefilled(g, params, lengths)
+    bg = batch_decode(g)
+    feeds = {"tokens": torch.tensor([5, 6, 7]), "positions": torch.tensor(lengths)}
+    feeds |= {k: torch.stack([c[k] for c in seqs]) for k in _cache_names(g)}
+    vals = _values(bg, feeds, params)
+    env = bind_symbols(bg, feeds)
+    ran = 0
+    for node in bg.nodes:
+        args = [None if v is None else vals[v.name] for v in node.inputs]
+        if node.op.startswith("batched_"):
+            with HostSyncGuard():
+                get_op(node.op).run(args, concrete_attrs(node, env))
+            ran += 1
+        elif node.op == "scatter_rows":
+            with HostSyncGuard():
+                scatter_rows_in_place(args[0].clone(), args[1], args[2])
+    assert ran >= 6
