@@ -108,6 +108,7 @@ class HistConfig:
     # (fused) chunks after the first kept as raw float bits and compared with the bound as floats; a warp whose
     # maximum is below it skips the count, reservation and push (no key conversion of the ~all keys that fail)
     fast: bool = False
+    csum: bool = False  # barrier-per-phase chunks count fine bins only; the coarse ones are summed from them
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -120,7 +121,7 @@ class HistConfig:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
-                + ("v" if self.fast else "")
+                + ("v" if self.fast else "") + ("c" if self.csum else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -998,14 +999,17 @@ def _make_count_key(ops: _Ops):
     import tilelang.language as T
 
     @T.macro
-    def count_key(hist_f, hist_c, kq):
+    def count_key(hist_f, hist_c, kq, coarse=True):
+        """coarse=False: the fine bin only (`coarse_from_fine` then rebuilds the coarse level)."""
         f = T.shift_right(kq, HSHIFT) + HB // 2
         if ops.cpu:
             hist_f[f] = hist_f[f] + 1
-            hist_c[f // HSUB] = hist_c[f // HSUB] + 1
+            if coarse:
+                hist_c[f // HSUB] = hist_c[f // HSUB] + 1
         else:
             T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
-            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+            if coarse:
+                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
 
     return count_key
 
@@ -1022,12 +1026,22 @@ def _make_hist_bound(ops: _Ops, NT: int):
     NWARP = NT // 32
 
     @T.macro
-    def count(hist_f, hist_c, keyf, Q, beta):
+    def count(hist_f, hist_c, keyf, Q, beta, coarse=True):
         for i in ops.par(NT):
             for q in ops.unroll(Q):
                 kq = keyf(i, q)
                 if T.And(kq != NONE, kq >= beta):
-                    count_key(hist_f, hist_c, kq)
+                    count_key(hist_f, hist_c, kq, coarse)
+
+    @T.macro
+    def coarse_from_fine(hist_f, hist_c):
+        """hist_c[b] = the sum of its HSUB fine bins (after counts into hist_f only: a coarse bin takes 16x the
+        keys of a fine one, so its atomics are where a warp's keys collide). Between two barriers."""
+        for b in ops.par(NB):
+            c = T.alloc_var("int32", init=0)
+            for u in T.serial(HSUB):
+                c = c + hist_f[b * HSUB + u]
+            hist_c[b] = c
 
     @T.macro
     def threshold(hist_f, hist_c, cum, bc, r, own, sfx):
@@ -1068,7 +1082,7 @@ def _make_hist_bound(ops: _Ops, NT: int):
                     bc[3] = s
             T.evaluate(T.call_extern("handle", "__syncthreads"))
 
-    return count, threshold
+    return count, threshold, coarse_from_fine
 
 
 # fused chunks: words of the `fz` shared control array -- per chunk parity p (chunk it: p = it % 3) an overflow
@@ -1258,7 +1272,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
     emit = _make_emit(ops, NT, C, k, cfg.ffs)
-    count, threshold = _make_hist_bound(ops, NT)
+    count, threshold, coarse_from_fine = _make_hist_bound(ops, NT)
     io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
     arrive = io.arrive
@@ -1482,8 +1496,11 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                     rc[i] = T.max(rc[i], kc[i, j])
                         else:
                             if it < OLD_CHUNKS:
-                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor), not cfg.csum)
                                 ops.barrier()
+                                if cfg.csum:  # the coarse level summed from the fine one (no coarse atomics)
+                                    coarse_from_fine(hist_f, hist_c)
+                                    ops.barrier()
                                 threshold(hist_f, hist_c, cum, bc, k, ra, rb)
                                 if bc[2] >= 0:
                                     beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))  # the bin's lowest key

@@ -112,7 +112,8 @@ def c_hist_kernels(tilelang_required):
     one, two = ts.HistConfig(32, 8, 1024), ts.HistConfig(32, 8, 512)
     one_f, two_f = ts.HistConfig(32, 8, 1024, fused=True), ts.HistConfig(32, 8, 512, fused=True)
     one_f2 = ts.HistConfig(32, 8, 1024, fused=2)  # (the bin search of chunk j during chunk j + 1's pushes)
-    one_v, two_v = ts.HistConfig(32, 8, 1024, fused=2, fast=True), ts.HistConfig(32, 8, 512, fused=1, fast=True)
+    one_v = ts.HistConfig(32, 8, 1024, fused=2, fast=True, csum=True)  # (+ the coarse bins summed from the fine)
+    two_v = ts.HistConfig(32, 8, 512, fused=1, fast=True)
     return {
         "one": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one, target="cpu")), one, 2, [0, 2, 40, 5000]),
         "two": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two, target="cpu")), two, 1, [5, 700, 5000]),
