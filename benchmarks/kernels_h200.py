@@ -2017,7 +2017,9 @@ def _topk_r1_rows():
     is below it skipping the count / reservation / push (the SASS of a later chunk: ~3 instructions a score
     instead of ~20) -- next to each shape's current default: T4096 C65536 (the fused default, 557.5 us), C16384
     at 128 and 256 threads, the decode shapes T64 C65536 (4 and 8 segments), T64 C4160 (issue 8's layer 20) and
-    T1 C65536 (8 segments). At T4096 C65536 also: + csum (the first chunk counts fine bins only, the coarse ones
+    T1 C65536 (8 segments); T64 C4160 also one CTA a row with the row in registers (512 threads: one selection, no
+    buffer), and T64 C2080's default (issue 8's layer 2; topk_entries took 59 / 81 us a node in the slice). At
+    T4096 C65536 also: + csum (the first chunk counts fine bins only, the coarse ones
     summed from them: no coarse atomics, where a warp's keys collide), + 4 chunks prefetched into L2, and fast's
     chunk loop without the final selection (diag push: not a top-k, "stage only"). Every full row is
     exact-checked (heavy ties, then real scores twice)."""
@@ -2034,7 +2036,8 @@ def _topk_r1_rows():
         (4096, 16384, H(256, 16, 16384, l2_ahead=2, min_blocks=3, **fast)),
         (64, 65536, None), (64, 65536, H(128, 16, 16384, l2_ahead=2, **fast)),
         (64, 65536, H(128, 16, 8192, l2_ahead=2, **fast)),
-        (64, 4160, None), (64, 4160, H(128, 16, 6144, l2_ahead=2, **fast)),
+        (64, 4160, None), (64, 4160, H(128, 16, 6144, l2_ahead=2, **fast)), (64, 4160, ts.Config(512, 16, 8192)),
+        (64, 2080, None),
         (1, 65536, None), (1, 65536, H(256, 16, 8192, **fast)),
     ]  # fmt: skip
 
