@@ -1275,7 +1275,9 @@ def attn_cases(quick: bool):
                 add(f"sparse_attn_decode {'fp8 ' if fp8 else ''}{cfg.tag} (sweep)", B, cfg, fp8)
     return out + ([] if quick else attn_sweep_cases() + attn_diag_cases() + attn_r2_cases() + attn_final_cases()
                                      + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases()
-                                     + attn_fixedcost_cases() + attn_prefill_compiled_cases() + attn_partial16_cases())
+                                     + attn_fixedcost_cases() + attn_prefill_compiled_cases() + attn_partial16_cases()
+                                     + [("sparse_attn qoperand (triton)", f"T{t} H64 D512", lambda r, q, d, t=t:
+                                         case_attn_q_operand(r, t, q, d)) for t in (64, 8192)])  # fmt: skip
 
 
 def attn_sweep_cases():
@@ -1555,6 +1557,42 @@ def attn_prefill_compiled_cases():
     """`--only "sparse_attn torchcompile"`: torch.compile of the op's reference at the prefill rows' main shapes."""
     return [("sparse_attn torchcompile prefill ref", f"T{T_} H64 k640",
              lambda r, q, d, T_=T_: case_attn_prefill_compiled(r, T_, 640, q, d)) for T_ in (4096, 8192)]  # fmt: skip
+
+
+def case_attn_q_operand(row: Row, T_: int, quick: bool, dry: bool):
+    """fused_attention's q prologue at V4.1 shapes (T x 64 heads x 512, RoPE on the last 64, YaRN): the adapter's one
+    Triton launch (sparse_attn_decode.triton_q_operand) vs its torch formulation (the op's apply_rope on the rotated
+    channels + copies into the bf16 operand), both timed as CUDA graphs; checked within one bf16 step."""
+    from deepinfer.codegen.kernels import rope as rope_k
+    from deepinfer.ir.ops.attention import apply_rope, rope_inv_freq
+
+    sad = sparse_attn_decode
+    ra = {"rope_dim": 64, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+          "beta_slow": 1.0}  # fmt: skip
+    row.bytes_, row.flops = float(T_ * HEADS * HEAD_DIM * (4 + 2)), 0.0
+    if dry:
+        return
+    q = torch.randn(T_, HEADS, HEAD_DIM, device="cuda")
+    pos = torch.arange(4096, 4096 + T_, device="cuda")
+    table = rope_k.cos_sin_table(16384, rope_inv_freq(*ra.values())).cuda()
+
+    def fast():
+        return sad.triton_q_operand(q, pos, table, 1.0, 64, T_)
+
+    def slow():
+        out = torch.empty(T_, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        out[..., :-64] = q[..., :-64]
+        out[..., -64:] = apply_rope(q[..., -64:], pos, **ra)
+        return out
+
+    a, b = fast(), slow()
+    step = b.float().abs().clamp_min(2.0**-100) * 2.0**-7
+    bad = int(((a.float() - b.float()).abs() > step).sum())
+    if bad:
+        raise AssertionError(f"{bad} values off by more than one bf16 step")
+    row.check = f"<= 1 bf16 step ({int((a != b).sum())} of {a.numel()} differ)"
+    row.ms = bench_device(fast, quick)
+    row.eager_ms = bench_device(slow, quick)
 
 
 def attn_partial16_cases():

@@ -1677,6 +1677,12 @@ class SparseAttnAdapter:
         if call.attrs["q_norm"]:
             q = RMSNorm.reference(q, None, eps=call.attrs["eps"])
         r = call.attrs["rope_dim"]
+        if MAX_POSITIONS in call.cache and _triton_on(q) and q.dtype == torch.float32:
+            # one launch (the runner's position bound sizes the cos | sin table: no host read of the positions)
+            from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+            table = rope_table(call, self._rope_attrs(call), q.device)
+            return sad.triton_q_operand(q, call.args[1], table, ratio, r, rows)
         rot = apply_rope(q[..., -r:], call.args[1], **self._rope_attrs(call))  # the last r channels alone
         out[:t, ..., :-r] = q[..., :-r] if ratio == 1.0 else q[..., :-r] * ratio
         out[:t, ..., -r:] = rot if ratio == 1.0 else rot * ratio

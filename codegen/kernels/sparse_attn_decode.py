@@ -29,6 +29,7 @@ the per-CTA fixed cost is then paid once per SM, not once per token.
 Not yet here: fused q-norm/RoPE and the inverse RoPE of o's last 64 dims.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -1509,6 +1510,59 @@ def run_split(kernels, q, kv, idx, sink, out, num_split: int, scratch=None, op_d
     op, mp, lp = scratch
     kernels[0](q, *_as_args(kv), *_as_args(idx), op, mp, lp)
     kernels[1](op, mp, lp, sink, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- q operand (Triton)
+
+
+@functools.lru_cache(maxsize=2)
+def _q_operand_kernel(interpret: bool):
+    """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def q_operand_kernel(q_ptr, pos_ptr, cs_ptr, out_ptr, T, ratio, H: tl.constexpr, D: tl.constexpr,
+                         R: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+        c = tl.arange(0, D)[None, :]
+        live = (t < T) & (h < H)
+        j = c - (D - R)  # position among the rotated channels (< 0: not rotated)
+        rot = (j >= 0) & live
+        x = tl.load(q_ptr + (t * H + h) * D + c, mask=live, other=0.0)
+        mate = tl.load(q_ptr + (t * H + h) * D + (c ^ 1), mask=rot, other=0.0)  # the pair's other channel
+        p = tl.load(pos_ptr + t, mask=t < T, other=0)
+        i = tl.where(j >= 0, j // 2, 0)
+        cos = tl.load(cs_ptr + p * R + i, mask=rot, other=1.0)
+        sin = tl.load(cs_ptr + p * R + R // 2 + i, mask=rot, other=0.0)
+        # pair (e, o) -> (e cos - o sin, e sin + o cos): an even channel holds e, an odd one o
+        y = tl.where(j % 2 == 0, x * cos - mate * sin, mate * sin + x * cos)
+        y = tl.where(j >= 0, y, x) * ratio
+        # round to nearest even on the bits (Triton's interpreter truncates on the cast), then an exact cast
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        tl.store(out_ptr + (t * H + h) * D + c, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=h < H)
+
+    return q_operand_kernel
+
+
+def triton_q_operand(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, ratio: float, rope_dim: int,
+                     rows: int) -> torch.Tensor:  # fmt: skip
+    """fused_attention's q as the kernel reads it, in one launch: q [T, H, D] fp32 (after the op's q RMSNorm, if
+    any) -> bf16 [rows, H, D], the last rope_dim channels rotated as interleaved pairs with cos | sin rows of
+    `cos_sin` (rope.cos_sin_table: [positions, rope_dim]) at each token's position, everything times `ratio` (the
+    op's scale over D^-0.5), one rounding to bf16; rows past T are zero. The torch formulation (the op's apply_rope,
+    a slice copy and casts) is ~14 launches, most of the attention node's time at decode besides the kernel."""
+    import os
+
+    t, h, d = q.shape
+    out = torch.empty(rows, h, d, dtype=torch.bfloat16, device=q.device)
+    block_h = 8 if h % 8 == 0 else 1
+    kernel = _q_operand_kernel(os.environ.get("TRITON_INTERPRET") == "1")
+    kernel[(rows, h // block_h)](q.contiguous(), positions.contiguous(), cos_sin, out, t, float(ratio), H=h, D=d,
+                                 R=rope_dim, BLOCK_H=block_h)  # fmt: skip
     return out
 
 

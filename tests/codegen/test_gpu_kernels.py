@@ -212,6 +212,13 @@ def test_sparse_attn_decode_bf16_partials(kb, run_case, B):
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, n_win=128), B, 640)
 
 
+@pytest.mark.parametrize("T_", [64, 8192])
+def test_sparse_attn_q_operand(kb, run_case, T_):
+    """The attention adapter's one-launch q prologue (RoPE of the last 64 channels into the bf16 operand) against
+    its torch formulation: within one bf16 step."""
+    run_case(kb.case_attn_q_operand, T_)
+
+
 @pytest.mark.parametrize("B", [256, 100])
 def test_sparse_attn_decode_persist(kb, run_case, B):
     """The persistent grid at decode (two pools): B256 = 2 requests on most CTAs, B100 leaves 32 CTAs idle."""

@@ -248,3 +248,28 @@ def test_adapter_reads_only_the_selected_compressed_rows_of_a_large_pool(monkeyp
     assert torch.equal(rows[sel[valid].long()], cmp_kv[cmp_idx[valid].long()].to(torch.bfloat16))
     whole, same = ka._selected_rows(cmp_kv[:100], cmp_idx.clamp_max(99))
     assert whole.shape[0] == 100 and same is not None
+
+
+@pytest.mark.parametrize("scale_ratio", [1.0, 0.75])
+def test_triton_q_operand_matches_the_torch_prologue(monkeypatch, scale_ratio):
+    """The adapter's one-launch q operand (sparse_attn_decode.triton_q_operand, Triton's interpreter here; taken where
+    the runner gives the position bound) against its torch formulation: the same bf16 values up to one bf16 step
+    (fp32 products contracted differently, a cos | sin table vs the op's on-the-fly angles), zero padded rows."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    rope = {"rope_dim": 16, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+            "beta_slow": 1.0}  # fmt: skip
+    t, h, d, rows = 5, 8, 64, 8
+    g = torch.Generator().manual_seed(10)
+    q, pos = torch.randn(t, h, d, generator=g) * 3, torch.tensor([0, 1, 777, 1500, 2047])
+    attrs = {"q_norm": False, "eps": 1e-6, **rope, "scale": scale_ratio * d**-0.5, "out_groups": 0, "quant_group": 0}
+    call = ka.Call("fused_attention", attrs, [q, pos], ["q", "p"], [False] * 2, {}, {ka.MAX_POSITIONS: 2048})
+    fast = ka.SparseAttnAdapter()._q_operand(call, q, scale_ratio, rows)
+    call.cache.pop(ka.MAX_POSITIONS)
+    slow = ka.SparseAttnAdapter()._q_operand(call, q, scale_ratio, rows)
+    assert fast.dtype == torch.bfloat16 and fast.shape == (rows, h, d) and not fast[t:].any()
+    step = slow[:t].float().abs().clamp_min(2.0**-100) * 2.0**-7  # one bf16 step (8 significant bits)
+    assert bool(((fast[:t].float() - slow[:t].float()).abs() <= step).all())
+    assert torch.equal(fast[:t, :, : d - 16], slow[:t, :, : d - 16])  # unrotated channels: exactly x * ratio
