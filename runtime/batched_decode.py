@@ -127,7 +127,7 @@ class BatchedDecodeGraphs:
     token and position rows, a logits buffer. Bucket b runs the batched graph over slots 0..b-1 (a contiguous
     prefix: the flat pools are views); slots n..b-1 are padding (token 0 at position 0 over initial caches, a
     valid step whose outputs are ignored). First use of a bucket: the step runs eagerly (kernels built, checks,
-    re-layouts), then -- with the slots restored to their state before it, as the step updates them in place --
+    re-layouts), then -- with the slots refilled by the engine's ``fill``, as the step updates them in place --
     it is captured and replayed once; the replay must reproduce the eager logits, else the bucket stays eager
     with the reason (a failed capture too). Before the first capture one step runs under HostSyncGuard in record
     mode, naming any host read (then that bucket stays eager). ``ex``: the runner's one-sequence executor, whose
@@ -179,7 +179,7 @@ class BatchedDecodeGraphs:
         else:
             self.eager_steps += 1
             if self.backend is not None and b not in self.failed:
-                self._capture(b)
+                self._capture(n, b, lambda: (self._write(tokens, positions, fill), self._pad(n, b, again=True)))
             else:
                 self._step(b)
         return self.logits[:n].cpu(), [{k: self.caches[k][j] for k in self.names} for j in range(n)]
@@ -193,9 +193,13 @@ class BatchedDecodeGraphs:
             fill(j, {k: self.caches[k][j] for k in self.names})
             self.padded[j] = False
 
-    def _pad(self, n: int, b: int) -> None:
+    def _pad(self, n: int, b: int, again: bool = False) -> None:
+        """Slots n..b-1 as padding. A padding slot is not re-initialised between steps (a full-slot fill per step
+        would cost more than the step): the step updates it in place, but its rows are ignored and no value
+        crosses rows (every op is per token or per sequence), so only ``again`` (the capture's re-runs of one
+        call, which must see identical inputs) resets it."""
         for j in range(n, b):
-            if not self.padded[j]:
+            if again or not self.padded[j]:
                 self.tok[j], self.pos[j] = 0, 0
                 for k in self.names:
                     self.caches[k][j].fill_(self.init[k])
@@ -208,30 +212,24 @@ class BatchedDecodeGraphs:
         return [{"logits": self.logits[:b]}]
 
     # -- capture -----------------------------------------------------------------------------------------
-    def _snapshot(self, b: int) -> dict[str, torch.Tensor]:
-        return {k: v[:b].clone() for k, v in self.caches.items()}
-
-    def _restore(self, saved: dict[str, torch.Tensor]) -> None:
-        for k, v in saved.items():
-            self.caches[k][: v.shape[0]].copy_(v)
-
-    def _capture(self, b: int) -> None:
+    def _capture(self, n: int, b: int, refill) -> None:
+        """Warm-up, host-read check, capture, replay check for bucket b. The step updates the slots in place, so
+        each run starts from ``refill()`` (the engine's fill again: no snapshot of the slots in memory)."""
         import copy
         import time
 
         from deepinfer.runtime import cuda_graphs as cg
 
-        before = self._snapshot(b)
-        self._step(b)  # the warm-up, and this call's result unless the replay takes over
-        eager, after = self.logits[:b].clone(), self._snapshot(b)
-        stats = copy.deepcopy(self.dec.exec.stats)  # captured node runs are not executions
+        self._step(b)  # the warm-up (kernels built and checked, weights re-laid out)
+        eager = self.logits[:n].clone()
+        stats = copy.deepcopy(self.dec.exec.stats)  # the check's and the capture's node runs are not executions
         try:
-            self._restore(before)
+            refill()
             reads = self._host_reads(b)  # per bucket: a reference may read the host at T > 1 only (tiny MoE)
             if reads:
                 self.failed[b] = reads
                 return
-            self._restore(before)
+            refill()
             t0 = time.perf_counter()
             try:
                 handle, outs = self.backend.capture(lambda: self._guarded_step(b))
@@ -239,9 +237,9 @@ class BatchedDecodeGraphs:
                 self.failed[b] = f"capture failed: {cg._one_line(e)}"
                 return
             self.capture_s[b] = time.perf_counter() - t0
-            self._restore(before)
+            refill()
             self.backend.replay(handle, outs)
-            err = float((self.logits[:b] - eager).abs().max())
+            err = float((self.logits[:n] - eager).abs().max())
             scale = max(float(eager.abs().max()), 1.0)
             if not err <= cg.REPLAY_TOL * scale:  # NaN fails too
                 self.failed[b] = f"replay differs from the eager step (max abs {err:.3g}, logits max {scale:.3g})"
@@ -249,9 +247,9 @@ class BatchedDecodeGraphs:
             self.graphs[b] = (handle, outs)
         finally:
             self.dec.exec.stats = stats
-            if b not in self.graphs:  # the eager step's results stand
-                self._restore(after)
-                self.logits[:b].copy_(eager)
+            if b not in self.graphs:  # this call's result: the eager step again, from the call's inputs
+                refill()
+                self._step(b)
 
     def _guarded_step(self, b: int) -> list[dict]:
         from deepinfer.runtime import cuda_graphs as cg
