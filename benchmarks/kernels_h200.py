@@ -2080,6 +2080,37 @@ def _topk_r1_rows():
     ]  # fmt: skip
 
 
+TOPK_TIE_SHAPES = [(512, 2048), (264, 16384), (64, 65536), (1, 65536)]
+TOPK_TIE_PROGRAMS = ["default", "hist", "fused", "fast"]
+
+
+def topk_tie_config(T_: int, C: int, program: str):
+    """The top-k tie test's config (tests/codegen/test_gpu_new_families.py): the shape's default, or the histogram
+    program forced (one CTA streaming a row; at T <= 64, 8192-column segments), fused (one barrier a chunk, __ffs
+    output, 3 CTAs/SM at 256 threads) or fast (fused on raw float bits, idle warps skipping)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = ts.default_config(T_, C, IDX_TOPK)
+    if program != "default":
+        seg = 8192 if T_ <= 64 and C > 8192 else C
+        cfg = ts.HistConfig(256, 16, seg, l2_ahead=2) if C >= 4096 else ts.HistConfig(128, 16, C)
+        if program in ("fused", "fast"):
+            cfg = dataclasses.replace(cfg, fused=2, ffs=True, min_blocks=3 if cfg.threads == 256 else 0,
+                                      fast=program == "fast")  # fmt: skip
+    return cfg
+
+
+def case_topk_tie_build(row: Row, T_: int, C: int, program: str, quick: bool, dry: bool):
+    """Builds (only) the tie test's kernel: `--dry-run --only "topk_select tiebuild" -j N` fills TileLang's cache
+    in parallel, so that the test (which builds one kernel at a time) finds them built."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = topk_tie_config(T_, C, program)
+    row.kernel += f" {cfg.tag}"
+    build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
+    row.check = "built only"
+
+
 def _indexer_cases(quick: bool):
     """Split indexer rows (scores, top-k, end to end) over T in {1, 64, 4096} x C in {2048, 16384, 65536}
     (scores of at most 1 GiB), the Triton top-k for comparison, and the fused kernel as before."""
@@ -2120,6 +2151,10 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in _topk_final_rows():
             out.append(("indexer_topk_select final", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
+        for T_, C in TOPK_TIE_SHAPES:
+            for prog in TOPK_TIE_PROGRAMS:
+                out.append(("topk_select tiebuild", f"T{T_} C{C} {prog}",
+                            lambda r, q, d, T_=T_, C=C, p=prog: case_topk_tie_build(r, T_, C, p, q, d)))
         for T_, C, cfg in _topk_r1_rows():
             out.append(("indexer_topk_select r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))

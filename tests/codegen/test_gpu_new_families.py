@@ -8,7 +8,6 @@ does for the older families.
 """
 
 
-import dataclasses
 
 import pytest
 
@@ -62,14 +61,8 @@ def test_topk_select_ties_exact(kb, T_, C, kind, program):
     from deepinfer.codegen.kernels import topk_select as ts
 
     k = 512
-    cfg = ts.default_config(T_, C, k)
-    if program != "default":
-        seg = 8192 if T_ <= 64 and C > 8192 else C
-        cfg = ts.HistConfig(256, 16, seg, l2_ahead=2) if C >= 4096 else ts.HistConfig(128, 16, C)
-        if program in ("fused", "fast"):
-            cfg = dataclasses.replace(cfg, fused=2, ffs=True, min_blocks=3 if cfg.threads == 256 else 0,
-                                      fast=program == "fast")
-    kern = kb.build(ts.program(T_, C, k=k, ratio=2, cfg=cfg, target="sm90"))
+    cfg = kb.topk_tie_config(T_, C, program)  # (`kernels_h200.py --dry-run --only "topk_select tiebuild" -j N`
+    kern = kb.build(ts.program(T_, C, k=k, ratio=2, cfg=cfg, target="sm90"))  # builds them all in parallel first)
     g = torch.Generator().manual_seed(T_)
     s = torch.randint(-3, 4, (T_, C), generator=g).float() if kind == "ints" else torch.zeros(T_, C)
     if kind == "randn":  # (no ties: most warps of a later chunk hold no key at the bound -- fast's skip)
