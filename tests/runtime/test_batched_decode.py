@@ -168,15 +168,15 @@ def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41):
     from .conftest import prompts_of_lengths
 
     prompts = prompts_of_lengths([5, 3], seed=11)
-    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False), prompts, 2)
+    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False), prompts, 3)
     llm = _llm(tiny_v41, batched_decode=True, buckets=(1, 2), graph_backend=cg.EmulatedGraphBackend())
     dg = llm.executor.runner.graphs
     assert isinstance(dg, BatchedDecodeGraphs)
-    got_tokens, got = _greedy_rows(llm, prompts[:1], 2)
+    got_tokens, got = _greedy_rows(llm, prompts[:1], 3)  # two decode steps: capture, then a replay
     assert got_tokens == want_tokens[:1] and all(torch.equal(got[k], want[k]) for k in got)
     assert list(dg.graphs) == [1] and dg.replays[1] >= 1, dg.report()
     got_tokens, got = _greedy_rows(llm, prompts, 2)
-    assert got_tokens == want_tokens and got.keys() == want.keys()
+    assert got_tokens == [t[:2] for t in want_tokens] and got.keys() <= want.keys()
     for k, row in got.items():
         torch.testing.assert_close(row, want[k], rtol=1e-4, atol=1e-4)
     assert 2 not in dg.graphs and "host" in dg.failed[2], dg.report()
