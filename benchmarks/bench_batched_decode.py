@@ -56,7 +56,7 @@ log = bs.log
 # ---------------------------------------------------------------------------------------------- setup
 
 
-def setup(layers, preset: str, budget_s: float, max_len: int, donate: bool = True) -> SimpleNamespace:
+def setup(layers, preset: str, budget_s: float, max_len: int, donate: bool = True, compact: bool = True):
     """The slice, its weights, the batched decoder (compiled) and the eager executor of the same batched graph."""
     from deepinfer.runtime import cuda_graphs as cg
     from deepinfer.runtime import kernel_adapters as ka
@@ -79,7 +79,8 @@ def setup(layers, preset: str, budget_s: float, max_len: int, donate: bool = Tru
         f"FP8 {lim.fp8 / 1e12:.0f} TFLOPS")  # fmt: skip
     g = bs.slice_graph(layers=layers, experts="fp8", preset=preset)
     params = bs.gpu_weights(g, device=device)
-    dec = BatchedDecoder(g, params, device, max_model_len=max_len, kernels=kernels, donate_caches=donate)
+    dec = BatchedDecoder(g, params, device, max_model_len=max_len, kernels=kernels, donate_caches=donate,
+                         compact=compact)  # fmt: skip
     dec.exec.prep_cache[ka.GLU_POLICY] = "auto"
     dec.exec.prep_cache.update(ka.moe_act_cache_entries(g.meta))
     eager = GraphExecutor(dec.graph, params, compiled=False)
@@ -283,7 +284,7 @@ def run(args) -> list[dict]:
     end = time.time() + args.budget_s
     layers = bs._ints(args.layers) or (TINY_LAYERS if args.preset == "tiny" else (2, 20))
     batches, context = bs._ints(args.batches), int(args.context)
-    st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate)
+    st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate, compact=not args.flat_pools)
     st.single_steps, st.jobs, st.end = not args.no_single_steps, args.jobs, end
     compile_batches = set(bs._ints(args.compile_batches) or batches)
     out = Path(args.out)
@@ -332,6 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-batches", default="", help="batches that get the torch.compile baseline (default all)")
     ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"))
     ap.add_argument("--no-donate", action="store_true", help="functional cache writes (the whole pool copied)")
+    ap.add_argument("--flat-pools", action="store_true", help="attention over the flat compressed pools (no gather)")
     ap.add_argument("--no-single-steps", action="store_true", help="skip the one-sequence T=1 step (B x 1-seq ms)")
     ap.add_argument("--preset", choices=("real", "tiny"), default="real", help="tiny: the CPU smoke mode")
     ap.add_argument("--budget-s", type=float, default=420.0)

@@ -74,13 +74,14 @@ def _one_row_per_sequence(args: list, t: int) -> bool:
 
 class BatchedDecoder:
     """The batched decode step of a plan graph on ``device`` (see the module doc). ``compiled=False`` runs every
-    node's torch reference (the eager baseline of the same batched graph)."""
+    node's torch reference (the eager baseline of the same batched graph); ``compact=False`` keeps the attention
+    on the flat compressed pools (batch_decode's option, for A/B runs)."""
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], device: str | torch.device = "cuda", *,
-                 max_model_len: int, compiled: bool = True, donate_caches: bool = True,
+                 max_model_len: int, compiled: bool = True, donate_caches: bool = True, compact: bool = True,
                  kernels: KernelCache | None = None, verify: bool = True):  # fmt: skip
         self.single = g
-        self.graph = batch_decode(g)
+        self.graph = batch_decode(g, compact=compact)
         self.device = torch.device(device)
         self.max_len = max_model_len
         self.cache_names = [e["name"] for e in g.meta.get("caches", [])]
