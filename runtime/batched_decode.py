@@ -276,8 +276,8 @@ class BatchedDecodeGraphs:
 
     # -- report ------------------------------------------------------------------------------------------
     def report(self) -> str:
-        lines = [f"decode graphs (batched step, weights read once): {self.off_reason or 'on'}; buckets "
-                 f"{', '.join(map(str, self.buckets))}; static caches for max_model_len {self.max_len}"]  # fmt: skip
+        lines = [f"decode graphs: {self.off_reason or 'on'}; buckets {', '.join(map(str, self.buckets))}; static "
+                 f"caches for max_model_len {self.max_len}; one batched step per bucket"]  # fmt: skip
         for b in self.buckets:
             if b in self.graphs:
                 lines.append(f"  bucket {b:>2}: captured in {self.capture_s[b]:.2f} s, {self.replays[b]} replays")
