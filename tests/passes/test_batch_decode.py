@@ -51,7 +51,8 @@ def _prefilled(g, params, lengths, seed=0):
     gen = torch.Generator().manual_seed(seed)
     vocab = int(g.outputs[0].shape[-1])
     prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
-    return [_step(g, params, p, 0, allocate_caches(g, MAX_LEN))[1] for p in prompts]
+    return [_step(g, params, p, 0, allocate_caches(g, MAX_LEN))[1] if p else allocate_caches(g, MAX_LEN)
+            for p in prompts]  # fmt: skip
 
 
 def _ratios(g):
@@ -129,7 +130,7 @@ def test_batched_ops_are_exact_per_sequence(tiny):
     differences from B single steps come from the GEMMs at M=B instead of M=1 (the row-wise ops', and the index
     keys' wk product inside batched_pair_compressor_keys: GEMM_OUTPUTS, compared to fp32 rounding)."""
     name, g, params = tiny
-    lengths = LENGTHS[name]
+    lengths = (*LENGTHS[name], 0)  # and a first token over empty caches (the engine's padding slots)
     seqs = _prefilled(g, params, lengths)
     tokens = [3 + 7 * b for b in range(len(lengths))]
     singles = [_values(g, {"tokens": torch.tensor([tok]), "positions": torch.tensor([n]), **c}, params)
