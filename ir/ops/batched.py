@@ -12,8 +12,10 @@ Conventions (they differ from attention.py's one-sequence-per-call ones):
   -1 = no entry in both.
 
 Each op's reference is a vectorised torch form with the same per-row arithmetic as the one-sequence reference
-at T = 1 (same fp32 formulas, same reduction lengths), so a batched step reproduces B one-sequence steps; the
-tests (tests/passes/test_batch_decode.py) check that against the one-sequence graph.
+at T = 1 (same fp32 formulas, same reduction lengths), so it returns exactly what B one-sequence calls return --
+but for a GEMM over the B rows (the index keys' wk product in batched_pair_compressor_keys), whose blocking, as
+every row-wise GEMM's, depends on the row count (fp32 rounding). No loop over sequences: one launch per torch op
+whatever B is. tests/passes/test_batch_decode.py checks all of it against the one-sequence graph.
 """
 
 from __future__ import annotations
