@@ -163,8 +163,8 @@ def layer_rows(st, b: int, feeds: dict, graph_ms: dict, exec_ms: dict, eager_ms:
 
 
 def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on: bool, mode: str) -> dict:
-    from deepinfer.runtime.layer_graphs import LayerGraphs
-
+    """One batch size: the executor and eager times first, then the checks, the layer graphs and the baselines,
+    the single-token step and the per-op profile -- a stage that fails is recorded and the next ones still run."""
     row: dict = {"case": f"batched decode {b} ctx {context}", "sequences": b, "context": context}
     try:
         feeds = batched_feeds(st.dec, b, context, st.device)
@@ -181,29 +181,56 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         row["node_runs"] = bs._node_runs(ex, lambda: ex.run(feeds))
         exec_ms, row["exec_total_ms"] = bs.time_layers(ex, feeds, reps)
         eager_ms, row["eager_total_ms"] = bs.time_layers(st.eager, feeds, max(2, reps // 2))
-        row["check"] = reference_check(st, feeds)
-        chk = row["check"]
+    except Exception as e:
+        return _failed(row, "setup", e)
+    graph_ms, base = {}, {}
+    try:
+        chk = row["check"] = reference_check(st, feeds)
         log(f"{row['case']}: logits max rel err: batched references vs one-sequence references "
             f"{chk['batched_vs_single']:.2e}, kernels vs references {chk['kernels_vs_eager']:.2e}")  # fmt: skip
-        lg = LayerGraphs(ex, feeds, st.backend_factory())
-        lg.prepare()
-        row["graphs_report"], row["fell_back"] = lg.report(), lg.fell_back()
-        log(f"{row['case']}: {lg.report()}")
-        graph_ms, row["graph_total_ms"] = bs.time_graph_layers(lg, reps)
-        base = bs.layer_baselines(lg, st.eager, st.params, reps, compile_on, mode, end)
-        row["layers"] = layer_rows(st, b, feeds, graph_ms, exec_ms, eager_ms, base)
-        if st.single_steps:
+    except Exception as e:
+        _failed(row, "check", e)
+    try:
+        graph_ms, base = _graph_stage(st, row, feeds, reps, end, compile_on, mode)
+    except Exception as e:
+        _failed(row, "graphs", e)
+    row["layers"] = layer_rows(st, b, feeds, graph_ms, exec_ms, eager_ms, base)
+    if st.single_steps:
+        try:
             for layer, ms in single_step_ms(st, feeds, reps).items():
                 if layer in row["layers"]:
                     row["layers"][layer]["single_step_ms"] = ms  # x B: the chained single-token steps
+        except Exception as e:
+            _failed(row, "single step", e)
+    try:
         ex.run(feeds, profile=True)
         row["op_times"] = ex.op_times
         log(f"{row['case']}: slowest ops (executor, ms): "
             + "; ".join(f"{k} {v:.3f}" for k, v in list(ex.op_times.items())[:10]))  # fmt: skip
-    except Exception as e:  # one case's failure keeps the others' figures
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        log(f"{row['case']}: ERROR {row['error']}")
-        traceback.print_exc(limit=6)
+    except Exception as e:
+        _failed(row, "profile", e)
+    return row
+
+
+def _graph_stage(st, row: dict, feeds: dict, reps: int, end: float, compile_on: bool, mode: str):
+    """The step as CUDA graphs per layer (median ms per layer) and the per-layer eager / torch.compile baselines."""
+    from deepinfer.runtime.layer_graphs import LayerGraphs
+
+    lg = LayerGraphs(st.dec.exec, feeds, st.backend_factory())
+    lg.prepare()
+    row["graphs_report"], row["fell_back"] = lg.report(), lg.fell_back()
+    log(f"{row['case']}: {lg.report()}")
+    graph_ms, row["graph_total_ms"] = bs.time_graph_layers(lg, reps)
+    return graph_ms, bs.layer_baselines(lg, st.eager, st.params, reps, compile_on, mode, end)
+
+
+def _failed(row: dict, stage: str, e: Exception) -> dict:
+    """Record a stage's failure in the row (the other stages' figures stand)."""
+    row.setdefault("errors", {})[stage] = f"{type(e).__name__}: {str(e)[:300]}"
+    log(f"{row['case']}: ERROR in {stage}: {row['errors'][stage]}")
+    traceback.print_exc(limit=6)
+    if stage == "setup":
+        row["error"] = row["errors"][stage]
     return row
 
 
