@@ -109,6 +109,7 @@ class HistConfig:
     # maximum is below it skips the count, reservation and push (no key conversion of the ~all keys that fail)
     fast: bool = False
     csum: bool = False  # barrier-per-phase chunks count fine bins only; the coarse ones are summed from them
+    trim: bool = False  # the buffer's selections, cuts and marks visit its ctl[0] entries, not all BUF
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -121,7 +122,7 @@ class HistConfig:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
-                + ("v" if self.fast else "") + ("c" if self.csum else "")
+                + ("v" if self.fast else "") + ("c" if self.csum else "") + ("t" if self.trim else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -461,7 +462,9 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: b
     find_bin = _make_find_bin(NT)
 
     @T.macro
-    def radix(keyf, kk_req, st, hist, cum, bc, ra, rb, rc, r1):
+    def radix(keyf, kk_req, st, hist, cum, bc, ra, rb, rc, r1, nq=None):
+        """nq (unroll=False): a runtime count of q's to visit instead of Q (the members are the first nq * NT)."""
+        QN = Q if nq is None else nq
         lo = T.alloc_var("int32")
         hi = T.alloc_var("int32")
         r = T.alloc_var("int32")
@@ -471,7 +474,7 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: b
             ra[i] = INT_MAX
             rb[i] = NONE
             rc[i] = 0
-            for q in qloop(Q):
+            for q in qloop(QN):
                 kq = keyf(i, q)
                 if kq != NONE:
                     ra[i] = T.min(ra[i], kq)
@@ -501,7 +504,7 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: b
                     hist[b] = 0
                 ops.barrier()  # (shared atomics next)
                 for i in ops.par(NT):
-                    for q in qloop(Q):
+                    for q in qloop(QN):
                         kq = keyf(i, q)
                         if T.And(kq != NONE, T.And(kq >= lo, kq <= hi)):
                             bn = T.cast(T.shift_right(T.cast(kq, "int64") - T.cast(lo, "int64"), shift), "int32")
@@ -531,7 +534,7 @@ def _make_radix(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: b
         if done == 0:  # one key left (lo == hi): it is the kk-th; are all its copies taken?
             for i in ops.par(NT):
                 rc[i] = 0
-                for q in qloop(Q):
+                for q in qloop(QN):
                     if keyf(i, q) == lo:
                         rc[i] = rc[i] + 1
             T.reduce_sum(rc, r1, dim=0)
@@ -562,7 +565,7 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
     radix = _make_radix(ops, NT, Q, warp_reduce, unroll)
 
     @T.macro
-    def select(keyf, idf, kk_req, st, st2, hist, cum, bc, ra, rb, rc, r1):
+    def select(keyf, idf, kk_req, st, st2, hist, cum, bc, ra, rb, rc, r1, nq=None):
         stw = T.alloc_local((4,), "int32")
         st2[0] = NONE
         st[1] = 1
@@ -572,7 +575,7 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
                     lambda i, q, ps=ps: T.if_then_else(  # ps: this pass (the radix expands right here)
                         ps == 0, keyf(i, q), T.if_then_else(keyf(i, q) == st[0], -idf(i, q), NONE)
                     ),
-                    T.if_then_else(ps == 0, kk_req, st[2]), stw, hist, cum, bc, ra, rb, rc, r1,
+                    T.if_then_else(ps == 0, kk_req, st[2]), stw, hist, cum, bc, ra, rb, rc, r1, nq,
                 )  # fmt: skip
                 for u in T.serial(4):
                     if ps == 0:
@@ -1352,12 +1355,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return lambda i, q: _taken(bufk[q * NT + i], bufi[q * NT + i], st, st2)
 
     @T.macro
-    def members(bufk, nb, beta):
+    def members(bufk, nb, beta, nq):
         """NONE in the buffer past its nb entries and below beta (not in the top-k): the selection reads single
-        loads (small programs) and sees only members. Opaque barrier: nb may be ctl[0], just written by one thread."""
+        loads (small programs) and sees only members. Opaque barrier: nb may be ctl[0], just written by one thread.
+        nq: the q's visited (EB, or with trim the nb entries' ceil(nb / NT): later ones are never read)."""
         ops.barrier()
         for i in ops.par(NT):
-            for q in T.serial(EB):  # (plain loops over the buffer here and below: unrolled, their loads cost registers)
+            for q in T.serial(nq):  # (plain loops over the buffer here and below: unrolled, their loads cost registers)
                 if T.Or(q * NT + i >= nb, bufk[q * NT + i] < beta):
                     bufk[q * NT + i] = NONE
         ops.sync()
@@ -1373,12 +1377,12 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                              (n + 3) // 4 * 16))  # fmt: skip
 
     @T.macro
-    def keep(bufk, bufi, st, st2, tk, ti, ctl, rc, tmp):
+    def keep(bufk, bufi, st, st2, tk, ti, ctl, rc, tmp, nq):
         """Cut the buffer to the selected members: through the staging area to its front; ctl[0] = their count."""
         ops.sync()
         for _z in ops.par(1):
             ctl[1] = 0
-        push(tk, ti, 0, ctl, 1, key_s(bufk), id_s(bufi), take_s(bufk, bufi, st, st2), EB, rc, tmp, unroll=False)
+        push(tk, ti, 0, ctl, 1, key_s(bufk), id_s(bufi), take_s(bufk, bufi, st, st2), nq, rc, tmp, unroll=False)
         for e in ops.par(KT):
             if e < ctl[1]:
                 bufk[e] = tk[e]
@@ -1546,10 +1550,15 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         floor = NONE
                         cut = 1
                 if cut == 1:  # the exact top-k of the buffer's members
-                    members(bufk, ctl[0], beta)
-                    select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                    if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
+                        ops.barrier()
+                    # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
+                    nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
+                    members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
+                    select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
+                             nqv if cfg.trim else None)  # fmt: skip
                     if T.Or(it < NCH, T.And(NSEG > 1, it == NCH)):  # kept: the buffer cut to it
-                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp)
+                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
                         if stb[3] == k:  # later columns tied with the k-th key lose to it
                             floor = stb[0] + 1
                     if NSEG > 1:
@@ -1577,7 +1586,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     if i < k:
                         Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
             elif last == 1:
-                mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), EB, unroll=False)
+                nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (ctl[0]: the last cut's buffer)
+                mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
                 emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select_hist

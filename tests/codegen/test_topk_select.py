@@ -113,7 +113,8 @@ def c_hist_kernels(tilelang_required):
     one_f, two_f = ts.HistConfig(32, 8, 1024, fused=True), ts.HistConfig(32, 8, 512, fused=True)
     one_f2 = ts.HistConfig(32, 8, 1024, fused=2)  # (the bin search of chunk j during chunk j + 1's pushes)
     one_v = ts.HistConfig(32, 8, 1024, fused=2, fast=True, csum=True)  # (+ the coarse bins summed from the fine)
-    two_v = ts.HistConfig(32, 8, 512, fused=1, fast=True)
+    two_v = ts.HistConfig(32, 8, 512, fused=1, fast=True, trim=True)  # (+ selections over the buffer's entries only)
+    one_t = ts.HistConfig(32, 8, 1024, trim=True)
     return {
         "one": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one, target="cpu")), one, 2, [0, 2, 40, 5000]),
         "two": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two, target="cpu")), two, 1, [5, 700, 5000]),
@@ -127,6 +128,8 @@ def c_hist_kernels(tilelang_required):
                      [0, 2, 40, 5000]),
         "two_fast": (compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=two_v, target="cpu")), two_v, 1,
                      [5, 700, 5000]),
+        "one_trim": (compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=one_t, target="cpu")), one_t, 2,
+                     [0, 2, 40, 5000]),
     }  # fmt: skip
 
 
@@ -143,7 +146,9 @@ def test_c_target_hist_without_positions(tilelang_required):
     assert torch.equal(_run_c(kernel, s, 16, None, cfg), ts.reference(s, 16))
 
 
-@pytest.mark.parametrize("which", ["one", "two", "one_fused", "two_fused", "one_fused2", "one_fast", "two_fast"])
+@pytest.mark.parametrize(
+    "which", ["one", "two", "one_fused", "two_fused", "one_fused2", "one_fast", "two_fast", "one_trim"]
+)
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_bound(c_hist_kernels, kind, which):
     """The histogram bound (12-bit bins; the first chunk counted whole, later ones above the bound), the buffer
