@@ -69,8 +69,10 @@ def _plan_weights(plan) -> tuple[dict, str]:
 
 def _compile(args: argparse.Namespace):
     from deepinfer.compiler import compile_model
+    from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
 
-    kw = {"kernels": getattr(args, "kernels", "none"), "jobs": getattr(args, "jobs", None)}
+    kw = {"kernels": getattr(args, "kernels", "none"), "jobs": getattr(args, "jobs", None),
+          "moe_format": getattr(args, "moe_format", "g32")}  # fmt: skip
     res = compile_model(_default_model(args.model), args.target, seed=args.seed, dump_ir=args.dump_ir, **kw)
     g = res.plan.graph
     print(
@@ -78,6 +80,8 @@ def _compile(args: argparse.Namespace):
         f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s, "
         f"{res.nodes_before} -> {len(g.nodes)} nodes"
     )
+    if describe_act_groups(g.meta):  # how the FP4 experts became FP8 (the plan's record; the runtime applies it)
+        print(describe_act_groups(g.meta))
     if res.kernels_summary:
         print(f"{res.kernels_summary} (kernel step {res.kernels_s:.1f} s)")
     if getattr(args, "verbose", True):
@@ -309,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel artifacts to build into the plan (GPU/NPU targets): none, the bound nodes' kernels "
                    "at the plan's buckets (default), or all runtime row buckets")  # fmt: skip
     c.add_argument("-j", "--jobs", type=int, default=None, help="kernel build processes (default: all cores)")
+    c.add_argument("--moe-format", default="g32", choices=("g32", "w128", "g128"),
+                   help="sm90: the FP4 experts as FP8 -- g32: 32x32 weight blocks, 1x32 activations (the model's "
+                   "numbers, default); w128: 128x128 blocks (exactness checked at load), 1x32 activations (the same "
+                   "numbers); g128: w128 + 1x128 activations at prefill buckets only (faster prefill GEMMs, not "
+                   "exact: codegen/kernels/act_quant.py)")  # fmt: skip
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="run a compiled plan (no plan: compile and run the tiny model on CPU)")

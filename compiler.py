@@ -24,18 +24,35 @@ from deepinfer.runtime.plan import Plan
 SUPPORTED_TARGETS = ("cpu", "sm90", "sm100", "ascend950")
 
 
-def default_pipeline(target: str):
-    """The default pipeline; for a GPU target with its quantisation and kernel binding switched on."""
+def default_pipeline(target: str, moe_format: str = "g32"):
+    """The default pipeline; for a GPU target with its quantisation and kernel binding switched on. moe_format: how
+    sm90 turns the FP4 experts into FP8 (passes/convert_fp4_to_fp8.py MOE_FORMATS: g32 | w128 | g128)."""
     from deepinfer.passes.pipeline import Pipeline
 
+    check_moe_format(target, moe_format)
     pipe = Pipeline.default()
     if target == "cpu":
         return pipe
-    quantize = [("quantize_activations", {"enabled": True}), ("convert_fp4_to_fp8", {"target": target})]
+    from deepinfer.passes.convert_fp4_to_fp8 import MOE_FORMATS
+
+    convert = {"target": target, **MOE_FORMATS[moe_format]}
+    quantize = [("quantize_activations", {"enabled": True}), ("convert_fp4_to_fp8", convert)]
     # after the fusions (which match the Q/DQ form): the pairs left fold into their readers (passes/fold_qdq.py)
     fuse = [*pipe.phases["fuse"], ("fold_qdq", {})]
     select = [("select_kernels", {"target": target}), "check_batch_invariance"]
     return pipe.with_phase("quantize", quantize).with_phase("fuse", fuse).with_phase("select_kernels", select)
+
+
+def check_moe_format(target: str, moe_format: str) -> None:
+    """A --moe-format other than g32 changes the FP4 -> FP8 conversion, which only sm90 does (FP8 MMA, no FP4)."""
+    from deepinfer.errors import ConfigError
+    from deepinfer.passes.convert_fp4_to_fp8 import MOE_FORMATS
+
+    if moe_format not in MOE_FORMATS:
+        raise ConfigError(f"--moe-format {moe_format!r}: not one of {', '.join(MOE_FORMATS)}")
+    if moe_format != "g32" and target != "sm90":
+        raise ConfigError(f"--moe-format {moe_format} applies to sm90 (FP4 experts converted to FP8); target {target} "
+                          "does not convert them")  # fmt: skip
 
 
 @dataclass
@@ -58,11 +75,13 @@ def compile_model(
     kernels: str = "none",
     jobs: int | None = None,
     kernels_dir: str | os.PathLike | None = None,
+    moe_format: str = "g32",
 ) -> CompileResult:
     """Build the model's graph, run the pass pipeline over it and (GPU/NPU targets) build its kernels.
 
     kernels: none | bound | all (codegen/plan_kernels.py); jobs: build processes (default: all cores);
-    kernels_dir: where to stage the artifacts (default: a fresh temporary directory; write_plan copies it)."""
+    kernels_dir: where to stage the artifacts (default: a fresh temporary directory; write_plan copies it);
+    moe_format: default_pipeline's (sm90 only; with an explicit pipeline, put the convert pass's options there)."""
     from deepinfer.models import get_model
     from deepinfer.models.checkpoint import resolve_model
     from deepinfer.passes.pipeline import Pipeline, run_pipeline
@@ -70,12 +89,18 @@ def compile_model(
     if target not in SUPPORTED_TARGETS:
         supported = ", ".join(SUPPORTED_TARGETS)
         raise NotBuiltError(f"compiling for target {target!r} is not built yet; supported: {supported}")
+    check_moe_format(target, moe_format)
+    if pipeline and moe_format != "g32":
+        from deepinfer.errors import ConfigError
+
+        raise ConfigError(f"--moe-format {moe_format} with an explicit pipeline config: set the convert_fp4_to_fp8 "
+                          "options in the pipeline instead")  # fmt: skip
     t0 = time.perf_counter()
     name, config, ckpt = resolve_model(model)
     mod = get_model(name)
     graph = mod.build_graph(mod.parse_config(config))
     build_s = time.perf_counter() - t0
-    pipe = Pipeline.from_config(pipeline) if pipeline else default_pipeline(target)
+    pipe = Pipeline.from_config(pipeline) if pipeline else default_pipeline(target, moe_format)
     t1 = time.perf_counter()
     optimised, report = run_pipeline(graph, pipe, dump_ir=dump_ir)
     passes_s = time.perf_counter() - t1

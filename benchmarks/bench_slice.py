@@ -106,23 +106,13 @@ SLICE_BUCKETS = {"decode": {"T": 1}, "small": {"T": 64}, "batch": {"T": 256}, "p
 DECODE_MAX_T = 256  # decode attention kernel and swap-AB masked MoE up to this many tokens (see module doc)
 
 
-# --moe-format: how the FP4 experts become FP8 on sm90 (passes/convert_fp4_to_fp8.py options). g32: 32x32 weight
-# blocks, 1x32 activations (the model's numbers); w128: 128x128 weight blocks (exactness checked at conversion),
-# 1x32 activations everywhere (the same numbers); g128: w128 plus 1x128 activations at PREFILL buckets (the
-# labelled prefill_act_group=128 option: not exact, act_quant.py states the deviation).
-MOE_FORMATS = {"g32": {}, "w128": {"block": 128}, "g128": {"block": 128, "prefill_act_group": 128}}
-
-
 def slice_pipeline(experts: str = "fp8", moe_format: str = "g32"):
     """default_pipeline("sm90") with the slice's buckets, the masked MoE layout up to DECODE_MAX_T, the convert
     pass's --moe-format options, and (experts "fp4") the FP4 experts kept for the W4A8 programs instead of
     converted to FP8."""
     from deepinfer.compiler import default_pipeline
 
-    pipe = default_pipeline("sm90")
-    quantize = [(n, {**o, **MOE_FORMATS[moe_format]}) if n == "convert_fp4_to_fp8" else (n, o)
-                for n, o in pipe.phases["quantize"]]  # fmt: skip
-    pipe = pipe.with_phase("quantize", quantize)
+    pipe = default_pipeline("sm90", moe_format)
     fuse = [(n, {**o, "masked_max_t": DECODE_MAX_T}) if n == "fuse_moe_experts" else (n, o)
             for n, o in pipe.phases["fuse"]]  # fmt: skip
     pipe = pipe.with_phase("fuse", fuse)
@@ -570,8 +560,11 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
 
 
 def moe_formats(text: str) -> list[str]:
-    """--moe-format's comma list; several formats share one slice (one weight generation) only where their graphs
-    are the same but for the activation record (w128 and g128: the same 128x128 weights)."""
+    """--moe-format's comma list (`deepinfer compile --moe-format`'s names: passes/convert_fp4_to_fp8.py MOE_FORMATS);
+    several formats share one slice (one weight generation) only where their graphs are the same but for the
+    activation record (w128 and g128: the same 128x128 weights)."""
+    from deepinfer.passes.convert_fp4_to_fp8 import MOE_FORMATS
+
     formats = [f for f in text.split(",") if f]
     unknown = [f for f in formats if f not in MOE_FORMATS]
     if unknown or not formats:
@@ -1072,10 +1065,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--experts", choices=("fp8", "fp4"), default="fp8",
                     help="routed experts FP8 (converted, default) or FP4 (the W4A8 programs)")  # fmt: skip
     ap.add_argument("--moe-format", default="g32",
-                    help="FP8 experts (a comma list runs each prefill case per format in one slice: w128,g128): "
-                         "g32 = 32x32 weight blocks + 1x32 activations (the model's numbers); w128 = "
-                         "128x128 weight blocks (exact) + 1x32; g128 = w128 + 1x128 activations at prefill only "
-                         "(convert_fp4_to_fp8 prefill_act_group=128: not exact; act_quant.py)")  # fmt: skip
+                    help="FP8 experts as `deepinfer compile --moe-format` (a comma list runs each prefill case per "
+                         "format in one slice: w128,g128): g32 = 32x32 weight blocks + 1x32 activations (the model's "
+                         "numbers); w128 = 128x128 weight blocks (exact) + 1x32; g128 = w128 + 1x128 activations at "
+                         "prefill only (prefill_act_group=128: not exact; act_quant.py)")  # fmt: skip
     ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
                     help="the decode MoE's fused SwiGLU epilogue (needs an interleaved w1|w3 copy per layer: auto "
                          "makes it while memory allows)")  # fmt: skip

@@ -33,6 +33,10 @@ FN = "deepinfer.passes.convert_fp4_to_fp8:fp4_to_fp8_checked"
 FP4_GROUP = 32
 MOE_ACT_META = "moe_act_groups"  # graph.meta key: {"decode": g, "prefill": g, "weight_block": b}
 PREFILL_ACT_GROUPS = (0, 128)  # prefill_act_group option: 0 = the model's group at every bucket
+# `deepinfer compile --moe-format` (compiler.default_pipeline): this pass's options per named format. g32: the model's
+# blocks and 1x32 activations; w128: 128x128 weight blocks, 1x32 activations everywhere (the same numbers); g128:
+# w128 plus 1x128 activations at prefill buckets (not exact: codegen/kernels/act_quant.py states the deviation).
+MOE_FORMATS = {"g32": {}, "w128": {"block": 128}, "g128": {"block": 128, "prefill_act_group": 128}}
 
 
 def fp4_to_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

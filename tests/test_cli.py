@@ -148,3 +148,33 @@ def test_sm90_plan_compiles_here_and_refuses_to_run_without_a_gpu(tmp_path, caps
     assert "select_kernels" in out and "convert_fp4_to_fp8" in out
     assert main(["run", str(plan), "--max-tokens", "2"]) == 2
     assert "CUDA" in _one_line_error(capsys)
+
+
+def test_compile_moe_format_g128_is_recorded_in_the_plan_and_printed(tmp_path, capsys):
+    """--moe-format g128 (sm90): the FP4 experts as 128x128 FP8 blocks, 1x32 activations at decode and 1x128 at
+    prefill -- the line printed, the record in the written plan's graph (the runtime's GraphExecutor applies it)."""
+    from deepinfer.runtime.plan import load_plan
+
+    plan = tmp_path / "plan_g128"
+    argv = ["compile", "--model", "deepseek-v4.1-flash", "--target", "sm90", "-o", str(plan), "--kernels", "none"]
+    assert main([*argv, "--moe-format", "g128"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 128x128 weight blocks; activations 1x32 at decode, 1x128 at prefill" in out and "not exact" in out
+    loaded = load_plan(plan)
+    assert loaded.graph.meta["moe_act_groups"] == {"decode": 32, "prefill": 128, "weight_block": 128}
+    assert {n.attrs["block"] for n in loaded.graph.nodes if n.op == "moe_grouped_experts"} == {128}
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm100"])
+def test_compile_moe_format_off_sm90_is_a_one_line_error(target, tmp_path, capsys):
+    assert main(["compile", "--target", target, "--moe-format", "w128", "-o", str(tmp_path / "p"),
+                 "--kernels", "none"]) == 2  # fmt: skip
+    assert "--moe-format w128 applies to sm90" in _one_line_error(capsys)
+
+
+def test_compile_model_refuses_a_moe_format_next_to_an_explicit_pipeline():
+    from deepinfer.compiler import compile_model, default_pipeline
+    from deepinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="explicit pipeline"):
+        compile_model(None, "sm90", pipeline=default_pipeline("sm90").to_config(), moe_format="g128")
