@@ -2058,7 +2058,8 @@ def _topk_r1_rows():
     T1 C65536 (8 segments); T64 C4160 also one CTA a row with the row in registers (512 threads: one selection, no
     buffer), and T64 C2080's default (issue 8's layer 2; topk_entries took 59 / 81 us a node in the slice). At
     T4096 C65536 also: + csum (the first chunk counts fine bins only, the coarse ones
-    summed from them: no coarse atomics, where a warp's keys collide), + 4 chunks prefetched into L2, and fast's
+    summed from them: no coarse atomics, where a warp's keys collide), + 4 chunks prefetched into L2, 8 scores a
+    thread at 4 CTAs/SM (64 registers, 45 KB of shared memory: 7.8 waves of 528 CTAs instead of 10.3 of 396), fast's
     chunk loop without the final selection (diag push: not a top-k, "stage only"). Every full row is
     exact-checked (heavy ties, then real scores twice)."""
     from deepinfer.codegen.kernels import topk_select as ts
@@ -2070,6 +2071,8 @@ def _topk_r1_rows():
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, **fast)),
         (4096, 65536, H(256, 16, 65536, l2_ahead=4, min_blocks=3, csum=True, **fast)),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, diag="push", **fast)),
+        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, **fast)),
+        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, **fast)),
         (4096, 16384, None), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
         (4096, 16384, H(256, 16, 16384, l2_ahead=2, min_blocks=3, **fast)),
         (64, 65536, None), (64, 65536, H(128, 16, 16384, l2_ahead=2, **fast)),
