@@ -37,8 +37,11 @@ output) bounds the k-th key by a 12-bit histogram instead of group maxima: only 
 are counted and kept, and one exact selection runs on the kept ones (its docstring has the details). It is the
 default for long rows of 32+ queries (`default_config`, H200 figures there). `HistConfig.fused` (one CTA
 barrier a chunk instead of ~17; with `min_blocks`=3 and the `ffs` output the default for the 256-thread prefill
-rows: H200 T4096 C65536 557.5 us = 44.5% of HBM vs 757.4 us); `HistConfig.diag` cuts a chunk's work down to a
-stage (H200 stage costs; not a top-k).
+rows: H200 T4096 C65536 557.5 us = 44.5% of HBM vs 757.4 us); `HistConfig.fast` (fused chunks compared with the
+bound as raw floats, whole warps below it skipping their pass: ~3 instructions a score instead of ~20),
+`HistConfig.csum` (the first chunk's coarse bins summed from the fine ones instead of counted with atomics) and
+`HistConfig.trim` (selections over the buffer's entries only) are opt-in until measured; `HistConfig.diag` cuts
+a chunk's work down to a stage (H200 stage costs; not a top-k).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
