@@ -1071,6 +1071,13 @@ def decode_small_cases():
         run = functools.partial(case_index_scores_f32, T_=DECODE_T, C=C, ratio=ratio, tile={"block_c": 128, "warps": 8})
         out.append(("decode small index_scores f32 tf32x3 c128w8", f"T{DECODE_T} C{C} r{ratio}",
                     lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    # the same kernel at an 8192-token prefill chunk (layer 2: ratio 2, layer 20: ratio 1), against the op's
+    # reference, which the prefill bucket runs today (26 ms a layer in bench_slice): --only "prefill index_scores"
+    for C, ratio in ((4096, 2), (8192, 1)):
+        for tile in ({}, {"block_c": 128, "warps": 8}):
+            run = functools.partial(case_index_scores_f32, T_=8192, C=C, ratio=ratio, tile=tile)
+            out.append((f"prefill index_scores f32 tf32x3{' c128w8' if tile else ''}", f"T8192 C{C} r{ratio}",
+                        lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
     return out
 
 
