@@ -511,13 +511,16 @@ class Setup:
         self.backend_factory = backend_factory  # () -> graph backend, or None (graphs off)
         self.nominal_limits = nominal_limits
         self.moe_act = ""  # how the experts' activations are quantised (describe_act_groups), for the report
+        self.ep_ranks = 0  # prefill: also time the MoE node at an EP rank's shape (moe_ep_rank); 0: off
+        self.ep_first = None  # (format, output) of the first format's EP-rank row: the others' deviation from it
+        self.format = ""  # the --moe-format of the case running
 
 
 def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layers=DEFAULT_LAYERS,
         batches=(1, 16, 64, 256), context=(4096, 32768), prefill: int = 8192, reps: int = 5,
         torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto", graphs: bool = True,
         preset: str = "real", compile_mode: str = "default", compile_batches=None,
-        profile_batches=(64,), moe_format: str = "g32") -> list[dict]:  # fmt: skip
+        profile_batches=(64,), moe_format: str = "g32", ep_ranks: int = 8) -> list[dict]:  # fmt: skip
     """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir).
     context: one cached length or several (each decode batch runs at each). preset "tiny": the CPU smoke mode
     (tiny dims, CPU stand-ins of the kernels, emulated graphs, nominal H200 limits): checks the plumbing only."""
@@ -529,6 +532,7 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     st = _setup(layers, experts, moe_glu, graphs, preset, budget_s, max(contexts) + max(batches or (1,)) + prefill,
                 formats[0])  # fmt: skip
     acts = {f: _act_record(layers, experts, preset, f) for f in formats}
+    st.ep_ranks = ep_ranks
     cases = [("decode", b, ctx, formats[0]) for ctx in contexts for b in batches]
     cases += [("prefill", prefill, 0, f) for f in formats] if prefill else []
     compile_batches = set(batches if compile_batches is None else compile_batches)
@@ -541,6 +545,7 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
             rows.append({"case": name, "skipped": "time budget"})
             continue
         _use_act_record(st, *acts[fmt])
+        st.format = fmt
         comp_on = torch_compile and kind == "decode" and t in compile_batches
         row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode, t in profile_batches)
         row["case"], row["moe_format"] = name, fmt
@@ -710,6 +715,8 @@ def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode, pr
         if kind == "prefill":
             row["moe"] = moe_part(st, feeds, t, reps=3)
             row["moe_act"] = st.moe_act
+            if st.ep_ranks:
+                row["moe_ep"] = _ep_row(st, row, t, jobs, end)
         log(f"{row['case']}: slowest ops of the executor (ms): " + "; ".join(
             f"{k} {v:.2f}" for k, v in list(comp.op_times.items())[:10]))  # fmt: skip
         if kind == "decode" and t > 1:
@@ -864,6 +871,29 @@ def layer_node_ms(ex, feeds: dict, reps: int) -> dict[str, dict[str, tuple[str, 
     return out
 
 
+def _ep_row(st: Setup, row: dict, t: int, jobs: int, end: float) -> dict:
+    """moe_ep_rank plus this T's measured routing + input quant (l0), and the deviation from the first format's
+    rank output (several --moe-format: the same x, routing and weights)."""
+    try:
+        ep = moe_ep_rank(st, t, st.ep_ranks, jobs, end)
+    except Exception as e:  # a diagnostic row: the case's figures stand without it
+        traceback.print_exc(limit=4)
+        return {"ranks": st.ep_ranks, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    y = ep.pop("y", None)
+    if "ms" not in ep:
+        return ep
+    l0 = (row.get("moe") or {}).get("l0", {})
+    routing = sum(n["ms"] for n in l0.get("nodes", {}).values() if n["op"] != "moe_grouped_experts")
+    if routing:
+        ep["with_routing_ms"] = ep["ms"] + routing
+        ep["with_routing_pct"] = 100 * ep["flops"] / (ep["with_routing_ms"] * 1e-3) / st.lim.fp8
+    if st.ep_first is None:
+        st.ep_first = (st.format, y)
+    elif y is not None:
+        ep["dev_vs_first"] = {"format": st.ep_first[0] or "first", **_rel_pair(y.float(), st.ep_first[1].float())}
+    return ep
+
+
 def moe_part(st: Setup, feeds: dict, t: int, reps: int = 3) -> dict:
     """Per layer: the MoE part (moe_node_names) as ms, share of the layer (the same profiled calls) and FP8
     expert flops over the measured FP8 peak, with each MoE node's ms and how it ran."""
@@ -889,6 +919,66 @@ def moe_part(st: Setup, feeds: dict, t: int, reps: int = 3) -> dict:
     return out
 
 
+def moe_ep_rank(st: Setup, t: int, ranks: int, jobs: int, end: float, reps: int = 5, seed: int = 0) -> dict:
+    """The MoE node's work at an expert-parallel rank (EP`ranks` over the layer's experts): this rank's t tokens
+    routed (top-k) to its E/ranks local experts -- t*k (token, expert) pairs, as many as a balanced all-to-all
+    delivers -- plus the shared expert over its t tokens, through the same adapter and kernels (the all-to-all
+    itself is not included). Layer l0's node and weights (its first E/ranks experts); x is 1x32-quantised
+    post-norm-like data as the graph feeds it. Returns ms (median of reps, CUDA events), FP8 expert flops / the
+    measured peak, the tiles' padding, the error against the node's torch reference and the output (for the
+    formats' deviation)."""
+    from deepinfer.codegen.kernels import act_quant
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import plan_steps
+
+    step = next(s for s in plan_steps(st.g) if s.node.op == "moe_grouped_experts")
+    n = step.node
+    e, k = n.attrs["n_experts"], int(n.inputs[2].shape[1])
+    ranks = max(1, min(ranks, e // k))  # every token needs k distinct local experts
+    local = e // ranks
+    gen = torch.Generator(device=st.device).manual_seed(seed)
+    d = int(n.inputs[0].shape[1])
+    x = torch.randn(t, d, generator=gen, device=st.device)
+    q, sx = act_quant.reference(x, 32)  # the experts' input as the graph feeds it: 1x32 values (fake_quant_fp8)
+    x = (q.float() * sx.T.repeat_interleave(32, 1)).to(n.inputs[0].type.dtype.torch_dtype)
+    idx = torch.rand(t, local, generator=gen, device=st.device).argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=gen, device=st.device)
+    w = w / w.sum(-1, keepdim=True)
+    names = step.inputs[:9] + step.inputs[9 : 9 + 6 * local]
+    args = [x, w, idx] + [None if nm is None else st.params[nm] for nm in names[3:]]
+    call = ka.Call("moe_grouped_experts", {**n.attrs, "n_experts": local, "layout": "contiguous"}, args, names,
+                   [False] * 3 + [a is not None for a in args[3:]], {}, st.comp.prep_cache)  # fmt: skip
+    adapter = ka.MoEGroupedAdapter()
+    out = {"ranks": ranks, "local_experts": local, "pairs": t * k}
+    try:
+        keys = adapter.keys(call)
+        out["path"] = adapter.path(call)
+        if jobs and st.device == "cuda":
+            ka.prebuild([key for key in keys if key not in st.comp.kernels.kernels], jobs,
+                        max(10.0, (end - time.time()) * 0.5), log)  # fmt: skip
+        kernels = [st.comp.kernels.get(key) for key in keys]
+        fresh = lambda: ka.Call(call.op, call.attrs, args, names, call.is_param, {}, st.comp.prep_cache)  # noqa: E731
+        y = adapter.run(fresh(), kernels)[0]
+        out["ms"] = time_call(lambda: adapter.run(fresh(), kernels), reps)
+    except ka.Decline as why:
+        return {**out, "declined": str(why)}
+    stats = (st.comp.prep_cache.get(ka.MOE_TILE_STATS) or {}).get(names[9], {})
+    inter, shared = int(n.inputs[9].shape[0]), int(n.inputs[3].shape[0]) if n.inputs[3] is not None else 0
+    flops = 2.0 * t * 3 * d * (k * inter + shared)
+    ref = get_op("moe_grouped_experts").run(args, call.attrs)[0].float()
+    out.update(flops=flops, tile_rows=stats.get("tile_rows", 0), tflops=flops / (out["ms"] * 1e-3) / 1e12,
+               pct_fp8=100 * flops / (out["ms"] * 1e-3) / st.lim.fp8, err_vs_ref=_rel_pair(y.float(), ref), y=y)
+    return out
+
+
+def _rel_pair(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Max and norm-wise relative difference."""
+    diff = (got.double() - want.double())
+    return {"max": (diff.abs().max() / want.abs().max().clamp_min(1e-30)).item(),
+            "norm": (diff.norm() / want.double().norm().clamp_min(1e-30)).item()}  # fmt: skip
+
+
 def _print_moe(r: dict) -> None:
     pad = " " * 25
     print(f"{pad}MoE part (routing + experts' input quant + routed + shared experts; FP8 expert flops / measured "
@@ -904,6 +994,28 @@ def _print_moe(r: dict) -> None:
                   f"bucket {tl['rows']} rows (empty tiles skipped)")  # fmt: skip
         for name, n in m["nodes"].items():
             print(f"{pad}    {n['ms']:8.3f}  {n['op']:<22} {n['how']:<40} {name}")
+    ep = r.get("moe_ep")
+    if ep:
+        _print_moe_ep(r, ep, pad)
+
+
+def _print_moe_ep(r: dict, ep: dict, pad: str) -> None:
+    head = (f"{pad}MoE part at an EP{ep['ranks']} rank (l0's node, {ep['local_experts']} local experts, {ep['pairs']} "
+            f"received pairs; the all-to-all not included): ")  # fmt: skip
+    if "declined" in ep or "error" in ep:
+        print(head + (ep.get("declined") or ep.get("error")))
+        return
+    real = f"{100 * ep['pairs'] / ep['tile_rows']:.0f}% of the tile rows real" if ep.get("tile_rows") else ""
+    print(head + f"experts {ep['ms']:.3f} ms ({ep['path']}, {real}) = {ep['tflops']:.0f} TFLOPS = "
+          f"{ep['pct_fp8']:.1f}% of the FP8 peak; vs the node's fp32 reference: max {ep['err_vs_ref']['max']:.1e}, "
+          f"norm {ep['err_vs_ref']['norm']:.1e}")  # fmt: skip
+    if ep.get("with_routing_ms"):
+        print(f"{pad}    + this T's routing and input quant (measured above, l0): {ep['with_routing_ms']:.3f} ms = "
+              f"{ep['with_routing_pct']:.1f}% of the FP8 peak")  # fmt: skip
+    if ep.get("dev_vs_first"):
+        dv = ep["dev_vs_first"]
+        print(f"{pad}    output vs the {dv['format']} rank's (same x, routing, weights): max {dv['max']:.1e}, norm "
+              f"{dv['norm']:.1e}")  # fmt: skip
 
 
 def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, base) -> dict:
@@ -1069,6 +1181,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "format in one slice: w128,g128): g32 = 32x32 weight blocks + 1x32 activations (the model's "
                          "numbers); w128 = 128x128 weight blocks (exact) + 1x32; g128 = w128 + 1x128 activations at "
                          "prefill only (prefill_act_group=128: not exact; act_quant.py)")  # fmt: skip
+    ap.add_argument("--ep-ranks", type=int, default=8,
+                    help="prefill: also time the MoE node at an expert-parallel rank's shape (its t tokens' top-k "
+                         "pairs over E/ranks local experts; the all-to-all not included); 0: off")  # fmt: skip
     ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
                     help="the decode MoE's fused SwiGLU epilogue (needs an interleaved w1|w3 copy per layer: auto "
                          "makes it while memory allows)")  # fmt: skip
@@ -1109,7 +1224,7 @@ def run_from_args(args) -> list[dict]:
                compile_mode=getattr(args, "compile_mode", "default"),
                compile_batches=_ints(getattr(args, "compile_batches", "")) or None,
                profile_batches=_ints(getattr(args, "profile_batches", "64")),
-               moe_format=getattr(args, "moe_format", "g32"))  # fmt: skip
+               moe_format=getattr(args, "moe_format", "g32"), ep_ranks=getattr(args, "ep_ranks", 8))  # fmt: skip
 
 
 def dry_run(args) -> int:

@@ -38,6 +38,8 @@ def test_prefill_rows_report_the_moe_part_per_format(tmp_path, monkeypatch):
             ops = {n["op"] for n in m["nodes"].values()}
             assert {"moe_gate_route", "moe_grouped_experts"} <= ops and "fake_quant_fp8" in ops
             assert 0 < m["ms"] <= m["layer_ms"] and m["flops"] > 0
+        # the EP-rank row: at the tiny dims (D 64, I 32) no kernel tile fits -- declined, with the reason
+        assert r["moe_ep"]["local_experts"] == 2 and "do not tile" in r["moe_ep"]["declined"]
 
 
 def test_formats_with_different_weight_blocks_need_separate_runs():
@@ -49,3 +51,37 @@ def test_formats_with_different_weight_blocks_need_separate_runs():
         except ValueError:
             continue
         raise AssertionError(f"--moe-format {bad!r} was accepted")
+
+
+def test_the_ep_rank_row_runs_the_adapter_and_compares_the_formats(monkeypatch):
+    """moe_ep_rank at dims the kernels tile (D 256, I 128, 16 experts -> EP8: 2 local), kernel stand-ins: the
+    exact and g128 rank outputs on the same x / routing / weights, both near the node's reference, and close."""
+    import time
+    import types
+
+    from deepinfer.models import get_model
+    from deepinfer.passes.pipeline import run_pipeline
+    from deepinfer.runtime.cuda_executor import KernelCache
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    bs = _bench_slice()
+    cfg = bs.slice_config((2, 6), "tiny")
+    cfg["text_config"].update(hidden_size=256, moe_intermediate_size=128, n_routed_experts=16)
+    mod = get_model("deepseek-v4.1-flash")
+    g, _ = run_pipeline(mod.build_graph(mod.parse_config(cfg)), bs.slice_pipeline("fp8", "w128"))
+    comp = types.SimpleNamespace(prep_cache={ka.MOE_TILE_STATS: {}, **ka.moe_act_cache_entries(g.meta)},
+                                 kernels=KernelCache(builder=bs._cpu_stand_in))  # fmt: skip
+    lim = types.SimpleNamespace(fp8=1.98e15)
+    st = types.SimpleNamespace(g=g, params=bs.gpu_weights(g, device="cpu"), comp=comp, device="cpu", lim=lim,
+                               ep_ranks=8, ep_first=None, format="w128")  # fmt: skip
+    row = {"moe": {"l0": {"nodes": {"r": {"op": "moe_gate_route", "ms": 0.5}}}}}
+    exact = bs._ep_row(st, row, 300, 0, time.time() + 60)
+    comp.prep_cache.update(ka.moe_act_cache_entries({"moe_act_groups": {"decode": 32, "prefill": 128,
+                                                                        "weight_block": 128}}))  # fmt: skip
+    st.format = "g128"
+    opt = bs._ep_row(st, row, 300, 0, time.time() + 60)
+    assert (exact["local_experts"], exact["pairs"], exact["path"], opt["path"]) == (2, 600, "contiguous",
+                                                                                    "contiguous[act128]")  # fmt: skip
+    assert exact["tile_rows"] >= 600 and exact["with_routing_ms"] > exact["ms"] > 0
+    assert exact["err_vs_ref"]["norm"] < 0.05 and opt["err_vs_ref"]["norm"] < 0.05
+    assert 0 < opt["dev_vs_first"]["norm"] < 1e-2 and opt["dev_vs_first"]["format"] == "w128"
