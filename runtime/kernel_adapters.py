@@ -1543,6 +1543,9 @@ def _launch_rows(kernel, cfg, q, kv: tuple, idx: tuple, sink, o) -> None:
         kernel(q[lo:hi], *kv, *(i[lo:hi] for i in idx), sink, o[lo:hi])
 
 
+ATTN_Q_OPERAND_ENV = "DEEPINFER_ATTN_Q_OPERAND"  # "torch": fused_attention's q prologue by the torch ops, not Triton
+
+
 class SparseAttnAdapter:
     """sparse_attention / fused_attention at decode: the attention core through sparse_attn_decode (the sm90
     warp-specialised program where H = 64 and D % 128 == 0, the portable program elsewhere; split-K plus the
@@ -1677,7 +1680,8 @@ class SparseAttnAdapter:
         if call.attrs["q_norm"]:
             q = RMSNorm.reference(q, None, eps=call.attrs["eps"])
         r = call.attrs["rope_dim"]
-        if MAX_POSITIONS in call.cache and _triton_on(q) and q.dtype == torch.float32:
+        if (MAX_POSITIONS in call.cache and _triton_on(q) and q.dtype == torch.float32
+                and os.environ.get(ATTN_Q_OPERAND_ENV) != "torch"):  # fmt: skip
             # one launch (the runner's position bound sizes the cos | sin table: no host read of the positions)
             from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
