@@ -2105,6 +2105,24 @@ def _topk_r1_rows():
     ]  # fmt: skip
 
 
+def _topk_r2_rows():
+    """(T, C, cfg) rows "indexer_topk_select r2" (session 6, the one <= 100 s call): the decisive subset of r1 --
+    T4096 C65536 default (fused) / fast / fast+csum / fast+csum with 4 chunks prefetched / fast+csum at 8 scores a
+    thread and 4 CTAs/SM; C16384 default / fast (128 threads); T64 C4160 default / the row in registers."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    H = ts.HistConfig
+    fast = dict(fused=2, ffs=True, fast=True)
+    return [
+        (4096, 65536, None), (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, **fast)),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=4, min_blocks=3, csum=True, **fast)),
+        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, **fast)),
+        (4096, 16384, None), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
+        (64, 4160, None), (64, 4160, ts.Config(512, 16, 8192)),
+    ]  # fmt: skip
+
+
 TOPK_TIE_SHAPES = [(512, 2048), (264, 16384), (64, 65536), (1, 65536)]
 TOPK_TIE_PROGRAMS = ["default", "hist", "fused", "fast"]
 
@@ -2180,6 +2198,9 @@ def _indexer_cases(quick: bool):
             for prog in TOPK_TIE_PROGRAMS:
                 out.append(("topk_select tiebuild", f"T{T_} C{C} {prog}",
                             lambda r, q, d, T_=T_, C=C, p=prog: case_topk_tie_build(r, T_, C, p, q, d)))
+        for T_, C, cfg in _topk_r2_rows():
+            out.append(("indexer_topk_select r2", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         for T_, C, cfg in _topk_r1_rows():
             out.append(("indexer_topk_select r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
