@@ -1587,7 +1587,7 @@ class SparseAttnAdapter:
             cfg = sad.Config(**{f: getattr(cfg, f) for f in names})
         if topk % (cfg.block_n * cfg.num_split):
             raise Decline(f"top-k {topk} is not a multiple of the KV chunk {cfg.block_n} x {cfg.num_split}")
-        if getattr(cfg, "persist", 0) and (topk // cfg.block_n % cfg.stages or topk // cfg.block_n < 2 * cfg.stages):
+        if getattr(cfg, "persist", 0) and not sad.persist_fits(cfg, topk):
             cfg = sad.Config(**{f: getattr(cfg, f) for f in names if f != "persist"})  # whole rounds only
         two = cmp_kv is not None and _two_pool_program()
         if two and cfg.ws and sad.ws_supported(h, d, "sm90") and n_win % 4:

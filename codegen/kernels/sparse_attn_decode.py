@@ -184,7 +184,18 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
         if B * ns >= 0.9 * num_sms:
             break
+    if best is not None and PERSIST_MIN_B and B >= PERSIST_MIN_B and not fp8 and persist_fits(best, topk):
+        return Config(best.block_n, WS_THREADS, 1, best.stages, True, persist=num_sms)  # more requests than SMs
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
+
+
+PERSIST_MIN_B = 0  # decode: from this many requests sm90_config takes the persistent grid (0: never; H200 rows decide)
+
+
+def persist_fits(cfg: Config, topk: int) -> bool:
+    """The persistent grid runs whole ring rounds, at least two a request (bf16 KV, a single pass)."""
+    nb = topk // cfg.block_n
+    return cfg.ws and cfg.num_split == 1 and nb % cfg.stages == 0 and nb >= 2 * cfg.stages
 
 
 PREFILL_PERSIST = False  # prefill_config's default: the persistent grid once an H200 row shows it faster
@@ -203,7 +214,7 @@ def prefill_config(T: int, topk: int, num_sms: int = 132, *, persist: bool | Non
         return Config(32, 256, 1, 2)  # top-k not a multiple of 32: no ws config (the binding falls back)
     persist = PREFILL_PERSIST if persist is None else persist
     base = cands[0]
-    if persist and (topk // base.block_n) % base.stages == 0:
+    if persist and persist_fits(base, topk):
         return Config(base.block_n, WS_THREADS, 1, base.stages, True, persist=num_sms)
     return base
 

@@ -273,3 +273,13 @@ def test_triton_q_operand_matches_the_torch_prologue(monkeypatch, scale_ratio):
     step = slow[:t].float().abs().clamp_min(2.0**-100) * 2.0**-7  # one bf16 step (8 significant bits)
     assert bool(((fast[:t].float() - slow[:t].float()).abs() <= step).all())
     assert torch.equal(fast[:t, :, : d - 16], slow[:t, :, : d - 16])  # unrotated channels: exactly x * ratio
+
+
+def test_decode_persist_rule_is_off_until_set(monkeypatch):
+    """sm90_config takes the persistent grid from PERSIST_MIN_B requests (0: never): single pass, bf16 KV, whole
+    ring rounds; below it and for FP8 KV the previous choice."""
+    assert all(not sad.sm90_config(b, 640).persist for b in (1, 64, 128, 256, 1024))
+    monkeypatch.setattr(sad, "PERSIST_MIN_B", 200)
+    assert sad.sm90_config(256, 640).persist == 132 and sad.sm90_config(256, 640, 148).persist == 148
+    assert not sad.sm90_config(128, 640).persist and not sad.sm90_config(256, 640, fp8=True).persist
+    assert not sad.sm90_config(256, 192).persist  # 3 blocks of 64: not whole rounds of 2 stages
