@@ -283,3 +283,37 @@ def test_decode_persist_rule_is_off_until_set(monkeypatch):
     assert sad.sm90_config(256, 640).persist == 132 and sad.sm90_config(256, 640, 148).persist == 148
     assert not sad.sm90_config(128, 640).persist and not sad.sm90_config(256, 640, fp8=True).persist
     assert not sad.sm90_config(256, 192).persist  # 3 blocks of 64: not whole rounds of 2 stages
+
+
+def test_fused_attention_prefill_chunk_through_the_adapter(monkeypatch):
+    """fused_attention on a 200-token chunk (graph-built indices) with the runner's position bound: the q operand,
+    the single pass in pieces (MAX_LAUNCH_ROWS 64 here), the output's inverse RoPE on the rope kernel and the FP8
+    epilogue (emulated kernels) against the op's reference, dequantised."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    monkeypatch.setattr(sad, "MAX_LAUNCH_ROWS", 64)
+    q, sink, win_kv, win_idx, cmp_kv, cmp_idx = chunk_operands(200, 64, 128, 32, 96, 1000, 2, seed=12)
+    rope = {"rope_dim": 64, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+            "beta_slow": 1.0}  # fmt: skip
+    attrs = {"q_norm": False, "eps": 1e-6, **rope, "scale": 128**-0.5, "out_groups": 2, "quant_group": 32}
+    args = [q, torch.arange(1000, 1200), sink, win_kv, win_idx, cmp_kv, cmp_idx]
+    cfg = {"block_n": 32, "num_split": 1, "stages": 2, "ws": True, "threads": 384}
+    call = ka.Call("fused_attention", attrs, args, [f"a{i}" for i in range(7)], [False] * 7, cfg,
+                   {ka.MAX_POSITIONS: 4096})  # fmt: skip
+    adapter = ka.adapter_for("sparse_attn_decode", "fused_attention")
+    keys = adapter.keys(call)
+    assert keys[-1].family == "rope"
+    got = adapter.run(call, [ka.emulated_kernel(k) for k in keys])
+    ref = get_op("fused_attention").run(args, attrs)
+
+    def dequant(outs):
+        from deepinfer.ir.ops.quant import dequant_fp8_groups
+
+        return dequant_fp8_groups(outs[0], outs[1], 32)
+
+    g, r = dequant(got), dequant(ref)
+    assert g.shape == r.shape == (200, 2, 64 * 64)
+    assert ((g - r).abs().max() / r.abs().max()).item() < 0.1  # FP8 out: a code step where bf16 moved a value
+    assert ((g - r).norm() / r.norm()).item() < 2e-2
