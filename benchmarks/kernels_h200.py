@@ -2107,8 +2107,10 @@ def _topk_r1_rows():
 
 def _topk_r2_rows():
     """(T, C, cfg) rows "indexer_topk_select r2" (session 6, the one <= 100 s call): the decisive subset of r1 --
-    T4096 C65536 default (fused) / fast / fast+csum / fast+csum with 4 chunks prefetched / fast+csum at 8 scores a
-    thread and 4 CTAs/SM; C16384 default / fast (128 threads); T64 C4160 default / the row in registers."""
+    T4096 C65536 default (fused) / fast / fast+csum / + the next row's start prefetched into L2 at the final
+    selection (next_rows = the CTAs resident: 3 x 132) / fast+csum with 4 chunks prefetched / fast+csum at 8 scores
+    a thread and 4 CTAs/SM (also with next_rows 4 x 132); C16384 default / fast (128 threads); T64 C4160 default /
+    the row in registers."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H = ts.HistConfig
@@ -2116,8 +2118,10 @@ def _topk_r2_rows():
     return [
         (4096, 65536, None), (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)),
         (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, **fast)),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, next_rows=396, **fast)),
         (4096, 65536, H(256, 16, 65536, l2_ahead=4, min_blocks=3, csum=True, **fast)),
         (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, **fast)),
+        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, next_rows=528, **fast)),
         (4096, 16384, None), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
         (64, 4160, None), (64, 4160, ts.Config(512, 16, 8192)),
     ]  # fmt: skip

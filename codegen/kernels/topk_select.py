@@ -113,6 +113,9 @@ class HistConfig:
     fast: bool = False
     csum: bool = False  # barrier-per-phase chunks count fine bins only; the coarse ones are summed from them
     trim: bool = False  # the buffer's selections, cuts and marks visit its ctl[0] entries, not all BUF
+    # (one segment a row) at its final selection a CTA prefetches row t + next_rows's first 1 + l2_ahead chunks into
+    # L2: the CTA that takes a slot next (rows start in order, ~CTAs-resident later) finds its start there
+    next_rows: int = 0
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -126,6 +129,7 @@ class HistConfig:
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + ("v" if self.fast else "") + ("c" if self.csum else "") + ("t" if self.trim else "")
+                + (f"n{self.next_rows}" if self.next_rows else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -1284,7 +1288,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused) and not ops.cpu else None
+    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused or cfg.next_rows) and not ops.cpu else None
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
@@ -1378,6 +1382,22 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     n = T.min(CH, lim - c0_of(sg, it))  # (rounded up to float4s: within the row, C % 4 == 0)
                     T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", T.address_of(S[t, 0]), c0_of(sg, it),
                                              (n + 3) // 4 * 16))  # fmt: skip
+
+    @T.macro
+    def prefetch_next(S, Pos, t):
+        """(next_rows, GPU, one segment a row) row t + next_rows's first 1 + l2_ahead chunks into L2 (its visible
+        part), by one thread, before this CTA's final selection: the HBM keeps streaming while it selects."""
+        if not ops.cpu and cfg.next_rows > 0 and NSEG == 1:
+            for i in T.Parallel(NT):
+                if T.And(i == 0, t + cfg.next_rows < T_):
+                    lim2 = T.alloc_var("int32", init=C)
+                    if has_pos:
+                        lim2 = T.min((Pos[t + cfg.next_rows] + 1) // ratio, C)
+                    for a in T.serial(min(1 + cfg.l2_ahead, NCH)):
+                        if a * CH < lim2:
+                            T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2",
+                                                     T.address_of(S[t + cfg.next_rows, 0]), a * CH,
+                                                     (T.min(CH, lim2 - a * CH) + 3) // 4 * 16))  # fmt: skip
 
     @T.macro
     def keep(bufk, bufi, st, st2, tk, ti, ctl, rc, tmp, nq):
@@ -1546,6 +1566,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                         bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
                 elif it == NCH:
                     cut = 1 if DIAG == "" else 0
+                    prefetch_next(S, Pos, t)
                 if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
                     if T.And(it == NCH + 1, last == 1):
                         load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
