@@ -489,9 +489,6 @@ class CudaRunner:
         self.cache_names = [e["name"] for e in g.meta.get("caches", [])]
         self.cache_len = max_model_len  # the executor sizes every dense cache by it
         self.graphs = None
-        if max_model_len:
-            self.graphs = cg.DecodeGraphs(self.exec, g, max_model_len, self.device, enabled=cuda_graphs,
-                                          buckets=buckets, backend=graph_backend)  # fmt: skip
         if batched_decode is None:
             batched_decode = os.environ.get(BATCHED_DECODE_ENV, "") == "1"
         if max_model_len and batched_decode:  # one batched step per bucket (runtime/batched_decode.py; opt-in)
@@ -499,6 +496,9 @@ class CudaRunner:
 
             self.graphs = BatchedDecodeGraphs(self.exec, g, dev_params, max_model_len, self.device,
                                               enabled=cuda_graphs, buckets=buckets, backend=graph_backend)  # fmt: skip
+        elif max_model_len:
+            self.graphs = cg.DecodeGraphs(self.exec, g, max_model_len, self.device, enabled=cuda_graphs,
+                                          buckets=buckets, backend=graph_backend)  # fmt: skip
 
     @property
     def decode_batch_max(self) -> int:
