@@ -253,23 +253,29 @@ def bind_compressor(c: _Ctx):
     return "compressor", "program", shape, {"block_g": 4 if t >= 64 else 1, "threads": 128}, ("threads",)
 
 
-SCORES_DECODE_MAX_T = 256  # index_scores on the f32 decode kernel up to this many queries
+SCORES_DECODE_MAX_T = 256  # up to this many queries the f32 scores kernel takes its decode tile
+# above it (prefill chunks) 128 keys x 8 warps a CTA: q's 3xTF32 split amortised over twice the keys. H200,
+# T8192 (session 6): 2.14 ms (C4096, ratio 2) / 4.00 ms (C8192, ratio 1) vs 3.07 / 5.74 ms at the decode tile and
+# 14.9 / 29.7 ms for the op's torch reference (kernels_h200 --only "prefill index_scores")
+SCORES_PREFILL_TILE = {"block_c": 128, "warps": 8}
 
 
 def bind_index_scores(c: _Ctx):
-    """index_scores at decode -> indexer_topk's f32 Triton kernel (triton_scores: ~fp32, the graph's f32 q and
-    keys as they are; the FP8/bf16 scores kernels would change the op's numbers by ~1e-3 of a row's maximum).
-    Prefill keeps the reference: the decode form re-reads q from L2 once per 64 keys."""
+    """index_scores -> indexer_topk's f32 Triton kernel (triton_scores: ~fp32, the graph's f32 q and keys as they
+    are; the FP8/bf16 scores kernels would change the op's numbers by ~1e-3 of a row's maximum), at decode and at
+    prefill with a wider key tile. The tile fixes the layout of the in-register head sum, so block_c and warps are
+    reduce fields with the precision (pinned across buckets in batch-invariant mode)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+
     q, _, keys, _ = c.node.inputs
-    t, _, di = c.shape(q)
-    if t > SCORES_DECODE_MAX_T:
-        raise Fallback(f"prefill (T={t}): indexer_topk's f32 scores kernel is the decode form (T <= "
-                       f"{SCORES_DECODE_MAX_T}); the FP8/bf16 scores kernels would change the f32 op's numbers")
+    t, h, di = c.shape(q)
     if c.target.name not in ("sm90", "sm100") or di & (di - 1):
         raise Fallback(f"the f32 scores kernel is Triton on CUDA with di a power of two (di={di})")
-    # block sizes follow T and C at run time; the precision fixes the dots' numbers
-    return "indexer_topk", "triton_scores", {"T": t, "C": c.shape(keys)[0], "di": di}, {"precision": "tf32x3"}, (
-        "precision",)
+    dflt = it.f32_scores_config(t, c.shape(keys)[0], h)
+    tile = SCORES_PREFILL_TILE if t > SCORES_DECODE_MAX_T else {"block_c": dflt.block_c, "warps": dflt.warps}
+    cfg = {"precision": "tf32x3", **tile}
+    return "indexer_topk", "triton_scores", {"T": t, "C": c.shape(keys)[0], "di": di}, cfg, (
+        "precision", "block_c", "warps")
 
 
 LINEAR_BF16_MAX_T = 256  # decode `linear` (f32 x, bf16 weight) on linear_bf16's Triton kernel up to this many rows

@@ -35,10 +35,12 @@ def _check(s, ref, tol):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("t,c,start,ratio", [(20, 150, 280, 2), (5, 64, 40, 1), (33, 130, 0, 2)])
-def test_interpreter_matches_f64_and_the_op(interpret, t, c, start, ratio):
+@pytest.mark.parametrize("t,c,start,ratio,block_c", [(20, 150, 280, 2, 64), (5, 64, 40, 1, 64), (33, 130, 0, 2, 64),
+                                                     (21, 300, 0, 1, 128)])  # the prefill tile (select_kernels)
+def test_interpreter_matches_f64_and_the_op(interpret, t, c, start, ratio, block_c):
     q, w, keys, pos = _inputs(t, c, start, seed=t + c)
-    cfg = it.F32ScoresConfig(block_c=64, block_t=4)  # partial query blocks (t % 4) and key blocks (c % 64)
+    # partial query blocks (t % 4) and key blocks (c % block_c)
+    cfg = it.F32ScoresConfig(block_c=block_c, block_t=4, warps=8 if block_c == 128 else 4)
     s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=cfg)
     _check(s, _oracle_f64(q, w, keys, pos, ratio, 0.088), 1e-6)
     _check(s, indexer_scores(q, w, keys, pos, ratio=ratio, scale=0.088)[0], 1e-6)
@@ -50,11 +52,12 @@ def test_config_puts_every_head_of_a_query_in_one_dot():
         assert cfg.block_t * h == 128 or (h > 128 and cfg.block_t == 1)
 
 
-def test_compiles_for_hopper_with_tf32_wgmma():
+@pytest.mark.parametrize("bc,warps", [(64, 4), (128, 8)])  # the decode and prefill tiles (select_kernels)
+def test_compiles_for_hopper_with_tf32_wgmma(bc, warps):
     sig = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
            "C": "i32", "scale": "fp32", "ratio": "i32"}  # fmt: skip
     ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", sig,
-                               dict(H=32, DI=128, BC=64, BT=4, PREC="tf32x3"), num_warps=it.F32ScoresConfig().warps)
+                               dict(H=32, DI=128, BC=bc, BT=4, PREC="tf32x3"), num_warps=warps)
     assert spill_free(report), report
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and ".f32.tf32.tf32" in ptx
 
