@@ -67,11 +67,13 @@ class Config:
     # program is 11 us slower -- a 2-stage ring issues block j only when PV(j - 2) is done, so its HBM latency
     # under load (~2 us) is exposed at every block; from L2 the refill lands in ~1 us. 0: off.
     l2_prefetch: int = 0
-    # ws, bf16 KV, single pass (new, not yet measured): a persistent grid of `persist` CTAs, each walking the
-    # requests c, c + persist, ... (prefill: T query tokens, one "request" each). Why: a CTA's fixed cost (launch,
-    # Q load, ring start-up, epilogue: ~12.5 us of ~35 us at B256, BENCHMARKS session 5) is paid once per CTA,
-    # not once per token; the KV ring runs on across tokens (the last round of token k gathers token k + 1's
-    # first blocks) and the next token's Q loads under the last PV of this one. 0: one CTA per request.
+    # ws, bf16 KV, single pass: a persistent grid of `persist` CTAs, each walking the requests c, c + persist, ...
+    # (prefill: T query tokens, one "request" each). Why: a CTA's fixed cost (launch, Q load, ring start-up,
+    # epilogue) is paid once per CTA, not once per token; the KV ring runs on across tokens (the last round of
+    # token k gathers token k + 1's first blocks) and the next token's Q loads under the last PV of this one.
+    # H200 (session 6 call 3, checked): prefill T8192 k640 1772.0 vs 1803.9 us one CTA a token; decode B256
+    # 72.4 vs 74.4 us -- the per-block pipeline, not the per-CTA cost, bounds both. With `lookahead` it spills
+    # (~90 local loads) and is slower (2550.9 / 105.0 us). 0: one CTA per request.
     persist: int = 0
     # ws, split (new, not yet measured): the chunks' unnormalised outputs Op in bf16, not fp32 -- half the bytes the
     # split kernel writes and the combine reads back (B64 x 2 chunks: 16.8 -> 8.4 MB; the combine alone was 10.3 of
@@ -189,7 +191,9 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
 
 
-PERSIST_MIN_B = 0  # decode: from this many requests sm90_config takes the persistent grid (0: never; H200 rows decide)
+# decode: from this many requests sm90_config takes the persistent grid (0: never). H200, B256: 72.4 vs 74.4 us (both
+# checked; session 6 call 3); between the SM count and 256 not measured.
+PERSIST_MIN_B = 256
 
 
 def persist_fits(cfg: Config, topk: int) -> bool:
@@ -198,7 +202,7 @@ def persist_fits(cfg: Config, topk: int) -> bool:
     return cfg.ws and cfg.num_split == 1 and nb % cfg.stages == 0 and nb >= 2 * cfg.stages
 
 
-PREFILL_PERSIST = False  # prefill_config's default: the persistent grid once an H200 row shows it faster
+PREFILL_PERSIST = True  # prefill_config's default: the persistent grid (H200, T8192 k640: 1772.0 vs 1803.9 us)
 MAX_LAUNCH_ROWS = 32768  # one launch's requests: the grid is (num_split, B) and gridDim.y <= 65535
 
 

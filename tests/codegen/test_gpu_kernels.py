@@ -219,6 +219,34 @@ def test_sparse_attn_q_operand(kb, run_case, T_):
     run_case(kb.case_attn_q_operand, T_)
 
 
+@pytest.mark.parametrize("B,n_win", [(300, 128), (256, 0)])
+def test_sparse_attn_persist_is_the_single_pass_bit_for_bit(kb, B, n_win):
+    """The persistent grid computes each request as one CTA a request does (the same blocks in the same order, the
+    same expressions): on the same inputs the outputs are equal bit for bit (two pools: 300 requests, uneven over
+    132 CTAs; one pool: the program's other entry). A difference here is a hand-off bug, not rounding."""
+    import torch
+
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    q = torch.randn(B, HEADS, HD, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(kb.ATTN_POOL, HD, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, kb.ATTN_POOL, (B, 640), device="cuda", dtype=torch.int32)
+    if n_win:  # window entries in the window pool, the others above it
+        idx[:, :n_win] %= kb.ATTN_WIN_POOL
+        idx[:, n_win:] = kb.ATTN_WIN_POOL + idx[:, n_win:] % (kb.ATTN_POOL - kb.ATTN_WIN_POOL)
+    idx[:, -7:] = -1
+    idx[0, 320:] = -1
+    idx[1, :64] = -1  # a whole first block invalid (the mask of a request's first block after another's last)
+    sink = torch.randn(HEADS, device="cuda")
+    kv_in, idx_in = kb._attn_two_pool_args(kv, idx, n_win) if n_win else (kv, idx)
+    outs = []
+    for cfg in (sad.Config(64, 384, 1, 2, True), sad.Config(64, 384, 1, 2, True, persist=132)):
+        outs.append(torch.empty_like(q))
+        kb._attn_kernel(B, 640, cfg, False, False, n_win)(q, kv_in, idx_in, sink, outs[-1])
+    diff = (outs[0].float() - outs[1].float()).abs()
+    assert torch.equal(outs[0], outs[1]), f"{int((diff > 0).sum())} values differ, max {diff.max().item():.3e}"
+
+
 @pytest.mark.parametrize("B", [256, 100])
 def test_sparse_attn_decode_persist(kb, run_case, B):
     """The persistent grid at decode (two pools): B256 = 2 requests on most CTAs, B100 leaves 32 CTAs idle."""

@@ -75,6 +75,7 @@ def test_prefill_config_rules():
         p = sad.prefill_config(8192, topk, 132, persist=True)
         assert p.persist == 132 and p.tag == "wsn64s2p132" and (topk // p.block_n) % p.stages == 0
     assert sad.prefill_config(4096, 640) == sad.prefill_config(64000, 640)  # T is not part of the choice
+    assert sad.prefill_config(8192, 640).persist == 132  # the default (PREFILL_PERSIST)
     assert not sad.prefill_config(4096, 96, persist=True).persist  # 3 blocks of 32: not whole rounds of 2 stages
     with pytest.raises(AssertionError):
         sad.Config(64, 384, 2, 2, True, persist=132)  # the persistent grid is a single pass
@@ -275,9 +276,12 @@ def test_triton_q_operand_matches_the_torch_prologue(monkeypatch, scale_ratio):
     assert torch.equal(fast[:t, :, : d - 16], slow[:t, :, : d - 16])  # unrotated channels: exactly x * ratio
 
 
-def test_decode_persist_rule_is_off_until_set(monkeypatch):
+def test_decode_persist_rule(monkeypatch):
     """sm90_config takes the persistent grid from PERSIST_MIN_B requests (0: never): single pass, bf16 KV, whole
     ring rounds; below it and for FP8 KV the previous choice."""
+    assert sad.sm90_config(256, 640).persist == 132 and sad.sm90_config(1024, 640).persist == 132
+    assert all(not sad.sm90_config(b, 640).persist for b in (1, 64, 128, 255))
+    monkeypatch.setattr(sad, "PERSIST_MIN_B", 0)
     assert all(not sad.sm90_config(b, 640).persist for b in (1, 64, 128, 256, 1024))
     monkeypatch.setattr(sad, "PERSIST_MIN_B", 200)
     assert sad.sm90_config(256, 640).persist == 132 and sad.sm90_config(256, 640, 148).persist == 148
