@@ -172,15 +172,17 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     vs 851.6 at T4096 C65536, 256.1 vs 275.0 at C16384). The 256-thread rows take the fused chunk loop (fused=2,
     __ffs output, min_blocks=3: 80 registers; H200, same run, exact on heavy ties and real scores: T4096 C65536
     557.5 us = 44.5% of HBM vs 757.4 us = 32.7%; the grid's streaming ceiling, diag read, 306.8 us = 80.8%).
-    DEEPINFER_TOPK_FUSED=0 turns it off, =1 also gives it to the 128-thread rows (not measured there yet).
+    Both prefill widths take the fused loop with `fast` chunks (session 6, H200, same run, exact on heavy ties and
+    real scores: T4096 C65536 541.0 us = 45.8% vs 559.3 us fused; C16384 at 128 threads 217.2 us = 27.9% vs
+    257.7 us non-fused). DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused
+    without fast.
     Few rows: 128-thread segments of >= 8192 columns (128 registers: 4 CTAs an SM) while the grid stays within
     one wave and the last CTA merges <= MERGE_ALL_MAX."""
     if T_ >= 2 * sms:
         nt = 256 if C > 16384 else 128
-        fused = os.environ.get("DEEPINFER_TOPK_FUSED", "")
-        if fused == "1" or (fused != "0" and nt == 256):
+        if os.environ.get("DEEPINFER_TOPK_FUSED", "") != "0":
             return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
-                              ffs=True)  # fmt: skip
+                              ffs=True, fast=os.environ.get("DEEPINFER_TOPK_FAST", "") != "0")  # fmt: skip
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
     while seg >= 16384 and T_ * -(-C // (seg // 2)) <= 2 * sms and -(-C // (seg // 2)) * k <= MERGE_ALL_MAX:
@@ -195,12 +197,14 @@ def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | Hi
     loop; C16384 256.1 us vs 408; T64 C65536 63.0 us vs 88.4). Fewer rows (T1 C65536: 33.7 us vs 31.2 for the
     filter program): the filter program, a row split into segments (one CTA each) until the grid covers the GPU
     twice or the last CTA's one-shot merge buffer (segments x k <= MERGE_ALL_MAX) is full. DEEPINFER_TOPK_HIST=1
-    / 0: the hist / filter program for every long row."""
-    if C <= 4096 or 4096 // 4 < 2 * k:
+    / 0: the hist / filter program for every long row. Decode rows of HIST_MIN_ROWS+ queries up to 8192 columns
+    (issue 8's T64 C4160): one 512-thread CTA a row with the row in registers (H200, same run, exact: 16.0 us vs
+    20.3 us for the hist default)."""
+    force = os.environ.get("DEEPINFER_TOPK_HIST")
+    if C <= 4096 or 4096 // 4 < 2 * k or (C <= 8192 and HIST_MIN_ROWS <= T_ < 2 * sms and force != "1"):
         chunk = max(1 << max(C - 1, 1).bit_length(), 512)
         nt = min(max(chunk // 16, 32), 512)
         return Config(nt, chunk // nt, chunk, False, 8, 2048)
-    force = os.environ.get("DEEPINFER_TOPK_HIST")
     if force == "1" or (force != "0" and T_ >= HIST_MIN_ROWS):
         return hist_default_config(T_, C, k, sms)
     nt, e = 256, 16

@@ -239,26 +239,36 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_HIST", "0")
     assert isinstance(ts.default_config(4096, 65536), ts.Config)
     monkeypatch.delenv("DEEPINFER_TOPK_HIST")
-    # the fused chunk loop: the measured 256-thread prefill rows by default; =1 adds the 128-thread ones, =0 none
-    fused64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
-    assert ts.default_config(4096, 65536) == fused64
-    assert not ts.default_config(4096, 16384).fused and not ts.default_config(64, 65536).fused
-    monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "1")
-    assert ts.default_config(4096, 16384).fused == 2 and ts.default_config(4096, 16384).min_blocks == 0
+    # the fused chunk loop with fast chunks: both measured prefill widths (256 threads at 64k, 128 at 16k); decode
+    # keeps the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0 fused without fast, DEEPINFER_TOPK_FUSED=0 neither
+    fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
+    assert ts.default_config(4096, 65536) == fast64
+    assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     assert not ts.default_config(64, 65536).fused
+    monkeypatch.setenv("DEEPINFER_TOPK_FAST", "0")
+    assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
     monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "0")
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2)
+    monkeypatch.delenv("DEEPINFER_TOPK_FUSED")
+    monkeypatch.delenv("DEEPINFER_TOPK_FAST")
+    # decode rows up to 8192 columns: one 512-thread CTA a row, the row in registers (measured at T64 C4160)
+    assert ts.default_config(64, 4160) == ts.Config(512, 16, 8192, False, 8, 2048)
+    assert isinstance(ts.default_config(64, 8196), ts.HistConfig) and isinstance(ts.default_config(16, 6000), ts.Config)
+    monkeypatch.setenv("DEEPINFER_TOPK_HIST", "1")
+    assert isinstance(ts.default_config(64, 4160), ts.HistConfig)
 
 
-@pytest.mark.parametrize("T_,C", [(64, 4100), (1, 4100)])
-def test_c_target_decode_padded_rows(tilelang_required, T_, C):
+@pytest.mark.parametrize("T_,C,cfg", [(64, 4100, None), (64, 4100, ts.HistConfig(128, 16, 6144, l2_ahead=2)),
+                                     (1, 4100, None)])  # fmt: skip
+def test_c_target_decode_padded_rows(tilelang_required, T_, C, cfg):
     """The programs the runtime's topk_entries takes at decode for the indexer's C = 4097 (padded by the adapter to
-    4100 with -inf columns): T64's hist program (3 chunks of a 6144-column segment, the last partial) and T1's
-    two merge_all segments (the second holds 4 columns); without positions, the last real column the largest, a
-    row with fewer than k visible; exactly the reference set (4 rows of the T64 program)."""
+    4100 with -inf columns): T64's row in registers (512 threads x 16), the hist program it took before (3 chunks
+    of a 6144-column segment, the last partial) and T1's two merge_all segments (the second holds 4 columns);
+    without positions, the last real column the largest, a row with fewer than k visible; exactly the reference
+    set (4 rows of the T64 programs)."""
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
-    cfg, rows = ts.default_config(T_, C), min(T_, 4)
+    cfg, rows = cfg or ts.default_config(T_, C), min(T_, 4)
     kernel = compile_cpu(ts.program(rows, C, k=512, ratio=1, cfg=cfg, target="cpu", has_pos=False))
     s = _scores("ints", rows, C, seed=C)
     s[:, C - 3 :] = float("-inf")
@@ -268,14 +278,15 @@ def test_c_target_decode_padded_rows(tilelang_required, T_, C):
     assert torch.equal(_run_c(kernel, s, 512, None, cfg), ts.reference(s, 512))
 
 
-def test_sm90_lowers_decode_default(tilelang_required):
-    """Regression: the default of issue 8's layer-20 decode row (T64 C4160: one 6144-column segment, 3 chunks,
-    2 prefetched into L2) failed to lower ("Cannot match type handle vs int32": an in-loop L2 prefetch that is
-    never in range) -- only prefetches that can be in range are emitted now."""
+def test_sm90_lowers_decode_hist(tilelang_required):
+    """Regression: the hist program of issue 8's layer-20 decode row (T64 C4160: one 6144-column segment, 3 chunks,
+    2 prefetched into L2; the default until the row in registers measured faster) failed to lower ("Cannot match
+    type handle vs int32": an in-loop L2 prefetch that is never in range) -- only prefetches that can be in range
+    are emitted now."""
     from deepinfer.codegen import tilelang_backend as tb
 
-    cfg = ts.default_config(64, 4160)
-    assert isinstance(cfg, ts.HistConfig) and cfg.seg // cfg.chunk <= 1 + cfg.l2_ahead
+    cfg = ts.HistConfig(128, 16, 6144, l2_ahead=2)
+    assert cfg.seg // cfg.chunk <= 1 + cfg.l2_ahead
     src = tb.lower(ts.program(64, 4160, k=512, ratio=1, cfg=cfg, target="sm90", has_pos=False), tb.get_target("sm90"))
     assert "tl_topk_prefetch_l2(" in src
 
