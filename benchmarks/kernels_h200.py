@@ -2127,6 +2127,26 @@ def _topk_r2_rows():
     ]  # fmt: skip
 
 
+def _topk_r3_rows():
+    """(T, C, cfg, variant) rows "indexer_topk_select r3" (for the next H200 call; unmeasured): where the new prefill
+    default's time goes -- T4096 C65536 the default (fused + fast: 541.0 us, the read ceiling of the previous
+    grid 306.8 us) next to its chunk loop without the final selection (diag push) and its streaming alone (diag
+    read); the decode shapes fast has not been timed at: T64 C65536 default / fast 4 and 8 segments, T1 C65536
+    default / fast 8 segments, and T64 C2080's default."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    H, tl = ts.HistConfig, "tilelang"
+    fast = dict(fused=2, ffs=True, fast=True)
+    pre = H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)
+    return [
+        (4096, 65536, None, tl), (4096, 65536, dataclasses.replace(pre, diag="push"), tl),
+        (4096, 65536, dataclasses.replace(pre, diag="read"), tl),
+        (64, 65536, None, tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, **fast), tl),
+        (64, 65536, H(128, 16, 8192, l2_ahead=2, **fast), tl),
+        (1, 65536, None, tl), (1, 65536, H(256, 16, 8192, **fast), tl), (64, 2080, None, tl),
+    ]  # fmt: skip
+
+
 TOPK_TIE_SHAPES = [(512, 2048), (264, 16384), (64, 65536), (1, 65536)]
 TOPK_TIE_PROGRAMS = ["default", "hist", "fused", "fast"]
 
@@ -2202,6 +2222,9 @@ def _indexer_cases(quick: bool):
             for prog in TOPK_TIE_PROGRAMS:
                 out.append(("topk_select tiebuild", f"T{T_} C{C} {prog}",
                             lambda r, q, d, T_=T_, C=C, p=prog: case_topk_tie_build(r, T_, C, p, q, d)))
+        for T_, C, cfg, var in _topk_r3_rows():
+            out.append(("indexer_topk_select r3", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         for T_, C, cfg in _topk_r2_rows():
             out.append(("indexer_topk_select r2", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
