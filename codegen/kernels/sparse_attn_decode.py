@@ -175,7 +175,8 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
     B x H x D fp32 of partial output written and read back by the combine, so large batches use none.
     one_wave: when that split count needs more CTAs than SMs (one CTA an SM fits: a second, mostly idle wave --
     B16 x10 = 160, B8 x20 = 160) while a smaller one fits in one wave, take the smaller (H200, B16: x5 20.6 us vs
-    x10 27.8 us, checked; session 5 final call). one_wave=False: the previous rule."""
+    x10 27.8 us, checked; session 5 final call). one_wave=False: the previous rule. From PERSIST_MIN_B requests
+    (bf16 KV, whole ring rounds) the single pass runs as the persistent grid of num_sms CTAs."""
     best = None
     for ns in SPLITS:
         cands = ws_configs(topk, ns, fp8=fp8)
