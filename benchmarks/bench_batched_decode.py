@@ -221,6 +221,13 @@ def _graph_stage(st, row: dict, feeds: dict, reps: int, end: float, compile_on: 
     row["graphs_report"], row["fell_back"] = lg.report(), lg.fell_back()
     log(f"{row['case']}: {lg.report()}")
     graph_ms, row["graph_total_ms"] = bs.time_graph_layers(lg, reps)
+    if st.profile:  # where the graph step's time goes: a CUDA graph per node (bench_slice.profile_step)
+        try:
+            row["profile"] = bs.profile_step(SimpleNamespace(comp=st.dec.exec, backend_factory=st.backend_factory),
+                                             feeds, lg, reps)  # fmt: skip
+            bs._print_profile(row)
+        except Exception as e:  # a diagnostic: the step's figures stand without it
+            _failed(row, "profile (graph per node)", e)
     return graph_ms, bs.layer_baselines(lg, st.eager, st.params, reps, compile_on, mode, end)
 
 
@@ -312,7 +319,7 @@ def run(args) -> list[dict]:
     layers = bs._ints(args.layers) or (TINY_LAYERS if args.preset == "tiny" else (2, 20))
     batches, context = bs._ints(args.batches), int(args.context)
     st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate, compact=not args.flat_pools)
-    st.single_steps, st.jobs, st.end = not args.no_single_steps, args.jobs, end
+    st.single_steps, st.jobs, st.end, st.profile = not args.no_single_steps, args.jobs, end, args.profile
     compile_batches = set(bs._ints(args.compile_batches) or batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -362,6 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-donate", action="store_true", help="functional cache writes (the whole pool copied)")
     ap.add_argument("--flat-pools", action="store_true", help="attention over the flat compressed pools (no gather)")
     ap.add_argument("--no-single-steps", action="store_true", help="skip the one-sequence T=1 step (B x 1-seq ms)")
+    ap.add_argument("--profile", action="store_true", help="also a CUDA graph per node: each node's device time")
     ap.add_argument("--preset", choices=("real", "tiny"), default="real", help="tiny: the CPU smoke mode")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--jobs", "-j", type=int, default=0, help="pre-build kernels in this many processes")
