@@ -1284,7 +1284,9 @@ def attn_cases(quick: bool):
                                      + attn_realnode_cases() + attn_prefill_cases() + attn_persist_cases()
                                      + attn_fixedcost_cases() + attn_prefill_compiled_cases() + attn_partial16_cases()
                                      + [("sparse_attn qoperand (triton)", f"T{t} H64 D512", lambda r, q, d, t=t:
-                                         case_attn_q_operand(r, t, q, d)) for t in (64, 8192)])  # fmt: skip
+                                         case_attn_q_operand(r, t, q, d)) for t in (64, 8192)]
+                                     + [("sparse_attn oepilogue (triton)", f"T{t} H64 D512 g32", lambda r, q, d, t=t:
+                                         case_attn_o_epilogue(r, t, q, d)) for t in (64, 8192)])  # fmt: skip
 
 
 def attn_sweep_cases():
@@ -1378,7 +1380,7 @@ def attn_r2_cases():
         ("read-flush", 128, pf(skip="qk,pv", l2_prefetch=1), read),
         ("read-flush", 128, pf(skip="gather,ids"), read), ("read-flush", 128, pf(skip="gather,ids,qk,pv"), read),
         ("read-flush", 128, pf(skip="gather,ids,qk"), read), ("read-flush", 128, pf(skip="gather,ids,pv"), read),
-    ] + [(w, B, dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d), {}) for B in (64, 256)
+    ] + [(w, B, dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d, persist=0), {}) for B in (64, 256)
          for w, d in (("", 0), ("", 1), ("", 2))] + [
         # small batches: the default's split count gives 160 CTAs (two waves at one CTA an SM) at B8 / B16
         ("", 16, sad.sm90_config(16, 640), {}), ("one wave", 16, sad.Config(64, sad.WS_THREADS, 5, 2, True), {}),
@@ -1402,8 +1404,8 @@ def attn_final_cases():
         out.append((f"sparse_attn final {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640",
                     lambda r, q, d, B=B, cfg=cfg, kw=kw: case_attn_decode(r, B, 640, q, d, cfg, **kw)))  # fmt: skip
 
-    def cfg(B, d=0):
-        return dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d)
+    def cfg(B, d=0):  # (the single pass these rows measured: B256 now defaults to the persistent grid)
+        return dataclasses.replace(sad.sm90_config(B, 640), l2_prefetch=d, persist=0)
 
     read = dict(flush="read")
     for what, B, c, kw in [
@@ -1617,6 +1619,45 @@ def case_attn_q_operand(row: Row, T_: int, quick: bool, dry: bool):
     row.eager_ms = bench_device(slow, quick)
 
 
+def case_attn_o_epilogue(row: Row, T_: int, quick: bool, dry: bool):
+    """fused_attention's output epilogue at V4.1 shapes (T x 64 x 512 bf16 o, inverse RoPE of the last 64 channels,
+    8 out groups, FP8 per 32): the opt-in one Triton launch (sparse_attn_decode.triton_o_epilogue) vs the runtime's
+    path (the rope kernel, then act_quant and the e8m0 bytes), both as CUDA graphs ('vs eager' = vs that path).
+    Check: the dequantised outputs agree within one e4m3 step (the runtime path rounds the rotated values to bf16
+    before quantising; the fused one quantises the fp32 rotation)."""
+    from deepinfer.ir.ops.quant import dequant_fp8_groups
+    from deepinfer.runtime import kernel_adapters as ka
+
+    sad = sparse_attn_decode
+    ra = {"rope_dim": 64, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+          "beta_slow": 1.0}  # fmt: skip
+    row.bytes_, row.flops = float(T_ * HEADS * HEAD_DIM * (2 + 1) + T_ * HEADS * HEAD_DIM // 32), 0.0
+    if dry:
+        return
+    attrs = {"q_norm": False, "eps": 1e-6, **ra, "scale": HEAD_DIM**-0.5, "out_groups": 8, "quant_group": 32}
+    o = torch.randn(T_, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    pos = torch.arange(4096, 4096 + T_, device="cuda")
+    call = ka.Call("fused_attention", attrs, [torch.empty(T_, HEADS, HEAD_DIM, device="cuda"), pos], ["q", "p"],
+                   [False] * 2, {}, {ka.MAX_POSITIONS: 16384})  # fmt: skip
+    adapter = ka.SparseAttnAdapter()
+    rc = adapter._o_rope(call, o)  # (the env switch is off here: the runtime's path)
+    rope_kernel = ka.build_kernel(ka.ADAPTERS["rope"].keys(rc)[0])
+
+    def current():
+        return adapter._epilogue(call, ka.ADAPTERS["rope"].run(rc, [rope_kernel])[0], rotated=True)
+
+    def fused():
+        return adapter._o_epilogue_fused(call, o, sad)
+
+    a, b = (dequant_fp8_groups(x[0], x[1], 32).float() for x in (fused(), current()))
+    rel = ((a - b).abs() / b.abs().clamp_min(1e-30))[b.abs() > 1e-3 * b.abs().max()]
+    if rel.numel() and rel.max().item() > 0.126:  # one e4m3 step is 2^-3 of the value at most
+        raise AssertionError(f"fused epilogue off the runtime's by {rel.max().item():.3f} of a value")
+    row.check = f"<= 1 e4m3 step ({int((a != b).sum())} of {a.numel()} codes differ)"
+    row.ms = bench_device(fused, quick)
+    row.eager_ms = bench_device(current, quick)
+
+
 def attn_partial16_cases():
     """`--only "sparse_attn partial16"`: the split configs (B1 / B16 / B64, two pools as the runtime passes them) with
     the chunks' partial outputs in bf16 (Config.partial_bf16) next to fp32 partials (the default)."""
@@ -1651,7 +1692,8 @@ def attn_persist_cases():
     sad = sparse_attn_decode
     out = []
     for B in (256, 128):
-        for cfg in (sad.sm90_config(B, 640), sad.Config(64, 384, 1, 2, True, persist=132),
+        single = dataclasses.replace(sad.sm90_config(B, 640), persist=0)  # B256's default is now the persistent grid
+        for cfg in (single, sad.Config(64, 384, 1, 2, True, persist=132),
                     sad.Config(64, 384, 1, 2, True, True, persist=132)):  # fmt: skip
             out.append((f"sparse_attn persist {cfg.tag}", f"B{B} H64 k640",
                         lambda r, q, d, B=B, cfg=cfg: case_attn_decode(r, B, 640, q, d, cfg, n_win=128)))  # fmt: skip

@@ -1544,6 +1544,7 @@ def _launch_rows(kernel, cfg, q, kv: tuple, idx: tuple, sink, o) -> None:
 
 
 ATTN_Q_OPERAND_ENV = "DEEPINFER_ATTN_Q_OPERAND"  # "torch": fused_attention's q prologue by the torch ops, not Triton
+ATTN_O_EPILOGUE_ENV = "DEEPINFER_ATTN_O_EPILOGUE"  # "triton": the output's inverse RoPE + FP8 in one launch (opt-in)
 
 
 class SparseAttnAdapter:
@@ -1610,10 +1611,17 @@ class SparseAttnAdapter:
         """fused_attention's inverse RoPE of the output on the rope kernel (o is the kernel's bf16 already, so
         only the rotated values take one more bf16 rounding before the FP8 epilogue); None without the runner's
         position bound (then the torch rotation)."""
-        if call.op != "fused_attention" or MAX_POSITIONS not in call.cache:
+        if call.op != "fused_attention" or MAX_POSITIONS not in call.cache or self._o_fused(call):
             return None
         attrs = {**self._rope_attrs(call), "inverse": True}
         return Call("rope", attrs, [o, call.args[1]], ["", ""], [False, False], {}, call.cache)
+
+    @staticmethod
+    def _o_fused(call: Call) -> bool:
+        """The output's inverse RoPE and FP8 quantisation in one Triton launch (sparse_attn_decode.triton_o_epilogue):
+        opt-in (DEEPINFER_ATTN_O_EPILOGUE=triton) until an H200 row measures it, with the position bound."""
+        return (call.op == "fused_attention" and MAX_POSITIONS in call.cache and bool(call.attrs["quant_group"])
+                and os.environ.get(ATTN_O_EPILOGUE_ENV) == "triton" and _triton_on(call.args[0]))  # fmt: skip
 
     def keys(self, call: Call) -> list[KernelKey]:
         keys = self._plan(call)[0]
@@ -1652,11 +1660,23 @@ class SparseAttnAdapter:
             mp, lp = torch.empty(b, ns, h, device=q.device), torch.empty(b, ns, h, device=q.device)
             kernels[0](qb, *kv, *idx, op, mp, lp)
             kernels[1](op, mp, lp, sink, o)
+        if fused and self._o_fused(call):
+            return self._o_epilogue_fused(call, o[:t], sad)
         rc = self._o_rope(call, o[:t]) if fused else None
         if rc is not None:  # bf16 o: the FP8 epilogue reads it as is (its codes from the bf16 values, exact)
             return self._epilogue(call, ADAPTERS["rope"].run(rc, kernels[-1:])[0], rotated=True)
         o = o[:t].to(call.args[0].dtype)
         return self._epilogue(call, o) if fused else [o]
+
+    def _o_epilogue_fused(self, call: Call, o: torch.Tensor, sad) -> list[torch.Tensor]:
+        """_o_fused's path: the codes and ue8m0 scales in the op's [T, groups, K] (or [T, H, D]) layout."""
+        t, h, d = o.shape
+        table = rope_table(call, self._rope_attrs(call), o.device)
+        codes, exps = sad.triton_o_epilogue(o, call.args[1], table, call.attrs["rope_dim"], call.attrs["quant_group"])
+        shape = (t, call.attrs["out_groups"], h * d // call.attrs["out_groups"]) if call.attrs["out_groups"] else (
+            t, h, d)  # fmt: skip
+        codes = codes if codes.dtype == torch.float8_e4m3fn else codes.to(torch.float8_e4m3fn)  # (interpreter)
+        return [codes.view(shape), exps.view(torch.float8_e8m0fnu).reshape(*shape[:-1], -1)]
 
     @staticmethod
     def _rope_attrs(call: Call) -> dict:

@@ -1585,6 +1585,62 @@ def triton_q_operand(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     return out
 
 
+@functools.lru_cache(maxsize=2)
+def _o_epilogue_kernel(interpret: bool):
+    """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def o_epilogue_kernel(o_ptr, pos_ptr, cs_ptr, q_ptr, e_ptr, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                          GROUP: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)  # (token, head): D channels, D / GROUP quantisation groups
+        t = row // H
+        g = tl.arange(0, D // GROUP)[:, None]
+        c = g * GROUP + tl.arange(0, GROUP)[None, :]
+        j = c - (D - R)
+        rot = j >= 0
+        x = tl.load(o_ptr + row * D + c).to(tl.float32)
+        mate = tl.load(o_ptr + row * D + (c ^ 1), mask=rot, other=0.0).to(tl.float32)
+        p = tl.load(pos_ptr + t)
+        i = tl.where(rot, j // 2, 0)
+        cos = tl.load(cs_ptr + p * R + i, mask=rot, other=1.0)
+        sin = tl.load(cs_ptr + p * R + R // 2 + i, mask=rot, other=0.0)
+        # the inverse rotation: pair (e, o) -> (e cos + o sin, o cos - e sin)
+        y = tl.where(rot, tl.where(j % 2 == 0, x * cos + mate * sin, x * cos - mate * sin), x)
+        # act_quant's exact power-of-two scale: exponent from the float's bits (see act_quant.py)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
+        bits = amax.to(tl.uint32, bitcast=True)
+        ex = ((bits >> 23) & 0xFF).to(tl.int32) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        inv = ((127 - ex).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        codes = tl.clamp(y * inv[:, None], -448.0, 448.0)
+        tl.store(q_ptr + row * D + c, codes.to(q_ptr.dtype.element_ty))
+        tl.store(e_ptr + row * (D // GROUP) + tl.arange(0, D // GROUP), (ex + 127).to(tl.uint8))
+
+    return o_epilogue_kernel
+
+
+def triton_o_epilogue(o: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rope_dim: int, group: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fused_attention's output epilogue in one launch (opt-in: DEEPINFER_ATTN_O_EPILOGUE=triton; not yet measured):
+    o [T, H, D] (the kernel's bf16) -> the inverse RoPE of each head's last rope_dim channels (cos | sin rows of
+    `cos_sin` at each token's position, fp32) and FP8 per `group` channels with act_quant's power-of-two scales:
+    (e4m3 codes [T, H * D], ue8m0 exponent bytes [T, H * D / group]) -- the [T, groups, K] out-group layout is a
+    view of them. Instead of the rope kernel, its bf16 output and act_quant (and the scales' transpose): the codes
+    come from the fp32 rotation (no bf16 rounding in between). Under Triton's interpreter the codes are returned as
+    fp32 values of e4m3 codes (no fp8 stores there; the caller's cast is exact)."""
+    import os
+
+    t, h, d = o.shape
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    codes = torch.empty(t, h * d, dtype=torch.float32 if interp else torch.float8_e4m3fn, device=o.device)
+    exps = torch.empty(t, h * d // group, dtype=torch.uint8, device=o.device)
+    if t:
+        _o_epilogue_kernel(interp)[(t * h,)](o.contiguous(), positions.contiguous(), cos_sin, codes, exps, H=h, D=d,
+                                             R=rope_dim, GROUP=group)  # fmt: skip
+    return codes, exps
+
+
 # ---------------------------------------------------------------------------------------------- reference
 
 

@@ -321,3 +321,33 @@ def test_fused_attention_prefill_chunk_through_the_adapter(monkeypatch):
     assert g.shape == r.shape == (200, 2, 64 * 64)
     assert ((g - r).abs().max() / r.abs().max()).item() < 0.1  # FP8 out: a code step where bf16 moved a value
     assert ((g - r).norm() / r.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("out_groups", [2, 0])
+def test_triton_o_epilogue_matches_the_torch_epilogue(monkeypatch, out_groups):
+    """The opt-in one-launch output epilogue (DEEPINFER_ATTN_O_EPILOGUE=triton: inverse RoPE in fp32 + FP8 per 32 with
+    act_quant's scales) under Triton's interpreter gives the torch epilogue's codes and ue8m0 scales bit for bit (the
+    same fp32 rotation of the kernel's bf16 o, the same power-of-two rule), in the op's output layout."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    monkeypatch.setenv(ka.ATTN_O_EPILOGUE_ENV, "triton")
+    rope = {"rope_dim": 16, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+            "beta_slow": 1.0}  # fmt: skip
+    t, h, d = 5, 4, 64
+    g = torch.Generator().manual_seed(13)
+    o = (torch.randn(t, h, d, generator=g) * torch.logspace(-3, 2, d)).to(torch.bfloat16)
+    pos = torch.tensor([0, 3, 900, 1500, 2047])
+    attrs = {"q_norm": False, "eps": 1e-6, **rope, "scale": d**-0.5, "out_groups": out_groups, "quant_group": 32}
+    call = ka.Call("fused_attention", attrs, [torch.zeros(t, h, d), pos], ["q", "p"], [False] * 2, {},
+                   {ka.MAX_POSITIONS: 2048})  # fmt: skip
+    adapter = ka.SparseAttnAdapter()
+    assert adapter._o_fused(call) and adapter._o_rope(call, o) is None  # no rope kernel key on this path
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+    fast = adapter._o_epilogue_fused(call, o, sad)
+    slow = adapter._epilogue(call, o.float())  # the torch rotation of the same values, then quant_rows
+    assert fast[0].shape == slow[0].shape and fast[1].shape == slow[1].shape
+    assert torch.equal(fast[0].view(torch.uint8), slow[0].view(torch.uint8))
+    assert torch.equal(fast[1].view(torch.uint8), slow[1].view(torch.uint8))
