@@ -48,16 +48,31 @@ def _single_steps(ex: GraphExecutor, g, tokens, lengths, seqs, device):
     return res
 
 
-def test_decoder_on_cpu_is_the_batched_graph_with_caches_updated_in_place(sm90_tiny):
-    plan, params = sm90_tiny
+@pytest.fixture(scope="module")
+def sm90_tiny_v4():
+    """The tiny V4 compiled for sm90 (overlap compressor at ratio 4, ratio 8, the V4 indexer), experts restacked."""
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime.cuda_executor import restack_experts
+    from deepinfer.runtime.plan import bind_weights
+
+    plan = compile_model("deepseek-v4-flash:tiny", "sm90").plan
+    params, _ = bind_weights(plan)
+    restack_experts(plan.graph, params)
+    return plan, params
+
+
+@pytest.mark.parametrize("model", ["v41", "v4"])
+def test_decoder_on_cpu_is_the_batched_graph_with_caches_updated_in_place(model, sm90_tiny, sm90_tiny_v4):
+    plan, params = sm90_tiny if model == "v41" else sm90_tiny_v4
+    lengths = LENGTHS if model == "v41" else (7, 11, 5)  # V4: ratio 4 closes at 7 and 11, ratio 8 at 7 only
     g = plan.graph
     single = GraphExecutor(g, params, compiled=False)
-    seqs = _prefill(single, g, LENGTHS, "cpu")
+    seqs = _prefill(single, g, lengths, "cpu")
     dec = BatchedDecoder(g, params, "cpu", max_model_len=MAX_LEN)
     caches = dec.stack(seqs)
     tokens = [3, 10, 17]
-    want = interpreter.run(dec.graph, dec.feeds(tokens, LENGTHS, {k: v.clone() for k, v in caches.items()}), params)
-    logits, new = dec.step(tokens, LENGTHS, caches)
+    want = interpreter.run(dec.graph, dec.feeds(tokens, lengths, {k: v.clone() for k, v in caches.items()}), params)
+    logits, new = dec.step(tokens, lengths, caches)
     assert torch.equal(logits, want[0])
     for k, w in zip(dec.cache_names, want[1:]):
         assert torch.equal(new[k], w) and new[k] is caches[k], k  # donated: the input holds the new state
