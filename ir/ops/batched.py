@@ -246,14 +246,25 @@ class BatchedPairCompressorKeys:
 
 
 def batched_indexer_scores(q, weights, keys, positions, *, ratio, scale):
-    """attention.indexer_scores per sequence: q [B, Hi, di] against keys [B*C, di] viewed [B, C, di] (one bmm)."""
+    """attention.indexer_scores per sequence: q [B, Hi, di] against keys [B*C, di] viewed [B, C, di] (one bmm per
+    group of sequences: the [B, Hi, C] fp32 temporaries stay under TEMP_ELEMS, 1 GiB, as index_scores' do)."""
     b = q.shape[0]
     k = _pool_view(keys.float(), b)
-    s = torch.relu(torch.einsum("bhd,bcd->bhc", q.float(), k)) * scale
-    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
+    group = max(1, TEMP_ELEMS // max(1, q.shape[1] * k.shape[1]))
+    s = torch.cat([_head_sum(q[i : i + group], weights[i : i + group], k[i : i + group], scale)
+                   for i in range(0, b, group)])  # fmt: skip
     w = torch.arange(k.shape[1], device=keys.device)
     visible = w < (positions.long().unsqueeze(-1) + 1) // ratio
     return s.masked_fill(~visible, float("-inf")), visible
+
+
+TEMP_ELEMS = 1 << 28  # fp32 elements a temporary may take (v41._TEMP_ELEMS' bound)
+
+
+def _head_sum(q, weights, k, scale):
+    """sum_h weights[b, h] * ReLU(q[b, h] . k[b, c]) * scale for a group of sequences -> [b, C]."""
+    s = torch.relu(torch.einsum("bhd,bcd->bhc", q.float(), k)) * scale
+    return (s * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
 def _check_indexer(op: str, q, weights, keys, positions):

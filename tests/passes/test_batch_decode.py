@@ -212,3 +212,17 @@ def test_batched_ops_read_nothing_on_the_host(tiny):
             with HostSyncGuard():
                 scatter_rows_in_place(args[0].clone(), args[1], args[2])
     assert ran >= 6
+
+
+def test_index_scores_in_groups_of_sequences_are_the_same_bits(monkeypatch):
+    """Large B x Hi x C: the batched index scores run in groups of sequences (bounded temporaries); the rows are
+    independent, so the grouping changes no bit."""
+    from deepinfer.ir.ops import batched
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, di, c = 5, 4, 16, 12
+    q, w, keys = torch.randn(b, h, di, generator=gen), torch.randn(b, h, generator=gen), torch.randn(b * c, di)
+    args = [q, w, keys, torch.tensor([3, 11, 0, 7, 23])]
+    whole = batched.batched_indexer_scores(*args, ratio=2, scale=0.5)[0]
+    monkeypatch.setattr(batched, "TEMP_ELEMS", 2 * h * c)  # two sequences a group, the last alone
+    assert torch.equal(batched.batched_indexer_scores(*args, ratio=2, scale=0.5)[0], whole)
