@@ -520,7 +520,8 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
         batches=(1, 16, 64, 256), context=(4096, 32768), prefill: int = 8192, reps: int = 5,
         torch_compile: bool = True, experts: str = "fp8", moe_glu: str = "auto", graphs: bool = True,
         preset: str = "real", compile_mode: str = "default", compile_batches=None,
-        profile_batches=(64,), moe_format: str = "g32", ep_ranks: int = 8) -> list[dict]:  # fmt: skip
+        profile_batches=(64,), moe_format: str = "g32", ep_ranks: int = 8,
+        ep_only: bool = False) -> list[dict]:  # fmt: skip
     """Build the slice, measure every case within budget_s; returns the rows (also JSON + PNG in out_dir).
     context: one cached length or several (each decode batch runs at each). preset "tiny": the CPU smoke mode
     (tiny dims, CPU stand-ins of the kernels, emulated graphs, nominal H200 limits): checks the plumbing only."""
@@ -535,6 +536,8 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
     st.ep_ranks = ep_ranks
     cases = [("decode", b, ctx, formats[0]) for ctx in contexts for b in batches]
     cases += [("prefill", prefill, 0, f) for f in formats] if prefill else []
+    if ep_only:  # only the MoE node at an EP rank's shape, per format (no slice cases: no whole-layer kernels)
+        cases = [("moe_ep", prefill, 0, f) for f in formats]
     compile_batches = set(batches if compile_batches is None else compile_batches)
     profile_batches = set(profile_batches or ())
     rows = []
@@ -547,7 +550,12 @@ def run(out_dir="bench_slice_out", budget_s: float = 480.0, jobs: int = 0, layer
         _use_act_record(st, *acts[fmt])
         st.format = fmt
         comp_on = torch_compile and kind == "decode" and t in compile_batches
-        row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode, t in profile_batches)
+        if kind == "moe_ep":
+            ep = _ep_row(st, {}, t, jobs, end)
+            name = f"moe EP{ep.get('ranks', ep_ranks)} rank {t} tok [{fmt}]"
+            row = {"case": name, "tokens": t, "moe_act": st.moe_act, "moe_ep": ep}
+        else:
+            row = _case(st, kind, t, ctx, reps, jobs, end, comp_on, compile_mode, t in profile_batches)
         row["case"], row["moe_format"] = name, fmt
         if kind == "decode" and not comp_on:
             row["compile_note"] = "off (--no-torch-compile)" if not torch_compile else "not in --compile-batches"
@@ -961,6 +969,9 @@ def moe_ep_rank(st: Setup, t: int, ranks: int, jobs: int, end: float, reps: int 
         fresh = lambda: ka.Call(call.op, call.attrs, args, names, call.is_param, {}, st.comp.prep_cache)  # noqa: E731
         y = adapter.run(fresh(), kernels)[0]
         out["ms"] = time_call(lambda: adapter.run(fresh(), kernels), reps)
+        out["stages"] = _stage_ms(st, lambda: adapter.run(fresh(), kernels))
+        if st.device == "cuda":
+            out["kernels"] = _kernel_table(lambda: adapter.run(fresh(), kernels), top=12)
     except ka.Decline as why:
         return {**out, "declined": str(why)}
     stats = (st.comp.prep_cache.get(ka.MOE_TILE_STATS) or {}).get(names[9], {})
@@ -970,6 +981,24 @@ def moe_ep_rank(st: Setup, t: int, ranks: int, jobs: int, end: float, reps: int 
     out.update(flops=flops, tile_rows=stats.get("tile_rows", 0), tflops=flops / (out["ms"] * 1e-3) / 1e12,
                pct_fp8=100 * flops / (out["ms"] * 1e-3) / st.lim.fp8, err_vs_ref=_rel_pair(y.float(), ref), y=y)
     return out
+
+
+def _stage_ms(st: Setup, fn) -> dict[str, float]:
+    """One call of fn with the MoE adapter's stage marks on (kernel_adapters.MOE_STAGES): ms per stage, in order
+    (device time between the events, host gaps included)."""
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import elapsed_ms, mark
+
+    marks: list = []
+    st.comp.prep_cache[ka.MOE_STAGES] = marks
+    try:
+        fn()
+        marks.append(("end", mark()))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        st.comp.prep_cache.pop(ka.MOE_STAGES, None)
+    return {name: elapsed_ms(a, b) for (_, a), (name, b) in zip(marks, marks[1:])}
 
 
 def _rel_pair(got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -1009,6 +1038,11 @@ def _print_moe_ep(r: dict, ep: dict, pad: str) -> None:
     print(head + f"experts {ep['ms']:.3f} ms ({ep['path']}, {real}) = {ep['tflops']:.0f} TFLOPS = "
           f"{ep['pct_fp8']:.1f}% of the FP8 peak; vs the node's fp32 reference: max {ep['err_vs_ref']['max']:.1e}, "
           f"norm {ep['err_vs_ref']['norm']:.1e}")  # fmt: skip
+    if ep.get("stages"):
+        parts = " | ".join(f"{name} {ms:.3f}" for name, ms in ep["stages"].items())
+        print(f"{pad}    stages (ms, CUDA events in the adapter, one call): {parts}")
+    for name, count, ms in ep.get("kernels") or []:
+        print(f"{pad}    {ms:8.3f}  x{count:<4} {name}")
     if ep.get("with_routing_ms"):
         print(f"{pad}    + this T's routing and input quant (measured above, l0): {ep['with_routing_ms']:.3f} ms = "
               f"{ep['with_routing_pct']:.1f}% of the FP8 peak")  # fmt: skip
@@ -1064,6 +1098,10 @@ def print_table(rows: list, flush: bool = False) -> None:
           f"{'eager ms':>9} {'line ms':>9} {'compile ms':>10} {'vs eager':>8} {'vs compile':>10}")  # fmt: skip
     decode1 = {}
     for r in rows:
+        if "layers" not in r and r.get("moe_ep"):
+            print(f"{r['case']:<24} {r.get('moe_act', '')}")
+            _print_moe_ep(r, r["moe_ep"], " " * 25)
+            continue
         if "layers" not in r:
             print(f"{r['case']:<24} {r.get('error') or r.get('skipped', '')}")
             continue
@@ -1184,6 +1222,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ep-ranks", type=int, default=8,
                     help="prefill: also time the MoE node at an expert-parallel rank's shape (its t tokens' top-k "
                          "pairs over E/ranks local experts; the all-to-all not included); 0: off")  # fmt: skip
+    ap.add_argument("--ep-only", action="store_true",
+                    help="run only the MoE node at an EP rank's shape (--prefill tokens, each --moe-format): no slice "
+                         "cases, so only the MoE node's kernels are built")  # fmt: skip
     ap.add_argument("--moe-glu", choices=("auto", "on", "off"), default="auto",
                     help="the decode MoE's fused SwiGLU epilogue (needs an interleaved w1|w3 copy per layer: auto "
                          "makes it while memory allows)")  # fmt: skip
@@ -1224,7 +1265,8 @@ def run_from_args(args) -> list[dict]:
                compile_mode=getattr(args, "compile_mode", "default"),
                compile_batches=_ints(getattr(args, "compile_batches", "")) or None,
                profile_batches=_ints(getattr(args, "profile_batches", "64")),
-               moe_format=getattr(args, "moe_format", "g32"), ep_ranks=getattr(args, "ep_ranks", 8))  # fmt: skip
+               moe_format=getattr(args, "moe_format", "g32"), ep_ranks=getattr(args, "ep_ranks", 8),
+               ep_only=getattr(args, "ep_only", False))  # fmt: skip
 
 
 def dry_run(args) -> int:

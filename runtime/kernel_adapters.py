@@ -771,8 +771,9 @@ class MoERoutingAdapter:
 # ---------------------------------------------------------------------------------------------- MoE
 
 
-def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
-    """Contiguous layout, vectorised: (slot of each (token, k) pair, tile experts, padded rows).
+def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int):
+    """Contiguous layout, vectorised: (slot of each (token, k) pair, tile experts, padded rows, rows of the tiles
+    that hold pairs -- exact where the count is read back, the bound otherwise; the tiles past it are padding).
 
     The tile count is bucketed (1, 2, 3, 4, 6, 8, 12, ...) so few kernel shapes serve every routing. With few
     pairs (T*k <= E/2: decode) the count is the routing-independent bound min(E, T*k) + T*k // block_m (tight
@@ -800,7 +801,12 @@ def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
     # tile i belongs to the first expert whose tiles end after i; tiles past the last one are padding (-1)
     e = torch.searchsorted(ends, torch.arange(n_bucket, device=idx.device), right=True)
     tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1)).to(torch.int32)
-    return slot, tile_expert, n_bucket * block_m
+    return slot, tile_expert, n_bucket * block_m, n_tiles * block_m
+
+
+def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
+    """(slot, tile_expert, padded rows) of _moe_layout_rows."""
+    return _moe_layout_rows(idx, n_experts, block_m)[:3]
 
 
 def _tile_bucket(n: int) -> int:
@@ -820,6 +826,7 @@ class _MoEPlan:
     half: int  # gate rows per tile of the interleaved w1|w3 stack (glu only)
     keys: list
     layout: tuple  # masked: (dest, slot_expert_meta [2E+1], merged weights); contiguous: (slot, tile_expert, m_rows)
+    #                contiguous fp8: + the rows of the tiles that hold pairs (the kernels skip the tiles after them)
     split: bool = False  # glu from the plain w1|w3 stack (swab_program glu_split): no interleaved copy
     act_group: int = 0  # contiguous fp8: the experts' activation group (x and the SwiGLU output); 0: the block
 
@@ -918,6 +925,19 @@ def _layout_consts(call: Call, t: int, k: int, e: int, device) -> dict:
     return call.cache[key]
 
 
+# Call.cache key a runner may set to a list (benchmarks): the fp8 prefill path appends (stage, event) after each of
+# its stages (runtime/cuda_executor.mark: a CUDA event, or the clock on CPU), so its time splits by stage
+MOE_STAGES = "moe_stages"
+
+
+def _stage(call: Call, name: str) -> None:
+    marks = call.cache.get(MOE_STAGES)
+    if marks is not None:
+        from deepinfer.runtime.cuda_executor import mark
+
+        marks.append((name, mark()))
+
+
 def _layout_tokens(slot: torch.Tensor, k: int, rows: int) -> torch.Tensor:
     """The token each row of the contiguous layout holds ([rows] int64; pair t*k + j sits at row slot[t*k + j]);
     padding rows read token 0 (finite values in rows nobody reads back)."""
@@ -941,20 +961,22 @@ def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torc
     return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights)
 
 
-def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int, rows: int | None = None):
     """The clamped SwiGLU of a w1|w3 GEMM output c [M, 2I] (gate columns, then up) quantised per `group` columns:
-    (e4m3 codes [M, I], MN-major fp32 scales [I/group, M]) -- what the prefill w2 GEMM reads. One Triton launch
+    (e4m3 codes [rows, I], MN-major fp32 scales [I/group, rows]; rows >= M, default M; the rows past M are left
+    unwritten by the kernel -- zero in the torch path) -- what the prefill w2 GEMM reads. One Triton launch
     (act_quant.triton_swiglu_quant) where Triton runs (_triton_on), else torch's SwiGLU in fp32 (ir/ops/moe.py
     swiglu) and quant_rows (the same scales; a code may differ by one E4M3 step where silu's last ulp differs)."""
     from deepinfer.ir.ops.moe import swiglu
 
+    rows = c.shape[0] if rows is None else rows
     if _triton_on(c) and os.environ.get(ACT_QUANT_ENV) != "torch":
         from deepinfer.codegen.kernels import act_quant
 
-        q, s = act_quant.triton_swiglu_quant(c if c.stride(1) == 1 else c.contiguous(), limit, group)
+        q, s = act_quant.triton_swiglu_quant(c if c.stride(1) == 1 else c.contiguous(), limit, group, rows=rows)
         return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
     inter = c.shape[1] // 2
-    return quant_rows(swiglu(c[:, :inter], c[:, inter:], limit), group, c.shape[0])
+    return quant_rows(swiglu(c[:, :inter], c[:, inter:], limit), group, rows)
 
 
 def _scatter_rows(rows: int, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -1164,14 +1186,13 @@ class MoEGroupedAdapter:
         prefill group (moe_act_groups: the model's, or 128 with the plan's g128 option)."""
         ag = moe_act_groups(call)[1]
         cfg13, cfg2 = self._prefill_cfg(call, 2 * inter, d, ag), self._prefill_cfg(call, d, inter, ag)
-        slot, tile_expert, rows = _moe_layout(idx, e, cfg13.block_m)
+        slot, tile_expert, rows, real = _moe_layout_rows(idx, e, cfg13.block_m)
         stats = call.cache.get(MOE_TILE_STATS)
-        if stats is not None:
-            tile_rows = int((tile_expert >= 0).sum()) * cfg13.block_m
-            stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": tile_rows, "rows": rows}
+        if stats is not None:  # the layout's own count (read back at prefill): no further synchronisation
+            stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": real, "rows": rows}
         k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block)
         k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block)
-        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows), act_group=ag)
+        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows, real), act_group=ag)
 
     tuned = True  # prefill: the measured sm90 persistent program where the dims tile by it (tests may turn it off)
 
@@ -1226,12 +1247,15 @@ class MoEGroupedAdapter:
 
     # -- running -----------------------------------------------------------------------------------------
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        _stage(call, "start")
         p = self._plan(call)
+        _stage(call, "layout (plan)")
         x = call.args[0]
         run = self._run_contiguous_fp8 if p.path == "contiguous" else self._run_swab
         y = run(call, p, kernels[:2])
         if call.args[3] is not None:
             y = y + self._shared(call, kernels[2:])
+            _stage(call, "shared expert (+ add)")
         return [y.to(x.dtype)]
 
     def _run_swab(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
@@ -1298,18 +1322,29 @@ class MoEGroupedAdapter:
     def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
         t, d, inter, e, block, idx = self._shapes(call)
         x, weights = call.args[0], call.args[1]
-        slot, tile_expert, m_rows = p.layout
+        slot, tile_expert, m_rows, real = p.layout
         b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
         k, ag = idx.shape[1], p.act_group or block
-        # x quantised once per token (one act_quant launch), its rows gathered into the layout: not T*K fp32 rows
+        # x quantised once per token (one act_quant launch), its rows gathered into the layout: not T*K fp32 rows.
+        # Only the rows of tiles that hold pairs are written: the kernels skip the bucket's padding tiles after them
         q, sq = quant_rows(x, ag, t)
-        src = _layout_tokens(slot, k, m_rows)
+        src = _layout_tokens(slot, k, real)
+        a = torch.empty(m_rows, d, dtype=q.dtype, device=x.device)
+        torch.index_select(q.view(torch.uint8), 0, src, out=a.view(torch.uint8)[:real])
+        sa = torch.empty(sq.shape[0], m_rows, dtype=sq.dtype, device=x.device)
+        sa[:, :real] = sq[:, src]
+        _stage(call, "x quant + gather")
         c1 = torch.empty(m_rows, 2 * inter, dtype=torch.bfloat16, device=x.device)
-        kernels[0](_gather_rows(q, src), sq[:, src], b13, s13, tile_expert, c1)
-        hq, hs = swiglu_quant_rows(c1, call.attrs["swiglu_limit"], ag)
+        kernels[0](a, sa, b13, s13, tile_expert, c1)
+        _stage(call, "w1|w3 GEMM")
+        hq, hs = swiglu_quant_rows(c1[:real], call.attrs["swiglu_limit"], ag, rows=m_rows)
+        _stage(call, "SwiGLU + quant")
         c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
         kernels[1](hq, hs, b2, s2, tile_expert, c2)
-        return _combine(c2, slot, weights)
+        _stage(call, "w2 GEMM")
+        y = _combine(c2, slot, weights)
+        _stage(call, "un-permute (combine)")
+        return y
 
     # -- the shared expert ---------------------------------------------------------------------------------
     # Decode: one more swap-AB pair, the shared expert as a 1-expert stack with all T rows (fused clamped SwiGLU

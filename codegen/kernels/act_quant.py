@@ -218,19 +218,21 @@ def _swiglu_kernel(interpret: bool):
     return swiglu_quant_kernel
 
 
-def triton_swiglu_quant(c: torch.Tensor, limit: float, group: int, out_dtype=None):
-    """c [M, 2I] (gate columns, then up; any float dtype, unit stride along columns) -> (q [M, I] e4m3 codes,
-    s [I/group, M] fp32 MN-major scales) of the clamped SwiGLU (limit 0: none). out_dtype as triton_act_quant's."""
+def triton_swiglu_quant(c: torch.Tensor, limit: float, group: int, out_dtype=None, rows: int | None = None):
+    """c [M, 2I] (gate columns, then up; any float dtype, unit stride along columns) -> (q [rows, I] e4m3 codes,
+    s [I/group, rows] fp32 MN-major scales) of the clamped SwiGLU (limit 0: none); rows >= M (default M), the rows
+    past M left unwritten (a GEMM's padding tiles that it skips). out_dtype as triton_act_quant's."""
     m, n = c.shape
     inter = n // 2
-    assert inter * 2 == n and inter % group == 0 and c.stride(1) == 1, (c.shape, c.stride(), group)
+    rows = m if rows is None else rows
+    assert inter * 2 == n and inter % group == 0 and c.stride(1) == 1 and rows >= m, (c.shape, c.stride(), group)
     if out_dtype is None:
         out_dtype = torch.float8_e4m3fn if c.is_cuda else torch.float32
-    q = torch.empty(m, inter, dtype=out_dtype, device=c.device)
-    s = torch.empty(inter // group, m, dtype=torch.float32, device=c.device)
+    q = torch.empty(rows, inter, dtype=out_dtype, device=c.device)
+    s = torch.empty(inter // group, rows, dtype=torch.float32, device=c.device)
     if m:
         _swiglu_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(m,)](
-            c, q, s, m, inter, c.stride(0), m, float(limit), G=inter // group, GROUP=group,
+            c, q, s, m, inter, c.stride(0), rows, float(limit), G=inter // group, GROUP=group,
             BLOCK_G=triton.next_power_of_2(inter // group))  # fmt: skip
     return q, s
 

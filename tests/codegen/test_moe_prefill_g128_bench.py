@@ -85,3 +85,13 @@ def test_the_ep_rank_row_runs_the_adapter_and_compares_the_formats(monkeypatch):
     assert exact["tile_rows"] >= 600 and exact["with_routing_ms"] > exact["ms"] > 0
     assert exact["err_vs_ref"]["norm"] < 0.05 and opt["err_vs_ref"]["norm"] < 0.05
     assert 0 < opt["dev_vs_first"]["norm"] < 1e-2 and opt["dev_vs_first"]["format"] == "w128"
+
+
+def test_ep_only_runs_just_the_ep_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", False)
+    bs = _bench_slice()
+    args = ["--preset", "tiny", "--layers", "2", "--batches", "", "--prefill", "24", "--reps", "1", "--ep-only"]
+    assert bs.main([*args, "--no-torch-compile", "--moe-format", "w128,g128", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_slice.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["moe EP4 rank 24 tok [w128]", "moe EP4 rank 24 tok [g128]"]
+    assert all("layers" not in r and r["moe_ep"]["local_experts"] == 2 for r in rows)
