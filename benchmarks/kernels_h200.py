@@ -2113,68 +2113,34 @@ def _topk_final_rows():
             (4096, 65536, H(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True))]  # fmt: skip
 
 
-def _topk_r1_rows():
-    """(T, C, cfg) rows "indexer_topk_select r1" (session 6, helper C, issue 6): HistConfig.fast -- the fused chunk
-    loop with the chunk kept as raw float bits, compared with the bound as floats, and warps whose largest score
-    is below it skipping the count / reservation / push (the SASS of a later chunk: ~3 instructions a score
-    instead of ~20) -- next to each shape's current default: T4096 C65536 (the fused default, 557.5 us), C16384
-    at 128 and 256 threads, the decode shapes T64 C65536 (4 and 8 segments), T64 C4160 (issue 8's layer 20) and
-    T1 C65536 (8 segments); T64 C4160 also one CTA a row with the row in registers (512 threads: one selection, no
-    buffer), and T64 C2080's default (issue 8's layer 2; topk_entries took 59 / 81 us a node in the slice). At
-    T4096 C65536 also: + csum (the first chunk counts fine bins only, the coarse ones
-    summed from them: no coarse atomics, where a warp's keys collide), + 4 chunks prefetched into L2, 8 scores a
-    thread at 4 CTAs/SM (64 registers, 45 KB of shared memory: 7.8 waves of 528 CTAs instead of 10.3 of 396), fast's
-    chunk loop without the final selection (diag push: not a top-k, "stage only"). Every full row is
-    exact-checked (heavy ties, then real scores twice)."""
-    from deepinfer.codegen.kernels import topk_select as ts
-
-    H = ts.HistConfig
-    fast = dict(fused=2, ffs=True, fast=True)
-    return [
-        (4096, 65536, None), (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, **fast)),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=4, min_blocks=3, csum=True, **fast)),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, diag="push", **fast)),
-        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, **fast)),
-        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, **fast)),
-        (4096, 16384, None), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
-        (4096, 16384, H(256, 16, 16384, l2_ahead=2, min_blocks=3, **fast)),
-        (64, 65536, None), (64, 65536, H(128, 16, 16384, l2_ahead=2, **fast)),
-        (64, 65536, H(128, 16, 8192, l2_ahead=2, **fast)),
-        (64, 4160, None), (64, 4160, H(128, 16, 6144, l2_ahead=2, **fast)), (64, 4160, ts.Config(512, 16, 8192)),
-        (64, 2080, None),
-        (1, 65536, None), (1, 65536, H(256, 16, 8192, **fast)),
-    ]  # fmt: skip
-
-
 def _topk_r2_rows():
-    """(T, C, cfg) rows "indexer_topk_select r2" (session 6, the one <= 100 s call): the decisive subset of r1 --
-    T4096 C65536 default (fused) / fast / fast+csum / + the next row's start prefetched into L2 at the final
-    selection (next_rows = the CTAs resident: 3 x 132) / fast+csum with 4 chunks prefetched / fast+csum at 8 scores
-    a thread and 4 CTAs/SM (also with next_rows 4 x 132); C16384 default / fast (128 threads); T64 C4160 default /
-    the row in registers."""
+    """(T, C, cfg) rows "indexer_topk_select r2" (session 6's one <= 100 s call; H200, HBM 4.30 TB/s, every row
+    exact): T4096 C65536 the fused default 559.3 us = 44.3% / fast 541.0 us = 45.8% / fast with 4 chunks
+    prefetched 548.1 us (measured with the first chunk's coarse bins summed, since removed) / fast at 8 scores a
+    thread and 4 CTAs/SM 689.6 us (ditto); C16384 default (128 threads) 257.7 us / fast 217.2 us; T64 C4160 the
+    hist default 20.3 us / the row in registers 16.0 us. (Also measured and removed: the coarse-sum first chunk
+    alone 544.0 us, the next row's start prefetched into L2 at the final selection 548.2 us.)"""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H = ts.HistConfig
     fast = dict(fused=2, ffs=True, fast=True)
     return [
-        (4096, 65536, None), (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, **fast)),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, csum=True, next_rows=396, **fast)),
-        (4096, 65536, H(256, 16, 65536, l2_ahead=4, min_blocks=3, csum=True, **fast)),
-        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, **fast)),
-        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, csum=True, next_rows=528, **fast)),
-        (4096, 16384, None), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
-        (64, 4160, None), (64, 4160, ts.Config(512, 16, 8192)),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, ffs=True, fused=2)),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=2, min_blocks=3, **fast)),
+        (4096, 65536, H(256, 16, 65536, l2_ahead=4, min_blocks=3, **fast)),
+        (4096, 65536, H(256, 8, 65536, l2_ahead=4, min_blocks=4, **fast)),
+        (4096, 16384, H(128, 16, 16384, l2_ahead=2)), (4096, 16384, H(128, 16, 16384, l2_ahead=2, **fast)),
+        (64, 4160, H(128, 16, 6144, l2_ahead=2)), (64, 4160, ts.Config(512, 16, 8192)),
     ]  # fmt: skip
 
 
 def _topk_r3_rows():
     """(T, C, cfg, variant) rows "indexer_topk_select r3" (for the next H200 call; unmeasured): where the new prefill
     default's time goes -- T4096 C65536 the default (fused + fast: 541.0 us, the read ceiling of the previous
-    grid 306.8 us) next to its chunk loop without the final selection (diag push) and its streaming alone (diag
-    read); the decode shapes fast has not been timed at: T64 C65536 default / fast 4 and 8 segments, T1 C65536
-    default / fast 8 segments, and T64 C2080's default."""
+    grid 306.8 us) next to its chunk loop without the final selection (diag push), its streaming alone (diag
+    read) and with trim (selections over the buffer's entries only; 24 B of stack at 80 registers); the decode
+    shapes fast has not been timed at: T64 C65536 default / fast 4 and 8 segments, T1 C65536 default / fast 8
+    segments, and T64 C2080's default."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     H, tl = ts.HistConfig, "tilelang"
@@ -2183,6 +2149,7 @@ def _topk_r3_rows():
     return [
         (4096, 65536, None, tl), (4096, 65536, dataclasses.replace(pre, diag="push"), tl),
         (4096, 65536, dataclasses.replace(pre, diag="read"), tl),
+        (4096, 65536, dataclasses.replace(pre, trim=True), tl),
         (64, 65536, None, tl), (64, 65536, H(128, 16, 16384, l2_ahead=2, **fast), tl),
         (64, 65536, H(128, 16, 8192, l2_ahead=2, **fast), tl),
         (1, 65536, None, tl), (1, 65536, H(256, 16, 8192, **fast), tl), (64, 2080, None, tl),
@@ -2269,9 +2236,6 @@ def _indexer_cases(quick: bool):
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         for T_, C, cfg in _topk_r2_rows():
             out.append(("indexer_topk_select r2", f"T{T_} C{C} k{IDX_TOPK}",
-                        lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
-        for T_, C, cfg in _topk_r1_rows():
-            out.append(("indexer_topk_select r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
         for T_, C, cfg, var in _topk_diag_rows():
             out.append(("indexer_topk_select diag", f"T{T_} C{C} k{IDX_TOPK}",

@@ -38,10 +38,12 @@ are counted and kept, and one exact selection runs on the kept ones (its docstri
 default for long rows of 32+ queries (`default_config`, H200 figures there). `HistConfig.fused` (one CTA
 barrier a chunk instead of ~17; with `min_blocks`=3 and the `ffs` output the default for the 256-thread prefill
 rows: H200 T4096 C65536 557.5 us = 44.5% of HBM vs 757.4 us); `HistConfig.fast` (fused chunks compared with the
-bound as raw floats, whole warps below it skipping their pass: ~3 instructions a score instead of ~20),
-`HistConfig.csum` (the first chunk's coarse bins summed from the fine ones instead of counted with atomics) and
-`HistConfig.trim` (selections over the buffer's entries only) are opt-in until measured; `HistConfig.diag` cuts
-a chunk's work down to a stage (H200 stage costs; not a top-k).
+bound as raw floats, whole warps below it skipping their pass: ~3 instructions a score instead of ~20; the default
+for the prefill rows: 541.0 us = 45.8%); `HistConfig.trim` (selections over the buffer's entries only) is opt-in
+and unmeasured; `HistConfig.diag` cuts a chunk's work down to a stage (H200 stage costs; not a top-k).
+Measured and removed (session 6, T4096 C65536, same run as fast's 541.0 us): the first chunk's coarse bins summed
+from the fine ones instead of counted with atomics (544.0 us), a CTA prefetching the row that takes its slot next
+into L2 at its final selection (548.2 us).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -111,11 +113,7 @@ class HistConfig:
     # (fused) chunks after the first kept as raw float bits and compared with the bound as floats; a warp whose
     # maximum is below it skips the count, reservation and push (no key conversion of the ~all keys that fail)
     fast: bool = False
-    csum: bool = False  # barrier-per-phase chunks count fine bins only; the coarse ones are summed from them
     trim: bool = False  # the buffer's selections, cuts and marks visit its ctl[0] entries, not all BUF
-    # (one segment a row) at its final selection a CTA prefetches row t + next_rows's first 1 + l2_ahead chunks into
-    # L2: the CTA that takes a slot next (rows start in order, ~CTAs-resident later) finds its start there
-    next_rows: int = 0
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -128,8 +126,7 @@ class HistConfig:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
-                + ("v" if self.fast else "") + ("c" if self.csum else "") + ("t" if self.trim else "")
-                + (f"n{self.next_rows}" if self.next_rows else "")
+                + ("v" if self.fast else "") + ("t" if self.trim else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -1013,17 +1010,14 @@ def _make_count_key(ops: _Ops):
     import tilelang.language as T
 
     @T.macro
-    def count_key(hist_f, hist_c, kq, coarse=True):
-        """coarse=False: the fine bin only (`coarse_from_fine` then rebuilds the coarse level)."""
+    def count_key(hist_f, hist_c, kq):
         f = T.shift_right(kq, HSHIFT) + HB // 2
         if ops.cpu:
             hist_f[f] = hist_f[f] + 1
-            if coarse:
-                hist_c[f // HSUB] = hist_c[f // HSUB] + 1
+            hist_c[f // HSUB] = hist_c[f // HSUB] + 1
         else:
             T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
-            if coarse:
-                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
+            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
 
     return count_key
 
@@ -1040,22 +1034,12 @@ def _make_hist_bound(ops: _Ops, NT: int):
     NWARP = NT // 32
 
     @T.macro
-    def count(hist_f, hist_c, keyf, Q, beta, coarse=True):
+    def count(hist_f, hist_c, keyf, Q, beta):
         for i in ops.par(NT):
             for q in ops.unroll(Q):
                 kq = keyf(i, q)
                 if T.And(kq != NONE, kq >= beta):
-                    count_key(hist_f, hist_c, kq, coarse)
-
-    @T.macro
-    def coarse_from_fine(hist_f, hist_c):
-        """hist_c[b] = the sum of its HSUB fine bins (after counts into hist_f only: a coarse bin takes 16x the
-        keys of a fine one, so its atomics are where a warp's keys collide). Between two barriers."""
-        for b in ops.par(NB):
-            c = T.alloc_var("int32", init=0)
-            for u in T.serial(HSUB):
-                c = c + hist_f[b * HSUB + u]
-            hist_c[b] = c
+                    count_key(hist_f, hist_c, kq)
 
     @T.macro
     def threshold(hist_f, hist_c, cum, bc, r, own, sfx):
@@ -1096,7 +1080,7 @@ def _make_hist_bound(ops: _Ops, NT: int):
                     bc[3] = s
             T.evaluate(T.call_extern("handle", "__syncthreads"))
 
-    return count, threshold, coarse_from_fine
+    return count, threshold
 
 
 # fused chunks: words of the `fz` shared control array -- per chunk parity p (chunk it: p = it % 3) an overflow
@@ -1286,13 +1270,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
     emit = _make_emit(ops, NT, C, k, cfg.ffs)
-    count, threshold, coarse_from_fine = _make_hist_bound(ops, NT)
+    count, threshold = _make_hist_bound(ops, NT)
     io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused or cfg.next_rows) and not ops.cpu else None
+    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused) and not ops.cpu else None
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
@@ -1386,22 +1370,6 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     n = T.min(CH, lim - c0_of(sg, it))  # (rounded up to float4s: within the row, C % 4 == 0)
                     T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", T.address_of(S[t, 0]), c0_of(sg, it),
                                              (n + 3) // 4 * 16))  # fmt: skip
-
-    @T.macro
-    def prefetch_next(S, Pos, t):
-        """(next_rows, GPU, one segment a row) row t + next_rows's first 1 + l2_ahead chunks into L2 (its visible
-        part), by one thread, before this CTA's final selection: the HBM keeps streaming while it selects."""
-        if not ops.cpu and cfg.next_rows > 0 and NSEG == 1:
-            for i in T.Parallel(NT):
-                if T.And(i == 0, t + cfg.next_rows < T_):
-                    lim2 = T.alloc_var("int32", init=C)
-                    if has_pos:
-                        lim2 = T.min((Pos[t + cfg.next_rows] + 1) // ratio, C)
-                    for a in T.serial(min(1 + cfg.l2_ahead, NCH)):
-                        if a * CH < lim2:
-                            T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2",
-                                                     T.address_of(S[t + cfg.next_rows, 0]), a * CH,
-                                                     (T.min(CH, lim2 - a * CH) + 3) // 4 * 16))  # fmt: skip
 
     @T.macro
     def keep(bufk, bufi, st, st2, tk, ti, ctl, rc, tmp, nq):
@@ -1527,11 +1495,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                     rc[i] = T.max(rc[i], kc[i, j])
                         else:
                             if it < OLD_CHUNKS:
-                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor), not cfg.csum)
+                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
                                 ops.barrier()
-                                if cfg.csum:  # the coarse level summed from the fine one (no coarse atomics)
-                                    coarse_from_fine(hist_f, hist_c)
-                                    ops.barrier()
                                 threshold(hist_f, hist_c, cum, bc, k, ra, rb)
                                 if bc[2] >= 0:
                                     beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))  # the bin's lowest key
@@ -1570,7 +1535,6 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                         bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
                 elif it == NCH:
                     cut = 1 if DIAG == "" else 0
-                    prefetch_next(S, Pos, t)
                 if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
                     if T.And(it == NCH + 1, last == 1):
                         load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)

@@ -112,7 +112,7 @@ def c_hist_kernels(tilelang_required):
     one, two = ts.HistConfig(32, 8, 1024), ts.HistConfig(32, 8, 512)
     one_f, two_f = ts.HistConfig(32, 8, 1024, fused=True), ts.HistConfig(32, 8, 512, fused=True)
     one_f2 = ts.HistConfig(32, 8, 1024, fused=2)  # (the bin search of chunk j during chunk j + 1's pushes)
-    one_v = ts.HistConfig(32, 8, 1024, fused=2, fast=True, csum=True)  # (+ the coarse bins summed from the fine)
+    one_v = ts.HistConfig(32, 8, 1024, fused=2, fast=True)
     two_v = ts.HistConfig(32, 8, 512, fused=1, fast=True, trim=True)  # (+ selections over the buffer's entries only)
     one_t = ts.HistConfig(32, 8, 1024, trim=True)
     return {
