@@ -921,7 +921,7 @@ def moe_part(st: Setup, feeds: dict, t: int, reps: int = 3) -> dict:
         f = flops.get(layer, 0.0)
         out[layer] = {"ms": ms, "layer_ms": layer_ms, "flops": f, "tflops": f / (ms * 1e-3) / 1e12 if ms else 0.0,
                       "pct_fp8": 100 * f / (ms * 1e-3) / st.lim.fp8 if ms else 0.0,
-                      "tiles": tiles.get(first.get(layer, ""), {}),
+                      "tiles": _host_stats(tiles.get(first.get(layer, ""), {})),
                       "nodes": {name: {"op": op, "ms": v, "how": how.get(name, "?")[:120]}
                                 for name, (op, v) in moe.items()}}  # fmt: skip
     return out
@@ -974,13 +974,18 @@ def moe_ep_rank(st: Setup, t: int, ranks: int, jobs: int, end: float, reps: int 
             out["kernels"] = _kernel_table(lambda: adapter.run(fresh(), kernels), top=12)
     except ka.Decline as why:
         return {**out, "declined": str(why)}
-    stats = (st.comp.prep_cache.get(ka.MOE_TILE_STATS) or {}).get(names[9], {})
+    stats = _host_stats((st.comp.prep_cache.get(ka.MOE_TILE_STATS) or {}).get(names[9], {}))
     inter, shared = int(n.inputs[9].shape[0]), int(n.inputs[3].shape[0]) if n.inputs[3] is not None else 0
     flops = 2.0 * t * 3 * d * (k * inter + shared)
     ref = get_op("moe_grouped_experts").run(args, call.attrs)[0].float()
     out.update(flops=flops, tile_rows=stats.get("tile_rows", 0), tflops=flops / (out["ms"] * 1e-3) / 1e12,
                pct_fp8=100 * flops / (out["ms"] * 1e-3) / st.lim.fp8, err_vs_ref=_rel_pair(y.float(), ref), y=y)
     return out
+
+
+def _host_stats(stats: dict) -> dict:
+    """The adapter's tile stats with device counts read (after the timed calls: the adapter does not read them)."""
+    return {k: int(v.sum()) if torch.is_tensor(v) else v for k, v in stats.items()}
 
 
 def _stage_ms(st: Setup, fn) -> dict[str, float]:

@@ -771,9 +771,11 @@ class MoERoutingAdapter:
 # ---------------------------------------------------------------------------------------------- MoE
 
 
-def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int):
+def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int, read_back: bool = True):
     """Contiguous layout, vectorised: (slot of each (token, k) pair, tile experts, padded rows, rows of the tiles
-    that hold pairs -- exact where the count is read back, the bound otherwise; the tiles past it are padding).
+    that hold pairs -- exact where the count is read back, the bound otherwise; the tiles past it are padding,
+    and the device's exact tile count [1]). read_back=False: the bound at every size, no host read (for kernels
+    that skip padding tiles: the persistent program; the bound exceeds the count by at most E tiles).
 
     The tile count is bucketed (1, 2, 3, 4, 6, 8, 12, ...) so few kernel shapes serve every routing. With few
     pairs (T*k <= E/2: decode) the count is the routing-independent bound min(E, T*k) + T*k // block_m (tight
@@ -793,7 +795,7 @@ def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int):
     slot = torch.empty_like(flat)
     slot[order] = first_tile[sorted_e] * block_m + rank
     pairs = flat.numel()
-    if 2 * pairs <= n_experts:
+    if 2 * pairs <= n_experts or not read_back:
         n_tiles = min(n_experts, pairs) + pairs // block_m  # >= sum over experts of ceil(count / block_m)
     else:
         n_tiles = int(ends[-1])
@@ -801,7 +803,7 @@ def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int):
     # tile i belongs to the first expert whose tiles end after i; tiles past the last one are padding (-1)
     e = torch.searchsorted(ends, torch.arange(n_bucket, device=idx.device), right=True)
     tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1)).to(torch.int32)
-    return slot, tile_expert, n_bucket * block_m, n_tiles * block_m
+    return slot, tile_expert, n_bucket * block_m, n_tiles * block_m, ends[-1:]
 
 
 def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
@@ -1186,10 +1188,13 @@ class MoEGroupedAdapter:
         prefill group (moe_act_groups: the model's, or 128 with the plan's g128 option)."""
         ag = moe_act_groups(call)[1]
         cfg13, cfg2 = self._prefill_cfg(call, 2 * inter, d, ag), self._prefill_cfg(call, d, inter, ag)
-        slot, tile_expert, rows, real = _moe_layout_rows(idx, e, cfg13.block_m)
+        # no host read of the tile count on the persistent program (it skips the padding tiles: the bound costs
+        # no MMA; the host read would idle the GPU while this call's launches are issued)
+        persistent = cfg13.persistent and cfg2.persistent
+        slot, tile_expert, rows, real, n_tiles = _moe_layout_rows(idx, e, cfg13.block_m, read_back=not persistent)
         stats = call.cache.get(MOE_TILE_STATS)
-        if stats is not None:  # the layout's own count (read back at prefill): no further synchronisation
-            stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": real, "rows": rows}
+        if stats is not None:  # the exact count stays on the device until the runner reads it (bench_slice)
+            stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": n_tiles * cfg13.block_m, "rows": rows}
         k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block)
         k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block)
         return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows, real), act_group=ag)
