@@ -955,12 +955,15 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return src[rows]
 
 
-def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The prefill un-permute y[t] = sum_j weights[t, j] c[slot[t K + j]] in fp32: one Triton launch where Triton runs
-    (moe_grouped_gemm.combine_rows), else its torch formulation."""
+def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, base: torch.Tensor | None = None):
+    """The prefill un-permute y[t] = base[t] + sum_j weights[t, j] c[slot[t K + j]] in fp32 (base: the shared expert's
+    output, or None): one Triton launch where Triton runs (moe_grouped_gemm.combine_rows), else its torch
+    formulation."""
     from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 
-    return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights)
+    if base is not None:
+        base = base.float().contiguous()
+    return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights, base)
 
 
 def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int, rows: int | None = None):
@@ -1256,11 +1259,13 @@ class MoEGroupedAdapter:
         p = self._plan(call)
         _stage(call, "layout (plan)")
         x = call.args[0]
-        run = self._run_contiguous_fp8 if p.path == "contiguous" else self._run_swab
-        y = run(call, p, kernels[:2])
+        if p.path == "contiguous":  # fp8 prefill: the shared expert first, added inside the un-permute launch
+            shared = self._shared(call, kernels[2:]) if call.args[3] is not None else None
+            _stage(call, "shared expert")
+            return [self._run_contiguous_fp8(call, p, kernels[:2], shared).to(x.dtype)]
+        y = self._run_swab(call, p, kernels[:2])
         if call.args[3] is not None:
             y = y + self._shared(call, kernels[2:])
-            _stage(call, "shared expert (+ add)")
         return [y.to(x.dtype)]
 
     def _run_swab(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
@@ -1324,7 +1329,7 @@ class MoEGroupedAdapter:
 
         return call.prep(f"moe_w4a8_{p.half if p.glu and not p.split else 0}", params, fp4_operands)
 
-    def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list) -> torch.Tensor:
+    def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list, shared: torch.Tensor | None = None):
         t, d, inter, e, block, idx = self._shapes(call)
         x, weights = call.args[0], call.args[1]
         slot, tile_expert, m_rows, real = p.layout
@@ -1347,8 +1352,8 @@ class MoEGroupedAdapter:
         c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
         kernels[1](hq, hs, b2, s2, tile_expert, c2)
         _stage(call, "w2 GEMM")
-        y = _combine(c2, slot, weights)
-        _stage(call, "un-permute (combine)")
+        y = _combine(c2, slot, weights, shared)
+        _stage(call, "un-permute (+ shared)")
         return y
 
     # -- the shared expert ---------------------------------------------------------------------------------

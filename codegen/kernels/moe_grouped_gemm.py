@@ -1027,10 +1027,14 @@ def _combine_kernel(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def combine_rows_kernel(c_ptr, slot_ptr, w_ptr, y_ptr, D, stride_c, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    def combine_rows_kernel(c_ptr, slot_ptr, w_ptr, y_ptr, base_ptr, D, stride_c, K: tl.constexpr,
+                            BLOCK_D: tl.constexpr, HAS_BASE: tl.constexpr):  # fmt: skip
         t = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if HAS_BASE:  # the shared expert's output: added here instead of in one more pass over [T, D]
+            acc = tl.load(base_ptr + t.to(tl.int64) * D + d, mask=d < D, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(K):
             row = tl.load(slot_ptr + t * K + j).to(tl.int64)
             wj = tl.load(w_ptr + t * K + j).to(tl.float32)
@@ -1040,11 +1044,12 @@ def _combine_kernel(interpret: bool):
     return combine_rows_kernel
 
 
-def combine_rows(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, block_d: int = 1024) -> torch.Tensor:
-    """y [T, D] fp32 = sum over j of weights[t, j] * c[slot[t * K + j]] (c [rows, D], unit stride along D; slot
-    [T*K] rows of the pairs in token-major order; weights [T, K]): one Triton launch (CUDA, or the interpreter with
-    TRITON_INTERPRET=1). `combine_rows_reference` is the torch formulation (the same products; fp32 sums in
-    another order)."""
+def combine_rows(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, base: torch.Tensor | None = None,
+                 block_d: int = 1024) -> torch.Tensor:  # fmt: skip
+    """y [T, D] fp32 = base[t] + sum over j of weights[t, j] * c[slot[t * K + j]] (c [rows, D], unit stride along D;
+    slot [T*K] rows of the pairs in token-major order; weights [T, K]; base [T, D] or None): one Triton launch (CUDA,
+    or the interpreter with TRITON_INTERPRET=1). `combine_rows_reference` is the torch formulation (the same
+    products; fp32 sums in another order)."""
     import os
 
     import triton
@@ -1052,16 +1057,20 @@ def combine_rows(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, blo
     t, k = weights.shape
     d = c.shape[1]
     assert c.stride(1) == 1 and slot.numel() == t * k, (c.stride(), slot.shape, weights.shape)
+    assert base is None or (base.shape == (t, d) and base.is_contiguous()), base.shape
     y = torch.empty(t, d, dtype=torch.float32, device=c.device)
     if t:
         _combine_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(t, triton.cdiv(d, block_d))](
-            c, slot.contiguous(), weights.float().contiguous(), y, d, c.stride(0), K=k, BLOCK_D=block_d)  # fmt: skip
+            c, slot.contiguous(), weights.float().contiguous(), y, y if base is None else base, d, c.stride(0), K=k,
+            BLOCK_D=block_d, HAS_BASE=base is not None)  # fmt: skip
     return y
 
 
-def combine_rows_reference(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_rows_reference(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor,
+                           base: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     t, k = weights.shape
-    return (c[slot].float().view(t, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+    y = (c[slot].float().view(t, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+    return y if base is None else base.float() + y
 
 
 def masked_tile_expert(counts: torch.Tensor, max_rows: int, block_m: int) -> torch.Tensor:

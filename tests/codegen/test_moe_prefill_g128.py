@@ -155,14 +155,18 @@ def test_combine_rows_interpreter_matches_the_torch_formula(interpret):
     got = mg.combine_rows(c, slot, w, block_d=512)
     want = mg.combine_rows_reference(c, slot, w)
     assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    base = torch.randn(t, d, generator=g)  # the shared expert's output, added in the same launch
+    got = mg.combine_rows(c, slot, w, base, block_d=512)
+    assert torch.allclose(got, mg.combine_rows_reference(c, slot, w, base), rtol=1e-6, atol=1e-6)
 
 
 def test_combine_rows_compiles_for_hopper_spill_free():
     from tests.codegen._triton_aot import compile_sm90, spill_free
 
-    sig = {"c_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*fp32", "y_ptr": "*fp32", "D": "i32", "stride_c": "i32"}
+    sig = {"c_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*fp32", "y_ptr": "*fp32", "base_ptr": "*fp32", "D": "i32",
+           "stride_c": "i32"}  # fmt: skip
     ptx, report = compile_sm90("deepinfer.codegen.kernels.moe_grouped_gemm", "_combine_kernel", sig,
-                               dict(K=6, BLOCK_D=1024), num_warps=4)  # fmt: skip
+                               dict(K=6, BLOCK_D=1024, HAS_BASE=True), num_warps=4)  # fmt: skip
     assert ".target sm_90a" in ptx and spill_free(report), report
 
 
