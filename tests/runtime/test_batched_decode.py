@@ -365,3 +365,42 @@ def test_gpu_attention_kernel_over_flat_pools():
     keys = {k for args in (single[0], batched) for k in adapter.keys(_attention_call(args))}
     ka.prebuild(sorted(keys, key=str), min(8, os.cpu_count() or 1), 150.0)  # in parallel, into the disk cache
     _check_attention_over_flat_pools("cuda", functools.cache(ka.build_kernel), 2e-2)  # each program loaded once
+
+
+def test_sm90_engine_with_batched_decode_and_emulated_kernels(sm90_tiny, monkeypatch):
+    """The GPU engine test's path on the CPU: the tiny V4.1 sm90 plan's engine with every kernel emulated at its
+    formats and emulated CUDA graphs, LLM(batched_decode=True) against the default decode path: one sequence (bucket
+    1: captured, replayed) gives the same tokens and the same logits bit for bit; five sequences all finish."""
+    from unittest import mock
+
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime import engine
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
+
+    from .conftest import prompts_of_lengths
+
+    plan, params = sm90_tiny
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+    def runner(plan_, params_, config, max_model_len):
+        return CudaRunner(plan.graph, params, device="cpu", kernels=KernelCache(builder=_stand_in),
+                          max_model_len=max_model_len, batched_decode=config.batched_decode,
+                          graph_backend=cg.EmulatedGraphBackend())  # fmt: skip
+
+    one = prompts_of_lengths([7], seed=1, vocab=120000)
+    with mock.patch.object(engine, "_runner", runner), mock.patch.object(engine, "_resolve_plan", lambda *a: a[2]):
+
+        def llm(**kw):
+            return engine.LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=32,
+                              max_num_seqs=8, overlap=False, **kw)  # fmt: skip
+
+        want_tokens, want = _greedy_rows(llm(), one, 4)
+        batched = llm(batched_decode=True)
+        got_tokens, got = _greedy_rows(batched, one, 4)
+        dg = batched.executor.runner.graphs
+        assert got_tokens == want_tokens and all(torch.equal(got[k], want[k]) for k in want)
+        assert 1 in dg.graphs and dg.replays[1] >= 2, dg.report()
+        outs = batched.generate(prompts_of_lengths([5, 9, 3], seed=2, vocab=120000), _greedy_params(4))
+        assert all(len(o.token_ids) == 4 and o.finish_reason == "length" for o in outs)
+        assert batched.kv.num_used_blocks == 0
