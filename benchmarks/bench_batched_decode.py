@@ -267,21 +267,60 @@ def single_step_ms(st, feeds: dict, reps: int) -> dict[str, float]:
 def reference_check(st, feeds: dict) -> dict:
     """The batched step against the one-sequence graph at these dims: the batched graph's references vs the
     one-sequence graph's references for sequences 0 and 1 (positions of both parities), and the compiled step
-    vs the batched references (max |a - b| / max |b| of the logits rows)."""
+    vs the batched references (max |a - b| / max |b| of the logits rows). ``first_divergence``: per sequence,
+    the first node (graph order) whose row differs by more than DIVERGE_REL between the two reference runs --
+    where a rounding difference of the GEMMs at M = B tipped a discrete choice (an expert or a top-k entry)."""
     from deepinfer.runtime.cuda_executor import GraphExecutor
 
-    def rel(a, b) -> float:
-        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
     names = [e["name"] for e in st.g.meta["caches"]]
-    batched = st.eager.run(feeds)[0]
-    compiled = st.dec.exec.run(feeds)[0]
+    n = min(2, int(feeds["tokens"].shape[0]))
+    batched = _row_values(st.eager, feeds, n)
     single = GraphExecutor(st.g, st.params, compiled=False)
-    errs = []
-    for b in range(min(2, batched.shape[0])):
+    errs, first = [], []
+    for b in range(n):
         one = {"tokens": feeds["tokens"][b : b + 1], "positions": feeds["positions"][b : b + 1]}
-        errs.append(rel(batched[b], single.run({**one, **{k: feeds[k][b] for k in names}})[0][0]))
-    return {"batched_vs_single": max(errs), "kernels_vs_eager": rel(compiled, batched)}
+        rows = _row_values(single, {**one, **{k: feeds[k][b] for k in names}}, 1)
+        errs.append(_rel(batched["logits"][b], rows["logits"][0]))
+        first.append(_first_divergence(batched, b, rows))
+    compiled = st.dec.exec.run(feeds)[0]
+    return {"batched_vs_single": max(errs), "kernels_vs_eager": _rel(compiled, st.eager.run(feeds)[0]),
+            "first_divergence": first}  # fmt: skip
+
+
+DIVERGE_REL = 1e-4  # a node row this far from the one-sequence run's: more than fp32 rounding (a flipped choice)
+
+
+def _first_divergence(batched: dict, b: int, rows: dict) -> str | None:
+    for name, op in batched["__order__"]:
+        if name in rows and (e := _rel(batched[name][b], rows[name][0])) > DIVERGE_REL:
+            return f"{name} ({op}): {e:.2e}"
+    return None
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _row_values(ex, feeds: dict, n: int) -> dict:
+    """The first n rows of every row-valued float node output of one run of ex (name -> [n, ...]), and the
+    (name, op) order under "__order__"."""
+    from deepinfer.ir.interpreter import bind_symbols
+
+    env, t = bind_symbols(ex.graph, feeds), int(feeds["tokens"].shape[0])
+    vals = {**feeds, **{p.name: ex.params[p.name] for p in ex.graph.params}}
+    out: dict = {"__order__": []}
+    with ex.sync_free_scope(t):
+        for step in ex.steps:
+            args = [None if x is None else vals[x] for x in step.inputs]
+            outs = ex._run_node(step, args, ex._attrs(step.node, env), t)
+            vals.update(zip(step.outputs, outs))
+            for name, o in zip(step.outputs, outs):
+                if o.is_floating_point() and o.dim() and o.shape[0] == t:
+                    out[name] = o[:n].float().clone()
+                    out["__order__"].append((name, step.node.op))
+            for name in step.free:
+                vals.pop(name, None)
+    return out
 
 
 def _sync(st) -> None:
