@@ -1259,9 +1259,8 @@ class MoEGroupedAdapter:
         p = self._plan(call)
         _stage(call, "layout (plan)")
         x = call.args[0]
-        if p.path == "contiguous":  # fp8 prefill: the shared expert first, added inside the un-permute launch
-            shared = self._shared(call, kernels[2:]) if call.args[3] is not None else None
-            _stage(call, "shared expert")
+        if p.path == "contiguous":  # fp8 prefill: the shared expert is added inside the un-permute launch
+            shared = (lambda: self._shared(call, kernels[2:])) if call.args[3] is not None else None
             return [self._run_contiguous_fp8(call, p, kernels[:2], shared).to(x.dtype)]
         y = self._run_swab(call, p, kernels[:2])
         if call.args[3] is not None:
@@ -1329,7 +1328,11 @@ class MoEGroupedAdapter:
 
         return call.prep(f"moe_w4a8_{p.half if p.glu and not p.split else 0}", params, fp4_operands)
 
-    def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list, shared: torch.Tensor | None = None):
+    def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list, shared: Callable | None = None):
+        """The routed experts on the contiguous layout; shared(): the shared expert's output, issued right after the
+        w1|w3 launch so that its host work (three dense GEMM plans, quantisations) runs while that GEMM does (issued
+        first, the GPU idled between its small launches: H200 EP8 stage split, session 6), then added to the
+        un-permute's sums."""
         t, d, inter, e, block, idx = self._shapes(call)
         x, weights = call.args[0], call.args[1]
         slot, tile_expert, m_rows, real = p.layout
@@ -1347,12 +1350,14 @@ class MoEGroupedAdapter:
         c1 = torch.empty(m_rows, 2 * inter, dtype=torch.bfloat16, device=x.device)
         kernels[0](a, sa, b13, s13, tile_expert, c1)
         _stage(call, "w1|w3 GEMM")
+        base = shared() if shared is not None else None
+        _stage(call, "shared expert")
         hq, hs = swiglu_quant_rows(c1[:real], call.attrs["swiglu_limit"], ag, rows=m_rows)
         _stage(call, "SwiGLU + quant")
         c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
         kernels[1](hq, hs, b2, s2, tile_expert, c2)
         _stage(call, "w2 GEMM")
-        y = _combine(c2, slot, weights, shared)
+        y = _combine(c2, slot, weights, base)
         _stage(call, "un-permute (+ shared)")
         return y
 
