@@ -27,7 +27,7 @@ from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import TensorType
 from deepinfer.ir.ops.attention import ROPE_ATTRS, apply_rope, stable_topk_indices
 from deepinfer.ir.ops.core import Linear, RMSNorm
-from deepinfer.ir.ops.engram import token_map
+from deepinfer.ir.ops.engram import HASH_ATTRS, hash_lookbacks
 from deepinfer.ir.registry import Attr, register_op, shape_fail
 from deepinfer.ir.shapes import exact_div
 
@@ -333,20 +333,7 @@ class BatchedCompressedIndices:
 # ---------------------------------------------------------------------------------------------------
 
 
-@register_op(
-    "batched_engram_hash",
-    "tokens, history",
-    {
-        "multipliers": Attr("ints"),
-        "primes": Attr("ints"),
-        "n_heads": Attr("int"),
-        "pad_id": Attr("int", 2),
-        "vocab": Attr("int"),
-        "compressed_vocab": Attr("int"),
-        "image_token_id": Attr("int", -2),
-    },
-    level="model",
-)
+@register_op("batched_engram_hash", "tokens, history", HASH_ATTRS, level="model")
 class BatchedEngramHash:
     """engram_hash (MODEL_SPEC §2.14) for B sequences of one token each: tokens [B], history [B*(N-1)]
     (sequence b's last N-1 ids at b*(N-1).., oldest first, -1 = none) -> i64 [B, (N-1)*n_heads]."""
@@ -359,25 +346,10 @@ class BatchedEngramHash:
             raise shape_fail("batched_engram_hash", f"history must hold {n - 1} ids per sequence", history, tokens)
         return TensorType(dt.i64, (tokens.shape[0], len(primes)))
 
-    def reference(tokens, history, *, multipliers, primes, n_heads, pad_id, vocab, compressed_vocab,
-                  image_token_id):  # fmt: skip
-        n, b = len(multipliers), tokens.shape[0]
+    def reference(tokens, history, **attrs):
+        n, b = len(attrs["multipliers"]), tokens.shape[0]
         toks = torch.cat([history.long().view(b, n - 1), tokens.long().unsqueeze(-1)], dim=1)  # col r = p-(N-1)+r
-        cmap = token_map(vocab, compressed_vocab, tokens.device)
-        pad_c = cmap[pad_id]
-        blocked = torch.zeros(b, dtype=torch.bool, device=tokens.device)
-        h = torch.zeros(b, dtype=torch.int64, device=tokens.device)
-        cols, offset = [], 0
-        for s in range(n):  # c_s: the token s back; once a lookback is blocked, so are the longer ones
-            tok = toks[:, n - 1 - s]
-            blocked = blocked | (tok < 0) | (tok == image_token_id)
-            h = h ^ (torch.where(blocked, pad_c, cmap[tok.clamp(min=0)]) * multipliers[s])
-            if s == 0:
-                continue
-            for p in primes[(s - 1) * n_heads : s * n_heads]:
-                cols.append(torch.remainder(h, p) + offset)
-                offset += p
-        return torch.stack(cols, dim=-1)
+        return hash_lookbacks(toks.flip(1), **attrs)  # column s = the token s back
 
 
 @register_op("batched_engram_history", "history, tokens", stateful=True, writes={0: 0}, level="model")

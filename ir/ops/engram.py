@@ -38,21 +38,19 @@ def token_map(vocab: int, compressed_vocab: int, device=None) -> torch.Tensor:
     return torch.arange(vocab, dtype=torch.int64, device=device) % compressed_vocab
 
 
-def hash_ids(tokens, history, *, multipliers, primes, n_heads, pad_id, vocab, compressed_vocab, image_token_id):
-    n = len(multipliers)
-    toks = torch.cat([history.long(), tokens.long()])  # row r = position start - (n-1) + r; -1 = none
-    cmap = token_map(vocab, compressed_vocab, tokens.device)
+def hash_lookbacks(lookback, *, multipliers, primes, n_heads, pad_id, vocab, compressed_vocab, image_token_id):
+    """Engram row ids from lookbacks: lookback [R, N], column s = the token s back (s = 0: the row's own token),
+    -1 = none -> i64 [R, (N-1)*n_heads] (engram_hash's doc has the formula)."""
+    n, rows = len(multipliers), lookback.shape[0]
+    cmap = token_map(vocab, compressed_vocab, lookback.device)
     pad_c = cmap[pad_id]
-    t = tokens.shape[0]
-    comp = []  # c_s for s = 0..n-1, each [T]
-    blocked = torch.zeros(t, dtype=torch.bool, device=tokens.device)
-    for s in range(n):
-        tok = toks[n - 1 - s : n - 1 - s + t]
+    blocked = torch.zeros(rows, dtype=torch.bool, device=lookback.device)
+    h = torch.zeros(rows, dtype=torch.int64, device=lookback.device)
+    cols, offset = [], 0
+    for s in range(n):  # c_s: once a lookback passes a negative position or an image token, so do the longer ones
+        tok = lookback[:, s]
         blocked = blocked | (tok < 0) | (tok == image_token_id)
-        comp.append(torch.where(blocked, pad_c, cmap[tok.clamp(min=0)]))
-    cols, offset, h = [], 0, torch.zeros(t, dtype=torch.int64, device=tokens.device)
-    for s in range(n):
-        h = h ^ (comp[s] * multipliers[s])
+        h = h ^ (torch.where(blocked, pad_c, cmap[tok.clamp(min=0)]) * multipliers[s])
         if s == 0:
             continue
         for p in primes[(s - 1) * n_heads : s * n_heads]:
@@ -61,20 +59,25 @@ def hash_ids(tokens, history, *, multipliers, primes, n_heads, pad_id, vocab, co
     return torch.stack(cols, dim=-1)
 
 
-@register_op(
-    "engram_hash",
-    "tokens, history",
-    {
-        "multipliers": Attr("ints"),
-        "primes": Attr("ints"),
-        "n_heads": Attr("int"),
-        "pad_id": Attr("int", 2),
-        "vocab": Attr("int"),
-        "compressed_vocab": Attr("int"),
-        "image_token_id": Attr("int", -2),
-    },
-    level="model",
-)
+def hash_ids(tokens, history, **attrs):
+    """One sequence: tokens [T] after history [N-1] (oldest first)."""
+    n, t = len(attrs["multipliers"]), tokens.shape[0]
+    toks = torch.cat([history.long(), tokens.long()])  # row r = position start - (n-1) + r; -1 = none
+    return hash_lookbacks(torch.stack([toks[n - 1 - s : n - 1 - s + t] for s in range(n)], dim=1), **attrs)
+
+
+HASH_ATTRS = {
+    "multipliers": Attr("ints"),
+    "primes": Attr("ints"),
+    "n_heads": Attr("int"),
+    "pad_id": Attr("int", 2),
+    "vocab": Attr("int"),
+    "compressed_vocab": Attr("int"),
+    "image_token_id": Attr("int", -2),
+}
+
+
+@register_op("engram_hash", "tokens, history", HASH_ATTRS, level="model")
 class EngramHash:
     """Engram table row ids (MODEL_SPEC §2.14) for one Engram layer.
 
