@@ -931,35 +931,13 @@ def _masked_rows_kernel(interpret: bool):
 
     @triton.jit
     def masked_rows_kernel(e_ptr, dest_ptr, meta_ptr, P, E, max_rows, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                           CHUNK: tl.constexpr):  # fmt: skip
-        j = tl.arange(0, BLOCK_P)
-        ej = tl.load(e_ptr + j, mask=j < P, other=E)  # padding pairs: the spare expert E
-        # counts of the real experts and the slot map (active experts first, in order, then the idle ones)
-        ex = tl.arange(0, BLOCK_E)
-        counts = tl.where(ex < E, tl.histogram(ej.to(tl.int32), BLOCK_E), 0)
-        active = (counts > 0).to(tl.int32)
-        cs = tl.cumsum(active, axis=0)
-        n_act = tl.sum(active, axis=0)
-        pos = tl.where(active > 0, cs - 1, n_act + ex - cs)
-        tl.store(meta_ptr + ex, counts, mask=ex < E)
-        tl.store(meta_ptr + E + pos, ex, mask=ex < E)
-        tl.store(meta_ptr + 2 * E, n_act)
-        for i0 in tl.static_range(0, BLOCK_P, CHUNK):
-            i = i0 + tl.arange(0, CHUNK)
-            ei = tl.load(e_ptr + i, mask=i < P, other=E)
-            earlier = (ei[:, None] == ej[None, :]) & (j[None, :] < i[:, None])
-            rank = tl.sum(earlier.to(tl.int32), axis=1)
-            tl.store(dest_ptr + i, ei * max_rows + rank, mask=i < P)
-
-    @triton.jit
-    def masked_rows_spread_kernel(e_ptr, dest_ptr, meta_ptr, P, E, max_rows, BLOCK_P: tl.constexpr,
-                                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-        """masked_rows_kernel with one rank chunk per program (program 0 also writes the meta): the same code, the
-        chunk loop spread over the grid (triton resolves no helper from this factory's closure, hence the copy)."""
+                           CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr):  # fmt: skip
+        """Program p ranks pairs [p * N_CHUNKS * CHUNK, +N_CHUNKS * CHUNK); program 0 also writes the meta. One
+        program walking every chunk (N_CHUNKS = BLOCK_P / CHUNK) or one program a chunk (N_CHUNKS = 1, spread)."""
         pid = tl.program_id(0)
         j = tl.arange(0, BLOCK_P)
-        ej = tl.load(e_ptr + j, mask=j < P, other=E)
-        if pid == 0:
+        ej = tl.load(e_ptr + j, mask=j < P, other=E)  # padding pairs: the spare expert E
+        if pid == 0:  # counts of the real experts and the slot map (active experts first, in order, then idle ones)
             ex = tl.arange(0, BLOCK_E)
             counts = tl.where(ex < E, tl.histogram(ej.to(tl.int32), BLOCK_E), 0)
             active = (counts > 0).to(tl.int32)
@@ -969,22 +947,14 @@ def _masked_rows_kernel(interpret: bool):
             tl.store(meta_ptr + ex, counts, mask=ex < E)
             tl.store(meta_ptr + E + pos, ex, mask=ex < E)
             tl.store(meta_ptr + 2 * E, n_act)
-        i = pid * CHUNK + tl.arange(0, CHUNK)
-        ei = tl.load(e_ptr + i, mask=i < P, other=E)
-        earlier = (ei[:, None] == ej[None, :]) & (j[None, :] < i[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(dest_ptr + i, ei * max_rows + rank, mask=i < P)
+        for k in tl.static_range(N_CHUNKS):
+            i = (pid * N_CHUNKS + k) * CHUNK + tl.arange(0, CHUNK)
+            ei = tl.load(e_ptr + i, mask=i < P, other=E)
+            earlier = (ei[:, None] == ej[None, :]) & (j[None, :] < i[:, None])
+            rank = tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(dest_ptr + i, ei * max_rows + rank, mask=i < P)
 
-    return masked_rows_kernel, masked_rows_spread_kernel
-
-
-def _masked_rows_one(interpret: bool):
-    """The single-program kernel alone (AOT build tests take one kernel from a factory)."""
-    return _masked_rows_kernel(interpret)[0]
-
-
-def _masked_rows_spread(interpret: bool):
-    return _masked_rows_kernel(interpret)[1]
+    return masked_rows_kernel
 
 
 MASKED_ROWS_SPREAD_ENV = "DEEPINFER_MOE_LAYOUT_SPREAD"  # "1": masked_rows on P/16 programs (opt-in, not yet timed)
@@ -1007,10 +977,10 @@ def masked_rows(e_kept: torch.Tensor, n_experts: int, max_rows: int, spread: boo
     dest = torch.empty(p, dtype=torch.int64, device=e_kept.device)
     meta = torch.empty(2 * n_experts + 1, dtype=torch.int32, device=e_kept.device)
     block_p, chunk = max(16, triton.next_power_of_2(p)), 16
-    one, per_chunk = _masked_rows_kernel(os.environ.get("TRITON_INTERPRET") == "1")
-    kernel, grid = (per_chunk, (triton.cdiv(p, chunk),)) if spread else (one, (1,))
-    kernel[grid](e_kept, dest, meta, p, n_experts, max_rows, BLOCK_P=block_p,
-                 BLOCK_E=triton.next_power_of_2(n_experts + 1), CHUNK=chunk, num_warps=4 if spread else 8)  # fmt: skip
+    n_chunks = 1 if spread else block_p // chunk
+    _masked_rows_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(triton.cdiv(p, chunk * n_chunks),)](
+        e_kept, dest, meta, p, n_experts, max_rows, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(n_experts + 1),
+        CHUNK=chunk, N_CHUNKS=n_chunks, num_warps=4 if spread else 8)  # fmt: skip
     return dest, meta
 
 

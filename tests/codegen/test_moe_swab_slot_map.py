@@ -339,9 +339,9 @@ def test_masked_rows_builds_for_sm90(block_p, spread):
     from tests.codegen._triton_aot import compile_sm90, spill_free
 
     sig = {"e_ptr": "*i64", "dest_ptr": "*i64", "meta_ptr": "*i32", "P": "i32", "E": "i32", "max_rows": "i32"}
-    factory = "_masked_rows_spread" if spread else "_masked_rows_one"
-    ptx, report = compile_sm90("deepinfer.codegen.kernels.moe_grouped_gemm", factory, sig,
-                               {"BLOCK_P": block_p, "BLOCK_E": 512, "CHUNK": 16},
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.moe_grouped_gemm", "_masked_rows_kernel", sig,
+                               {"BLOCK_P": block_p, "BLOCK_E": 512, "CHUNK": 16,
+                                "N_CHUNKS": 1 if spread else block_p // 16},
                                num_warps=4 if spread else 8)  # fmt: skip
     assert "st.global" in ptx
     if block_p == 512:  # the decode buckets (T <= 64): no spills
