@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import TensorType
 from deepinfer.ir.ops.attention import ROPE_ATTRS, apply_rope, stable_topk_indices
-from deepinfer.ir.ops.core import Linear, RMSNorm
 from deepinfer.ir.ops.engram import HASH_ATTRS, hash_lookbacks
+from deepinfer.ir.ops.fused import CompressorKeys
 from deepinfer.ir.registry import Attr, register_op, shape_fail
 from deepinfer.ir.shapes import exact_div
 
@@ -227,17 +227,14 @@ class BatchedPairCompressorKeys:
             raise shape_fail("batched_pair_compressor_keys", "kv, score and states must be [B, d]", kv, state_kv)
         b = kv.shape[0]
         _check_batch_positions("batched_pair_compressor_keys", positions, b, kv)
-        latent = RMSNorm.infer(kv, norm, eps=eps)
-        keys = RMSNorm.infer(Linear.infer(latent, wk, None), k_norm, eps=eps)
+        latent, keys = CompressorKeys.infer(kv, positions, norm, wk, k_norm, eps=eps)
         return latent, keys, TensorType(dt.i64, (b,)), state_kv, state_score
 
     def reference(kv, score, state_kv, state_score, positions, norm, wk, k_norm, *, eps, **rope):
         pooled, entry_pos, entry_idx, new_kv, new_score = batched_pair_pool(kv, score, state_kv, state_score,
                                                                             positions)  # fmt: skip
-        latent = RMSNorm.reference(pooled, norm, eps=eps)
-        entry = apply_rope(latent, entry_pos, inverse=False, **rope)
-        keys = RMSNorm.reference(Linear.reference(latent, wk, None), k_norm, eps=eps)
-        return entry, apply_rope(keys, entry_pos, inverse=False, **rope), entry_idx, new_kv, new_score
+        entry, keys = CompressorKeys.reference(pooled, entry_pos, norm, wk, k_norm, eps=eps, **rope)
+        return entry, keys, entry_idx, new_kv, new_score
 
 
 # ---------------------------------------------------------------------------------------------------

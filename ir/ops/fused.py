@@ -341,17 +341,13 @@ class PairCompressorKeys:
     def infer(kv, score, state_kv, state_score, positions, norm, wk, k_norm, *, eps, **rope):
         pooled, entry_pos, entry_idx, new_kv, new_score = PairCompressor.infer(kv, score, state_kv, state_score,
                                                                                positions)  # fmt: skip
-        latent = RMSNorm.infer(pooled, norm, eps=eps)
-        keys = RMSNorm.infer(Linear.infer(latent, wk, None), k_norm, eps=eps)
+        latent, keys = CompressorKeys.infer(pooled, entry_pos, norm, wk, k_norm, eps=eps)
         return latent, keys, entry_idx, new_kv, new_score
 
     def reference(kv, score, state_kv, state_score, positions, norm, wk, k_norm, *, eps, **rope):
         pooled, entry_pos, entry_idx, new_kv, new_score = PairCompressor.reference(kv, score, state_kv, state_score,
                                                                                    positions)  # fmt: skip
-        latent = RMSNorm.reference(pooled, norm, eps=eps)
-        entry = Rope.reference(latent, entry_pos, inverse=False, **rope)
-        keys = RMSNorm.reference(Linear.reference(latent, wk, None), k_norm, eps=eps)
-        keys = Rope.reference(keys, entry_pos, inverse=False, **rope)
+        entry, keys = CompressorKeys.reference(pooled, entry_pos, norm, wk, k_norm, eps=eps, **rope)
         return entry, keys, entry_idx, new_kv, new_score
 
 
