@@ -333,30 +333,93 @@ class LinearFP8Adapter:
         return [fp8_linear(call, kernels[0], call.args[0], 1, 2, group, block, info)]
 
 
+OUT_PROJ_CONTIGUOUS_MIN_T = 512  # grouped_out_proj: wo_a on the contiguous grouped program from this many tokens
+OUT_PROJ_PREFILL_ENV = "DEEPINFER_OUT_PROJ_PREFILL"  # "swab": the swap-AB program at every T (A/B runs)
+
+
+@dataclass(frozen=True)
+class _OutProjPlan:
+    """How one grouped_out_proj call runs (decided once per call, memoised)."""
+
+    path: str  # "swab" (decode: masked swap-AB wo_a) | "contiguous" (prefill: the persistent grouped program)
+    wo_a: KernelKey
+    rows: int  # rows per group in wo_a's A / C (swab: T to the token tile; contiguous: T's bucket of tiles)
+    wo_b: tuple  # the dense plan of wo_b (LinearFP8Adapter._plan(...)[0]: key, rows, n_pad)
+    tile: int = 0  # contiguous: wo_a's block_m (TileExpert's tile)
+
+
 class GroupedOutProjAdapter:
-    """grouped_out_proj (the attention's wo_a per group, then wo_b), both GEMMs compiled: the G groups' GEMMs as
-    one swap-AB launch over the masked layout (moe_grouped_gemm.swab_program, group g = expert g with T rows:
-    wo_a [G*R, K] is already the [G, R, K] expert stack, a view), then the [T, G*R] intermediate quantised per
-    mid_group (the op's Q/DQ) into fp8_gemm. x arrives dequantised from the attention's FP8 epilogue: its
-    re-quantisation per block_a reproduces those codes exactly (power-of-two scales, same group), so the first
-    GEMM sees the reference's operands; the intermediate is the kernel's bf16 (the reference keeps fp32)."""
+    """grouped_out_proj (the attention's wo_a per group, then wo_b), both GEMMs compiled. x arrives dequantised
+    from the attention's FP8 epilogue: its re-quantisation per block_a reproduces those codes exactly
+    (power-of-two scales, same group), so the first GEMM sees the reference's operands; the intermediate is the
+    kernel's bf16 (the reference keeps fp32), quantised per mid_group (the op's Q/DQ) for fp8_gemm's wo_b.
+
+    wo_a is G groups of [T, K] x [R, K]^T: a group is an "expert" that takes all T rows. x [T, G, K] is [T, G*K]
+    with the groups as K chunks, quantised chunk-major ([G*rows, K] codes) straight from x, and wo_a [G*R, K] is
+    the [G, R, K] expert stack as a view. Two programs:
+      * decode (T < contiguous_min_t): moe_grouped_gemm.swab_program over the masked layout, the weight rows on
+        the MMA's M side and the few tokens on its N side (one pass over the 32 MB of wo_a);
+      * prefill: the swap-AB program re-reads wo_a once per token tile (13-15 ms a V4.1 layer at T = 8192,
+        BENCHMARKS.md session 6), so wo_a runs on the MoE prefill's persistent grouped program (fp8_gemm's
+        warp-specialised loop, group g = expert g, TileExpert = g for its T rows bucketed to 128-row tiles, the
+        bucket's tiles past T skipped as padding: -1), and the intermediate is quantised chunk-major straight from
+        its output (mid_group divides R: no group straddles two wo_a groups) with only the codes and scales moved
+        to wo_b's token-major layout (bytes, not the fp32 [T, G*R] transposed copy of the swap-AB path).
+    Both produce the same numbers up to fp32 summation order in wo_a."""
 
     family = "fp8_gemm"
     ops = ("grouped_out_proj",)
     dense = LinearFP8Adapter()
+    contiguous_min_t = OUT_PROJ_CONTIGUOUS_MIN_T  # (tests and benchmarks set it per instance)
+    tuned = True  # prefill: the persistent sm90 program where [R, K] tile by 256 x 128 (tests may turn it off)
 
-    def _plan(self, call: Call):
-        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+    def _plan(self, call: Call) -> _OutProjPlan:
+        if "out_proj_plan" not in call.memo:
+            call.memo["out_proj_plan"] = self._make_plan(call)
+        return call.memo["out_proj_plan"]
 
+    def _make_plan(self, call: Call) -> _OutProjPlan:
         _cuda_only(call)
         x, wa, wb, sa, sb = call.args
-        a = call.attrs
         if sa is None or sb is None or wa.dtype != torch.float8_e4m3fn or wb.dtype != torch.float8_e4m3fn:
             raise Decline("the compiled grouped_out_proj takes block-scaled FP8 wo_a and wo_b")
         t, g, k = x.shape
-        r, block = wa.shape[0] // g, a["block_a"]
+        r, block = wa.shape[0] // g, call.attrs["block_a"]
         if r % block or k % block:
             raise Decline(f"wo_a's groups of R={r} x K={k} do not split into {block}-blocks")
+        # wo_b's plan from a stand-in u of the right shape (an expanded scalar: no [T, G*R] allocation)
+        wo_b = self.dense._plan(self._wo_b_call(call, x.new_empty(()).expand(t, g * r)))[0]
+        cfg = self._contiguous_cfg(call, t, r, k)
+        if cfg is not None:
+            rows = bucket_rows(t, cfg.block_m)
+            key = _key("moe_grouped_gemm", "program", (g * rows, r, k, g), cfg, act_group=block, weight_block=block)
+            return _OutProjPlan("contiguous", key, rows, wo_b, cfg.block_m)
+        key, rows = self._swab_key(call, t, g, r, k, block)
+        return _OutProjPlan("swab", key, rows, wo_b)
+
+    def _contiguous_cfg(self, call: Call, t: int, r: int, k: int):
+        """wo_a's config on the contiguous grouped program at this T, or None (then the swap-AB program): from
+        contiguous_min_t tokens (above the dense swap-AB range, so wo_b is fp8_gemm's program and takes the codes
+        made here), where R and K tile by the persistent program (else the portable loop's 128 x 128) and R
+        splits into mid_group groups."""
+        from deepinfer.codegen.kernels import fp8_gemm
+        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+        a = call.attrs
+        block, group = a["block_a"], a["mid_group"] or a["block_b"]
+        if t < max(self.contiguous_min_t, DENSE_SWAB_MAX_T + 1) or os.environ.get(OUT_PROJ_PREFILL_ENV) == "swab":
+            return None
+        if r % group or 128 % block:
+            return None
+        if self.tuned and r % 256 == 0 and k % 128 == 0:
+            return mg.sm90_config(0, r, k_group=block)
+        cfg = fp8_gemm.default_config(block)
+        return cfg if r % cfg.block_n == 0 and k % cfg.block_k == 0 else None
+
+    @staticmethod
+    def _swab_key(call: Call, t: int, g: int, r: int, k: int, block: int) -> tuple[KernelKey, int]:
+        from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
         fields = {f: call.config[f] for f in vars(mg.SwabConfig()) if f in call.config}
         cfg = mg.SwabConfig(**fields) if fields else mg.swab_config(t, "fp8")
         why = _swab_unfit(r, k, "fp8", cfg, block, block, False)
@@ -365,9 +428,7 @@ class GroupedOutProjAdapter:
         max_rows = -(-t // cfg.block_t) * cfg.block_t
         key = _key("moe_grouped_gemm", "swab_program", (g * max_rows, r, k, g), cfg, act_group=block,
                    swiglu_limit=None, fmt="fp8", weight_block=block, max_rows=max_rows)  # fmt: skip
-        u_stub = x.new_empty((t, g * r))
-        sub = self._wo_b_call(call, u_stub)
-        return key, max_rows, sub, self.dense._plan(sub)[0]
+        return key, max_rows
 
     def _wo_b_call(self, call: Call, u: torch.Tensor) -> Call:
         a = call.attrs
@@ -377,27 +438,73 @@ class GroupedOutProjAdapter:
         return Call("linear_fp8", attrs, [u, call.args[2], call.args[4]], [f"{n[0]}.u", n[2], n[4]],
                     [False, p[2], p[4]], {}, call.cache)  # fmt: skip
 
+    def path(self, call: Call) -> str:
+        """Which wo_a program this call takes (tests and reports): "swab" or "contiguous"."""
+        return self._plan(call).path
+
     def keys(self, call: Call) -> list[KernelKey]:
-        key, _, _, (wo_b_key, _, _) = self._plan(call)
-        return [key, wo_b_key]
+        p = self._plan(call)
+        return [p.wo_a, p.wo_b[0]]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        key, max_rows, _, _ = self._plan(call)
+        p = self._plan(call)
         x, wa, _, sa, _ = call.args
         t, g, k = x.shape
         r, block = wa.shape[0] // g, call.attrs["block_a"]
         w, s = call.prep("wo_a_stack", (1, 3), lambda: (wa.view(g, r, k), scales_f32(sa).view(g, r // block, -1)))
-        # the masked layout (group g's T rows at g*max_rows ...): x [T, G, K] is [T, G*K] with the groups as K
-        # chunks, quantised chunk-major straight from x (no transposed copy)
-        a_m, sa_m = quant_rows(x.reshape(t, g * k), block, max_rows, chunks=g)
-        counts = _const_counts(call, g, t, x.device)
-        c = torch.empty(g * max_rows, r, dtype=torch.bfloat16, device=x.device)
-        kernels[0](a_m, sa_m, w, s, counts, c)
-        u = c.view(g, max_rows, r)[:, :t].transpose(0, 1).reshape(t, g * r).float()
+        # the groups' rows: group g's T rows at g*rows ..., quantised chunk-major straight from x (no transposed copy)
+        a_m, sa_m = quant_rows(x.reshape(t, g * k), block, p.rows, chunks=g)
+        c = torch.empty(g * p.rows, r, dtype=torch.bfloat16, device=x.device)
+        if p.path == "contiguous":
+            kernels[0](a_m, sa_m, w, s, _group_tiles(call, g, t, p.rows, p.tile, x.device), c)
+            return [self._wo_b_from_groups(call, p, kernels[1], c).to(x.dtype)]
+        kernels[0](a_m, sa_m, w, s, _const_counts(call, g, t, x.device), c)
+        u = c.view(g, p.rows, r)[:, :t].transpose(0, 1).reshape(t, g * r).float()
         sub = self._wo_b_call(call, u)
         a = call.attrs
         group = a["mid_group"] or a["block_b"]
-        return [fp8_linear(sub, kernels[1], u, 1, 2, group, a["block_b"], self.dense._plan(sub)[0]).to(x.dtype)]
+        return [fp8_linear(sub, kernels[1], u, 1, 2, group, a["block_b"], p.wo_b).to(x.dtype)]
+
+    def _wo_b_from_groups(self, call: Call, p: _OutProjPlan, kernel, c: torch.Tensor) -> torch.Tensor:
+        """wo_b on fp8_gemm's program from wo_a's chunk-major bf16 output c [G*rows, R]: quantised per mid_group as
+        it lies (the codes and scales quant_rows gives u [T, G*R]: the same groups), then moved token-major."""
+        a = call.attrs
+        group, block_b = a["mid_group"] or a["block_b"], a["block_b"]
+        t, g = call.args[0].shape[:2]
+        _, rows_b, n_pad = p.wo_b
+        q, sq = quant_rows(c, group, c.shape[0])
+        a_u, sa_u = _token_major(q, sq, g, p.rows, t, rows_b)
+        sub = self._wo_b_call(call, a_u)
+        b, sb = _gemm_weight(sub, 1, 2, n_pad, block_b)
+        out = torch.empty(rows_b, n_pad, dtype=torch.bfloat16, device=c.device)
+        kernel(a_u, sa_u, b, sb, out)
+        return out[:t, : call.args[2].shape[0]]
+
+
+def _group_tiles(call: Call, g: int, t: int, rows: int, block_m: int, device) -> torch.Tensor:
+    """TileExpert of grouped_out_proj's contiguous wo_a: group j's rows/block_m tiles are j's, those wholly past T
+    padding (-1: skipped, no MMA); made once per (G, T, rows, tile, device) like _const_counts (no launch a step)."""
+    k = ("out_proj_tiles", g, t, rows, block_m, str(device))
+    if k not in call.cache:
+        tiles = torch.arange(g, dtype=torch.int32).repeat_interleave(rows // block_m).view(g, rows // block_m)
+        tiles[:, -(-t // block_m) :] = -1
+        call.cache[k] = tiles.flatten().to(device)
+    return call.cache[k]
+
+
+def _token_major(q: torch.Tensor, sq: torch.Tensor, g: int, rows: int, t: int, rows_b: int):
+    """Chunk-major codes q [G*rows, R] and scales sq [R/gr, G*rows] (row j*rows + i = group j of token i) as the
+    token-major [rows_b, G*R] codes and [G*R/gr, rows_b] MN-major scales of u [T, G*R] (rows past T: zero codes
+    and scales)."""
+    r, gs = q.shape[1], sq.shape[0]
+    a = torch.empty(rows_b, g * r, dtype=q.dtype, device=q.device)
+    sa = torch.empty(g * gs, rows_b, dtype=sq.dtype, device=q.device)
+    a.view(torch.uint8)[:t].view(t, g, r).copy_(q.view(torch.uint8).view(g, rows, r)[:, :t].transpose(0, 1))
+    sa[:, :t].unflatten(0, (g, gs)).copy_(sq.view(gs, g, rows)[:, :, :t].transpose(0, 1))
+    if rows_b > t:
+        a.view(torch.uint8)[t:] = 0
+        sa[:, t:] = 0
+    return a, sa
 
 
 class FakeQuantAdapter:
