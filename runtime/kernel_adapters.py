@@ -878,39 +878,35 @@ class MoERoutingAdapter:
 # ---------------------------------------------------------------------------------------------- MoE
 
 
+MOE_LAYOUT_ENV = "DEEPINFER_MOE_LAYOUT"  # "torch": the prefill layout and x gather by the torch references (A/B runs)
+
+
+def _layout_on_triton(t: torch.Tensor) -> bool:
+    return _triton_on(t) and os.environ.get(MOE_LAYOUT_ENV) != "torch"
+
+
 def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int, read_back: bool = True):
-    """Contiguous layout, vectorised: (slot of each (token, k) pair, tile experts, padded rows, rows of the tiles
-    that hold pairs -- exact where the count is read back, the bound otherwise; the tiles past it are padding,
-    and the device's exact tile count [1]). read_back=False: the bound at every size, no host read (for kernels
-    that skip padding tiles: the persistent program; the bound exceeds the count by at most E tiles).
+    """Contiguous layout: (slot of each (token, k) pair, tile experts, padded rows, rows of the tiles that hold
+    pairs -- exact where the count is read back, the bound otherwise; the tiles past it are padding --, the
+    device's exact tile count [1], the experts' pair counts [E]). read_back=False: the bound at every size, no host
+    read (for kernels that skip padding tiles: the persistent program; the bound exceeds the count by at most E
+    tiles). Two Triton launches where Triton runs (moe_routing.triton_contiguous_layout), else its torch reference
+    (~15 launches: counts, a stable argsort, gathers, searchsorted) -- the same tensors bit for bit.
 
     The tile count is bucketed (1, 2, 3, 4, 6, 8, 12, ...) so few kernel shapes serve every routing. With few
     pairs (T*k <= E/2: decode) the count is the routing-independent bound min(E, T*k) + T*k // block_m (tight
     there: almost every pair has its own expert), so the layout needs no device -> host synchronisation;
-    otherwise the exact count is read back (one synchronisation) to keep padding tiles few."""
-    flat = idx.reshape(-1)
-    # bincount's counts without its host read of the maximum (torch.bincount synchronises on CUDA)
-    ones = torch.ones_like(flat, dtype=torch.long)
-    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat.long(), ones)
-    tiles_per = (counts + block_m - 1) // block_m
-    ends = torch.cumsum(tiles_per, 0)
-    first_tile = ends - tiles_per
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    start_of = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(flat.numel(), device=idx.device) - start_of[sorted_e]
-    slot = torch.empty_like(flat)
-    slot[order] = first_tile[sorted_e] * block_m + rank
-    pairs = flat.numel()
-    if 2 * pairs <= n_experts or not read_back:
-        n_tiles = min(n_experts, pairs) + pairs // block_m  # >= sum over experts of ceil(count / block_m)
-    else:
-        n_tiles = int(ends[-1])
+    otherwise the exact count is read back (one synchronisation) to keep padding tiles few. tile_expert is made
+    for the bound's bucket (before any read) and cut to the count's."""
+    from deepinfer.codegen.kernels import moe_routing as mr
+
+    pairs = idx.numel()
+    bound = mr.layout_tile_bound(pairs, n_experts, block_m)
+    make = mr.triton_contiguous_layout if _layout_on_triton(idx) else mr.contiguous_layout_reference
+    slot, tile_expert, counts, total = make(idx, n_experts, block_m, _tile_bucket(max(bound, 1)))
+    n_tiles = bound if 2 * pairs <= n_experts or not read_back else int(total)
     n_bucket = _tile_bucket(max(n_tiles, 1))
-    # tile i belongs to the first expert whose tiles end after i; tiles past the last one are padding (-1)
-    e = torch.searchsorted(ends, torch.arange(n_bucket, device=idx.device), right=True)
-    tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1)).to(torch.int32)
-    return slot, tile_expert, n_bucket * block_m, n_tiles * block_m, ends[-1:]
+    return slot, tile_expert[:n_bucket], n_bucket * block_m, n_tiles * block_m, total, counts
 
 
 def _moe_layout(idx: torch.Tensor, n_experts: int, block_m: int):
@@ -936,6 +932,7 @@ class _MoEPlan:
     keys: list
     layout: tuple  # masked: (dest, slot_expert_meta [2E+1], merged weights); contiguous: (slot, tile_expert, m_rows)
     #                contiguous fp8: + the rows of the tiles that hold pairs (the kernels skip the tiles after them)
+    #                and the experts' pair counts [E]
     split: bool = False  # glu from the plain w1|w3 stack (swab_program glu_split): no interleaved copy
     act_group: int = 0  # contiguous fp8: the experts' activation group (x and the SwiGLU output); 0: the block
 
@@ -1047,19 +1044,32 @@ def _stage(call: Call, name: str) -> None:
         marks.append((name, mark()))
 
 
-def _layout_tokens(slot: torch.Tensor, k: int, rows: int) -> torch.Tensor:
-    """The token each row of the contiguous layout holds ([rows] int64; pair t*k + j sits at row slot[t*k + j]);
-    padding rows read token 0 (finite values in rows nobody reads back)."""
-    src = torch.zeros(rows, dtype=torch.long, device=slot.device)
-    src[slot] = torch.arange(slot.numel(), device=slot.device) // k
-    return src
+def _layout_x(call: Call, slot: torch.Tensor, counts: torch.Tensor, group: int, rows: int, block_m: int):
+    """x [T, D] quantised per `group` columns (quant_rows' codes and scales) into the contiguous layout: (e4m3 codes
+    [rows, D], MN-major fp32 scales [D/group, rows]); pair t*K + j's row slot[t*K + j] holds token t, the rows that
+    pad each expert's last tile zero codes with the floor's scale; rows past the experts' tiles are not written
+    where Triton runs (the GEMMs skip tiles of expert -1). One Triton launch (moe_routing.triton_gather_quant: x read
+    once, no [T, D] codes, index map or gathers in between), else its torch reference. Where the shared expert
+    quantises x per the same group, the launch also writes the un-permuted codes as _quant_x's (one quantisation)."""
+    from deepinfer.codegen.kernels import moe_routing as mr
+
+    x = call.args[0]
+    memo_key = ("x_quant", group)
+    with_x = call.args[3] is not None and call.attrs.get("shared_block") == group and memo_key not in call.memo
+    with_x = with_x and _shared_rows(x.shape[0]) == x.shape[0]  # decode pads _quant_x's rows to the token tile
+    if _layout_on_triton(x):
+        xc = x if x.stride(-1) == 1 else x.contiguous()
+        a, sa, xq = mr.triton_gather_quant(xc, slot, counts, group, rows, block_m, with_x=with_x)
+    else:
+        a, sa, xq = mr.gather_quant_reference(x, slot, counts, group, rows, block_m, with_x=with_x)
+    if xq is not None:
+        call.memo[memo_key] = (_as_e4m3(xq[0]), xq[1])
+    return _as_e4m3(a), sa
 
 
-def _gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """src[rows]; FP8 rows move as bytes."""
-    if src.dtype == torch.float8_e4m3fn:
-        return src.view(torch.uint8)[rows].view(torch.float8_e4m3fn)
-    return src[rows]
+def _as_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """Codes as e4m3 (the CPU interpreter's kernels store their values as fp32: the cast is exact)."""
+    return q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)
 
 
 def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, base: torch.Tensor | None = None):
@@ -1301,13 +1311,15 @@ class MoEGroupedAdapter:
         # no host read of the tile count on the persistent program (it skips the padding tiles: the bound costs
         # no MMA; the host read would idle the GPU while this call's launches are issued)
         persistent = cfg13.persistent and cfg2.persistent
-        slot, tile_expert, rows, real, n_tiles = _moe_layout_rows(idx, e, cfg13.block_m, read_back=not persistent)
+        slot, tile_expert, rows, real, n_tiles, counts = _moe_layout_rows(idx, e, cfg13.block_m,
+                                                                          read_back=not persistent)
         stats = call.cache.get(MOE_TILE_STATS)
         if stats is not None:  # the exact count stays on the device until the runner reads it (bench_slice)
             stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": n_tiles * cfg13.block_m, "rows": rows}
         k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block)
         k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block)
-        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], (slot, tile_expert, rows, real), act_group=ag)
+        layout = (slot, tile_expert, rows, real, counts)
+        return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], layout, act_group=ag)
 
     tuned = True  # prefill: the measured sm90 persistent program where the dims tile by it (tests may turn it off)
 
@@ -1442,17 +1454,10 @@ class MoEGroupedAdapter:
         un-permute's sums."""
         t, d, inter, e, block, idx = self._shapes(call)
         x, weights = call.args[0], call.args[1]
-        slot, tile_expert, m_rows, real = p.layout
+        slot, tile_expert, m_rows, real, counts = p.layout
         b13, s13, b2, s2 = call.prep("moe_stack", tuple(range(9, len(call.args))), lambda: stack_experts(call, e))
-        k, ag = idx.shape[1], p.act_group or block
-        # x quantised once per token (one act_quant launch), its rows gathered into the layout: not T*K fp32 rows.
-        # Only the rows of tiles that hold pairs are written: the kernels skip the bucket's padding tiles after them
-        q, sq = quant_rows(x, ag, t)
-        src = _layout_tokens(slot, k, real)
-        a = torch.empty(m_rows, d, dtype=q.dtype, device=x.device)
-        torch.index_select(q.view(torch.uint8), 0, src, out=a.view(torch.uint8)[:real])
-        sa = torch.empty(sq.shape[0], m_rows, dtype=sq.dtype, device=x.device)
-        sa[:, :real] = sq[:, src]
+        ag = p.act_group or block
+        a, sa = _layout_x(call, slot, counts, ag, m_rows, m_rows // tile_expert.numel())  # block_m: rows per tile
         _stage(call, "x quant + gather")
         c1 = torch.empty(m_rows, 2 * inter, dtype=torch.bfloat16, device=x.device)
         kernels[0](a, sa, b13, s13, tile_expert, c1)

@@ -233,3 +233,229 @@ def ascend_program(T_: int, E: int, *, topk: int, route_scale: float, block_m: i
                 T.copy(i_ub, Idx[tile * bm, 0])
 
     return moe_routing_ascend
+
+
+# ---------------------------------------------------------------------------------------------- contiguous layout
+# The prefill MoE's token permute (runtime/kernel_adapters._moe_layout_rows / _run_contiguous_fp8): every (token, k)
+# pair gets a row of the contiguous layout -- expert e's pairs fill whole block_m-row tiles starting at tile
+# first[e] = sum over e' < e of ceil(count[e'] / block_m), in flat pair order (what argsort(stable=True) gives) --
+# and x, quantised per `group` columns, is written to each of its K rows. The torch formulation is ~15 launches
+# (scatter_add counts, cumsums, a stable argsort, gathers, searchsorted) plus a quantisation, an index map and two
+# gathers; here it is three launches and no device -> host read:
+#   layout_counts   one program per expert: its pair count (a masked sum over the flat ids; E x T*K compares,
+#                   no atomics, so no zeroed buffer to launch first)
+#   layout_slots    one program per expert: the exclusive prefix of the tile counts gives its first row, then a
+#                   scan of the flat ids in chunks (a cumsum of the mask) gives each of its pairs its rank in pair
+#                   order; the programs after the E experts write tile_expert (tile i: the number of experts whose
+#                   tiles end at or before i, -1 past the last) and the exact tile count
+#   gather_quant    one program per token: its row quantised exactly as act_quant's kernel does (the scale from
+#                   the float's exponent bits), the codes stored to its K rows and the scales to their columns of
+#                   the MN-major [D/group, rows] scales; one program per expert (before the T tokens' programs, so
+#                   the fills overlap them) writes the rows that pad its last tile as zero codes with the floor's
+#                   scale (act_quant's padding rows)
+# tile_expert is written for a caller-chosen number of tiles (the bound min(E, T*K) + T*K // block_m where the count
+# is not read back); rows of tiles past the exact count are not written (the GEMMs skip tiles of expert -1).
+
+
+def layout_tile_bound(pairs: int, n_experts: int, block_m: int) -> int:
+    """An upper bound of sum over experts of ceil(count / block_m) that needs no count: each expert holding pairs
+    adds at most one partial tile."""
+    return min(n_experts, pairs) + pairs // block_m
+
+
+@functools.lru_cache(maxsize=2)
+def _layout_kernels(interpret: bool):
+    """(layout_counts, layout_slots, gather_quant), built lazily per interpreter mode."""
+    if triton is None:
+        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+
+    @triton.jit
+    def layout_counts_kernel(idx_ptr, counts_ptr, P, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        hits = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, P, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ids = tl.load(idx_ptr + offs, mask=offs < P, other=-1)
+            hits += (ids == e).to(tl.int32)
+        tl.store(counts_ptr + e, tl.sum(hits, axis=0))
+
+    @triton.jit
+    def layout_slots_kernel(idx_ptr, counts_ptr, slot_ptr, tile_expert_ptr, total_ptr, P, E, N_TILES, BLOCK_M,
+                            BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, TILE_BLOCK: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        ee = tl.arange(0, BLOCK_E)
+        tiles = (tl.load(counts_ptr + ee, mask=ee < E, other=0) + BLOCK_M - 1) // BLOCK_M
+        if pid < E:
+            row = tl.sum(tl.where(ee < pid, tiles, 0), axis=0) * BLOCK_M  # the expert's first row
+            for start in range(0, P, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mine = (tl.load(idx_ptr + offs, mask=offs < P, other=-1) == pid).to(tl.int32)
+                rank = tl.cumsum(mine, axis=0) - 1  # inclusive scan: pairs of this expert keep pair order
+                tl.store(slot_ptr + offs, (row + rank).to(slot_ptr.dtype.element_ty), mask=mine > 0)
+                row += tl.sum(mine, axis=0)
+        else:
+            ends = tl.where(ee < E, tl.cumsum(tiles, axis=0), 2147483647)  # experts past E never own a tile
+            t = (pid - E) * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
+            owner = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+            tl.store(tile_expert_ptr + t, tl.where(owner < E, owner, -1), mask=t < N_TILES)
+            if pid == E:
+                tl.store(total_ptr, tl.sum(tiles, axis=0).to(tl.int64))
+
+    @triton.jit
+    def gather_quant_kernel(x_ptr, slot_ptr, counts_ptr, q_ptr, s_ptr, xq_ptr, xs_ptr, T, E, D, stride_x, ROWS,
+                            BLOCK_M, K: tl.constexpr, G: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_PAD: tl.constexpr, WRITE_X: tl.constexpr,
+                            FILL: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0) - E  # the E padding programs first: their fills overlap the tokens' programs
+        g = tl.arange(0, BLOCK_G)[:, None]
+        c = tl.arange(0, GROUP)[None, :]
+        gs = tl.arange(0, BLOCK_G)
+        if pid >= 0:
+            x = tl.load(x_ptr + pid.to(tl.int64) * stride_x + g * GROUP + c, mask=g < G, other=0.0).to(tl.float32)
+            # act_quant_kernel's numbers: 2^(ceil(log2(max(amax, 1e-4) / 448))) from the exponent bits, x times
+            # the exact inverse power of two, clamped to +-448
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+            bits = amax.to(tl.uint32, bitcast=True)
+            ex = ((bits >> 23) & 0xFF).to(tl.int32) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+            scale = ((ex + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+            inv = ((127 - ex).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+            q = tl.clamp(x * inv[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+            for j in tl.static_range(K):
+                r = tl.load(slot_ptr + pid * K + j).to(tl.int64)
+                tl.store(q_ptr + r * D + g * GROUP + c, q, mask=g < G)
+                tl.store(s_ptr + gs * ROWS + r, scale, mask=gs < G)
+            if WRITE_X:  # the un-permuted codes too ([T, D], scales [G, T]): the shared expert reads them
+                tl.store(xq_ptr + pid.to(tl.int64) * D + g * GROUP + c, q, mask=g < G)
+                tl.store(xs_ptr + gs * T + pid, scale, mask=gs < G)
+        else:
+            e = pid + E
+            ee = tl.arange(0, BLOCK_E)
+            counts = tl.load(counts_ptr + ee, mask=ee < E, other=0)
+            tiles = (counts + BLOCK_M - 1) // BLOCK_M
+            n = tl.sum(tl.where(ee == e, counts, 0), axis=0)
+            first_pad = tl.sum(tl.where(ee < e, tiles, 0), axis=0) * BLOCK_M + n
+            # the expert's padding rows are one contiguous range of rows: zero-fill it as flat bytes
+            pad_rows = tl.sum(tl.where(ee == e, tiles, 0), axis=0) * BLOCK_M - n
+            base = q_ptr + first_pad.to(tl.int64) * D
+            f = tl.arange(0, FILL)
+            for start in range(0, pad_rows * D, FILL):
+                zeros = tl.zeros([FILL], dtype=q_ptr.dtype.element_ty)
+                tl.store(base + start + f, zeros, mask=start + f < pad_rows * D)
+            p = tl.arange(0, BLOCK_PAD)
+            floor = tl.full([BLOCK_PAD], 2.0**-22, dtype=tl.float32)  # the scale of an all-zero group
+            for gi in range(0, G):
+                tl.store(s_ptr + gi * ROWS + first_pad + p, floor, mask=p < pad_rows)
+
+    return layout_counts_kernel, layout_slots_kernel, gather_quant_kernel
+
+
+def _layout_counts_kernel(interpret: bool):  # one kernel per factory: what tests' sm90 builds take
+    return _layout_kernels(interpret)[0]
+
+
+def _layout_slots_kernel(interpret: bool):
+    return _layout_kernels(interpret)[1]
+
+
+def _gather_quant_kernel(interpret: bool):
+    return _layout_kernels(interpret)[2]
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+LAYOUT_BLOCK = 1024  # flat ids a layout program reads per step
+TILE_BLOCK = 64  # tile_expert entries a program writes
+GATHER_WARPS = 8  # a token's [D/group, group] tile over 256 threads: 20 fp32 values of x a thread at D=5120
+GATHER_FILL = 8192  # padding codes a program zeroes per step (an expert pads < block_m rows: <= 80 steps at D=5120)
+
+
+def triton_contiguous_layout(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int):
+    """The contiguous layout of idx [T, K] (expert ids) on the device, two launches, no host read: (slot [T*K] of
+    idx's dtype, tile_expert [n_tiles] int32 (-1 past the last expert's tiles), counts [E] int32, the exact tile
+    count [1] int64). n_tiles: how many tile_expert entries to write (>= the exact count, e.g. layout_tile_bound)."""
+    flat = idx.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    pairs, dev = flat.numel(), flat.device
+    counts_k, slots_k, _ = _layout_kernels(_interpreting())
+    counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    slot = torch.empty_like(flat)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int64, device=dev)
+    block = min(LAYOUT_BLOCK, triton.next_power_of_2(max(pairs, 16)))
+    counts_k[(n_experts,)](flat, counts, pairs, BLOCK=block)
+    grid = n_experts + max(1, triton.cdiv(n_tiles, TILE_BLOCK))
+    slots_k[(grid,)](flat, counts, slot, tile_expert, total, pairs, n_experts, n_tiles, block_m, BLOCK=block,
+                     BLOCK_E=triton.next_power_of_2(n_experts), TILE_BLOCK=TILE_BLOCK)  # fmt: skip
+    return slot, tile_expert, counts, total
+
+
+def contiguous_layout_reference(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int):
+    """Torch: the same four tensors from counts by scatter_add, a stable argsort of the flat ids (pairs of one expert
+    keep pair order) and searchsorted over the tile ends (no host read either)."""
+    flat = idx.reshape(-1)
+    ones = torch.ones_like(flat, dtype=torch.long)
+    # bincount's counts without its host read of the maximum (torch.bincount synchronises on CUDA)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat.long(), ones)
+    tiles_per = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(tiles_per, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    start_of = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - start_of[sorted_e]
+    slot = torch.empty_like(flat)
+    slot[order] = ((ends - tiles_per)[sorted_e] * block_m + rank).to(flat.dtype)
+    # tile i belongs to the first expert whose tiles end after i; tiles past the last one are padding (-1)
+    e = torch.searchsorted(ends, torch.arange(n_tiles, device=flat.device), right=True)
+    tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1)).to(torch.int32)
+    return slot, tile_expert, counts.to(torch.int32), ends[-1:]
+
+
+def triton_gather_quant(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tensor, group: int, rows: int,
+                        block_m: int, with_x: bool = False, out_dtype=None):  # fmt: skip
+    """x [T, D] quantised per `group` columns (act_quant's codes and scales bit for bit) straight into the layout:
+    (codes [rows, D], MN-major fp32 scales [D/group, rows], and with_x the un-permuted (codes [T, D], scales
+    [D/group, T]) else None). Pair t*K + j's row slot[t*K + j] holds token t; the rows that pad each expert's last
+    tile hold zero codes with the floor's scale; other rows are not written. One launch, E + T programs.
+    out_dtype: e4m3 on CUDA, float32 under the CPU interpreter (the codes' values; no fp8 stores there)."""
+    t, d = x.shape
+    k = slot.numel() // max(t, 1)
+    assert slot.numel() == t * k and d % group == 0 and x.stride(1) == 1, (x.shape, slot.shape, group)
+    if out_dtype is None:
+        out_dtype = torch.float8_e4m3fn if x.is_cuda else torch.float32
+    a = torch.empty(rows, d, dtype=out_dtype, device=x.device)
+    sa = torch.empty(d // group, rows, dtype=torch.float32, device=x.device)
+    xq = torch.empty(t if with_x else 1, d, dtype=out_dtype, device=x.device)
+    xs = torch.empty(d // group, t if with_x else 1, dtype=torch.float32, device=x.device)
+    n_experts, g = counts.numel(), d // group
+    _layout_kernels(_interpreting())[2][(t + n_experts,)](
+        x, slot, counts, a, sa, xq, xs, t, n_experts, d, x.stride(0), rows, block_m, K=k, G=g, GROUP=group,
+        BLOCK_G=triton.next_power_of_2(g), BLOCK_E=triton.next_power_of_2(n_experts),
+        BLOCK_PAD=triton.next_power_of_2(block_m), WRITE_X=with_x, FILL=GATHER_FILL,
+        num_warps=GATHER_WARPS)  # fmt: skip
+    return a, sa, ((xq, xs) if with_x else None)
+
+
+def gather_quant_reference(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tensor, group: int, rows: int,
+                           block_m: int, with_x: bool = False):  # fmt: skip
+    """Torch: act_quant.reference of x, its rows gathered to the layout rows by the inverse of slot, the padding
+    rows of every expert's last tile as zero codes with the floor's scale; rows past the experts' tiles zero too."""
+    from deepinfer.codegen.kernels import act_quant
+
+    t, d = x.shape
+    q, s = act_quant.reference(x, group, t + 1)  # row t: an all-zero row (zero codes, the floor's scale)
+    tiles = (counts.long() + block_m - 1) // block_m
+    real = int(tiles.sum()) * block_m
+    src = torch.full((max(rows, real),), t, dtype=torch.long, device=x.device)
+    src[slot.long()] = torch.arange(slot.numel(), device=x.device) // (slot.numel() // max(t, 1))
+    src = src[:rows]
+    a = q.view(torch.uint8)[src].view(torch.float8_e4m3fn)
+    return a, s[:, src].contiguous(), ((q[:t], s[:, :t].contiguous()) if with_x else None)
+
+
+def gather_quant_roofline(t: int, d: int, k: int, group: int, x_bytes: int = 2) -> float:
+    """Bytes of one gather_quant: read x and the slots, write K code rows and their fp32 scales per token."""
+    return float(t * d * x_bytes + t * k * 8 + t * k * (d + 4 * d // group))
