@@ -1081,6 +1081,55 @@ def decode_small_cases():
     return out
 
 
+def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: bool, dry: bool):
+    """The prefill MoE's contiguous layout at an EP8 rank (E=48 local experts) or one GPU (E=384), 128-row tiles:
+    moe_routing's Triton launches (layout: counts + slots/tile_expert; gather: + x quantised per `group` into its K
+    rows) against their torch references (the eager column; both timed as CUDA-graph replays, device time) -- equal
+    bit for bit (the rows of the tiles that hold pairs). Bytes: idx + slots, and with the gather x (bf16) + the
+    codes + their fp32 scales. The check column adds the kernels' time when issued eagerly from Python."""
+    from deepinfer.codegen.kernels import moe_routing as mr
+    from deepinfer.runtime import kernel_adapters as ka
+
+    k, d, bm = TOPK, HIDDEN, 128
+    pairs = T_ * k
+    row.bytes_ = float(pairs * 8 + (T_ * d * 2 + pairs * (d + 4 * d // group) if gather else 0))
+    if dry:
+        return
+    gen = torch.Generator().manual_seed(E)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T_)]).int().cuda()
+    x = (torch.randn(T_, d, device="cuda") * torch.logspace(-8, 8, d, base=2.0, device="cuda")).bfloat16()
+    n_tiles = ka._tile_bucket(mr.layout_tile_bound(pairs, E, bm))
+    rows = n_tiles * bm
+
+    def run(layout, gather_quant):
+        slot, tiles, counts, total = layout(idx, E, bm, n_tiles)
+        return (slot, tiles, counts, total) + (gather_quant(x, slot, counts, group, rows, bm)[:2] if gather else ())
+
+    got = run(mr.triton_contiguous_layout, mr.triton_gather_quant)
+    want = run(mr.contiguous_layout_reference, mr.gather_quant_reference)
+    real = int(want[3]) * bm
+    same = all(torch.equal(g, w) for g, w in zip(got[:4], want[:4]))
+    if gather:
+        same = same and torch.equal(got[4][:real].view(torch.uint8), want[4][:real].view(torch.uint8))
+        same = same and torch.equal(got[5][:, :real], want[5][:, :real])
+    if not same:
+        raise AssertionError("the Triton layout differs from its torch reference")
+    fast = lambda: run(mr.triton_contiguous_layout, mr.triton_gather_quant)  # noqa: E731
+    row.ms = bench_device(fast, quick)
+    row.eager_ms = bench_device(lambda: run(mr.contiguous_layout_reference, mr.gather_quant_reference), quick)
+    row.check = f"exact; issued eagerly {bench(fast, quick) * 1e3:.1f} us"
+
+
+def moe_layout_cases():
+    """Rows "moe_layout ...": the prefill MoE layout (+ x quant/gather) at T=8192, K=6, D=5120."""
+    out = []
+    for E, group, gather in ((48, 128, False), (48, 128, True), (48, 32, True), (384, 128, False), (384, 128, True)):
+        what = f"layout + x quant/gather g{group}" if gather else "layout"
+        out.append((f"moe_layout {what}", f"T8192 k{TOPK} E{E} D{HIDDEN}",
+                    lambda r, q, d, E=E, g=group, ga=gather: case_moe_layout(r, 8192, E, g, ga, q, d)))  # fmt: skip
+    return out
+
+
 ATTN_POOL = 1 << 18  # KV pool rows the decode attention cases gather from (256K)
 ATTN_BATCHES = (128, 64, 256, 16, 1)  # the issue's shapes first: a failure further down costs less
 _ATTN_PREBUILT = [False]
@@ -2528,6 +2577,7 @@ def cases(quick: bool):
     for T_ in (4096, 64) if not quick else (4096,):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
     out += decode_small_cases()
+    out += moe_layout_cases()
     out += attn_cases(quick)
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)

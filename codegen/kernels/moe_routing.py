@@ -442,16 +442,14 @@ def triton_gather_quant(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tenso
 def gather_quant_reference(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tensor, group: int, rows: int,
                            block_m: int, with_x: bool = False):  # fmt: skip
     """Torch: act_quant.reference of x, its rows gathered to the layout rows by the inverse of slot, the padding
-    rows of every expert's last tile as zero codes with the floor's scale; rows past the experts' tiles zero too."""
+    rows of every expert's last tile as zero codes with the floor's scale; rows past the experts' tiles too (no
+    host read: counts and block_m only fix which rows those are)."""
     from deepinfer.codegen.kernels import act_quant
 
     t, d = x.shape
     q, s = act_quant.reference(x, group, t + 1)  # row t: an all-zero row (zero codes, the floor's scale)
-    tiles = (counts.long() + block_m - 1) // block_m
-    real = int(tiles.sum()) * block_m
-    src = torch.full((max(rows, real),), t, dtype=torch.long, device=x.device)
+    src = torch.full((rows,), t, dtype=torch.long, device=x.device)  # rows >= the tiles' rows > every slot
     src[slot.long()] = torch.arange(slot.numel(), device=x.device) // (slot.numel() // max(t, 1))
-    src = src[:rows]
     a = q.view(torch.uint8)[src].view(torch.float8_e4m3fn)
     return a, s[:, src].contiguous(), ((q[:t], s[:, :t].contiguous()) if with_x else None)
 
