@@ -36,6 +36,7 @@ import torch
 
 from deepinfer.ir.graph import Graph
 from deepinfer.passes.batch_decode import batch_decode
+from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows
 from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, Step
 from deepinfer.runtime.kernel_adapters import MAX_POSITIONS
 from deepinfer.runtime.session import allocate_caches
@@ -88,6 +89,7 @@ class BatchedDecoder:
         self.exec = BatchedExecutor(self.graph, params, donate=donate_caches, compiled=compiled, kernels=kernels,
                                     verify=verify, sync_free="always", max_positions=max_model_len)  # fmt: skip
         self.exec.prep_cache[MAX_POSITIONS] = max_model_len
+        self._rows: dict[int, torch.Tensor] = {}
 
     def allocate(self, n_seq: int) -> dict[str, torch.Tensor]:
         """Initial caches of n_seq empty sequences, [n_seq, *shape] each."""
@@ -100,8 +102,17 @@ class BatchedDecoder:
 
     def feeds(self, tokens, positions, caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dev = self.device
-        return {"tokens": torch.as_tensor(tokens, dtype=torch.long).to(dev),
-                "positions": torch.as_tensor(positions, dtype=torch.long).to(dev), **caches}  # fmt: skip
+        out = {"tokens": torch.as_tensor(tokens, dtype=torch.long).to(dev),
+               "positions": torch.as_tensor(positions, dtype=torch.long).to(dev), **caches}  # fmt: skip
+        if has_logit_rows(self.graph):  # a plan compiled with select_logit_rows: every sequence's row
+            out[ROWS_INPUT] = self._all_rows(len(out["tokens"]))
+        return out
+
+    def _all_rows(self, b: int) -> torch.Tensor:
+        """arange(b) on the device, made once per b (before any capture: the first step of a bucket is eager)."""
+        if b not in self._rows:
+            self._rows[b] = torch.arange(b, device=self.device)
+        return self._rows[b]
 
     def step(self, tokens, positions, caches: Mapping[str, torch.Tensor]):
         """One token for each of B sequences: (logits [B, vocab] on the device, new caches by name). With

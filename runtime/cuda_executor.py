@@ -36,9 +36,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.errors import DeepInferError, IRError
+from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph, Node
 from deepinfer.ir.interpreter import bind_symbols, concrete_attrs
 from deepinfer.ir.registry import get_op
+from deepinfer.ir.shapes import evaluate
+from deepinfer.passes.select_logit_rows import ROWS_INPUT, ROWS_SYMBOL, has_logit_rows, row_indices, rows_graph
 from deepinfer.runtime import cuda_graphs as cg
 from deepinfer.runtime import kernel_adapters as ka
 
@@ -106,6 +109,7 @@ class Step:
     outputs: list
     free: list
     param_inputs: list
+    rows: bool = False  # runs on the logit_rows-selected rows (the head after select_logit_rows)
 
 
 def layer_of(node: Node) -> str:
@@ -121,15 +125,20 @@ def plan_steps(g: Graph) -> list[Step]:
             if v is not None:
                 last[v.name] = i
     keep = {v.name for v in g.outputs}
+    selected = {ROWS_INPUT}  # values with one row per selected logit row
     steps, seen_layer = [], False
     for i, n in enumerate(g.nodes):
         layer = layer_of(n)
         seen_layer |= bool(layer)
         frees = [v.name for v in n.inputs if v is not None and v.kind == "node" and last.get(v.name) == i
                  and v.name not in keep]  # fmt: skip
+        rows = any(v is not None and v.name in selected for v in n.inputs)
+        if rows:
+            selected.update(v.name for v in n.outputs)
+        params = [v is not None and v.kind == "param" for v in n.inputs]
         steps.append(Step(n, layer or ("head" if seen_layer else "embed"),
                           [None if v is None else v.name for v in n.inputs], [v.name for v in n.outputs],
-                          sorted(set(frees)), [v is not None and v.kind == "param" for v in n.inputs]))  # fmt: skip
+                          sorted(set(frees)), params, rows))  # fmt: skip
     return steps
 
 
@@ -186,6 +195,8 @@ class GraphExecutor:
     def binding(self, node: Node, t: int) -> dict:
         rec = self.bindings.get(node.outputs[0].name)
         bucket = self._bucket(t)
+        if rec is None and node.op == "index_select" and node.inputs[1].name == ROWS_INPUT:
+            return {"family": "torch_ref", "reason": "logit_rows gather (added by the runtime, no kernel)"}
         if rec is None or bucket is None:
             return {"family": "torch_ref", "reason": "no binding (plan compiled without select_kernels)"}
         return rec["buckets"].get(bucket) or next(iter(rec["buckets"].values()))
@@ -216,14 +227,21 @@ class GraphExecutor:
     def run_steps(self, steps: list[Step], vals: dict, env: dict, t: int, marks: list | None = None,
                   nodes: list | None = None) -> None:  # fmt: skip
         """Run ``steps`` in order on ``vals`` (value name -> tensor, updated in place), dropping each value after
-        its last use; ``env`` binds the graph's symbols (bind_symbols), ``t`` is the call's token count."""
+        its last use; ``env`` binds the graph's symbols (bind_symbols), ``t`` is the call's token count.
+
+        The head's steps after select_logit_rows run on L selected rows: their kernels are the bindings of L's
+        bucket (a prefill's last row takes the decode head), and with L = 0 they launch nothing (empty outputs)."""
+        n_rows = env.get(ROWS_SYMBOL)
         for step in steps:
             if marks is not None and (not marks or marks[-1][0] != step.layer):
                 marks.append((step.layer, mark()))
             if nodes is not None:
                 nodes.append((step, mark()))
             args = [None if n is None else vals[n] for n in step.inputs]
-            outs = self._run_node(step, args, self._attrs(step.node, env), t)
+            if step.rows and n_rows == 0:
+                outs = _empty_outputs(step.node, env, args)
+            else:
+                outs = self._run_node(step, args, self._attrs(step.node, env), n_rows if step.rows else t)
             if len(outs) != len(step.outputs):
                 raise IRError(f"node {step.node.label}: produced {len(outs)} outputs, expected {len(step.outputs)}")
             vals.update(zip(step.outputs, outs))
@@ -348,8 +366,9 @@ class GraphExecutor:
             for step in self.steps:
                 args = [None if n is None else vals[n] for n in step.inputs]
                 attrs = self._attrs(step.node, env)
-                b = self.binding(step.node, t)
-                adapter = ka.adapter_for(b.get("family", ""), step.node.op) if saved else None
+                b = self.binding(step.node, env[ROWS_SYMBOL] if step.rows else t)
+                empty = step.rows and env[ROWS_SYMBOL] == 0  # run_steps launches nothing there
+                adapter = ka.adapter_for(b.get("family", ""), step.node.op) if saved and not empty else None
                 if adapter is not None:
                     call = ka.Call(step.node.op, attrs, args, step.inputs, step.param_inputs, b.get("config") or {},
                                    self.prep_cache)  # fmt: skip
@@ -388,6 +407,13 @@ def _layer_times(marks: list) -> dict[str, float]:
     for (layer, a), (_, b) in zip(marks, marks[1:]):
         out[layer] += elapsed_ms(a, b)
     return dict(out)
+
+
+def _empty_outputs(node: Node, env: dict, args: list) -> list[torch.Tensor]:
+    """A node's outputs over zero rows, from their types: nothing to launch."""
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    return [torch.empty([evaluate(d, env) for d in v.shape], dtype=dt.dtype(v.dtype).torch_dtype, device=dev)
+            for v in node.outputs]  # fmt: skip
 
 
 def _as_float(outs) -> list[torch.Tensor]:
@@ -484,7 +510,9 @@ class CudaRunner:
         self.device = torch.device(device)
         dev_params = to_device(params, self.device)
         restack_experts(g, dev_params)
-        self.exec = GraphExecutor(g, dev_params, kernels=kernels, verify=verify, sync_free=True,
+        self.plan_graph = g
+        self.graph, self.logit_rows_off = rows_graph(g)
+        self.exec = GraphExecutor(self.graph, dev_params, kernels=kernels, verify=verify, sync_free=True,
                                   max_positions=max_model_len)  # fmt: skip
         self.cache_names = [e["name"] for e in g.meta.get("caches", [])]
         self.cache_len = max_model_len  # the executor sizes every dense cache by it
@@ -497,25 +525,35 @@ class CudaRunner:
             self.graphs = BatchedDecodeGraphs(self.exec, g, dev_params, max_model_len, self.device,
                                               enabled=cuda_graphs, buckets=buckets, backend=graph_backend)  # fmt: skip
         elif max_model_len:
-            self.graphs = cg.DecodeGraphs(self.exec, g, max_model_len, self.device, enabled=cuda_graphs,
+            self.graphs = cg.DecodeGraphs(self.exec, self.graph, max_model_len, self.device, enabled=cuda_graphs,
                                           buckets=buckets, backend=graph_backend)  # fmt: skip
+
+    @property
+    def selects_logit_rows(self) -> bool:
+        """forward takes ``logit_rows`` (runtime/executor.py asks for the sampled row only)."""
+        return self.logit_rows_off is None
 
     @property
     def decode_batch_max(self) -> int:
         """The most single-token steps one ``decode`` call takes (0: no decode path, use ``forward``)."""
         return self.graphs.max_bucket if self.graphs is not None else 0
 
-    def forward_device(self, tokens, positions, caches):
-        """(logits on the device, new caches on the device); caches already there are not copied."""
+    def forward_device(self, tokens, positions, caches, logit_rows=None):
+        """(logits on the device, new caches on the device); caches already there are not copied. logit_rows:
+        the rows of the [T', vocab] logits to compute (negative from the end; default all)."""
         dev = self.device
         feeds = {"tokens": tokens.to(dev), "positions": positions.to(dev)}
         feeds.update({k: v.to(dev) for k, v in caches.items()})
+        if has_logit_rows(self.graph):
+            feeds[ROWS_INPUT] = row_indices(self.graph, len(tokens), logit_rows).to(dev)
+        elif logit_rows is not None:
+            raise DeepInferError(f"this runner computes every logits row: {self.logit_rows_off}")
         outs = self.exec.run(feeds)
         new = {n: t.to(caches[n].device) for n, t in zip(self.cache_names, outs[1 : 1 + len(self.cache_names)])}
         return outs[0], new
 
-    def forward(self, tokens, positions, caches):
-        logits, new = self.forward_device(tokens, positions, caches)
+    def forward(self, tokens, positions, caches, logit_rows=None):
+        logits, new = self.forward_device(tokens, positions, caches, logit_rows)
         return logits.float().cpu(), new
 
     def decode(self, tokens: list[int], positions: list[int], fill):
@@ -524,4 +562,6 @@ class CudaRunner:
 
     def report(self) -> str:
         text = self.exec.report()
+        if self.logit_rows_off:
+            text += f"\nlogits of every row (no row selection: {self.logit_rows_off})"
         return text + ("\n" + self.graphs.report() if self.graphs is not None else "")

@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.ops.moe import EXPERT_FORMATS, MoEExperts, _expert_weight, swiglu
+from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows
 
 BUCKETS = (1, 2, 4, 8, 16)
 REPLAY_TOL = 1e-3  # relative max-abs tolerance of the capture-time replay check (bitwise equality is expected)
@@ -427,6 +428,8 @@ class DecodeGraphs:
         self.tok = torch.zeros(self.max_bucket, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(self.max_bucket, dtype=torch.long, device=self.device)
         self.logits = torch.zeros(self.max_bucket, self.vocab, dtype=torch.float32, device=self.device)
+        # a graph with logit_rows (passes/select_logit_rows.py): every slot's one row, a static [0]
+        self.rows = {ROWS_INPUT: torch.zeros(1, dtype=torch.long, device=self.device)} if has_logit_rows(graph) else {}
         self.graphs: dict[int, tuple] = {}
         self.failed: dict[int, str] = {}
         self.blocked: str | None = None  # the host-read check found ops that cannot be captured
@@ -445,7 +448,8 @@ class DecodeGraphs:
     def _ensure(self, n: int) -> None:
         while len(self.slots) < n:
             j = len(self.slots)
-            self.slots.append({"tokens": self.tok[j : j + 1], "positions": self.pos[j : j + 1], **self._allocate()})
+            self.slots.append({"tokens": self.tok[j : j + 1], "positions": self.pos[j : j + 1], **self.rows,
+                               **self._allocate()})  # fmt: skip
             self.padded.append(True)  # allocated as a first step: token 0 at position 0 over initial caches
 
     def _write(self, tokens: list[int], positions: list[int], fill: Callable) -> None:

@@ -6,6 +6,9 @@ scatters the updated caches back (kv_cache.py). The seam for compiled kernels is
 caches bookkeeping and sampling stay as they are.
 
 A runner may also offer (CudaRunner does):
+  ``selects_logit_rows`` True: forward takes ``logit_rows`` (rows of its [T', vocab] logits, negative from the end)
+                         and computes only those (passes/select_logit_rows.py): a prefill item asks for its last
+                         row when it samples, for none otherwise (a chunk that does not end the prompt);
   ``cache_len``          dense caches are sized by it instead of the request's max_len;
   ``forward_device``     forward returning device logits (only the sampled row is copied to the host);
   ``decode_batch_max``   > 0: ``decode(tokens, positions, fill)`` runs up to that many single-token steps at
@@ -22,6 +25,7 @@ import torch
 
 from deepinfer.ir import interpreter
 from deepinfer.ir.graph import Graph
+from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows, row_indices, rows_graph
 from deepinfer.runtime.kv_cache import KVCacheManager
 from deepinfer.runtime.sampler import Sample, sample_row
 from deepinfer.runtime.scheduler import Batch, ScheduledItem
@@ -33,14 +37,19 @@ class ModelRunner(Protocol):
 
 
 class InterpreterRunner:
-    """The ``cpu`` target: the optimised graph through the interpreter."""
+    """The ``cpu`` target: the optimised graph (with logit_rows where its head is found) through the interpreter."""
 
     def __init__(self, graph: Graph, params: dict[str, torch.Tensor]):
-        self.graph, self.params = graph, params
+        self.graph, self.logit_rows_off = rows_graph(graph)
+        self.params = params
         self.cache_names = [e["name"] for e in graph.meta.get("caches", [])]
+        self.selects_logit_rows = self.logit_rows_off is None
 
-    def forward(self, tokens, positions, caches):
-        outs = interpreter.run(self.graph, {"tokens": tokens, "positions": positions, **caches}, self.params)
+    def forward(self, tokens, positions, caches, logit_rows=None):
+        feeds = {"tokens": tokens, "positions": positions, **caches}
+        if has_logit_rows(self.graph):
+            feeds[ROWS_INPUT] = row_indices(self.graph, len(tokens), logit_rows)
+        outs = interpreter.run(self.graph, feeds, self.params)
         return outs[0], dict(zip(self.cache_names, outs[1 : 1 + len(self.cache_names)]))
 
 
@@ -83,7 +92,10 @@ class Executor:
         length = getattr(self.runner, "cache_len", None) or seq.max_len
         caches = self.kv.gather(list(item.block_ids), item.slot, item.start, length, item.initial_state)
         forward = getattr(self.runner, "forward_device", None) or self.runner.forward
-        logits, new = forward(torch.tensor(tokens, dtype=torch.long), torch.arange(item.start, item.end), caches)
+        # only the sampled row's logits (none for a chunk that does not end the prompt), where the runner can
+        rows = {"logit_rows": [-1] if item.samples else []} if getattr(self.runner, "selects_logit_rows", False) else {}
+        ids, pos = torch.tensor(tokens, dtype=torch.long), torch.arange(item.start, item.end)
+        logits, new = forward(ids, pos, caches, **rows)
         self.kv.scatter(list(item.block_ids), item.slot, new, item.start, item.end)
         if not item.samples:
             return None

@@ -3,7 +3,8 @@
 This is the reference execution path (the runtime's batched executor is checked against it): the graph is a
 pure function (tokens, positions, caches) -> (logits, new caches), so a session just keeps the caches the
 graph returns and feeds them back on the next call. Prefill is one call with the prompt; each decode step is
-one call with one token.
+one call with one token. ``forward(tokens, logit_rows=[-1])`` computes only the logits rows asked for (the graph
+rewritten by passes/select_logit_rows.py, made on first use); by default every row, through the graph as given.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from deepinfer.ir import dtypes as dt
 from deepinfer.ir import interpreter
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.shapes import evaluate, parse_dim
+from deepinfer.passes.select_logit_rows import ROWS_INPUT, row_indices, select_logit_rows
 
 _RATIO_SYMBOL = re.compile(r"C(\d+)$")
 
@@ -68,9 +70,11 @@ class Session:
         if not self.caches:
             self.caches = allocate_caches(self.graph, self.max_len)
         self._cache_names = [e["name"] for e in self.graph.meta.get("caches", [])]
+        self._rows_graph: Graph | None = None
 
-    def forward(self, tokens: list[int]) -> torch.Tensor:
-        """Run the next len(tokens) tokens; returns their logits [T, vocab] and keeps the new caches."""
+    def forward(self, tokens: list[int], logit_rows=None) -> torch.Tensor:
+        """Run the next len(tokens) tokens; returns their logits [T, vocab] (only the rows ``logit_rows`` names,
+        negative from the end, when given) and keeps the new caches."""
         if not tokens:
             raise DeepInferError("forward needs at least one token")
         if self.length + len(tokens) > self.max_len:
@@ -81,7 +85,11 @@ class Session:
             "positions": torch.arange(self.length, self.length + len(tokens)),
             **self.caches,
         }
-        outs = interpreter.run(self.graph, feeds, self.params)
+        graph = self.graph
+        if logit_rows is not None:
+            graph = self._rows_graph = self._rows_graph or select_logit_rows(self.graph)
+            feeds[ROWS_INPUT] = row_indices(graph, len(tokens), logit_rows)
+        outs = interpreter.run(graph, feeds, self.params)
         logits, new_caches = outs[0], outs[1 : 1 + len(self._cache_names)]
         self.caches = dict(zip(self._cache_names, new_caches))
         self.length += len(tokens)
@@ -107,7 +115,7 @@ def greedy_generate(
     """Prefill the prompt, then decode one token at a time, always taking the most likely token."""
     session = Session(graph, params, max_len=len(prompt_ids) + max_tokens)
     t0 = time.perf_counter()
-    logits = session.forward(prompt_ids)
+    logits = session.forward(prompt_ids, logit_rows=[-1])
     nxt = int(torch.argmax(logits[-1]))
     prefill_s = time.perf_counter() - t0
     out = [nxt]
