@@ -304,10 +304,20 @@ def fp8_linear(call: Call, kernel, x: torch.Tensor, wi: int, si: int, group: int
     if isinstance(n_pad, SwabSplit):  # the swap-AB program (_dense_swab_plan)
         return _dense_swab(call, kernel, x2d, wi, si, group, rows, n_pad.splits).to(x.dtype).reshape(*x.shape[:-1], n)
     a, sa_t = quant_rows(x2d, group, rows)  # the kernel reads MN-major scales
+    y = fp8_linear_codes(call, kernel, a, sa_t, x2d.shape[0], wi, si, block, key_info)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_linear_codes(call: Call, kernel, a: torch.Tensor, sa_t: torch.Tensor, m: int, wi: int, si: int, block: int,
+                     key_info) -> torch.Tensor:  # fmt: skip
+    """fp8_linear on activations already quantised as the fp8_gemm program reads them (e4m3 codes [rows, K], MN-major
+    fp32 scales [K/group, rows]; a fused SwiGLU + quant writes them so): bf16 [m, N], a view of the padded output."""
+    _, rows, n_pad = key_info
+    assert a.shape[0] == rows and sa_t.shape[1] == rows, (a.shape, sa_t.shape, rows)
     b, sb = _gemm_weight(call, wi, si, n_pad, block)
-    c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=x.device)
+    c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=a.device)
     kernel(a, sa_t, b, sb, c)
-    return c[: x2d.shape[0], :n].to(x.dtype).reshape(*x.shape[:-1], n)
+    return c[:m, : call.args[wi].shape[0]]
 
 
 class LinearFP8Adapter:
@@ -1078,8 +1088,8 @@ def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, base: t
     formulation."""
     from deepinfer.codegen.kernels import moe_grouped_gemm as mg
 
-    if base is not None:
-        base = base.float().contiguous()
+    if base is not None:  # read in its own dtype (the kernel adds it in fp32): no fp32 copy of the bf16 [T, D]
+        base = base.contiguous()
     return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights, base)
 
 
@@ -1513,21 +1523,47 @@ class MoEGroupedAdapter:
                          act_group=a["shared_block"], swiglu_limit=float(a["shared_limit"]), **common),
                     _key("moe_grouped_gemm", "swab_program", (rows, d, inter, 1), cfg, act_group=SWAB_DOWN_ACT_GROUP,
                          swiglu_limit=None, **common)]  # fmt: skip
-        x = call.args[0]
-        # the down GEMM reads the SwiGLU output [T, I], not x [T, D]: key it on that K (a stand-in of that shape)
-        h = x.new_empty((x.shape[0], call.args[5].shape[1]))
-        return [self.dense.keys(self._shared_call(call, i))[0] for i in (3, 4)] + [
-            self.dense.keys(self._shared_call(call, 5, h))[0]
-        ]
+        return [plan[0] for plan in self._shared_dense_plans(call)]
 
-    def _shared_call(self, call: Call, wi: int, x=None) -> Call:
+    def _shared_dense_plans(self, call: Call) -> tuple:
+        """_gemm_plan's (key, rows, n_pad) of the dense shared expert's two GEMMs, once per call: x [T, D] @ [w1; w3]^T
+        (x per shared_block) and h [T, I] @ w2^T (h per the mid group)."""
+        if "shared_dense" not in call.memo:
+            call.memo["shared_dense"] = self._make_shared_dense_plans(call)
+        return call.memo["shared_dense"]
+
+    def _make_shared_dense_plans(self, call: Call) -> tuple:
         a = call.attrs
-        x = call.args[0] if x is None else x
-        si = wi + 3
-        attrs = {"block": a["shared_block"], "act_group": a["shared_mid_group"] if wi == 5 else 0}
-        return Call("linear_fp8", attrs, [x, call.args[wi], call.args[si]],
-                    [call.names[0], call.names[wi], call.names[si]], [False, call.is_param[wi], call.is_param[si]],
+        x, w1 = call.args[0], call.args[3]
+        (inter, d), block = w1.shape, a["shared_block"]
+        if call.args[6] is None:
+            raise Decline("shared expert weights without FP8 scales: the dense path runs FP8 GEMMs")
+        if inter % block:  # the stacked scales would put a w1 row and a w3 row under one block scale
+            raise Decline(f"shared expert I={inter} is not a multiple of its weight block {block} (w1 and w3 stacked)")
+        h = torch.empty((x.shape[0], inter), device="meta")  # the down GEMM's A: the SwiGLU output (only its shape)
+        group = a["shared_mid_group"] or block
+        gate_up = _gemm_plan(self._shared_gate_up_call(call), x, 2 * inter, block, block, self.dense.tuned)
+        return gate_up, _gemm_plan(self._shared_down_call(call), h, d, group, block, self.dense.tuned)
+
+    def _shared_linear(self, call: Call, w, s, names: list, is_param: bool) -> Call:
+        """A linear_fp8 call on the shared expert's weights w, s (the call's x as its input; the GEMMs here are given
+        their activation groups explicitly)."""
+        attrs = {"block": call.attrs["shared_block"], "act_group": 0}
+        return Call("linear_fp8", attrs, [call.args[0], w, s], [call.names[0], *names], [False, is_param, is_param],
                     call.config, call.cache)  # fmt: skip
+
+    def _shared_gate_up_call(self, call: Call, stacked: tuple | None = None) -> Call:
+        """linear_fp8 over [w1; w3] ([2I, D] with the block scales stacked alike: output columns gate, then up, as
+        swiglu_quant_rows reads them); stacked None: a meta stand-in of that shape (plans only)."""
+        w1 = call.args[3]
+        if stacked is None:
+            stacked = (torch.empty((2 * w1.shape[0], w1.shape[1]), dtype=w1.dtype, device="meta"), None)
+        names = [f"{call.names[3]}|{call.names[4]}", f"{call.names[6]}|{call.names[7]}"]
+        return self._shared_linear(call, *stacked, names, all(call.is_param[i] for i in (3, 4, 6, 7)))
+
+    def _shared_down_call(self, call: Call) -> Call:
+        return self._shared_linear(call, call.args[5], call.args[8], [call.names[5], call.names[8]],
+                                   call.is_param[5] and call.is_param[8])  # fmt: skip
 
     def _shared(self, call: Call, kernels: list) -> torch.Tensor:
         if self._shared_swab(call) is not None:
@@ -1562,18 +1598,32 @@ class MoEGroupedAdapter:
         return c[:t].float()
 
     def _shared_dense(self, call: Call, kernels: list) -> torch.Tensor:
+        """The shared expert on dense GEMMs (prefill; decode where the swap-AB pair does not fit, e.g. V4's 128
+        groups): ONE GEMM over [w1; w3], the clamped SwiGLU quantised per the mid group, the w2 GEMM. On fp8_gemm
+        (prefill) x is quantised once (_x_codes), the SwiGLU + quant is one Triton launch (swiglu_quant_rows) and
+        w2 reads its codes directly: 3 launches + 1 quant, where two x quantisations, three GEMMs and an fp32 torch
+        SwiGLU ran (H200, EP8 prefill 8192: 1.66 ms, its GEMMs 0.975). A GEMM on the dense swap-AB program (decode)
+        quantises its own input in its chunk-major layout, the SwiGLU then in torch. [T, D] out: bf16 from fp8_gemm
+        (the un-permute and the decode sum read it as fp32), fp32 from the swap-AB program."""
         from deepinfer.ir.ops.moe import swiglu
 
         a = call.attrs
-        outs = []
-        for wi, kern in zip((3, 4), kernels[:2]):
-            sc = self._shared_call(call, wi)
-            outs.append(fp8_linear(sc, kern, call.args[0].float(), 1, 2, a["shared_block"], a["shared_block"],
-                                   self.dense._plan(sc)[0]))  # fmt: skip
-        h = swiglu(outs[0], outs[1], a["shared_limit"])
-        sc = self._shared_call(call, 5, h)
-        group = a["shared_mid_group"] or a["shared_block"]
-        return fp8_linear(sc, kernels[2], h, 1, 2, group, a["shared_block"], self.dense._plan(sc)[0])
+        x = call.args[0]
+        t, inter, block = x.shape[0], call.args[3].shape[0], a["shared_block"]
+        group = a["shared_mid_group"] or block
+        gate_up, down = self._shared_dense_plans(call)
+        stacked = call.prep("shared_w13", (3, 4, 6, 7), lambda: _stack_gate_up(call))
+        sc13, sc2 = self._shared_gate_up_call(call, stacked), self._shared_down_call(call)
+        if isinstance(gate_up[2], SwabSplit):
+            c13 = fp8_linear(sc13, kernels[0], x, 1, 2, block, block, gate_up)
+        else:
+            xq, xs = _x_codes(call, block, gate_up[1])
+            c13 = fp8_linear_codes(sc13, kernels[0], xq, xs, t, 1, 2, block, gate_up)
+        if isinstance(down[2], SwabSplit):
+            h = swiglu(c13[:, :inter], c13[:, inter:], a["shared_limit"])
+            return fp8_linear(sc2, kernels[1], h, 1, 2, group, block, down)
+        hq, hs = swiglu_quant_rows(c13, a["shared_limit"], group, rows=down[1])
+        return fp8_linear_codes(sc2, kernels[1], hq, hs, t, 1, 2, block, down)
 
 
 SHARED_SWAB_MAX_T = 64  # above this the shared expert runs the dense fp8_gemm path (tiles of all T rows)
@@ -1587,6 +1637,20 @@ def _quant_x(call: Call, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = call.args[0]
         call.memo[k] = quant_rows(x, group, _shared_rows(x.shape[0]))
     return call.memo[k]
+
+
+def _x_codes(call: Call, group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's x quantised per group with `rows` rows (a GEMM's M): _quant_x's codes (one quantisation per call
+    and group, shared with the routed path) where they have those rows, else quantised here."""
+    x = call.args[0]
+    return _quant_x(call, group) if _shared_rows(x.shape[0]) == rows else quant_rows(x, group, rows)
+
+
+def _stack_gate_up(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """[w1; w3] [2I, D] of the shared expert and their fp32 block scales stacked alike (a copy of the gate/up
+    weights, made once per layer by call.prep)."""
+    a = call.args
+    return torch.cat([a[3], a[4]]), torch.cat([scales_f32(a[6]), scales_f32(a[7])])
 
 
 def _shared_rows(t: int) -> int:
