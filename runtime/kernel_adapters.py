@@ -1961,8 +1961,9 @@ class TopKEntriesAdapter:
     -inf entries are the invisible ones, so no positions), the top-k SET out in ascending column order; the set
     is put back in the op's order (score descending, ties to the lower column: a stable sort of the set's
     scores, which is already in ascending column order) -- the reference's indices exactly. Rows are padded to a
-    power of two with -inf rows (no entry: all -1), columns to a multiple of 4 (the kernel's float4 rows; the
-    indexer's C = compressed count + 1 is odd) with -inf columns (never taken); the scratch (arrival counters the
+    power of two with -inf rows (no entry: all -1), columns to topk_cols(C) (a few kernels for every C; a multiple
+    of 4 for the kernel's float4 rows: the indexer's C = compressed count + 1 is odd) with -inf columns (never
+    taken); the scratch (arrival counters the
     kernel leaves zeroed) is made once per kernel and reused."""
 
     family = "topk_select"
@@ -1979,7 +1980,7 @@ class TopKEntriesAdapter:
         k = int(call.attrs["topk"])
         if c < k:
             raise Decline(f"topk_select needs C >= k (C={c}, k={k})")
-        cp = -(-c // 4) * 4  # the kernel's columns: float4 rows (C = 2049 / 4097 at decode get -inf columns)
+        cp = topk_cols(c)
         rows = bucket_rows(t, 1)
         cfg = ts.default_config(rows, cp, k)
         try:
@@ -2011,6 +2012,21 @@ class TopKEntriesAdapter:
         idx = torch.empty(rows, k, dtype=torch.int32, device=dev)
         kernels[0](s.contiguous(), pos, idx, *scratch)
         return [_score_order(scores, idx[:t].long())]
+
+
+TOPK_COLS_POW2_MAX = 8192  # up to here the programs hold a row as one power-of-two chunk whatever C is
+
+
+def topk_cols(c: int) -> int:
+    """The kernel's column count for C score columns (the rest -inf, never taken): a power of two up to
+    TOPK_COLS_POW2_MAX, a multiple of 4096 above. C grows by one every `ratio` tokens at decode and differs with
+    every prompt length at prefill: keyed on C itself, every few decoded tokens built a new kernel (H200, session 7
+    call 1: 13 serial topk_select builds of ~10 s each in the tiny V4.1 e2e). Up to 8192 columns the row is one
+    power-of-two chunk in the kernel anyway (topk_select.default_config), so the padding costs only its copy; above,
+    at most one 4096-column chunk more (long-context decode: a new kernel every 16k tokens at ratio 4)."""
+    if c <= TOPK_COLS_POW2_MAX:
+        return max(4, 1 << max(c - 1, 1).bit_length())
+    return -(-c // 4096) * 4096
 
 
 def _score_order(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

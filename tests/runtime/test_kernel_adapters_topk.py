@@ -63,13 +63,37 @@ def test_two_level_topk_declines():
 @pytest.mark.parametrize("c", [257, 258, 259])
 def test_columns_not_a_multiple_of_4(c):
     """The indexer's C is its compressed count + 1 (2049 / 4097 at 4096 tokens: declined before): the adapter pads
-    the rows with -inf columns to a multiple of 4 (the kernel's float4 rows) -- never taken, so the op's indices
+    the rows with -inf columns to topk_cols(C) (a power of two here; a multiple of 4 for the kernel's float4 rows) --
+    never taken, so the op's indices
     exactly, the last real column (made the row's largest score) included; emulated and on the c-target program."""
     call = topk_call(3, c, 32, seed=c)
     call.args[0][0, c - 1] = 1e3
     adapter = ka.adapter_for("topk_select", "topk_entries")
-    assert adapter.keys(call)[0].args[1] == 260
+    assert adapter.keys(call)[0].args[1] == 512
     ref = reference(call)
     assert ref[0, 0] == c - 1
     assert torch.equal(run_adapter(call, ka.emulated_kernel), ref)
     assert torch.equal(run_adapter(call, ka.c_target_kernel), ref)
+
+
+def test_decode_columns_share_few_kernels():
+    """C grows by one every `ratio` decoded tokens: the kernels are keyed on topk_cols(C), so a whole decode builds a
+    handful of them (keyed on C itself it built one every few tokens), and every C still gets at least its columns,
+    a multiple of 4, within the chunk the program takes for C anyway (a power of two up to 8192, then +4096 at most)."""
+    adapter = ka.adapter_for("topk_select", "topk_entries")
+    widths = {}
+    for c in list(range(16, 9000, 7)) + [16385, 32769, 65536]:
+        s = torch.zeros(1, c)
+        call = ka.Call("topk_entries", {"topk": 16, "block": 1}, [s, None], ["s", "blocks"], [False, False], {}, {})
+        cp = adapter.keys(call)[0].args[1]
+        assert cp >= c and cp % 4 == 0 and (cp < 2 * c if c > 4 else cp <= 8), (c, cp)
+        assert cp - c < 4096 or cp == 1 << (c - 1).bit_length(), (c, cp)
+        widths[cp] = c
+    assert sorted(widths) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 20480, 36864, 65536]
+
+
+def test_padded_columns_never_taken_at_a_power_of_two():
+    """Rows with fewer than k visible columns: the pad's -inf columns come back as -1, as the op's own."""
+    call = topk_call(2, 70, 64, seed=3)
+    assert ka.adapter_for("topk_select", "topk_entries").keys(call)[0].args[1] == 128
+    assert torch.equal(run_adapter(call, ka.emulated_kernel), reference(call))
