@@ -367,7 +367,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-LAYOUT_BLOCK = 1024  # flat ids a layout program reads per step
+LAYOUT_BLOCK = 4096  # flat ids a layout program reads per step (12 steps at 8192 tokens x 6)
+LAYOUT_WARPS = 8
 TILE_BLOCK = 64  # tile_expert entries a program writes
 GATHER_WARPS = 8  # a token's [D/group, group] tile over 256 threads: 20 fp32 values of x a thread at D=5120
 GATHER_FILL = 8192  # padding codes a program zeroes per step (an expert pads < block_m rows: <= 80 steps at D=5120)
@@ -386,10 +387,11 @@ def triton_contiguous_layout(idx: torch.Tensor, n_experts: int, block_m: int, n_
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int64, device=dev)
     block = min(LAYOUT_BLOCK, triton.next_power_of_2(max(pairs, 16)))
-    counts_k[(n_experts,)](flat, counts, pairs, BLOCK=block)
+    counts_k[(n_experts,)](flat, counts, pairs, BLOCK=block, num_warps=LAYOUT_WARPS)
     grid = n_experts + max(1, triton.cdiv(n_tiles, TILE_BLOCK))
     slots_k[(grid,)](flat, counts, slot, tile_expert, total, pairs, n_experts, n_tiles, block_m, BLOCK=block,
-                     BLOCK_E=triton.next_power_of_2(n_experts), TILE_BLOCK=TILE_BLOCK)  # fmt: skip
+                     BLOCK_E=triton.next_power_of_2(n_experts), TILE_BLOCK=TILE_BLOCK,
+                     num_warps=LAYOUT_WARPS)  # fmt: skip
     return slot, tile_expert, counts, total
 
 

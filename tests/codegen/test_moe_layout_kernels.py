@@ -123,7 +123,7 @@ def test_kernels_build_for_hopper_without_spills():
     sig = {"idx_ptr": "*i32", "counts_ptr": "*i32", "slot_ptr": "*i32", "tile_expert_ptr": "*i32",
            "total_ptr": "*i64", "P": "i32", "E": "i32", "N_TILES": "i32", "BLOCK_M": "i32"}  # fmt: skip
     consts = dict(BLOCK=mr.LAYOUT_BLOCK, BLOCK_E=512, TILE_BLOCK=mr.TILE_BLOCK)
-    _, report = compile_sm90(mod, "_layout_slots_kernel", sig, consts, num_warps=4)
+    _, report = compile_sm90(mod, "_layout_slots_kernel", sig, consts, num_warps=mr.LAYOUT_WARPS)
     assert spill_free(report), report
 
 
