@@ -1130,6 +1130,112 @@ def moe_layout_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- shared expert, prefill
+# The MoE node's shared expert at an EP8 rank's prefill chunk (issue 8; session 6 call 4: 1.66 ms, its GEMMs 0.975):
+# --only "shared_expert prefill". V4.1: D 5120, I 2304, FP8 32x32 blocks, x per 32, the SwiGLU output per 32.
+SHARED_PREFILL_T = 8192
+
+
+def _shared_expert_call(T_: int, meta: bool = False):
+    """A moe_grouped_experts call carrying what the shared expert reads (x bf16, w1 / w3 [I, D], w2 [D, I] as e4m3
+    codes with ue8m0 32x32 block scales; routed inputs None): random data on CUDA, or meta stand-ins (plans only)."""
+    from deepinfer.ir.dtypes import float_to_e8m0
+    from deepinfer.runtime import kernel_adapters as ka
+
+    def weight(n, k):
+        if meta:
+            return torch.empty(n, k, device="meta", dtype=torch.float8_e4m3fn), torch.empty(n // 32, k // 32,
+                                                                                              device="meta")
+        q = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        return q, float_to_e8m0(2.0 ** torch.randint(-9, -6, (n // 32, k // 32), device="cuda").float())
+
+    (w1, s1), (w3, s3), (w2, s2) = weight(MOE_INTER, HIDDEN), weight(MOE_INTER, HIDDEN), weight(HIDDEN, MOE_INTER)
+    x = torch.empty(T_, HIDDEN, device="meta") if meta else torch.randn(T_, HIDDEN, device="cuda").bfloat16()
+    attrs = {"shared_limit": SWIGLU_LIMIT, "shared_block": 32, "shared_mid_group": 32}
+    names = ["x", "w", "idx", "sw1", "sw3", "sw2", "ss1", "ss3", "ss2"]
+    return ka.Call("moe_grouped_experts", attrs, [x, None, None, w1, w3, w2, s1, s3, s2], names,
+                   [False] * 3 + [True] * 6, {}, {})  # fmt: skip
+
+
+def _shared_previous_plans(call):
+    """The session-6 formulation's sub-calls and plans: (w1, w3, w2 linear_fp8 calls, gate/up plan, down plan)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    x = call.args[0]
+
+    def sub(wi, si):
+        return ka.Call("linear_fp8", {"block": 32, "act_group": 0}, [x, call.args[wi], call.args[si]],
+                       ["x", call.names[wi], call.names[si]], [False, True, True], {}, call.cache)  # fmt: skip
+
+    c1, c3, c2 = sub(3, 6), sub(4, 7), sub(5, 8)
+    h = torch.empty(x.shape[0], MOE_INTER, device="meta")
+    return c1, c3, c2, ka._gemm_plan(c1, x, MOE_INTER, 32, 32, True), ka._gemm_plan(c2, h, HIDDEN, 32, 32, True)
+
+
+def _shared_previous(call, kernels):
+    """The shared expert as _shared_dense ran it before: x as fp32, the w1 and w3 GEMMs each quantising it, the
+    torch SwiGLU in fp32, the w2 GEMM quantising h (session 6's 1.66 ms at T 8192)."""
+    from deepinfer.ir.ops.moe import swiglu
+    from deepinfer.runtime import kernel_adapters as ka
+
+    c1, c3, c2, up, down = _shared_previous_plans(call)
+    x = call.args[0].float()
+    gate = ka.fp8_linear(c1, kernels[0], x, 1, 2, 32, 32, up)
+    h = swiglu(gate, ka.fp8_linear(c3, kernels[0], x, 1, 2, 32, 32, up), SWIGLU_LIMIT)
+    return ka.fp8_linear(c2, kernels[1], h, 1, 2, 32, 32, down)
+
+
+def _shared_reference(call):
+    """The node's shared-expert reference (ir/ops/fused.py): fp32 x, the SwiGLU Q/DQ'd per 32, w2."""
+    from deepinfer.ir.ops.fused import SwiGLUGateUp, _gemm_ref, _mid_quant_ref
+
+    x, w1, w3, w2, s1, s3, s2 = call.args[0].float(), *call.args[3:9]
+    h = SwiGLUGateUp.reference(x, w1, w3, s1, s3, limit=SWIGLU_LIMIT, block=32, act_group=0)
+    return _gemm_ref(_mid_quant_ref(h, 32), w2, s2, 32, 0).float()
+
+
+def case_shared_prefill(row: Row, T_: int, quick: bool, dry: bool):
+    """The shared expert as MoEGroupedAdapter._shared_dense runs it at prefill (x quantised once, ONE fp8_gemm over
+    [w1; w3], the fused SwiGLU + quant, the w2 fp8_gemm on its codes): device time of one call (a CUDA graph);
+    "eager" = the session-6 formulation (_shared_previous), same run. Checked against the node's reference (x
+    unquantised there: the 1x32 format's own error) and against the previous formulation (the same codes; the
+    stacked GEMM's tiles may round a bf16 output the other way, then an h code one e4m3 step)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    adapter = ka.MoEGroupedAdapter()
+    stub = _shared_expert_call(T_, meta=True)
+    new_keys = adapter._shared_keys(stub)
+    old_plans = _shared_previous_plans(stub)
+    old_keys = [old_plans[3][0], old_plans[4][0]]
+    kernels = {k: build(ka._factory(k)) for k in {*new_keys, *old_keys}}
+    row.bytes_ = T_ * HIDDEN * 2 * 2 + 3 * MOE_INTER * HIDDEN  # x in, bf16 out, the three FP8 weights
+    row.flops = 6 * T_ * HIDDEN * MOE_INTER
+    if dry:
+        return
+    call = _shared_expert_call(T_)
+    new = lambda: adapter._shared(call, [kernels[k] for k in new_keys])  # noqa: E731
+    old = lambda: _shared_previous(call, [kernels[k] for k in old_keys])  # noqa: E731
+    got_new, got_old, ref = new().float(), old().float(), _shared_reference(call)
+    row.check = (f"{expect(rel_err(got_new, ref), 8e-2)}, previous {rel_err(got_old, ref):.1e}, "
+                 f"new vs previous {expect(rel_err(got_new, got_old), 2e-2)}")  # fmt: skip
+    row.ms = bench_device(new, quick)
+    row.eager_ms = bench_device(old, quick)
+
+
+def shared_prefill_cases():
+    """`--only "shared_expert prefill"`: the new path (eager column: the previous one) at T 8192, and its GEMMs alone
+    at the adapter's configs (fp8_gemm.sm90_config): [w1; w3] N 4608, w1 alone N 2304 (the previous), w2."""
+    T_ = SHARED_PREFILL_T
+    out = [("shared_expert prefill (x quant, [w1;w3], SwiGLU+quant, w2)", f"T{T_} D{HIDDEN} I{MOE_INTER} g32",
+            lambda r, q, d: case_shared_prefill(r, T_, q, d))]  # fmt: skip
+    for what, n, k in (("[w1;w3]", 2 * MOE_INTER, HIDDEN), ("w1 (previous)", MOE_INTER, HIDDEN),
+                       ("w2", HIDDEN, MOE_INTER)):  # fmt: skip
+        cfg = fp8_gemm.sm90_config(T_, n, 32)
+        out.append((f"shared_expert prefill fp8_gemm {what} {cfg.tag}", f"{T_}x{n}x{k}",
+                    lambda r, q, d, n=n, k=k, cfg=cfg: case_fp8_gemm(r, T_, n, k, 32, cfg, q, d, False)))  # fmt: skip
+    return out
+
+
 ATTN_POOL = 1 << 18  # KV pool rows the decode attention cases gather from (256K)
 ATTN_BATCHES = (128, 64, 256, 16, 1)  # the issue's shapes first: a failure further down costs less
 _ATTN_PREBUILT = [False]
@@ -2549,6 +2655,7 @@ def cases(quick: bool):
         )
     )
     out += grouped_cases(quick)
+    out += shared_prefill_cases()
     if not quick:  # a small sweep: what the autotuner would search
         for cfg in fp8_gemm.config_space(4096, 32768, 1280, 32)[::6][:8]:
             out.append(
