@@ -2631,6 +2631,152 @@ def grouped_v41g128_cases(quick: bool):
     return out
 
 
+# grouped_out_proj at V4.1 prefill (session 7): wo_a (8 groups of [T, 4096] x [1024, 4096]^T, FP8 32x32 blocks, 1x32
+# activations) then wo_b [5120, 8192]. The node as runtime/kernel_adapters.GroupedOutProjAdapter runs it now (wo_a on
+# the contiguous persistent grouped program) vs the swap-AB program it ran at every T before ("vs eager" column =
+# the speed-up over it), and wo_a alone on each candidate. --only "grouped_out_proj prefill".
+OUT_PROJ_DIMS = {"g": 8, "k": 4096, "r": 1024, "n": HIDDEN}
+
+
+def _out_proj_adapter(contiguous: bool):
+    from deepinfer.runtime import kernel_adapters as ka
+
+    a = ka.GroupedOutProjAdapter()
+    a.contiguous_min_t = 0 if contiguous else 1 << 30
+    return a
+
+
+def _out_proj_call(T_: int, device: str):
+    """A grouped_out_proj call at V4.1 dims: x as the graph hands it over (the attention's FP8 output dequantised per
+    32), random FP8 32x32-block weights with e8m0 scales. device "stub": expanded scalars (plans and keys only)."""
+    from deepinfer.ir import dtypes as dt
+    from deepinfer.runtime import kernel_adapters as ka
+
+    g, k, r, n = OUT_PROJ_DIMS.values()
+    attrs = {"block_a": 32, "block_b": 32, "mid_group": 32}
+    names, params = ["x", "wa", "wb", "sa", "sb"], [False, True, True, True, True]
+    if device == "stub":
+        f8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+        args = [torch.zeros(()).expand(T_, g, k), torch.zeros((), dtype=f8).expand(g * r, k),
+                torch.zeros((), dtype=f8).expand(n, g * r), torch.zeros((), dtype=e8).expand(g * r // 32, k // 32),
+                torch.zeros((), dtype=e8).expand(n // 32, g * r // 32)]  # fmt: skip
+        return ka.Call("grouped_out_proj", attrs, args, names, params, {}, {})
+    q, s = quant_fp8_groups(torch.randn(T_, g * k, device=device) * 3, 32)
+    x = (q.float().view(T_, -1, 32) * s.unsqueeze(-1)).view(T_, g, k)  # exact: power-of-two scales
+    wa, sa = quant_fp8_blocks(torch.randn(g * r, k, device=device) / k**0.5, 32)
+    wb, sb = quant_fp8_blocks(torch.randn(n, g * r, device=device) / (g * r) ** 0.5, 32)
+    args = [x, wa, wb, dt.float_to_e8m0(sa), dt.float_to_e8m0(sb)]
+    return ka.Call("grouped_out_proj", attrs, args, names, params, {}, {})
+
+
+def _out_proj_keys(T_: int, contiguous: bool) -> list:
+    with _emulate_plan():
+        return _out_proj_adapter(contiguous).keys(_out_proj_call(T_, "stub"))
+
+
+def case_out_proj_node(row: Row, T_: int, quick: bool, dry: bool):
+    """The whole node (x quantisation, wo_a, the intermediate's quantisation, wo_b) through the adapter; checked
+    against the op's reference (max rel 5e-2, the CPU tests' bound: the bf16 intermediate re-quantised) and against
+    the swap-AB path (the same numbers up to wo_a's fp32 summation order: printed)."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    g, k, r, n = OUT_PROJ_DIMS.values()
+    kern = {c: [build(ka._factory(key)) for key in _out_proj_keys(T_, c)] for c in (True, False)}
+    row.flops = 2.0 * T_ * (g * r * k + n * g * r)
+    row.bytes_ = 4.0 * T_ * g * k + g * r * k + n * g * r + 4.0 * T_ * n
+    if dry:
+        return
+    call = _out_proj_call(T_, "cuda")
+    # one Call per path: a call memoises its plan (and the runner's weight preparations)
+    call_old = ka.Call(call.op, call.attrs, call.args, call.names, call.is_param, {}, {})
+    new, old = _out_proj_adapter(True), _out_proj_adapter(False)
+    y, y_old = new.run(call, kern[True])[0], old.run(call_old, kern[False])[0]
+    ref = get_op("grouped_out_proj").run(call.args, call.attrs)[0]
+    row.check = f"{expect(rel_err(y, ref), 5e-2)} (swab {rel_err(y_old, ref):.1e}, new vs swab {rel_err(y, y_old):.1e})"
+    del ref
+    row.eager_ms = bench(lambda: old.run(call_old, kern[False]), quick)
+    row.ms = bench(lambda: new.run(call, kern[True]), quick)
+
+
+def _out_proj_wo_a_operands(T_: int, rows: int):
+    """wo_a's operands as the adapter lays them out: x's groups chunk-major (rows per group), the [G, R, K] stack
+    with fp32 block scales; and the float64 oracle of the G products (real rows)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    g, k, r, _ = OUT_PROJ_DIMS.values()
+    call = _out_proj_call(T_, "cuda")
+    x, wa, _, sa, _ = call.args
+    a, sa_t = ka.quant_rows(x.reshape(T_, g * k), 32, rows, chunks=g)
+    w, s = wa.view(g, r, k), ka.scales_f32(sa).view(g, r // 32, -1)
+    real = (torch.arange(g * rows, device="cuda") % rows) < T_
+    row_group = torch.where(real, torch.arange(g * rows, device="cuda") // rows, -1)
+    want = _grouped_f64(a, sa_t.T, 32, w, s, 32, row_group)
+    return a, sa_t, w, s, real, want
+
+
+def case_out_proj_wo_a(row: Row, T_: int, program: str, quick: bool, dry: bool):
+    """wo_a alone at V4.1 prefill: "grouped" (the adapter's contiguous persistent program), "grouped 128x128o" (the
+    persistent 128x128 tile with async wgmma overlap, no CTA pairs), "dense x8" (G launches of fp8_gemm's sm90
+    program on each group's rows), "swab" (the swap-AB program of before). Check: the float64 oracle, max rel 2e-2."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    g, k, r, _ = OUT_PROJ_DIMS.values()
+    row.bytes_, row.flops = moe_grouped_gemm.roofline(g * T_, r, k, g, 32, 32)
+    if program == "dense x8":
+        cfg = fp8_gemm.sm90_config(T_, r, 32)
+        dense = build(fp8_gemm.program(T_, r, k, act_group=32, weight_block=32, target="sm90", cfg=cfg))
+        rows = T_
+    else:
+        keys = _out_proj_keys(T_, program != "swab")
+        key = keys[0]
+        if program == "grouped 128x128o":
+            alt = fp8_gemm.Config(128, 128, 128, 5, 256, True, True, 1, persistent=True)
+            key = dataclasses.replace(key, kwargs=tuple((n, tuple(sorted(vars(alt).items())) if n == "cfg" else v)
+                                                        for n, v in key.kwargs))  # fmt: skip
+        kernel = build(ka._factory(key))
+        rows = key.args[0] // g
+    row.shape += f" ({rows} rows/group)"
+    if dry:
+        return
+    a, sa_t, w, s, real, want = _out_proj_wo_a_operands(T_, rows)
+    c = torch.empty(g * rows, r, dtype=torch.bfloat16, device="cuda")
+    if program == "dense x8":
+        parts = [(a[j * rows : (j + 1) * rows], sa_t[:, j * rows : (j + 1) * rows].contiguous(), w[j],
+                  s[j].contiguous(), c[j * rows : (j + 1) * rows]) for j in range(g)]  # fmt: skip
+
+        def fn():
+            for p in parts:
+                dense(*p)
+    else:
+        meta = torch.full((g,), T_, dtype=torch.int32, device="cuda")  # swab: Counts
+        if program != "swab":
+            meta = ka._group_tiles(ka.Call("x", {}, [], [], [], {}, {}), g, T_, rows, 128, "cuda")
+
+        def fn():
+            kernel(a, sa_t, w, s, meta, c)
+
+    fn()
+    row.check = expect(rel_err(c[real], want[real]), 2e-2)
+    del want
+    row.ms = bench(fn, quick)
+
+
+def grouped_out_proj_prefill_cases(quick: bool):
+    """The node at T 512 / 1024 (where the contiguous path starts: contiguous_min_t) and 4096 / 8192 (prefill
+    buckets); wo_a alone on each candidate at 4096 / 8192."""
+    out = []
+    shape = "T{} G8 K4096 R1024"
+    for T_ in (8192,) if quick else (512, 1024, 4096, 8192):
+        out.append(("grouped_out_proj prefill node", shape.format(T_) + " N5120",
+                    lambda r, q, d, T_=T_: case_out_proj_node(r, T_, q, d)))  # fmt: skip
+    for T_ in (8192,) if quick else (4096, 8192):
+        for program in ("grouped", "grouped 128x128o", "dense x8", "swab"):
+            out.append((f"grouped_out_proj prefill wo_a {program}", shape.format(T_),
+                        lambda r, q, d, T_=T_, p=program: case_out_proj_wo_a(r, T_, p, q, d)))  # fmt: skip
+    return out
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -2689,6 +2835,7 @@ def cases(quick: bool):
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)
+    out += grouped_out_proj_prefill_cases(quick)
     return out
 
 
