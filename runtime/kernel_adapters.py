@@ -1647,10 +1647,13 @@ def _x_codes(call: Call, group: int, rows: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _stack_gate_up(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """[w1; w3] [2I, D] of the shared expert and their fp32 block scales stacked alike (a copy of the gate/up
-    weights, made once per layer by call.prep)."""
+    """[w1; w3] [2I, D] of the shared expert and their fp32 block scales stacked alike, made once per layer by
+    call.prep: a view where w3 already follows w1 in one storage (a runner that lays them out so), else a copy of
+    the gate/up weights (2 I D bytes a layer)."""
     a = call.args
-    return torch.cat([a[3], a[4]]), torch.cat([scales_f32(a[6]), scales_f32(a[7])])
+    adjacent = _stacked_view([a[3]], [a[4]])
+    w13 = adjacent[0] if adjacent is not None else torch.cat([a[3], a[4]])
+    return w13, torch.cat([scales_f32(a[6]), scales_f32(a[7])])
 
 
 def _shared_rows(t: int) -> int:

@@ -126,6 +126,26 @@ def test_prefill_matches_the_previous_three_gemm_formulation_and_the_reference(t
     assert rel_err(run_node(call), reference(call)) < TOL
 
 
+def test_the_node_adds_the_shared_expert_on_the_routed_launchs_x_codes():
+    """In the node, x's codes for the shared GEMM come from the routed path's quantise-and-gather launch (same group,
+    T = the bucket): the node's output is the routed experts' plus the shared expert computed alone, bit for bit."""
+    call = shared_call(128)
+    routed_only = ka.Call(call.op, call.attrs, [*call.args[:3], *[None] * 6, *call.args[9:]], call.names,
+                          call.is_param, {}, {})  # fmt: skip
+    got = run_node(call)
+    assert ("x_quant", 32) in call.memo  # written by the routed launch, read by the shared GEMM
+    assert torch.equal(got, run_node(routed_only) + new_shared(shared_call(128)))
+
+
+def test_gate_and_up_lying_adjacent_are_stacked_without_a_copy():
+    call = shared_call(80)
+    w13 = torch.cat([call.args[3], call.args[4]])
+    call.args[3], call.args[4] = w13[:INTER], w13[INTER:]
+    stacked, _ = ka._stack_gate_up(call)
+    assert stacked.data_ptr() == w13.data_ptr() and stacked.shape == (2 * INTER, D)
+    assert rel_err(new_shared(call), previous_shared(call)) < 1e-5
+
+
 def test_h_is_quantised_at_the_graphs_mid_group():
     """The node Q/DQs the SwiGLU output per shared_mid_group: the w2 GEMM's activation group follows it (64 here,
     not the 32 block), and the numbers follow the previous formulation at that group."""
