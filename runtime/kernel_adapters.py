@@ -481,14 +481,9 @@ class GroupedOutProjAdapter:
         a = call.attrs
         group, block_b = a["mid_group"] or a["block_b"], a["block_b"]
         t, g = call.args[0].shape[:2]
-        _, rows_b, n_pad = p.wo_b
         q, sq = quant_rows(c, group, c.shape[0])
-        a_u, sa_u = _token_major(q, sq, g, p.rows, t, rows_b)
-        sub = self._wo_b_call(call, a_u)
-        b, sb = _gemm_weight(sub, 1, 2, n_pad, block_b)
-        out = torch.empty(rows_b, n_pad, dtype=torch.bfloat16, device=c.device)
-        kernel(a_u, sa_u, b, sb, out)
-        return out[:t, : call.args[2].shape[0]]
+        a_u, sa_u = _token_major(q, sq, g, p.rows, t, p.wo_b[1])
+        return fp8_linear_codes(self._wo_b_call(call, a_u), kernel, a_u, sa_u, t, 1, 2, block_b, p.wo_b)
 
 
 def _group_tiles(call: Call, g: int, t: int, rows: int, block_m: int, device) -> torch.Tensor:
