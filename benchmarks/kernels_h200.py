@@ -1228,9 +1228,12 @@ def shared_prefill_cases():
     T_ = SHARED_PREFILL_T
     out = [("shared_expert prefill (x quant, [w1;w3], SwiGLU+quant, w2)", f"T{T_} D{HIDDEN} I{MOE_INTER} g32",
             lambda r, q, d: case_shared_prefill(r, T_, q, d))]  # fmt: skip
-    for what, n, k in (("[w1;w3]", 2 * MOE_INTER, HIDDEN), ("w1 (previous)", MOE_INTER, HIDDEN),
-                       ("w2", HIDDEN, MOE_INTER)):  # fmt: skip
-        cfg = fp8_gemm.sm90_config(T_, n, 32)
+    # alt: sm90_config's g32 choice at N 1280 / 2304 (persistent 128x128, async wgmma overlap, CTA pairs), untried
+    # at these N (4608, 5120: sm90_config takes 128x256 in 2 slices there)
+    alt = fp8_gemm.Config(128, 128, 128, 5, 256, True, True, 1, persistent=True, cluster=2)
+    gemms = [("[w1;w3]", 2 * MOE_INTER, HIDDEN), ("w1 (previous)", MOE_INTER, HIDDEN), ("w2", HIDDEN, MOE_INTER)]
+    for what, n, k in gemms + [("[w1;w3] alt", 2 * MOE_INTER, HIDDEN), ("w2 alt", HIDDEN, MOE_INTER)]:
+        cfg = alt if what.endswith("alt") else fp8_gemm.sm90_config(T_, n, 32)
         out.append((f"shared_expert prefill fp8_gemm {what} {cfg.tag}", f"{T_}x{n}x{k}",
                     lambda r, q, d, n=n, k=k, cfg=cfg: case_fp8_gemm(r, T_, n, k, 32, cfg, q, d, False)))  # fmt: skip
     return out
