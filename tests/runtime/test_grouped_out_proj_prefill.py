@@ -168,3 +168,22 @@ def test_on_the_c_target_persistent_program():
     assert dict(dict(keys[0].kwargs)["cfg"])["persistent"]
     kernels = [junk_padding(ka.c_target_kernel)(keys[0]), ka.emulated_kernel(keys[1])]
     assert rel_err(a.run(call, kernels)[0], reference(call)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [300, 1024])  # 300: 3 real tiles and a skipped one per group (512-row bucket)
+def test_gpu_contiguous_matches_reference_and_swab(t):
+    """The compiled programs on the H200 (V4.1's G, R, K; a smaller N): the contiguous path against the op's
+    reference, and against the swap-AB path (the same numbers up to wo_a's fp32 summation order: a bf16 rounding of
+    the intermediate may differ, then one e4m3 step of u)."""
+    cpu = out_proj_call(t, g=8, k=4096, r=1024, n=512)
+    args = [a.cuda() for a in cpu.args]
+    outs = []
+    for min_t in (0, 1 << 30):
+        call = ka.Call(cpu.op, cpu.attrs, args, cpu.names, cpu.is_param, {}, {})
+        a = adapter(min_t)
+        outs.append(a.run(call, [ka.build_kernel(key) for key in a.keys(call)])[0])
+        assert a.path(call) == ("contiguous" if min_t == 0 else "swab")
+    ref = reference(ka.Call(cpu.op, cpu.attrs, args, cpu.names, cpu.is_param, {}, {}))
+    assert rel_err(outs[0], ref) < TOL
+    assert rel_err(outs[0], outs[1]) < 1e-2
