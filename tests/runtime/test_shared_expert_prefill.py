@@ -236,3 +236,34 @@ def test_prefill_with_the_triton_launches_in_the_interpreter():
     }
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().startswith("OK"), proc.stderr[-3000:]
+
+
+def _gpu_shared_call(t: int, d: int, inter: int) -> ka.Call:
+    """The shared expert's inputs only (routed ones None) at V4.1's dims on CUDA: x bf16, 32x32-block FP8 weights."""
+    gen = torch.Generator().manual_seed(7)
+    (a, sa), (b, sb), (c, sc) = fp8_weight(inter, d, gen), fp8_weight(inter, d, gen), fp8_weight(d, inter, gen)
+    args = [torch.randn(t, d, generator=gen).bfloat16(), None, None, a, b, c, sa, sb, sc]
+    args = [v.cuda() if v is not None else None for v in args]
+    attrs = {"shared_limit": 10.0, "shared_block": 32, "shared_mid_group": 32}
+    return ka.Call("moe_grouped_experts", attrs, args, ["x", "w", "idx", *"abcdef"], [False] * 3 + [True] * 6, {}, {})
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_shared_expert_on_the_compiled_kernels():
+    """V4.1's shared expert (D 5120, I 2304) at T 1024 on the compiled fp8_gemm programs (the persistent sm90 configs
+    of the 8192-token prefill) and the Triton quantisers: the stand-ins' numbers on the same CUDA inputs (the same
+    codes; fp32 sums in another order: a bf16 output one step off, then an h code one e4m3 step) and the node's
+    shared-expert reference (x unquantised there: the 1x32 format's error)."""
+    from deepinfer.ir.ops.fused import SwiGLUGateUp, _gemm_ref, _mid_quant_ref
+
+    adapter = ka.MoEGroupedAdapter()
+    call = _gpu_shared_call(1024, 5120, 2304)
+    keys = adapter._shared_keys(call)
+    assert all(dict(dict(k.kwargs)["cfg"])["persistent"] for k in keys)
+    got = adapter._shared(call, [ka.build_kernel(k) for k in keys]).float()
+    emu = adapter._shared(_gpu_shared_call(1024, 5120, 2304), [ka.emulated_kernel(k) for k in keys]).float()
+    x, w1, w3, w2, s1, s3, s2 = call.args[0].float(), *call.args[3:9]
+    h = SwiGLUGateUp.reference(x, w1, w3, s1, s3, limit=10.0, block=32, act_group=0)
+    ref = _gemm_ref(_mid_quant_ref(h, 32), w2, s2, 32, 0).float()
+    assert rel_err(got, emu) < 2e-2
+    assert rel_err(got, ref) < TOL
