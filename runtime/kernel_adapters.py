@@ -490,10 +490,10 @@ def _group_tiles(call: Call, g: int, t: int, rows: int, block_m: int, device) ->
     """TileExpert of grouped_out_proj's contiguous wo_a: group j's rows/block_m tiles are j's, those wholly past T
     padding (-1: skipped, no MMA); made once per (G, T, rows, tile, device) like _const_counts (no launch a step)."""
     k = ("out_proj_tiles", g, t, rows, block_m, str(device))
-    if k not in call.cache:
-        tiles = torch.arange(g, dtype=torch.int32).repeat_interleave(rows // block_m).view(g, rows // block_m)
+    if k not in call.cache:  # made on the device (no host copy: capturable)
+        tiles = torch.arange(g, dtype=torch.int32, device=device).view(g, 1).expand(g, rows // block_m).contiguous()
         tiles[:, -(-t // block_m) :] = -1
-        call.cache[k] = tiles.flatten().to(device)
+        call.cache[k] = tiles.flatten()
     return call.cache[k]
 
 

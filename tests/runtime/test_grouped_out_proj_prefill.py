@@ -161,8 +161,8 @@ def test_portable_config_where_r_does_not_tile_by_256():
 
 def test_on_the_c_target_persistent_program():
     """The persistent grouped program itself (its c-target schedule: tile order, TileExpert lookup, skipped padding
-    tiles) for wo_a; wo_b emulated."""
-    call = out_proj_call(130, g=2, k=128, r=256)
+    tiles between the groups' real ones: T = 260 in 512-row buckets) for wo_a; wo_b emulated."""
+    call = out_proj_call(260, g=2, k=128, r=256)
     a = adapter()
     keys = a.keys(call)
     assert dict(dict(keys[0].kwargs)["cfg"])["persistent"]
