@@ -242,12 +242,13 @@ def ascend_program(T_: int, E: int, *, topk: int, route_scale: float, block_m: i
 # and x, quantised per `group` columns, is written to each of its K rows. The torch formulation is ~15 launches
 # (scatter_add counts, cumsums, a stable argsort, gathers, searchsorted) plus a quantisation, an index map and two
 # gathers; here it is three launches and no device -> host read:
-#   layout_counts   one program per expert: its pair count (a masked sum over the flat ids; E x T*K compares,
-#                   no atomics, so no zeroed buffer to launch first)
-#   layout_slots    one program per expert: the exclusive prefix of the tile counts gives its first row, then a
-#                   scan of the flat ids in chunks (a cumsum of the mask) gives each of its pairs its rank in pair
-#                   order; the programs after the E experts write tile_expert (tile i: the number of experts whose
-#                   tiles end at or before i, -1 past the last) and the exact tile count
+#   layout_counts   one program per (expert, segment of the flat ids): its pair count there (a masked sum;
+#                   E x T*K compares in all, no atomics, so no zeroed buffer to launch first)
+#   layout_slots    one program per (expert e, segment s): the experts' counts (the sums of the segment table)
+#                   give e's first row, e's pairs in the segments before s the offset, then a scan of segment s in
+#                   steps (a cumsum of the mask) gives each of e's pairs its rank in pair order; the programs after
+#                   them write tile_expert (tile i: the number of experts whose tiles end at or before i, -1 past
+#                   the last), the counts and the exact tile count
 #   gather_quant    one program per token: its row quantised exactly as act_quant's kernel does (the scale from
 #                   the float's exponent bits), the codes stored to its K rows and the scales to their columns of
 #                   the MN-major [D/group, rows] scales; one program per expert (before the T tokens' programs, so
@@ -270,35 +271,45 @@ def _layout_kernels(interpret: bool):
         raise ImportError("triton is not installed (pip install deepinfer[codegen])")
 
     @triton.jit
-    def layout_counts_kernel(idx_ptr, counts_ptr, P, BLOCK: tl.constexpr):
-        e = tl.program_id(0)
+    def layout_counts_kernel(idx_ptr, part_ptr, P, E, SEG, BLOCK: tl.constexpr):
+        # program (e, s): pairs of expert e among the flat ids [s * SEG, (s + 1) * SEG) -> part[s, e]
+        e, s = tl.program_id(0), tl.program_id(1)
         hits = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, P, BLOCK):
+        end = tl.minimum(s * SEG + SEG, P)
+        for start in range(s * SEG, end, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            ids = tl.load(idx_ptr + offs, mask=offs < P, other=-1)
-            hits += (ids == e).to(tl.int32)
-        tl.store(counts_ptr + e, tl.sum(hits, axis=0))
+            hits += (tl.load(idx_ptr + offs, mask=offs < end, other=-1) == e).to(tl.int32)
+        tl.store(part_ptr + s * E + e, tl.sum(hits, axis=0))
 
     @triton.jit
-    def layout_slots_kernel(idx_ptr, counts_ptr, slot_ptr, tile_expert_ptr, total_ptr, P, E, N_TILES, BLOCK_M,
-                            BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, TILE_BLOCK: tl.constexpr):  # fmt: skip
+    def layout_slots_kernel(idx_ptr, part_ptr, counts_ptr, slot_ptr, tile_expert_ptr, total_ptr, P, E, S, SEG,
+                            N_TILES, BLOCK_M, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                            TILE_BLOCK: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         ee = tl.arange(0, BLOCK_E)
-        tiles = (tl.load(counts_ptr + ee, mask=ee < E, other=0) + BLOCK_M - 1) // BLOCK_M
-        if pid < E:
-            row = tl.sum(tl.where(ee < pid, tiles, 0), axis=0) * BLOCK_M  # the expert's first row
-            for start in range(0, P, BLOCK):
+        ss = tl.arange(0, BLOCK_S)[:, None]
+        part = tl.load(part_ptr + ss * E + ee[None, :], mask=(ss < S) & (ee[None, :] < E), other=0)
+        counts = tl.sum(part, axis=0)
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        if pid < E * S:  # program (e, s): ranks of expert e's pairs in segment s
+            e, s = pid % E, pid // E
+            # the expert's first row, plus its pairs in the segments before s
+            row = tl.sum(tl.where(ee < e, tiles, 0), axis=0) * BLOCK_M
+            row += tl.sum(tl.sum(tl.where((ss < s) & (ee[None, :] == e), part, 0), axis=1), axis=0)
+            end = tl.minimum(s * SEG + SEG, P)
+            for start in range(s * SEG, end, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                mine = (tl.load(idx_ptr + offs, mask=offs < P, other=-1) == pid).to(tl.int32)
+                mine = (tl.load(idx_ptr + offs, mask=offs < end, other=-1) == e).to(tl.int32)
                 rank = tl.cumsum(mine, axis=0) - 1  # inclusive scan: pairs of this expert keep pair order
                 tl.store(slot_ptr + offs, (row + rank).to(slot_ptr.dtype.element_ty), mask=mine > 0)
                 row += tl.sum(mine, axis=0)
         else:
             ends = tl.where(ee < E, tl.cumsum(tiles, axis=0), 2147483647)  # experts past E never own a tile
-            t = (pid - E) * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
+            t = (pid - E * S) * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
             owner = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
             tl.store(tile_expert_ptr + t, tl.where(owner < E, owner, -1), mask=t < N_TILES)
-            if pid == E:
+            if pid == E * S:
+                tl.store(counts_ptr + ee, counts, mask=ee < E)
                 tl.store(total_ptr, tl.sum(tiles, axis=0).to(tl.int64))
 
     @triton.jit
@@ -367,31 +378,44 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-LAYOUT_BLOCK = 4096  # flat ids a layout program reads per step (12 steps at 8192 tokens x 6)
+LAYOUT_BLOCK = 2048  # flat ids a layout program reads per step
 LAYOUT_WARPS = 8
+LAYOUT_PROGRAMS = 1024  # (expert, segment) programs a layout launch aims at: E=48 -> 22 segments of 2235 ids at
+#                         8192 tokens x 6, E=384 -> 3 of 16384
 TILE_BLOCK = 64  # tile_expert entries a program writes
 GATHER_WARPS = 8  # a token's [D/group, group] tile over 256 threads: 20 fp32 values of x a thread at D=5120
 GATHER_FILL = 8192  # padding codes a program zeroes per step (an expert pads < block_m rows: <= 80 steps at D=5120)
 
 
+def layout_segments(pairs: int, n_experts: int) -> int:
+    """How many segments the flat ids split into: about LAYOUT_PROGRAMS (expert, segment) programs, at least one
+    LAYOUT_BLOCK step each (an expert's program alone would scan all T*K ids in sequence)."""
+    return max(1, min(triton.cdiv(pairs, LAYOUT_BLOCK), triton.cdiv(LAYOUT_PROGRAMS, n_experts)))
+
+
 def triton_contiguous_layout(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int):
     """The contiguous layout of idx [T, K] (expert ids) on the device, two launches, no host read: (slot [T*K] of
     idx's dtype, tile_expert [n_tiles] int32 (-1 past the last expert's tiles), counts [E] int32, the exact tile
-    count [1] int64). n_tiles: how many tile_expert entries to write (>= the exact count, e.g. layout_tile_bound)."""
+    count [1] int64). n_tiles: how many tile_expert entries to write (>= the exact count, e.g. layout_tile_bound).
+    The flat ids split into S segments; program (e, s) of each launch handles expert e's pairs in segment s (the
+    counts per segment first, then the ranks: the segments before s and the experts before e give the offset)."""
     flat = idx.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     pairs, dev = flat.numel(), flat.device
     counts_k, slots_k, _ = _layout_kernels(_interpreting())
+    segs = layout_segments(pairs, n_experts)
+    seg = triton.cdiv(pairs, segs)
+    part = torch.empty(segs, n_experts, dtype=torch.int32, device=dev)
     counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
     slot = torch.empty_like(flat)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int64, device=dev)
-    block = min(LAYOUT_BLOCK, triton.next_power_of_2(max(pairs, 16)))
-    counts_k[(n_experts,)](flat, counts, pairs, BLOCK=block, num_warps=LAYOUT_WARPS)
-    grid = n_experts + max(1, triton.cdiv(n_tiles, TILE_BLOCK))
-    slots_k[(grid,)](flat, counts, slot, tile_expert, total, pairs, n_experts, n_tiles, block_m, BLOCK=block,
-                     BLOCK_E=triton.next_power_of_2(n_experts), TILE_BLOCK=TILE_BLOCK,
-                     num_warps=LAYOUT_WARPS)  # fmt: skip
+    block = min(LAYOUT_BLOCK, triton.next_power_of_2(max(seg, 16)))
+    counts_k[(n_experts, segs)](flat, part, pairs, n_experts, seg, BLOCK=block, num_warps=LAYOUT_WARPS)
+    grid = n_experts * segs + max(1, triton.cdiv(n_tiles, TILE_BLOCK))
+    slots_k[(grid,)](flat, part, counts, slot, tile_expert, total, pairs, n_experts, segs, seg, n_tiles, block_m,
+                     BLOCK=block, BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_S=triton.next_power_of_2(segs),
+                     TILE_BLOCK=TILE_BLOCK, num_warps=LAYOUT_WARPS)  # fmt: skip
     return slot, tile_expert, counts, total
 
 

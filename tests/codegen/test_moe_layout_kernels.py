@@ -54,9 +54,16 @@ CASES = [  # (T, K, E, block_m, routing)
 ]
 
 
-@pytest.mark.parametrize("t,k,e,bm,kind", CASES)
-def test_layout_kernels_match_the_oracle_and_the_reference(interpret, t, k, e, bm, kind):
+@pytest.mark.parametrize("t,k,e,bm,kind,segmented", [c + (False,) for c in CASES] + [c + (True,) for c in CASES
+                                                                                      if c[2] < 200])  # fmt: skip
+def test_layout_kernels_match_the_oracle_and_the_reference(interpret, monkeypatch, t, k, e, bm, kind, segmented):
+    """segmented: 16-id steps and ~200 programs, so the ids split into several segments (at these sizes the
+    defaults give one; at 8192 tokens x 6 they give 22 at E=48)."""
+    if segmented:
+        monkeypatch.setattr(mr, "LAYOUT_BLOCK", 16)
+        monkeypatch.setattr(mr, "LAYOUT_PROGRAMS", 200)
     idx = routing(t, k, e, kind, seed=t)
+    assert (mr.layout_segments(t * k, e) > 1) == segmented
     n_tiles = ka._tile_bucket(mr.layout_tile_bound(t * k, e, bm))
     slot, tile_expert, counts, total = mr.triton_contiguous_layout(idx, e, bm, n_tiles)
     want_slot, want_tiles, want_counts = oracle_layout(idx, e, bm)
@@ -120,9 +127,10 @@ def test_kernels_build_for_hopper_without_spills():
     consts = dict(K=6, G=40, GROUP=128, BLOCK_G=64, BLOCK_E=64, BLOCK_PAD=128, WRITE_X=True, FILL=mr.GATHER_FILL)
     ptx, report = compile_sm90(mod, "_gather_quant_kernel", sig, consts, num_warps=mr.GATHER_WARPS)
     assert spill_free(report) and "e4m3x2" in ptx, report
-    sig = {"idx_ptr": "*i32", "counts_ptr": "*i32", "slot_ptr": "*i32", "tile_expert_ptr": "*i32",
-           "total_ptr": "*i64", "P": "i32", "E": "i32", "N_TILES": "i32", "BLOCK_M": "i32"}  # fmt: skip
-    consts = dict(BLOCK=mr.LAYOUT_BLOCK, BLOCK_E=512, TILE_BLOCK=mr.TILE_BLOCK)
+    sig = {"idx_ptr": "*i32", "part_ptr": "*i32", "counts_ptr": "*i32", "slot_ptr": "*i32", "tile_expert_ptr": "*i32",
+           "total_ptr": "*i64", "P": "i32", "E": "i32", "S": "i32", "SEG": "i32", "N_TILES": "i32",
+           "BLOCK_M": "i32"}  # fmt: skip
+    consts = dict(BLOCK=mr.LAYOUT_BLOCK, BLOCK_E=512, BLOCK_S=4, TILE_BLOCK=mr.TILE_BLOCK)
     _, report = compile_sm90(mod, "_layout_slots_kernel", sig, consts, num_warps=mr.LAYOUT_WARPS)
     assert spill_free(report), report
 
