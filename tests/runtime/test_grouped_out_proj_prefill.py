@@ -6,6 +6,11 @@ fp32 reference and the swap-AB path (the same numbers up to wo_a's fp32 summatio
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -168,6 +173,39 @@ def test_on_the_c_target_persistent_program():
     assert dict(dict(keys[0].kwargs)["cfg"])["persistent"]
     kernels = [junk_padding(ka.c_target_kernel)(keys[0]), ka.emulated_kernel(keys[1])]
     assert rel_err(a.run(call, kernels)[0], reference(call)) < TOL
+
+
+_INTERPRETED = r"""
+import torch
+from deepinfer.codegen.kernels import act_quant
+from deepinfer.runtime import kernel_adapters as ka
+from test_kernel_adapters_out_proj import out_proj_call
+
+ka.EMULATE = True
+calls = []
+_quant = act_quant.triton_act_quant
+act_quant.triton_act_quant = lambda *a, **k: calls.append(a[0].dtype) or _quant(*a, **k)
+adapter = ka.GroupedOutProjAdapter()
+adapter.contiguous_min_t = 0
+outs = []
+for on in (False, True):
+    ka.ACT_QUANT_KERNEL_ON_CPU = on
+    call = out_proj_call(70, g=2, k=128, r=256, n=96)
+    outs.append(adapter.run(call, [ka.emulated_kernel(key) for key in adapter.keys(call)])[0])
+assert adapter.path(call) == "contiguous"
+assert calls == [torch.float32, torch.bfloat16], calls
+assert torch.equal(*outs)
+print("OK")
+"""
+
+
+def test_act_quant_kernel_gives_the_torch_numbers():
+    """On CUDA the x and intermediate quantisations are act_quant's Triton kernel (the intermediate read as bf16):
+    under Triton's interpreter the contiguous path's output equals the torch quantisation's bit for bit."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_ADAPTER_INTERPRET": "1",
+           "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
 @pytest.mark.gpu
