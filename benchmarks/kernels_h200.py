@@ -1081,12 +1081,13 @@ def decode_small_cases():
     return out
 
 
-def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: bool, dry: bool):
+def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: bool, dry: bool, warps: int = 0):
     """The prefill MoE's contiguous layout at an EP8 rank (E=48 local experts) or one GPU (E=384), 128-row tiles:
     moe_routing's Triton launches (layout: counts + slots/tile_expert; gather: + x quantised per `group` into its K
     rows) against their torch references (the eager column; both timed as CUDA-graph replays, device time) -- equal
     bit for bit (the rows of the tiles that hold pairs). Bytes: idx + slots, and with the gather x (bf16) + the
-    codes + their fp32 scales. The check column adds the kernels' time when issued eagerly from Python."""
+    codes + their fp32 scales. The check column adds the kernels' time when issued eagerly from Python. warps: the
+    gather's warps (0: moe_routing.GATHER_WARPS)."""
     from deepinfer.codegen.kernels import moe_routing as mr
     from deepinfer.runtime import kernel_adapters as ka
 
@@ -1105,7 +1106,8 @@ def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: 
         slot, tiles, counts, total = layout(idx, E, bm, n_tiles)
         return (slot, tiles, counts, total) + (gather_quant(x, slot, counts, group, rows, bm)[:2] if gather else ())
 
-    got = run(mr.triton_contiguous_layout, mr.triton_gather_quant)
+    gather_quant = functools.partial(mr.triton_gather_quant, num_warps=warps)
+    got = run(mr.triton_contiguous_layout, gather_quant)
     want = run(mr.contiguous_layout_reference, mr.gather_quant_reference)
     real = int(want[3]) * bm
     same = all(torch.equal(g, w) for g, w in zip(got[:4], want[:4]))
@@ -1114,7 +1116,7 @@ def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: 
         same = same and torch.equal(got[5][:, :real], want[5][:, :real])
     if not same:
         raise AssertionError("the Triton layout differs from its torch reference")
-    fast = lambda: run(mr.triton_contiguous_layout, mr.triton_gather_quant)  # noqa: E731
+    fast = lambda: run(mr.triton_contiguous_layout, gather_quant)  # noqa: E731
     row.ms = bench_device(fast, quick)
     row.eager_ms = bench_device(lambda: run(mr.contiguous_layout_reference, mr.gather_quant_reference), quick)
     row.check = f"exact; issued eagerly {bench(fast, quick) * 1e3:.1f} us"
@@ -1123,10 +1125,11 @@ def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: 
 def moe_layout_cases():
     """Rows "moe_layout ...": the prefill MoE layout (+ x quant/gather) at T=8192, K=6, D=5120."""
     out = []
-    for E, group, gather in ((48, 128, False), (48, 128, True), (48, 32, True), (384, 128, False), (384, 128, True)):
-        what = f"layout + x quant/gather g{group}" if gather else "layout"
+    for E, group, gather, warps in ((48, 128, False, 0), (48, 128, True, 0), (48, 128, True, 16), (48, 32, True, 0),
+                                    (384, 128, False, 0), (384, 128, True, 0)):  # fmt: skip
+        what = (f"layout + x quant/gather g{group}" if gather else "layout") + (f" w{warps}" if warps else "")
         out.append((f"moe_layout {what}", f"T8192 k{TOPK} E{E} D{HIDDEN}",
-                    lambda r, q, d, E=E, g=group, ga=gather: case_moe_layout(r, 8192, E, g, ga, q, d)))  # fmt: skip
+                    lambda r, q, d, E=E, g=group, ga=gather, w=warps: case_moe_layout(r, 8192, E, g, ga, q, d, w)))
     return out
 
 

@@ -441,12 +441,13 @@ def contiguous_layout_reference(idx: torch.Tensor, n_experts: int, block_m: int,
 
 
 def triton_gather_quant(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tensor, group: int, rows: int,
-                        block_m: int, with_x: bool = False, out_dtype=None):  # fmt: skip
+                        block_m: int, with_x: bool = False, out_dtype=None, num_warps: int = 0):  # fmt: skip
     """x [T, D] quantised per `group` columns (act_quant's codes and scales bit for bit) straight into the layout:
     (codes [rows, D], MN-major fp32 scales [D/group, rows], and with_x the un-permuted (codes [T, D], scales
     [D/group, T]) else None). Pair t*K + j's row slot[t*K + j] holds token t; the rows that pad each expert's last
     tile hold zero codes with the floor's scale; other rows are not written. One launch, E + T programs.
-    out_dtype: e4m3 on CUDA, float32 under the CPU interpreter (the codes' values; no fp8 stores there)."""
+    out_dtype: e4m3 on CUDA, float32 under the CPU interpreter (the codes' values; no fp8 stores there).
+    num_warps: 0 = GATHER_WARPS (the benchmark rows try others)."""
     t, d = x.shape
     k = slot.numel() // max(t, 1)
     assert slot.numel() == t * k and d % group == 0 and x.stride(1) == 1, (x.shape, slot.shape, group)
@@ -461,7 +462,7 @@ def triton_gather_quant(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tenso
         x, slot, counts, a, sa, xq, xs, t, n_experts, d, x.stride(0), rows, block_m, K=k, G=g, GROUP=group,
         BLOCK_G=triton.next_power_of_2(g), BLOCK_E=triton.next_power_of_2(n_experts),
         BLOCK_PAD=triton.next_power_of_2(block_m), WRITE_X=with_x, FILL=GATHER_FILL,
-        num_warps=GATHER_WARPS)  # fmt: skip
+        num_warps=num_warps or GATHER_WARPS)  # fmt: skip
     return a, sa, ((xq, xs) if with_x else None)
 
 
