@@ -108,7 +108,9 @@ def test_gather_quant_writes_each_tokens_codes_to_its_rows(interpret, t, k, e, b
 
 @pytest.mark.parametrize("read_back", [True, False])
 def test_adapter_layout_on_the_interpreter_equals_its_torch_path(interpret, monkeypatch, read_back):
+    """Both read-back modes; int64 ids (the slots keep the ids' dtype) in one of them."""
     idx = routing(45, 6, 48, "spread", seed=3)
+    idx = idx if read_back else idx.long()
     want = ka._moe_layout_rows(idx, 48, 16, read_back=read_back)
     monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
     got = ka._moe_layout_rows(idx, 48, 16, read_back=read_back)
