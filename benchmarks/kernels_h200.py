@@ -2769,11 +2769,11 @@ def case_out_proj_wo_a(row: Row, T_: int, program: str, quick: bool, dry: bool):
 
 
 def grouped_out_proj_prefill_cases(quick: bool):
-    """The node at T 512 / 1024 (where the contiguous path starts: contiguous_min_t) and 4096 / 8192 (prefill
-    buckets); wo_a alone on each candidate at 4096 / 8192."""
+    """The node at T 256 / 512 / 1024 (around contiguous_min_t, where the contiguous path starts) and 4096 / 8192
+    (prefill buckets); wo_a alone on each candidate at 4096 / 8192."""
     out = []
     shape = "T{} G8 K4096 R1024"
-    for T_ in (8192,) if quick else (512, 1024, 4096, 8192):
+    for T_ in (8192,) if quick else (256, 512, 1024, 4096, 8192):
         out.append(("grouped_out_proj prefill node", shape.format(T_) + " N5120",
                     lambda r, q, d, T_=T_: case_out_proj_node(r, T_, q, d)))  # fmt: skip
     for T_ in (8192,) if quick else (4096, 8192):
