@@ -1195,10 +1195,10 @@ class MoEGroupedAdapter:
     weight tiles per CTA, no copy); the SwiGLU runs in torch on the T*K real rows only where neither fits.
     fmt "fp4" (V4.1's routed experts kept FP4, the convert pass off) runs W4A8 (FP4 dequantised in registers):
     masked at decode, the contiguous swap-AB program at prefill. fp8 prefill: fp8_gemm's persistent program on the
-    contiguous layout (x quantised once and gathered into it, the SwiGLU + quant and the un-permute one launch each;
-    the binding's loop where the dims do not tile by 256 x 128). Activation groups: the plan's record
-    (moe_act_groups) -- V4.1's experts converted to 128x128 blocks keep 1x32 at decode (read on the 32-grid) and at
-    prefill, or take 1x128 at prefill with the convert pass's prefill_act_group=128 option.
+    contiguous layout (the layout two launches, x quantised straight into its rows, the SwiGLU + quant and the
+    un-permute one launch each; the binding's loop where the dims do not tile by 256 x 128). Activation groups: the
+    plan's record (moe_act_groups) -- V4.1's experts converted to 128x128 blocks keep 1x32 at decode (read on the
+    32-grid) and at prefill, or take 1x128 at prefill with the convert pass's prefill_act_group=128 option.
     The experts' weights are stacked once ([E, 2I, K] and [E, D, I]); the runner rebinds the per-expert
     parameters to views of the stack, so the memory is not doubled."""
 
