@@ -93,10 +93,12 @@ def row_indices(g: Graph, t: int, rows=None) -> torch.Tensor:
 
 
 def head_entry(g: Graph) -> Node:
-    """The node that starts the head: from the producer of outputs[0] (the logits) back along first inputs to
-    the first node whose op is in HEAD_ENTRY_OPS."""
-    seen: list[str] = []
+    """The node that starts the head: from the producer of outputs[0] (named "logits", as the models name it)
+    back along first inputs to the first node whose op is in HEAD_ENTRY_OPS."""
     v = g.outputs[0]
+    if v.name != "logits":  # e.g. the DSpark draft block, whose every row is a draft (its first output: hidden)
+        raise IRError(f"select_logit_rows: the first output is %{v.name}, not the logits")
+    seen: list[str] = []
     while v is not None and v.producer is not None:
         if v.producer.op in HEAD_ENTRY_OPS:
             return v.producer

@@ -172,6 +172,7 @@ class GraphExecutor:
         self._sync_free_now = False
         self.kernels = kernels or KernelCache()
         self.steps = plan_steps(g)
+        self.has_rows = has_logit_rows(g)
         meta = g.meta.get("kernels") or {}
         self.bindings = meta.get("nodes", {})
         self.buckets = sorted(((b.get("T", 0), name) for name, b in meta.get("buckets", {}).items()))
@@ -207,8 +208,17 @@ class GraphExecutor:
         """timed: per-layer times in ``layer_times``; profile: per-op times in ``op_times`` (both ms, events
         around every layer / node: the device time of each node including its launch gaps)."""
         t = int(inputs["tokens"].shape[0]) if "tokens" in inputs else 1
+        inputs = self.with_default_rows(inputs)
         with self.sync_free_scope(t):
             return self._run(inputs, t, timed, profile)
+
+    def with_default_rows(self, inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A graph with logit_rows run without them computes every row, as before (callers that feed the plan's
+        inputs by name: benchmarks, teacher-forced checks)."""
+        if ROWS_INPUT in inputs or not self.has_rows or "tokens" not in inputs:
+            return inputs
+        tokens = inputs["tokens"]
+        return {**inputs, ROWS_INPUT: row_indices(self.graph, int(tokens.shape[0])).to(tokens.device)}
 
     @contextlib.contextmanager
     def sync_free_scope(self, t: int):
@@ -359,6 +369,7 @@ class GraphExecutor:
         found: list = []
         saved, self.compiled = self.compiled, False
         try:
+            inputs = self.with_default_rows(inputs)
             env = bind_symbols(self.graph, inputs)
             t = int(inputs["tokens"].shape[0])
             vals: dict = dict(inputs)

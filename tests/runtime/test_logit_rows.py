@@ -21,6 +21,7 @@ from deepinfer.passes.select_logit_rows import (
     rows_graph,
     select_logit_rows,
 )
+from deepinfer.runtime.cuda_executor import plan_steps
 from deepinfer.runtime.session import Session, allocate_caches
 
 from .conftest import compile_tiny, prompts_of_lengths, v41_tiny_config
@@ -102,6 +103,32 @@ def test_a_graph_without_a_head_keeps_every_row():
     g, why = rows_graph(b.build())
     assert why is not None and "no hc_head/hc_collapse node before the logits" in why
     assert ROWS_INPUT not in [v.name for v in g.inputs]
+    cfg = deepseek_v41.parse_config(v41_tiny_config())
+    _, why = rows_graph(deepseek_v41.build_dspark_graph(cfg, weights="float"))  # every draft row is used
+    assert why is not None and "not the logits" in why
+
+
+def test_mtp_head_and_sm90_plans_are_found(tiny_v4):
+    from deepinfer.compiler import compile_model
+    from deepinfer.models import deepseek_v4
+
+    mtp = deepseek_v4.build_mtp_graph(deepseek_v4.TINY_CONFIGS["tiny"], weights="float")
+    assert head_entry(mtp).op == "hc_head" and select_logit_rows(mtp).outputs[0].shape[0].op == "sym"
+    for model in ("deepseek-v4-flash:tiny", "deepseek-v4.1-flash:tiny"):  # the sm90 pipeline's fusions keep it
+        g = compile_model(model, "sm90").plan.graph
+        steps = plan_steps(select_logit_rows(g))
+        head = [s.node.op for s in steps if s.rows]
+        assert head[0] == "index_select" and head[-1] == "linear" and steps[-1].rows, (model, head)
+
+
+def test_executor_without_logit_rows_computes_every_row(tiny_v41):
+    """Callers that feed the plan's inputs by name (benchmarks, teacher-forced checks) keep [T, vocab]."""
+    from deepinfer.runtime.cuda_executor import CudaRunner
+
+    runner = CudaRunner(tiny_v41.plan.graph, tiny_v41.params, device="cpu")
+    feeds = _feeds(tiny_v41.plan.graph, 5)
+    assert runner.exec.has_rows and runner.exec.run(feeds)[0].shape[0] == 5
+    assert runner.forward(feeds["tokens"], feeds["positions"], dict(list(feeds.items())[2:]))[0].shape[0] == 5
 
 
 def test_session_rows_and_default(tiny_v4):
