@@ -500,7 +500,10 @@ def _block(b, w, cfg: V4Config, caches: _Caches, streams, tokens, pos, *, p: str
 
 
 def _head(b, w, cfg: V4Config, streams, p: str) -> Value:
-    """hc_head collapse, final RMSNorm, LM head (§2.4). p = "" for the backbone, "mtp.k." for MTP."""
+    """hc_head collapse, final RMSNorm, LM head (§2.4). p = "" for the backbone, "mtp.k." for MTP.
+
+    Every node here is per row: the runtime computes only the sampled rows by gathering them in front of hc_head
+    (passes/select_logit_rows.py finds the head from the "logits" output back to hc_head)."""
     n, d = cfg.hc_mult, cfg.hidden_size
     fn, base, scale = _hc_params(w, cfg, f"{p}hc_head", n, 1)
     h = b.hc_head(streams, fn, base, scale, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_eps)

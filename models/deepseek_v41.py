@@ -544,6 +544,8 @@ def build_graph(
                            qat=qat, win_idx=win_idx, compress=compress)  # fmt: skip
             streams = b.hc_post(y, streams, stats_a[1], stats_a[2])
             streams, pre = _ffn(b, w, cfg, streams, stats_a[0], tokens, p)
+    # the head is per row: the runtime gathers the sampled rows of (streams, pre) in front of this hc_collapse
+    # (passes/select_logit_rows.py finds it from the "logits" output back)
     h = b.rmsnorm(b.hc_collapse(streams, pre), w.plain("norm.weight", [dd]), eps=cfg.rms_eps)
     b.output(b.linear(h, w.head, name="logits"), *caches.outputs())
     if hidden:
