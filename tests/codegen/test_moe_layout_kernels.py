@@ -156,3 +156,26 @@ def test_cuda_layout_and_gather_at_an_ep8_rank_equal_the_torch_path(e):
         ra, rsa, _ = mr.gather_quant_reference(x, want[0], want[2], group, n_tiles * bm, bm)
         assert torch.equal(a[:real_rows].view(torch.uint8), ra[:real_rows].view(torch.uint8))
         assert torch.equal(sa[:, :real_rows], rsa[:, :real_rows])
+
+
+@pytest.mark.parametrize("on_triton", [False, True])
+def test_layout_x_leaves_the_shared_experts_codes_when_the_groups_match(interpret, monkeypatch, on_triton):
+    """_layout_x: the layout rows as gather_quant gives them, and _quant_x's entry (quant_rows' codes and scales of
+    x) only where the shared expert quantises per the same group; the interpreter (on_triton) or the torch path."""
+    if on_triton:
+        monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    t, k, e, bm, d = 70, 6, 48, 16, 256  # T > 64: prefill, _quant_x keeps T rows
+    idx, x = routing(t, k, e, "spread", seed=5), _x(t, d, seed=5)
+    slot, _, rows, _, _, counts = ka._moe_layout_rows(idx, e, bm)
+    for shared_block, kept in ((128, True), (32, False)):
+        call = ka.Call("moe_grouped_experts", {"shared_block": shared_block}, [x, None, idx, x], [], [], {})
+        a, sa = ka._layout_x(call, slot, counts, 128, rows, bm)
+        ra, rsa, _ = mr.gather_quant_reference(x, slot, counts, 128, rows, bm)
+        used = slot.long()
+        assert torch.equal(a[used].view(torch.uint8), ra[used].view(torch.uint8))
+        assert torch.equal(sa[:, used], rsa[:, used])
+        assert (("x_quant", 128) in call.memo) == kept
+        if kept:
+            q, s = ka.quant_rows(x, 128, t)
+            xq, xs = call.memo[("x_quant", 128)]
+            assert torch.equal(xq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(xs, s)
