@@ -521,7 +521,8 @@ class CudaRunner:
         self.device = torch.device(device)
         dev_params = to_device(params, self.device)
         restack_experts(g, dev_params)
-        self.plan_graph = g
+        # the plan's graph with a logit_rows input (the head computes only the rows asked for); the batched decode
+        # step below keeps the plan's graph (every sequence's row is sampled)
         self.graph, self.logit_rows_off = rows_graph(g)
         self.exec = GraphExecutor(self.graph, dev_params, kernels=kernels, verify=verify, sync_free=True,
                                   max_positions=max_model_len)  # fmt: skip
