@@ -1315,9 +1315,11 @@ class MoEGroupedAdapter:
         cfg13, cfg2 = self._prefill_cfg(call, 2 * inter, d, ag), self._prefill_cfg(call, d, inter, ag)
         # no host read of the tile count on the persistent program (it skips the padding tiles: the bound costs
         # no MMA; the host read would idle the GPU while this call's launches are issued)
+        # nor at decode sizes (a model whose experts the swap-AB program declines): a CUDA graph captures those steps
         persistent = cfg13.persistent and cfg2.persistent
+        decode = t <= call.attrs.get("masked_max_t", 64)
         slot, tile_expert, rows, real, n_tiles, counts = _moe_layout_rows(idx, e, cfg13.block_m,
-                                                                          read_back=not persistent)
+                                                                          read_back=not (persistent or decode))
         stats = call.cache.get(MOE_TILE_STATS)
         if stats is not None:  # the exact count stays on the device until the runner reads it (bench_slice)
             stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": n_tiles * cfg13.block_m, "rows": rows}
