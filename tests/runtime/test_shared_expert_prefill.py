@@ -253,7 +253,7 @@ def test_gpu_prefill_shared_expert_on_the_compiled_kernels():
     """V4.1's shared expert (D 5120, I 2304) at T 1024 on the compiled fp8_gemm programs (the persistent sm90 configs
     of the 8192-token prefill) and the Triton quantisers: the stand-ins' numbers on the same CUDA inputs (the same
     codes; fp32 sums in another order: a bf16 output one step off, then an h code one e4m3 step) and the node's
-    shared-expert reference (x unquantised there: the 1x32 format's error)."""
+    shared-expert reference (x per 32, and unquantised: the 1x32 format's error)."""
     from deepinfer.ir.ops.fused import SwiGLUGateUp, _gemm_ref, _mid_quant_ref
 
     adapter = ka.MoEGroupedAdapter()
@@ -263,7 +263,13 @@ def test_gpu_prefill_shared_expert_on_the_compiled_kernels():
     got = adapter._shared(call, [ka.build_kernel(k) for k in keys]).float()
     emu = adapter._shared(_gpu_shared_call(1024, 5120, 2304), [ka.emulated_kernel(k) for k in keys]).float()
     x, w1, w3, w2, s1, s3, s2 = call.args[0].float(), *call.args[3:9]
-    h = SwiGLUGateUp.reference(x, w1, w3, s1, s3, limit=10.0, block=32, act_group=0)
-    ref = _gemm_ref(_mid_quant_ref(h, 32), w2, s2, 32, 0).float()
+
+    def ref(act_group):
+        h = SwiGLUGateUp.reference(x, w1, w3, s1, s3, limit=10.0, block=32, act_group=act_group)
+        return _gemm_ref(_mid_quant_ref(h, 32), w2, s2, 32, 0).float()
+
     assert rel_err(got, emu) < 2e-2
-    assert rel_err(got, ref) < TOL
+    # x per 32 in the reference too: bf16 gate/up outputs flip h codes by an e4m3 step (1.8e-2 max on the stand-ins)
+    assert rel_err(got, ref(32)) < 6e-2
+    exact = ref(0)  # x unquantised (the node as built): the 1x32 format's own error, ~5% norm-wise on random data
+    assert ((got - exact).norm() / exact.norm()).item() < 0.08
