@@ -1125,8 +1125,10 @@ def case_moe_layout(row: Row, T_: int, E: int, group: int, gather: bool, quick: 
 def moe_layout_cases():
     """Rows "moe_layout ...": the prefill MoE layout (+ x quant/gather) at T=8192, K=6, D=5120."""
     out = []
-    for E, group, gather, warps in ((48, 128, False, 0), (48, 128, True, 0), (48, 128, True, 16), (48, 32, True, 0),
-                                    (384, 128, False, 0), (384, 128, True, 0)):  # fmt: skip
+    # the gather's warps: 4 (~123 registers: 4 programs an SM), 8 (the default, ~115: 2), 16 (~60: 2) -- how many
+    # tokens' loads an SM keeps in flight
+    for E, group, gather, warps in ((48, 128, False, 0), (48, 128, True, 0), (48, 128, True, 4), (48, 128, True, 16),
+                                    (48, 32, True, 0), (384, 128, False, 0), (384, 128, True, 0)):  # fmt: skip
         what = (f"layout + x quant/gather g{group}" if gather else "layout") + (f" w{warps}" if warps else "")
         out.append((f"moe_layout {what}", f"T8192 k{TOPK} E{E} D{HIDDEN}",
                     lambda r, q, d, E=E, g=group, ga=gather, w=warps: case_moe_layout(r, 8192, E, g, ga, q, d, w)))
