@@ -212,20 +212,29 @@ def test_batched_decode_of_a_selecting_graph(tiny_v41):
 def test_gpu_runner_prefill_rows(sm90_tiny):
     """The sm90 runner with kernels: a prefill's last row alone (the head at the decode bucket's kernels) is every
     row's last row to kernel rounding; no rows launches no head step."""
-    from deepinfer.runtime.cuda_executor import CudaRunner
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
+
+    head_families = {"linear_bf16", "rmsnorm_quant"}
+
+    def head_kernels_only(key):  # the layers' kernels are other tests' business: keep this test's builds few
+        if key.family not in head_families:
+            raise ka.Decline("not a head kernel")
+        return ka.build_kernel(key)
 
     plan, params = sm90_tiny
-    runner = CudaRunner(plan.graph, params, max_model_len=64)
+    runner = CudaRunner(plan.graph, params, max_model_len=64, kernels=KernelCache(builder=head_kernels_only))
     heads = _HeadRows(runner.exec)
     tokens = torch.tensor(prompts_of_lengths([40], seed=4, vocab=120000)[0])
     positions = torch.arange(40)
     full, _ = runner.forward(tokens, positions, allocate_caches(runner.graph, 64, device="cuda"))
     last, _ = runner.forward(tokens, positions, allocate_caches(runner.graph, 64, device="cuda"), logit_rows=[-1])
     n_seen = len(heads.seen)
+    assert runner.exec.stats.per_node["logits"] == "compiled linear_bf16", runner.report()  # the decode LM head
     none, _ = runner.forward(tokens, positions, allocate_caches(runner.graph, 64, device="cuda"), logit_rows=[])
     assert full.shape[0] == 40 and last.shape[0] == 1 and none.shape == (0, full.shape[1])
     assert len(heads.seen) == n_seen and {rows for _, rows in heads.seen} == {1, 40}, heads.seen
     scale = float(full[-1].abs().max())
     assert float((last[0] - full[-1]).abs().max()) <= 2e-2 * scale, runner.report()
     assert float(full[-1][int(last[0].argmax())]) >= float(full[-1].max()) - 2e-2 * scale  # the same token, or a tie
-    assert not runner.exec.kernels.failed, runner.report()
+    assert not [k for k in runner.exec.kernels.failed if k.family in head_families], runner.report()
