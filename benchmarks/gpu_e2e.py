@@ -99,11 +99,12 @@ def prebuild(keys: list, jobs: int, timeout_s: float) -> dict:
 # ---------------------------------------------------------------------------------------------- (a)
 
 
-def _teacher_inputs(g, seq: list[int], device):
+def _teacher_inputs(g, seq: list[int], device, cache_len: int | None = None):
+    """One sequence's feeds from position 0 with caches for cache_len tokens (default len(seq) + 1)."""
     from deepinfer.runtime.session import allocate_caches
 
     feeds = {"tokens": torch.tensor(seq, device=device), "positions": torch.arange(len(seq), device=device)}
-    feeds.update(allocate_caches(g, len(seq) + 1, device=device))
+    feeds.update(allocate_caches(g, cache_len or len(seq) + 1, device=device))
     return feeds
 
 
@@ -545,10 +546,15 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     run_f.exec.verify = False
     lengths = {1} | {len(p) for p in prompts} | {len(p) + n_tokens - 1 for p in prompts}
     keys: list = []
+    # the engine's caches hold max_len tokens whatever the step's length (shapes that follow the cache size, e.g.
+    # the top-k's columns, differ from a teacher-forced run's): predict both, or the engine builds them lazily, one
+    # at a time (session 7: 13 topk_select builds, ~150 s)
     for t in sorted(lengths):
-        feeds = _teacher_inputs(plan.graph, [(7 * i) % 1000 for i in range(t)], "cuda")
-        keys += [k for k in run_k.exec.kernel_keys(feeds) if k not in keys]
-    log(f"{name}: {len(keys)} distinct kernels for lengths {sorted(lengths)}")
+        for cache_len in sorted({t + 1, max_len}):
+            feeds = _teacher_inputs(plan.graph, [(7 * i) % 1000 for i in range(t)], "cuda", cache_len)
+            keys += [k for k in run_k.exec.kernel_keys(feeds) if k not in keys]
+    log(f"{name}: {len(keys)} distinct kernels for lengths {sorted(lengths)} (caches of the step's length + 1 and "
+        f"of {max_len})")  # fmt: skip
     pb_err = prebuild(keys, jobs, max(20.0, 0.5 * left(deadline)))
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.time()
