@@ -343,7 +343,9 @@ class LinearFP8Adapter:
         return [fp8_linear(call, kernels[0], call.args[0], 1, 2, group, block, info)]
 
 
-OUT_PROJ_CONTIGUOUS_MIN_T = 512  # grouped_out_proj: wo_a on the contiguous grouped program from this many tokens
+# grouped_out_proj: wo_a on the contiguous grouped program from this many tokens (H200, session 7 call 2, the node at
+# V4.1 dims vs swap-AB: 1.36x at T 256, 1.91x at 512, 2.32x at 8192; below 256 not measured)
+OUT_PROJ_CONTIGUOUS_MIN_T = 256
 OUT_PROJ_PREFILL_ENV = "DEEPINFER_OUT_PROJ_PREFILL"  # "swab": the swap-AB program at every T (A/B runs)
 
 
