@@ -467,7 +467,9 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
 # [64, 128] x [128, 128] product on the tensor cores (three TF32 products, input_precision "tf32x3": hi*hi +
 # hi*lo + lo*hi, ~fp32 accuracy), ReLU, scale and the head weights, the head sum per query in registers, the
 # causal mask, one fp32 write of S. (A first form looped over the 32 heads with one small dot each: 65 us at
-# T64 C2080 on the H200, latency-bound.)
+# T64 C2080 on the H200, latency-bound.) The batched decode graph's `batched_index_scores` (B sequences, each query
+# against its own C keys, rows b*C.. of a [B*C, di] pool) is the same tile with one query a CTA
+# (`triton_batched_scores`): its reference bmm writes [B, 32, C] temporaries (0.955 ms at B16, 4k context).
 
 
 @dataclass(frozen=True)
@@ -483,6 +485,12 @@ def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
     return F32ScoresConfig(block_t=max(1, 128 // H))
 
 
+def f32_batched_scores_config(B: int, C: int, H: int = 32) -> F32ScoresConfig:
+    """Every query reads its own keys (batched_index_scores), so a CTA takes one query (the dot's N = H): queries
+    sharing a CTA would share no key tile."""
+    return F32ScoresConfig(block_t=1)
+
+
 @functools.lru_cache(maxsize=2)
 def _f32_scores_kernel(interpret: bool):
     """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
@@ -491,7 +499,8 @@ def _f32_scores_kernel(interpret: bool):
 
     @triton.jit
     def f32_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, s_ptr, T, C, scale, ratio, H: tl.constexpr,
-                          DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                          DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                          OWN_KEYS: tl.constexpr):  # fmt: skip
         c = tl.program_id(0) * BC + tl.arange(0, BC)
         t0 = tl.program_id(1) * BT
         t = t0 + tl.arange(0, BT)
@@ -501,7 +510,11 @@ def _f32_scores_kernel(interpret: bool):
         nvis = (tl.load(pos_ptr + t, mask=tm, other=-1).to(tl.int32) + 1) // ratio  # entries query t sees
         acc = tl.zeros((BC, BT), dtype=tl.float32)
         if tl.program_id(0) * BC < tl.max(nvis, axis=0):  # a key block no query sees is only -inf
-            k = tl.load(k_ptr + c[:, None] * DI + d[None, :], mask=cm[:, None], other=0.0)  # [BC, DI]
+            if OWN_KEYS:  # batched_index_scores (BT 1): query t0's keys are rows t0*C.. (64-bit: B*C*DI may pass 2^31)
+                krow = t0.to(tl.int64) * C + c
+            else:  # index_scores: every query scores the same C keys
+                krow = c
+            k = tl.load(k_ptr + krow[:, None] * DI + d[None, :], mask=cm[:, None], other=0.0)  # [BC, DI]
             q = tl.load(q_ptr + (t0 * H + j)[:, None] * DI + d[None, :], mask=jm[:, None], other=0.0)  # [BT*H, DI]
             dots = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BC, BT*H]: every head of BT queries at once
             w = tl.load(w_ptr + t0 * H + j, mask=jm, other=0.0)
@@ -513,12 +526,16 @@ def _f32_scores_kernel(interpret: bool):
     return f32_scores_kernel
 
 
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, ratio: int,
                   scale: float, cfg: F32ScoresConfig | None = None) -> torch.Tensor:  # fmt: skip
     """`index_scores` (q [T, H, di] f32, w [T, H], keys [C, di], positions [T]) -> S [T, C] f32 in one launch.
     Under the CPU interpreter (TRITON_INTERPRET=1) the dots are plain fp32 products."""
-    import os
-
     import triton
 
     t, h, di = q.shape
@@ -527,9 +544,30 @@ def triton_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, position
     s = torch.empty(t, c, dtype=torch.float32, device=q.device)
     if t and c:
         grid = (triton.cdiv(c, cfg.block_c), triton.cdiv(t, cfg.block_t))
-        _f32_scores_kernel(os.environ.get("TRITON_INTERPRET") == "1")[grid](
+        _f32_scores_kernel(_interpreted())[grid](
             q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
             t, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=cfg.block_t, PREC=cfg.precision,
+            OWN_KEYS=False, num_warps=cfg.warps)  # fmt: skip
+    return s
+
+
+def triton_batched_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
+                          ratio: int, scale: float, cfg: F32ScoresConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """`batched_index_scores` (q [B, H, di] f32, w [B, H], keys [B*C, di]: sequence b's keys are rows b*C..,
+    positions [B]) -> S [B, C] f32 in one launch; -inf where j >= (p_b+1)//ratio. cfg.block_t is ignored (one
+    query a CTA: no two queries share keys)."""
+    import triton
+
+    b, h, di = q.shape
+    assert b == 0 or keys.shape[0] % b == 0, f"keys {tuple(keys.shape)} is not B*C rows (B={b})"
+    c = keys.shape[0] // b if b else 0
+    cfg = cfg or f32_batched_scores_config(b, c, h)
+    s = torch.empty(b, c, dtype=torch.float32, device=q.device)
+    if b and c:
+        grid = (triton.cdiv(c, cfg.block_c), b)
+        _f32_scores_kernel(_interpreted())[grid](
+            q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
+            b, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=1, PREC=cfg.precision, OWN_KEYS=True,
             num_warps=cfg.warps)  # fmt: skip
     return s
 

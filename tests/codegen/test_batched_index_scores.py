@@ -1,0 +1,108 @@
+"""indexer_topk.triton_batched_scores: `batched_index_scores` (B sequences, query b against its own C keys, rows
+b*C.. of a [B*C, di] pool) on the f32 scores kernel. Oracles: a float64 loop over the sequences and heads
+(independent of the op's bmm), and the op's torch reference; the causal mask exactly (-inf where j >= (p_b+1)//ratio,
+finite elsewhere). The one-sequence kernel (shared keys) is checked to give the same bits as before at the row
+where both apply. CPU: the Triton interpreter and sm_90a builds; gpu: the compiled kernel at the bench's shape."""
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import indexer_topk as it
+from deepinfer.ir.ops.batched import BatchedIndexScores
+from tests.codegen._triton_aot import compile_sm90, spill_free
+
+SCALE = 128**-0.5
+
+
+def _inputs(b: int, c: int, positions: list[int], seed: int, h: int = 32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, 128, generator=g)
+    w = torch.randn(b, h, generator=g) * h**-0.5
+    keys = torch.randn(b * c, 128, generator=g)
+    pos = torch.tensor(positions, dtype=torch.long)
+    return q.to(device), w.to(device), keys.to(device), pos.to(device)
+
+
+def _oracle_f64(q, w, keys, pos, ratio: int, scale: float) -> torch.Tensor:
+    """Per sequence, per head: float64 dots against that sequence's own key rows."""
+    b = q.shape[0]
+    c = keys.shape[0] // b
+    out = torch.zeros(b, c, dtype=torch.float64)
+    for s in range(b):
+        own = keys[s * c : (s + 1) * c].double()
+        for h in range(q.shape[1]):
+            out[s] += (own @ q[s, h].double()).clamp(min=0) * scale * w[s, h].double()
+    vis = torch.arange(c) < ((pos + 1) // ratio).unsqueeze(-1)
+    return out.masked_fill(~vis, float("-inf"))
+
+
+def _check(s, ref, tol):
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(s)) and (s[~fin] == float("-inf")).all()
+    err = ((s.double() - ref.double())[fin].abs().max() / ref.double()[fin].abs().max()).item()
+    assert err < tol, err
+
+
+def _op_reference(q, w, keys, pos, ratio, scale):
+    return BatchedIndexScores.reference(q, w, keys, pos, ratio=ratio, scale=scale)
+
+
+# per-sequence positions: some see none of their keys, some all, some a partial block; C not a multiple of block_c
+@pytest.mark.parametrize("b,c,positions,ratio,block_c", [
+    (3, 150, [0, 149, 93], 1, 64),
+    (4, 70, [139, 2, 40, 1], 2, 64),
+    (2, 300, [299, 128], 1, 128),  # the prefill tile select_kernels may hand over
+])  # fmt: skip
+def test_interpreter_matches_f64_and_the_op(interpret, b, c, positions, ratio, block_c):
+    q, w, keys, pos = _inputs(b, c, positions, seed=b * c)
+    cfg = it.F32ScoresConfig(block_c=block_c, warps=8 if block_c == 128 else 4)
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=cfg)
+    assert s.shape == (b, c)
+    _check(s, _oracle_f64(q, w, keys, pos, ratio, SCALE), 1e-6)
+    _check(s, _op_reference(q, w, keys, pos, ratio, SCALE), 1e-6)
+
+
+def test_each_sequence_reads_only_its_own_keys(interpret):
+    """Sequence 1's keys replaced: only row 1 changes (an offset error -- shared or neighbouring keys -- fails)."""
+    q, w, keys, pos = _inputs(3, 64, [63, 63, 63], seed=7)
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE)
+    keys2 = keys.clone()
+    keys2[64:128] = torch.randn(64, 128, generator=torch.Generator().manual_seed(8))
+    s2 = it.triton_batched_scores(q, w, keys2, pos, ratio=1, scale=SCALE)
+    assert torch.equal(s[0], s2[0]) and torch.equal(s[2], s2[2]) and not torch.equal(s[1], s2[1])
+
+
+def test_one_sequence_is_the_shared_keys_kernel_bit_for_bit(interpret):
+    """B = 1: the batched kernel and the one-sequence kernel (index_scores' path, unchanged) give the same bits."""
+    q, w, keys, pos = _inputs(1, 130, [97], seed=3)
+    one = it.triton_scores(q, w, keys, pos, ratio=1, scale=SCALE, cfg=it.F32ScoresConfig(block_t=1))
+    assert torch.equal(it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE), one)
+
+
+def test_empty_batch():
+    q, w, keys, pos = _inputs(0, 8, [], seed=1)
+    assert it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE).shape == (0, 0)
+
+
+_SIG = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
+        "C": "i32", "scale": "fp32", "ratio": "i32"}  # fmt: skip
+
+
+@pytest.mark.parametrize("bc,warps", [(64, 4), (128, 8)])
+def test_compiles_for_hopper_with_tf32_wgmma(bc, warps):
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", _SIG,
+                               dict(H=32, DI=128, BC=bc, BT=1, PREC="tf32x3", OWN_KEYS=True), num_warps=warps)
+    assert spill_free(report), report
+    assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and ".f32.tf32.tf32" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,ratio", [(1024, 4), (4096, 1)])
+def test_cuda_kernel_at_batched_decode_dims(c, ratio):
+    """16 sequences at lengths spread over the cache (one at position 0: nothing visible yet)."""
+    b = 16
+    positions = [0] + [(c * ratio * (i + 1)) // b - 1 for i in range(b - 1)]
+    q, w, keys, pos = _inputs(b, c, positions, seed=c, device="cuda")
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE)
+    _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), pos.cpu(), ratio, SCALE), 1e-5)
+    _check(s.cpu(), _op_reference(q, w, keys, pos, ratio, SCALE).cpu(), 1e-5)
