@@ -253,6 +253,24 @@ def bind_compressor(c: _Ctx):
     return "compressor", "program", shape, {"block_g": 4 if t >= 64 else 1, "threads": 128}, ("threads",)
 
 
+def bind_batched_pair_compressor(c: _Ctx):
+    """batched_pair_compressor_keys (a graph bound after batch_decode; batch_decode itself keeps the one-sequence
+    node's "compressor" binding, whose adapters run this kernel too) -> pair_compressor's Triton kernel: one program
+    per sequence, so its config and every row's reductions are the same whatever B is."""
+    from deepinfer.codegen.kernels import pair_compressor
+
+    kv, wk = c.node.inputs[0], c.node.inputs[6]
+    (b, d), di, r = c.shape(kv), c.shape(wk)[0], c.node.attrs["rope_dim"]
+    cfg = pair_compressor.default_config(b, d, di)
+    if c.target.name not in ("sm90", "sm100"):
+        raise Fallback("the batched pair compressor kernel is Triton on CUDA")
+    try:
+        pair_compressor.check_shapes(d, di, r, cfg)
+    except AssertionError as e:
+        raise Fallback(f"batched pair compressor kernel: {e}") from None
+    return "pair_compressor", "triton", {"B": b, "d": d, "di": di}, asdict(cfg), ("out_block", "warps")
+
+
 SCORES_DECODE_MAX_T = 256  # up to this many queries the f32 scores kernel takes its decode tile
 # above it (prefill chunks) 128 keys x 8 warps a CTA: q's 3xTF32 split amortised over twice the keys. H200,
 # T8192 (session 6): 2.14 ms (C4096, ratio 2) / 4.00 ms (C8192, ratio 1) vs 3.07 / 5.74 ms at the decode tile and
@@ -387,6 +405,7 @@ BINDERS: dict[str, Callable] = {
     "engram_gate": bind_engram_gate,
     "pair_compressor_keys": bind_compressor,  # pooling + norm in the kernel; RoPE, wk GEMM, k_norm in torch
     "compressor_keys": bind_compressor,
+    "batched_pair_compressor_keys": bind_batched_pair_compressor,
     "index_scores": bind_index_scores,
     "topk_entries": bind_topk_entries,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes

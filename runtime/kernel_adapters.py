@@ -2170,6 +2170,44 @@ class IndexScoresAdapter:
         return [it.triton_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]), cfg=cfg)]
 
 
+class BatchedIndexScoresAdapter:
+    """batched_index_scores (the batched decode graph: f32 q [B, Hi, di], keys [B*C, di], sequence b's at rows
+    b*C..) on the same f32 Triton kernel with per-query keys (indexer_topk.triton_batched_scores: one query a CTA)
+    instead of the reference's bmm and [B, Hi, C] fp32 temporaries. The node keeps the one-sequence index_scores
+    binding (batch_decode keeps node names) or gets select_kernels' bind_batched_index_scores; either way its
+    block_c / warps / precision apply, block_t does not (no two queries share keys). CPU tensors: as
+    IndexScoresAdapter (the interpreter when asked, else the op's torch formula)."""
+
+    family = "indexer_topk"
+    ops = ("batched_index_scores",)
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        q, w, keys, _ = call.args
+        di = q.shape[-1]
+        if q.dim() != 3 or di & (di - 1) or di < 16 or q.dtype != torch.float32 or keys.dtype != torch.float32:
+            raise Decline(f"the f32 scores kernel takes f32 q [B, H, di] and keys with di a power of two >= 16 "
+                          f"(q {tuple(q.shape)} {q.dtype}, keys {keys.dtype})")  # fmt: skip
+        if q.shape[0] and keys.shape[0] % q.shape[0]:
+            raise Decline(f"keys {tuple(keys.shape)} is not B*C rows for B={q.shape[0]} sequences")
+        return []
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import indexer_topk as it
+
+        q, w, keys, pos = call.args
+        ratio, scale = int(call.attrs["ratio"]), float(call.attrs["scale"])
+        if not _triton_on(q):
+            from deepinfer.ir.ops.batched import batched_indexer_scores
+
+            return [batched_indexer_scores(q, w, keys, pos, ratio=ratio, scale=scale)[0]]
+        b = q.shape[0]
+        fields = {f.name for f in dataclasses.fields(it.F32ScoresConfig)} - {"block_t"}
+        cfg = dataclasses.replace(it.f32_batched_scores_config(b, keys.shape[0] // max(1, b), q.shape[1]),
+                                  **{k: v for k, v in call.config.items() if k in fields})  # fmt: skip
+        return [it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=scale, cfg=cfg)]
+
+
 # ---------------------------------------------------------------------------------------------- rope / engram
 
 
@@ -2328,6 +2366,52 @@ class CompressorKeysAdapter:
                                                       **kw))  # fmt: skip
 
 
+class BatchedPairCompressorAdapter:
+    """batched_pair_compressor_keys (batched decode: B sequences, each its own pending row and position): ONE Triton
+    launch (pair_compressor.triton_batched_pair_keys: the pair pooling, both RMSNorms, both RoPEs, the wk product,
+    the new states; fp32 as the op's reference) instead of its ~25 torch launches. No TileLang kernel (keys:
+    none). The batched graph keeps the one-sequence node's "compressor" binding (same node name), so the adapter
+    is listed under that family too. On CPU tensors the kernel runs under Triton's interpreter when the adapters'
+    interpreter is on, else the op's torch formula. Needs the runner's position bound (the rope table's rows)."""
+
+    family = "pair_compressor"
+    ops = ("batched_pair_compressor_keys",)
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        from deepinfer.codegen.kernels import pair_compressor
+
+        _cuda_only(call)
+        if MAX_POSITIONS not in call.cache:
+            raise Decline("the batched compressor's RoPE table needs the runner's position bound (max_positions)")
+        kv, wk = call.args[0], call.args[6]
+        try:
+            pair_compressor.check_shapes(kv.shape[-1], wk.shape[0], int(call.attrs["rope_dim"]), self._cfg(call))
+        except AssertionError as e:
+            raise Decline(f"batched pair compressor kernel: {e}") from None
+        return []
+
+    @staticmethod
+    def _cfg(call: Call):
+        from deepinfer.codegen.kernels import pair_compressor
+
+        base = pair_compressor.default_config(call.args[0].shape[0], call.args[0].shape[-1], call.args[6].shape[0])
+        fields = {f.name for f in dataclasses.fields(pair_compressor.Config)}
+        return dataclasses.replace(base, **{k: v for k, v in call.config.items() if k in fields})
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import pair_compressor
+        from deepinfer.ir.registry import get_op
+
+        kv, score, state_kv, state_score, pos, norm_w, wk, k_norm = call.args
+        if not _triton_on(kv):
+            return get_op(call.op).run(call.args, call.attrs)
+        table = rope_table(call, call.attrs, kv.device)
+        entry, keys, idx, new_kv, new_sc = pair_compressor.triton_batched_pair_keys(
+            kv, score, state_kv, state_score, pos, norm_w, wk, k_norm, table, eps=float(call.attrs["eps"]),
+            rope_dim=int(call.attrs["rope_dim"]), cfg=self._cfg(call))  # fmt: skip
+        return [entry.to(kv.dtype), keys.to(kv.dtype), idx, new_kv.to(state_kv.dtype), new_sc.to(state_score.dtype)]
+
+
 class EngramEmbedAdapter:
     """engram_embed: the FP8 table and its e8m0 scales as the kernel's exponent bytes (a view), int32 ids."""
 
@@ -2393,6 +2477,8 @@ class EngramGateAdapter:
         return [y[:t].to(x.dtype)]
 
 
+BATCHED_PAIR_COMPRESSOR = BatchedPairCompressorAdapter()
+
 ADAPTERS: dict[str, object] = {
     "fp8_gemm": (LinearFP8Adapter(), GroupedOutProjAdapter()),
     "rmsnorm_quant": RMSNormAdapter(),
@@ -2403,10 +2489,11 @@ ADAPTERS: dict[str, object] = {
     "engram": (EngramEmbedAdapter(), EngramGateAdapter()),
     "sparse_attn_decode": SparseAttnAdapter(),
     "topk_select": TopKEntriesAdapter(),
-    "compressor": CompressorKeysAdapter(),
+    "compressor": (CompressorKeysAdapter(), BATCHED_PAIR_COMPRESSOR),  # the batched graph keeps this binding
+    "pair_compressor": BATCHED_PAIR_COMPRESSOR,
     "act_quant": (FakeQuantAdapter(), DequantAdapter()),
     "cache_rows": ScatterRowsAdapter(),
-    "indexer_topk": IndexScoresAdapter(),
+    "indexer_topk": (IndexScoresAdapter(), BatchedIndexScoresAdapter()),
     "linear_bf16": LinearBF16Adapter(),
 }
 
