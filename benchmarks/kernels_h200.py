@@ -2796,6 +2796,81 @@ def grouped_out_proj_prefill_cases(quick: bool):
     return out
 
 
+# linear_fp8 at a prefill chunk just above a power of two (session 7): the adapter's SkipTiles form (the grouped
+# persistent program as one expert, the bucket's tiles past M skipped) vs fp8_gemm over the whole bucket
+# (DEEPINFER_DENSE_SKIP_TILES=0: the "vs eager" column = the speed-up over it). --only "dense skip tiles".
+def _skip_tiles_call(M: int, N: int, K: int, device: str):
+    from deepinfer.ir import dtypes as dt
+    from deepinfer.runtime import kernel_adapters as ka
+
+    attrs, names, params = {"block": 32, "act_group": 32}, ["x", "w", "s"], [False, True, True]
+    if device == "stub":
+        args = [torch.zeros(()).expand(M, K), torch.zeros((), dtype=torch.float8_e4m3fn).expand(N, K),
+                torch.zeros((), dtype=torch.float8_e8m0fnu).expand(N // 32, K // 32)]  # fmt: skip
+    else:
+        w, sw = quant_fp8_blocks(torch.randn(N, K, device=device) / K**0.5, 32)
+        args = [torch.randn(M, K, device=device), w, dt.float_to_e8m0(sw)]
+    return ka.Call("linear_fp8", attrs, args, names, params, {}, {})
+
+
+class _skip_tiles_env:
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        from deepinfer.runtime import kernel_adapters as ka
+
+        self.saved = os.environ.get(ka.SKIP_TILES_ENV)
+        os.environ[ka.SKIP_TILES_ENV] = "1" if self.on else "0"
+
+    def __exit__(self, *exc):
+        from deepinfer.runtime import kernel_adapters as ka
+
+        os.environ.pop(ka.SKIP_TILES_ENV)
+        if self.saved is not None:
+            os.environ[ka.SKIP_TILES_ENV] = self.saved
+
+
+def case_skip_tiles(row: Row, M: int, N: int, K: int, quick: bool, dry: bool):
+    """One linear_fp8 through LinearFP8Adapter with and without SkipTiles; checked against the op's reference (max
+    rel 2e-2) and each other. Flops and bytes count the M real rows."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    adapter = ka.adapter_for("fp8_gemm", "linear_fp8")
+    kern = {}
+    for on in (True, False):
+        with _skip_tiles_env(on), _emulate_plan():
+            keys = adapter.keys(_skip_tiles_call(M, N, K, "stub"))
+        assert (keys[0].family == "moe_grouped_gemm") == on, keys[0]
+        kern[on] = [build(ka._factory(k)) for k in keys]
+    row.flops, row.bytes_ = 2.0 * M * N * K, M * K * 4.0 + N * K + M * N * 2.0
+    if dry:
+        return
+    call = _skip_tiles_call(M, N, K, "cuda")
+    calls = {on: ka.Call(call.op, call.attrs, call.args, call.names, call.is_param, {}, {}) for on in (True, False)}
+    ys = {}
+    for on in (True, False):
+        with _skip_tiles_env(on):
+            ys[on] = adapter.run(calls[on], kern[on])[0]
+    ref = get_op("linear_fp8").run(call.args, call.attrs)[0]
+    row.check = f"{expect(rel_err(ys[True], ref), 2e-2)} (whole bucket {rel_err(ys[False], ref):.1e})"
+    with _skip_tiles_env(False):
+        row.eager_ms = bench(lambda: adapter.run(calls[False], kern[False]), quick)
+    with _skip_tiles_env(True):
+        row.ms = bench(lambda: adapter.run(calls[True], kern[True]), quick)
+
+
+def skip_tiles_cases(quick: bool):
+    """wq_b (N 32768, K 1280) and wo_b (N 5120, K 8192) at M 5000 (bucket 8192) and 2200 (bucket 4096)."""
+    out = []
+    for M in (5000,) if quick else (5000, 2200):
+        for N, K in ((HEADS * HEAD_DIM, Q_LORA), (HIDDEN, 8192)):
+            out.append(("dense skip tiles linear_fp8 g32", f"{M}x{N}x{K}",
+                        lambda r, q, d, M=M, N=N, K=K: case_skip_tiles(r, M, N, K, q, d)))  # fmt: skip
+    return out
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -2851,10 +2926,12 @@ def cases(quick: bool):
     out += decode_small_cases()
     out += moe_layout_cases()
     out += attn_cases(quick)
+    out += [] if quick else attn_s7_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)
     out += grouped_out_proj_prefill_cases(quick)
+    out += skip_tiles_cases(quick)
     return out
 
 
