@@ -1510,7 +1510,7 @@ class MoEGroupedAdapter:
 
     def _run_contiguous_fp8(self, call: Call, p: _MoEPlan, kernels: list, shared: Callable | None = None):
         """The routed experts on the contiguous layout; shared(): the shared expert's output, issued right after the
-        w1|w3 launch so that its host work (three dense GEMM plans, quantisations) runs while that GEMM does (issued
+        w1|w3 launch so that its host work (its GEMM plans and quantisations) runs while that GEMM does (issued
         first, the GPU idled between its small launches: H200 EP8 stage split, session 6), then added to the
         un-permute's sums."""
         t, d, inter, e, block, idx = self._shapes(call)
