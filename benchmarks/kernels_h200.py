@@ -1255,6 +1255,56 @@ def shared_prefill_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- batched compressor
+# `--only "batched pair_compressor_keys"`: batched decode's ratio-2 compressor + index keys (B sequences, one token
+# each, each its own pending row and position) on pair_compressor.triton_batched_pair_keys (one launch) against the
+# op's torch reference (eager column: ~25 launches; 1.206 ms of executor time at B 16 in session 7). V4.1: d 512,
+# di 128, RoPE 64; positions around 4k, half of them closing a pair. Device time, CUDA graph.
+
+
+def case_batched_pair_keys(row: Row, B: int, quick: bool, dry: bool, cfg=None):
+    """Check: entry / keys within 1e-5 of the reference (fp32 both), entry_idx and the new states exactly."""
+    from deepinfer.codegen.kernels import pair_compressor, rope
+    from deepinfer.ir.ops.attention import rope_inv_freq
+    from deepinfer.ir.registry import get_op
+
+    d, di, r = 512, IDX_DIM, 64
+    row.bytes_, row.flops = pair_compressor.roofline(B, d, di, r)
+    if dry:
+        return
+    ra = {"rope_dim": r, "theta": 160000.0, "yarn_factor": 16.0, "yarn_orig_len": 65536, "beta_fast": 32.0,
+          "beta_slow": 1.0}  # fmt: skip
+    table = rope.cos_sin_table(8192, rope_inv_freq(*ra.values())).cuda()
+    kv, score, skv, ssc = (torch.randn(B, d, device="cuda") for _ in range(4))
+    norm, k_norm = torch.rand(d, device="cuda").bfloat16() + 0.5, torch.rand(di, device="cuda").bfloat16() + 0.5
+    wk = (torch.randn(di, d, device="cuda") / d**0.5).bfloat16()
+    pos = 4095 + torch.arange(B, device="cuda") % 7
+    args = [kv, score, skv, ssc, pos, norm, wk, k_norm]
+
+    def run():
+        return pair_compressor.triton_batched_pair_keys(*args, table, eps=1e-6, rope_dim=r, cfg=cfg)
+
+    got, ref = run(), get_op("batched_pair_compressor_keys").run(args, {"eps": 1e-6, **ra})
+    if any(not torch.equal(a, b) for a, b in zip(got[2:], ref[2:])):
+        raise AssertionError("entry_idx / the new states differ from the reference")
+    row.check = expect(max(rel_err(a, b) for a, b in zip(got[:2], ref[:2])), 1e-5)
+    row.ms = bench_device(run, quick)
+    row.eager_ms = bench_device(lambda: get_op("batched_pair_compressor_keys").run(args, {"eps": 1e-6, **ra}), quick)
+
+
+def batched_pair_keys_cases():
+    from deepinfer.codegen.kernels import pair_compressor
+
+    out = []
+    for B in (16, 64, 256):
+        out.append(("batched pair_compressor_keys", f"B{B} d512 di128",
+                    lambda r, q, d, B=B: case_batched_pair_keys(r, B, q, d)))  # fmt: skip
+    wide = pair_compressor.Config(out_block=32, warps=8)  # half the keys-product steps, twice the threads
+    out.append(("batched pair_compressor_keys ob32w8", "B64 d512 di128",
+                lambda r, q, d: case_batched_pair_keys(r, 64, q, d, wide)))  # fmt: skip
+    return out
+
+
 ATTN_POOL = 1 << 18  # KV pool rows the decode attention cases gather from (256K)
 ATTN_BATCHES = (128, 64, 256, 16, 1)  # the issue's shapes first: a failure further down costs less
 _ATTN_PREBUILT = [False]
@@ -2896,6 +2946,7 @@ def cases(quick: bool):
     )
     out += grouped_cases(quick)
     out += shared_prefill_cases()
+    out += batched_pair_keys_cases()
     if not quick:  # a small sweep: what the autotuner would search
         for cfg in fp8_gemm.config_space(4096, 32768, 1280, 32)[::6][:8]:
             out.append(
