@@ -72,6 +72,27 @@ def test_interpreter_wide_out_block_and_no_closing_row(interpret):
     assert not got[0].abs().any() and (got[2] == -1).all()
 
 
+def _one_sequence_kernel(args, rope_attrs):
+    """Each sequence through the one-sequence op's kernel (compressor.triton_compressor_keys at T = 1)."""
+    from deepinfer.codegen.kernels import compressor
+
+    kv, score, skv, ssc, pos, norm, wk, k_norm = args
+    table = _table(rope_attrs, kv.device)
+    outs = [compressor.triton_compressor_keys(kv[b : b + 1], pos[b : b + 1], norm, wk, k_norm, table, eps=EPS,
+                                              rope_dim=rope_attrs["rope_dim"], score=score[b : b + 1],
+                                              state_kv=skv[b : b + 1], state_score=ssc[b : b + 1])
+            for b in range(kv.shape[0])]  # fmt: skip
+    return [torch.cat(parts) for parts in zip(*outs)]
+
+
+def test_interpreter_equals_the_one_sequence_kernel_bitwise(interpret):
+    """Row b is what the one-sequence graph's kernel gives sequence b alone, bit for bit (the same per-row
+    arithmetic in the same order): the batched graph at B = 1 keeps the one-sequence graph's numbers."""
+    args = _case(POSITIONS, 64, 32, seed=6)
+    for got, want in zip(_kernel(args, ROPE), _one_sequence_kernel(args, ROPE)):
+        assert torch.equal(got, want)
+
+
 def test_kernel_reference_matches_the_op():
     """The kernel file's own torch formula (on the cos | sin table) is the op's numbers."""
     args = _case(POSITIONS, 64, 32, seed=3)
@@ -160,7 +181,8 @@ def test_binder_binds_the_batched_op_on_cuda_targets_only():
 @pytest.mark.gpu
 def test_cuda_kernel_at_v41_dims():
     """B 64 sequences at V4.1's dims, positions around 4k (half close a pair), vs the op's reference on the GPU;
-    then a CUDA graph replay of the launch gives the same outputs (no host work in it)."""
+    then a CUDA graph replay of the launch gives the same outputs (no host work in it); each row equals the
+    one-sequence kernel's result for that sequence bit for bit."""
     rope_attrs = {**ROPE, "rope_dim": 64}
     positions = [4095 + (i % 3) + 2 * (i % 5) for i in range(64)]
     args = _case(positions, 512, 128, seed=5, device="cuda")
@@ -174,3 +196,5 @@ def test_cuda_kernel_at_v41_dims():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, ref)
+    for got, want in zip(run(), _one_sequence_kernel(args, rope_attrs)):  # the one-sequence kernel's bits
+        assert torch.equal(got, want)
