@@ -296,6 +296,22 @@ def bind_index_scores(c: _Ctx):
         "precision", "block_c", "warps")
 
 
+def bind_batched_index_scores(c: _Ctx):
+    """batched_index_scores (a graph bound after batch_decode; batch_decode itself keeps the one-sequence node's
+    index_scores binding, whose family runs this op too) -> the same f32 Triton kernel with per-query keys
+    (triton_batched_scores): one query a CTA, so a sequence's scores do not depend on B; the decode tile."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+
+    q, _, keys, _ = c.node.inputs
+    b, h, di = c.shape(q)
+    if c.target.name not in ("sm90", "sm100") or di & (di - 1):
+        raise Fallback(f"the f32 scores kernel is Triton on CUDA with di a power of two (di={di})")
+    n = c.shape(keys)[0] // max(1, b)
+    dflt = it.f32_batched_scores_config(b, n, h)
+    cfg = {"precision": "tf32x3", "block_c": dflt.block_c, "warps": dflt.warps}
+    return "indexer_topk", "triton_batched_scores", {"B": b, "C": n, "di": di}, cfg, ("precision", "block_c", "warps")
+
+
 LINEAR_BF16_MAX_T = 256  # decode `linear` (f32 x, bf16 weight) on linear_bf16's Triton kernel up to this many rows
 LINEAR_BF16_MAX_WEIGHT = 1 << 24  # larger weights (the head) keep the reference's three-term cuBLAS split
 
@@ -415,6 +431,7 @@ BINDERS: dict[str, Callable] = {
     "scatter_rows": bind_scatter_rows,  # pre_program's coefficients (its collapse output unused)
     "hc_post": bind_hc_post,
     "hc_post_pre_collapse": bind_hc_post_pre,  # V4.1: post_program then pre_program
+    "batched_index_scores": bind_batched_index_scores,  # a batched graph bound by select_kernels itself
 }
 
 

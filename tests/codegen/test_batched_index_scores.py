@@ -84,6 +84,52 @@ def test_empty_batch():
     assert it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE).shape == (0, 0)
 
 
+def test_adapter_runs_the_kernel_with_the_bindings_tile(interpret, monkeypatch):
+    """The executor's path: adapter_for(the index_scores binding's family, the batched op) -> the kernel, with the
+    binding's block_c / warps / precision, block_t (a one-sequence tile field) ignored; the op's numbers."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    seen = []
+    kernel = it.triton_batched_scores
+    monkeypatch.setattr(it, "triton_batched_scores", lambda *a, **k: seen.append(k["cfg"]) or kernel(*a, **k))
+    q, w, keys, pos = _inputs(3, 80, [79, 30, 159], seed=5)
+    attrs = {"ratio": 2, "scale": SCALE}
+    a = ka.adapter_for("indexer_topk", "batched_index_scores")
+    assert isinstance(a, ka.BatchedIndexScoresAdapter)
+    cfg = {"precision": "tf32x3", "block_c": 128, "warps": 8, "block_t": 4}
+    call = ka.Call("batched_index_scores", attrs, [q, w, keys, pos], ["q", "w", "k", "p"], [False] * 4, cfg)
+    assert a.keys(call) == []
+    s = a.run(call, [])[0]
+    assert seen and (seen[0].block_c, seen[0].warps, seen[0].block_t) == (128, 8, 1)
+    _check(s, _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)
+    bad = ka.Call("batched_index_scores", attrs, [q, w, keys[:-1], pos], ["q", "w", "k", "p"], [False] * 4, cfg)
+    with pytest.raises(ka.Decline):
+        a.keys(bad)
+
+
+def test_batched_graph_nodes_reach_the_kernel():
+    """batch_decode keeps the one-sequence index_scores bindings (node names kept): their family must have an
+    adapter for batched_index_scores; select_kernels run on the batched graph binds the batched program."""
+    from deepinfer.compiler import compile_model
+    from deepinfer.passes.batch_decode import batch_decode
+    from deepinfer.passes.select_kernels import select_kernels
+    from deepinfer.runtime import kernel_adapters as ka
+
+    bg = batch_decode(compile_model("deepseek-v4.1-flash:tiny", "sm90").plan.graph)
+    names = [n.outputs[0].name for n in bg.nodes if n.op == "batched_index_scores"]
+    assert names
+    for name in names:
+        for b in bg.meta["kernels"]["nodes"][name]["buckets"].values():
+            assert isinstance(ka.adapter_for(b["family"], "batched_index_scores"), ka.BatchedIndexScoresAdapter)
+    rebound = select_kernels(bg, target="sm90", buckets={"b16": {"T": 16}, "b64": {"T": 64}})
+    for name in names:
+        for b in rebound.meta["kernels"]["nodes"][name]["buckets"].values():
+            assert (b["family"], b["program"]) == ("indexer_topk", "triton_batched_scores"), b
+    assert "batched_index_scores" not in rebound.meta["kernels"]["fallback"]
+
+
 _SIG = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
         "C": "i32", "scale": "fp32", "ratio": "i32"}  # fmt: skip
 
