@@ -198,7 +198,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan)  # a plan runs on the target it was compiled for
         llm = LLM(plan=plan, target=plan.target, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+                  cuda_graphs=not args.no_cuda_graphs,
+                  batched_decode=False if args.no_batched_decode else None)  # fmt: skip
     else:
         args.target, args.dump_ir = "cpu", None
         plan = _compile(args)
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
     r.add_argument("--no-cuda-graphs", action="store_true",
                    help="sm90 plans: run decode steps eagerly instead of replaying CUDA graphs")  # fmt: skip
+    r.add_argument("--no-batched-decode", action="store_true",
+                   help="sm90 plans: decode each sequence with its own one-sequence steps instead of one batched "
+                   "step for all (the default; also DEEPINFER_BATCHED_DECODE=0)")  # fmt: skip
     r.set_defaults(func=cmd_run)
 
     t = sub.add_parser("tune", help="autotune kernels for a target and fill the tuning database")

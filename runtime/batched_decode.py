@@ -22,10 +22,12 @@ rewrites a row of its own with its current value, a fixed-shape index_copy_ with
 the executor's step writes the same rows with the same values (the compressor states are its functional
 outputs), so per-layer CUDA-graph replays of one step (benchmarks) stay idempotent.
 
-BatchedDecodeGraphs is cuda_graphs.DecodeGraphs' counterpart for the engine (CudaRunner(batched_decode=True) or
-DEEPINFER_BATCHED_DECODE=1): one captured batched step per bucket instead of a chain of single-token steps.
-It is opt-in: its logits equal the single-token steps' only to fp32/kernel rounding at B > 1 (the GEMMs run at
-M = B), where the engine's tests ask the decode path for the same bits as the one-sequence forward.
+BatchedDecodeGraphs is cuda_graphs.DecodeGraphs' counterpart and the engine's default decode path (CudaRunner;
+batched_decode=False or DEEPINFER_BATCHED_DECODE=0 chains single-token steps instead): one captured batched
+step per bucket instead of a chain of single-token steps. Its logits equal the single-token steps' bit for bit
+at B = 1 and to fp32/kernel rounding at B > 1 (the GEMMs run at M = B): a sequence's logits depend, at rounding
+level, on the bucket it was decoded in; the greedy tokens are the same (tests/runtime/test_batched_decode.py,
+test_cuda_graphs.py; gpu_e2e.py on the tiny V4.1).
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class BatchedDecodeGraphs:
         self.backend = backend if self.off_reason is None else None
         self.graphs: dict[int, tuple] = {}
         self.failed: dict[int, str] = {}
+        self.blocked: str | None = None  # DecodeGraphs' interface: here host reads are checked per bucket (failed)
         self.memo: dict = {}
         self.replays = {b: 0 for b in self.buckets}
         self.capture_s: dict[int, float] = {}

@@ -15,7 +15,9 @@ disabled and its nodes fall back, also counted.
 The graph is one sequence per call (as the interpreter). The engine's KV cache manager keeps its pools on the
 runner's device, so ``forward`` copies nothing between host and device but the tokens, the positions and the
 logits rows that are sampled. Decode steps (T=1) go through ``decode``: static slots replayed as CUDA graphs
-per batch-size bucket (runtime/cuda_graphs.py), eager where capture is off or failed (the report says why).
+per batch-size bucket, by default one batched step for all the bucket's sequences (runtime/batched_decode.py),
+else a chain of one-sequence steps (runtime/cuda_graphs.py), eager where capture is off or failed (the report
+says why).
 T=1 steps run the sync-free references (GraphExecutor(sync_free=True)); the rope tables are sized by
 max_model_len instead of the positions' maximum. Batched paged kernels replace the per-sequence graph later
 without changing the seam (runtime/executor.py's ModelRunner).
@@ -53,9 +55,12 @@ from deepinfer.runtime import kernel_adapters as ka
 # The norm-wise bound leaves room for the grouped MoE, which rounds two activations to e4m3 (x and the SwiGLU
 # output; ~3.6% rms relative each, so ~5% together: 5.6% measured on the tiny V4.1 plan's experts, D=64).
 VERIFY_TOL = 0.1
-BATCHED_DECODE_ENV = "DEEPINFER_BATCHED_DECODE"  # 1: CudaRunner decodes with one batched step per bucket
 VERIFY_TOL_FP8 = 0.25
 VERIFY_L2 = 0.08
+
+# CudaRunner's decode path when batched_decode is not given: unset or 1 -- one batched step for every decoding
+# sequence (runtime/batched_decode.py, the default); 0 -- a chain of one-sequence steps (cuda_graphs.DecodeGraphs)
+BATCHED_DECODE_ENV = "DEEPINFER_BATCHED_DECODE"
 
 
 class CudaUnavailableError(DeepInferError):
@@ -505,12 +510,25 @@ def restack_experts(g: Graph, params: dict[str, torch.Tensor]) -> int:
     return done
 
 
+def batched_decode_from_env() -> bool:
+    """BATCHED_DECODE_ENV: unset or "1" batches decode (the default), "0" chains one-sequence steps."""
+    value = os.environ.get(BATCHED_DECODE_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise DeepInferError(f"{BATCHED_DECODE_ENV}={value!r}: expected 0 (one-sequence steps) or 1 (batched)")
+    return value != "0"
+
+
 class CudaRunner:
     """ModelRunner for ``sm90`` plans (runtime/executor.py's seam).
 
     ``max_model_len`` (the engine passes it): every sequence's dense caches are sized by it (prefill and decode
     alike, so a decode step has one shape and graphs on / off compute the same numbers), the rope tables too,
-    and ``decode`` is available (static slots, CUDA graphs per bucket when ``cuda_graphs``)."""
+    and ``decode`` is available (static slots, CUDA graphs per bucket when ``cuda_graphs``).
+
+    ``batched_decode`` (None: BATCHED_DECODE_ENV, on unless 0): ``decode`` runs the decoding sequences as ONE
+    batched step (runtime/batched_decode.py: every weight read once per step, whatever the batch); False chains
+    one-sequence steps (cuda_graphs.DecodeGraphs). The batched step's logits equal the one-sequence steps' to
+    GEMM rounding at B > 1 (the GEMMs run at M = B), bit for bit at B = 1; see docs/batched-decode.md."""
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], device: str = "cuda", *,
                  kernels: KernelCache | None = None, verify: bool = True, max_model_len: int | None = None,
@@ -529,16 +547,33 @@ class CudaRunner:
         self.cache_names = [e["name"] for e in g.meta.get("caches", [])]
         self.cache_len = max_model_len  # the executor sizes every dense cache by it
         self.graphs = None
-        if batched_decode is None:
-            batched_decode = os.environ.get(BATCHED_DECODE_ENV, "") == "1"
-        if max_model_len and batched_decode:  # one batched step per bucket (runtime/batched_decode.py; opt-in)
-            from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+        self.batched_off: str | None = None  # why decode chains one-sequence steps (None: it batches)
+        if max_model_len:
+            kw = {"enabled": cuda_graphs, "buckets": buckets, "backend": graph_backend}
+            self.graphs = self._batched_graphs(g, dev_params, max_model_len, batched_decode, kw)
+            if self.graphs is None:
+                self.graphs = cg.DecodeGraphs(self.exec, self.graph, max_model_len, self.device, **kw)
 
-            self.graphs = BatchedDecodeGraphs(self.exec, g, dev_params, max_model_len, self.device,
-                                              enabled=cuda_graphs, buckets=buckets, backend=graph_backend)  # fmt: skip
-        elif max_model_len:
-            self.graphs = cg.DecodeGraphs(self.exec, self.graph, max_model_len, self.device, enabled=cuda_graphs,
-                                          buckets=buckets, backend=graph_backend)  # fmt: skip
+    def _batched_graphs(self, g: Graph, dev_params, max_model_len: int, asked: bool | None, kw: dict):
+        """The default decode path: one batched step per bucket (runtime/batched_decode.py), or None with
+        ``batched_off`` saying why not. Asked for explicitly (batched_decode=True), a graph that batch_decode
+        cannot rewrite raises; by default that graph falls back to the one-sequence steps."""
+        from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+
+        if asked is None:
+            asked, explicit = batched_decode_from_env(), False
+        else:
+            explicit = True
+        if not asked:
+            self.batched_off = "off (batched_decode=False)" if explicit else f"off ({BATCHED_DECODE_ENV}=0)"
+            return None
+        try:
+            return BatchedDecodeGraphs(self.exec, g, dev_params, max_model_len, self.device, **kw)
+        except IRError as e:
+            if explicit:
+                raise
+            self.batched_off = f"off (batch_decode cannot rewrite this graph: {cg._one_line(e)})"
+            return None
 
     @property
     def selects_logit_rows(self) -> bool:
@@ -569,11 +604,14 @@ class CudaRunner:
         return logits.float().cpu(), new
 
     def decode(self, tokens: list[int], positions: list[int], fill):
-        """len(tokens) single-token steps (see cuda_graphs.DecodeGraphs.run)."""
+        """One token for each of len(tokens) sequences: one batched step (BatchedDecodeGraphs.run) or a chain
+        of single-token steps (cuda_graphs.DecodeGraphs.run)."""
         return self.graphs.run(tokens, positions, fill)
 
     def report(self) -> str:
         text = self.exec.report()
         if self.logit_rows_off:
             text += f"\nlogits of every row (no row selection: {self.logit_rows_off})"
+        if self.batched_off:
+            text += f"\nbatched decode: {self.batched_off}; decode chains one-sequence steps"
         return text + ("\n" + self.graphs.report() if self.graphs is not None else "")

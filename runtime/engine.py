@@ -44,7 +44,9 @@ class EngineConfig:
     overlap: bool = True  # schedule step N+1 on a thread while step N runs
     seed: int = 0  # draws the seeds of requests that bring none
     cuda_graphs: bool = True  # sm90: decode steps replay CUDA graphs per batch-size bucket (runtime/cuda_graphs.py)
-    batched_decode: bool | None = None  # sm90: one batched step for all decoding sequences (None: the env var)
+    # sm90: one batched step for all decoding sequences (the default; None: DEEPINFER_BATCHED_DECODE, on unless 0);
+    # False: a chain of one-sequence steps (runtime/cuda_executor.py's CudaRunner)
+    batched_decode: bool | None = None
     kv_cache_device: str | None = None  # None: the runner's device (cuda for sm90); "cpu": host-resident pools
 
 
@@ -356,7 +358,7 @@ def _runner(plan: Plan, params: dict, config: EngineConfig | None = None, max_mo
     from deepinfer.runtime.cuda_executor import CudaRunner
 
     graphs = config.cuda_graphs if config is not None else True
-    batched = config.batched_decode if config is not None else None  # runtime/batched_decode.py (opt-in)
+    batched = config.batched_decode if config is not None else None  # runtime/batched_decode.py (the default)
     return CudaRunner(plan.graph, params, max_model_len=max_model_len, cuda_graphs=graphs, batched_decode=batched)
 
 

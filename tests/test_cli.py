@@ -138,6 +138,29 @@ def test_run_input_jsonl_to_output_jsonl_with_progress_and_summary(tmp_path, cap
     assert "4 requests:" in cap.out and "tok/s" in cap.out
 
 
+def test_run_no_batched_decode_reaches_the_engine(monkeypatch, capsys):
+    """`run PLAN --no-batched-decode` builds the engine with batched_decode=False (the one-sequence decode steps);
+    without the flag the engine's default (None: batched unless DEEPINFER_BATCHED_DECODE=0)."""
+    from types import SimpleNamespace
+
+    from deepinfer.errors import DeepInferError
+    from deepinfer.runtime import engine
+    from deepinfer.runtime import plan as plan_mod
+
+    seen: list[dict] = []
+
+    def engine_spy(**kw):
+        seen.append(kw)
+        raise DeepInferError("stopped after the engine's arguments")
+
+    monkeypatch.setattr(plan_mod, "load_plan", lambda path: SimpleNamespace(target="sm90"))
+    monkeypatch.setattr(engine, "LLM", engine_spy)
+    for flags, want in (([], None), (["--no-batched-decode"], False)):
+        assert main(["run", "a-plan", "--prompt", "Hi", *flags]) == 2
+        assert "stopped after the engine's arguments" in _one_line_error(capsys)
+        assert seen[-1]["batched_decode"] is want and seen[-1]["cuda_graphs"] is True
+
+
 def test_sm90_plan_compiles_here_and_refuses_to_run_without_a_gpu(tmp_path, capsys):
     plan = tmp_path / "plan90"
     # --kernels none: building the bound kernels with nvcc takes ~2 min on CI's 2 cores and is covered by

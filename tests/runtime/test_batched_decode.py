@@ -221,19 +221,21 @@ def _llm(model, **runner_kw):
     return llm
 
 
-def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41):
-    """The engine's decode path through BatchedDecodeGraphs (emulated graph backend): the same greedy tokens as
-    the chained single-token steps; one sequence (bucket 1, captured and replayed) gives the same bits, two
-    (bucket 2) logits within fp32 rounding -- that bucket stays eager, its reason named (the tiny MoE reference
-    reads its routing on the host at T > 1)."""
+def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41, monkeypatch):
+    """The engine's default decode path, BatchedDecodeGraphs (emulated graph backend), against the chained
+    single-token steps (batched_decode=False): the same greedy tokens; one sequence (bucket 1, captured and
+    replayed) gives the same bits, two (bucket 2) logits within fp32 rounding -- that bucket stays eager, its
+    reason named (the tiny MoE reference reads its routing on the host at T > 1)."""
     from deepinfer.runtime import cuda_graphs as cg
     from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
 
     from .conftest import prompts_of_lengths
 
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
     prompts = prompts_of_lengths([5, 3], seed=11)
-    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False), prompts, 3)
-    llm = _llm(tiny_v41, batched_decode=True, buckets=(1, 2), graph_backend=cg.EmulatedGraphBackend())
+    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False, batched_decode=False), prompts, 3)
+    llm = _llm(tiny_v41, buckets=(1, 2), graph_backend=cg.EmulatedGraphBackend())  # the default path
     dg = llm.executor.runner.graphs
     assert isinstance(dg, BatchedDecodeGraphs)
     got_tokens, got = _greedy_rows(llm, prompts[:1], 3)  # two decode steps: capture, then a replay
@@ -248,20 +250,65 @@ def test_engine_with_batched_decode_graphs_keeps_its_outputs(tiny_v41):
     assert llm.kv.num_used_blocks == 0 and llm.kv.num_used_slots == 0
 
 
+def test_decode_path_default_env_and_fallback(tiny_v41, monkeypatch):
+    """Which decode path CudaRunner takes: batched by default and with DEEPINFER_BATCHED_DECODE=1; the chained
+    one-sequence steps with =0 or batched_decode=False (the argument wins over the variable); any other value is
+    an error naming it. A graph batch_decode cannot rewrite falls back to the one-sequence steps by default, the
+    report saying why, and raises where batched_decode=True asked for it."""
+    from deepinfer.errors import DeepInferError, IRError
+    from deepinfer.runtime import batched_decode as bd
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV, CudaRunner
+
+    def runner(**kw):
+        return CudaRunner(tiny_v41.plan.graph, tiny_v41.params, device="cpu", max_model_len=16, **kw)
+
+    def path(r) -> str:
+        return {bd.BatchedDecodeGraphs: "batched", cg.DecodeGraphs: "single"}[type(r.graphs)]
+
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
+    default = runner()
+    assert path(default) == "batched" and default.batched_off is None
+    assert "one batched step per bucket" in default.report() and "batched decode: off" not in default.report()
+    assert path(runner(batched_decode=False)) == "single"
+    assert "batched decode: off (batched_decode=False)" in runner(batched_decode=False).report()
+    monkeypatch.setenv(BATCHED_DECODE_ENV, "1")
+    assert path(runner()) == "batched"
+    monkeypatch.setenv(BATCHED_DECODE_ENV, "0")
+    off = runner()
+    assert path(off) == "single" and f"batched decode: off ({BATCHED_DECODE_ENV}=0)" in off.report()
+    assert path(runner(batched_decode=True)) == "batched"
+    monkeypatch.setenv(BATCHED_DECODE_ENV, "yes")
+    with pytest.raises(DeepInferError, match=f"{BATCHED_DECODE_ENV}='yes'"):
+        runner()
+    monkeypatch.delenv(BATCHED_DECODE_ENV)
+
+    def cannot(g, **kw):
+        raise IRError("batch_decode: n7 reads %positions (stand-in)")
+
+    monkeypatch.setattr(bd, "batch_decode", cannot)
+    fallback = runner()
+    assert path(fallback) == "single" and "stand-in" in fallback.batched_off and "stand-in" in fallback.report()
+    with pytest.raises(IRError, match="stand-in"):
+        runner(batched_decode=True)
+
+
 @pytest.mark.gpu
-def test_gpu_engine_with_batched_decode_graphs(sm90_tiny):
-    """The engine on the H200 with LLM(batched_decode=True) (tiny V4.1 sm90 plan): one sequence (bucket 1, captured,
-    replayed; the capture's replay checked against its eager step) gives the default decode path's greedy tokens;
-    five sequences (batched steps of up to 5, larger buckets eager where tiny's MoE layout reads the host) all
-    finish with their 8 tokens. Their tokens are not compared with the default path's: at T > 1 the MoE kernel
-    takes tiny's experts that it declines at T = 1, and tiny's logits move by ~0.5 of their max on such a format
-    difference (test_batched_step_with_emulated_kernels); the batched step's numbers are checked there and in
-    test_gpu_batched_step."""
+def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
+    """The engine on the H200 with its default decode path, the batched step (tiny V4.1 sm90 plan): one sequence
+    (bucket 1, captured, replayed; the capture's replay checked against its eager step) gives the one-sequence
+    path's (batched_decode=False) greedy tokens; five sequences (one batched step of 5 per token, bucket 8) all
+    finish with their 8 tokens. Their tokens are not compared with the one-sequence path's: at T > 1 the MoE
+    kernel takes tiny's experts that it declines at T = 1, and tiny's logits move by ~0.5 of their max on such a
+    format difference (test_batched_step_with_emulated_kernels); the batched step's numbers are checked there and
+    in test_gpu_batched_step."""
     from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
     from deepinfer.runtime.engine import LLM
 
     from .conftest import prompts_of_lengths
 
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
     plan, params = sm90_tiny
     one = prompts_of_lengths([7], seed=1, vocab=120000)
     five = prompts_of_lengths([5, 9, 3, 12, 7], seed=2, vocab=120000)
@@ -270,12 +317,12 @@ def test_gpu_engine_with_batched_decode_graphs(sm90_tiny):
         return LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
                    overlap=False, **kw)  # fmt: skip
 
-    want_tokens, want = _greedy_rows(llm(), one, 6)
-    batched = llm(batched_decode=True)
+    want_tokens, want = _greedy_rows(llm(batched_decode=False), one, 6)
+    batched = llm()  # the default
     got_tokens, got = _greedy_rows(batched, one, 6)
     dg = batched.executor.runner.graphs
     print(batched.executor.runner.report())
-    print("one sequence, rows vs the default path:", [f"{_rel(got[k], want[k]):.1e}" for k in sorted(want)])
+    print("one sequence, rows vs the one-sequence path:", [f"{_rel(got[k], want[k]):.1e}" for k in sorted(want)])
     assert isinstance(dg, BatchedDecodeGraphs) and 1 in dg.graphs and dg.replays[1] >= 4, dg.report()
     assert got_tokens == want_tokens
     outs = batched.generate(five, _greedy_params(8))
@@ -369,19 +416,22 @@ def test_gpu_attention_kernel_over_flat_pools():
 
 def test_sm90_engine_with_batched_decode_and_emulated_kernels(sm90_tiny, monkeypatch):
     """The GPU engine test's path on the CPU: the tiny V4.1 sm90 plan's engine with every kernel emulated at its
-    formats and emulated CUDA graphs, LLM(batched_decode=True) against the default decode path: one sequence (bucket
-    1: captured, replayed) gives the same tokens and the same logits bit for bit; five sequences all finish."""
+    formats and emulated CUDA graphs, the default decode path (batched) against the one-sequence path
+    (batched_decode=False): one sequence (bucket 1: captured, replayed) gives the same tokens and the same logits
+    bit for bit; five sequences all finish."""
     from unittest import mock
 
     from deepinfer.runtime import cuda_graphs as cg
     from deepinfer.runtime import engine
     from deepinfer.runtime import kernel_adapters as ka
-    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
+    from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV, CudaRunner, KernelCache
 
     from .conftest import prompts_of_lengths
 
     plan, params = sm90_tiny
     monkeypatch.setattr(ka, "EMULATE", True)
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
 
     def runner(plan_, params_, config, max_model_len):
         return CudaRunner(plan.graph, params, device="cpu", kernels=KernelCache(builder=_stand_in),
@@ -395,10 +445,12 @@ def test_sm90_engine_with_batched_decode_and_emulated_kernels(sm90_tiny, monkeyp
             return engine.LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=32,
                               max_num_seqs=8, overlap=False, **kw)  # fmt: skip
 
-        want_tokens, want = _greedy_rows(llm(), one, 4)
-        batched = llm(batched_decode=True)
+        single = llm(batched_decode=False)
+        want_tokens, want = _greedy_rows(single, one, 4)
+        batched = llm()
         got_tokens, got = _greedy_rows(batched, one, 4)
         dg = batched.executor.runner.graphs
+        assert isinstance(dg, BatchedDecodeGraphs) and isinstance(single.executor.runner.graphs, cg.DecodeGraphs)
         assert got_tokens == want_tokens and all(torch.equal(got[k], want[k]) for k in want)
         assert 1 in dg.graphs and dg.replays[1] >= 2, dg.report()
         outs = batched.generate(prompts_of_lengths([5, 9, 3], seed=2, vocab=120000), _greedy_params(4))

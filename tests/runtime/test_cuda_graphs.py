@@ -314,11 +314,15 @@ def _rows(record):
 PROMPTS = prompts_of_lengths([5, 3], seed=11)
 
 
+SINGLE = {"batched_decode": False}  # the chained one-sequence steps (cuda_graphs.DecodeGraphs), not the default
+
+
 @pytest.fixture(scope="module")
 def eager_baseline(tiny_v41):
-    """Greedy through the decode path run eagerly (cuda_graphs=False): tokens and every sampled logits row."""
+    """Greedy through the one-sequence decode path run eagerly (cuda_graphs=False): tokens and every sampled
+    logits row. Each sequence's step runs alone, so its rows do not depend on the batch it was decoded in."""
     rec: list = []
-    llm = _engine(tiny_v41, {"cuda_graphs": False})
+    llm = _engine(tiny_v41, {"cuda_graphs": False, **SINGLE})
     tokens = _greedy(llm, PROMPTS, 3, rec)
     assert "decode graphs: off (cuda_graphs=False)" in llm.executor.runner.report()
     return tokens, _rows(rec)
@@ -330,8 +334,10 @@ def _agrees(rec, baseline) -> bool:
 
 
 def test_decode_graphs_emulated_equal_eager_with_a_padded_bucket(tiny_v41, eager_baseline):
+    """The one-sequence path: bucket 3's replay gives the bits of bucket 2's eager steps (a chain of T=1 steps:
+    the padding slot changes nothing). The batched default's counterpart: test_batched_decode.py."""
     backend = cg.EmulatedGraphBackend()
-    llm = _engine(tiny_v41, {"buckets": (1, 3), "graph_backend": backend})  # 2 sequences: bucket 3, one pad
+    llm = _engine(tiny_v41, {"buckets": (1, 3), "graph_backend": backend, **SINGLE})  # 2 sequences: bucket 3
     rec: list = []
     assert _greedy(llm, PROMPTS, 3, rec) == eager_baseline[0]
     assert _rows(rec).keys() == eager_baseline[1].keys() and _agrees(rec, eager_baseline)
@@ -345,8 +351,9 @@ def test_decode_graphs_emulated_equal_eager_with_a_padded_bucket(tiny_v41, eager
 
 
 def test_a_capture_that_syncs_falls_back_to_eager_and_says_why(tiny_v41, eager_baseline, monkeypatch):
+    """The one-sequence path's host-read check (the batched step writes its caches in place, without the op)."""
     monkeypatch.delitem(cg.SYNC_FREE_OPS, "scatter_rows")  # the op reference's boolean mask comes back
-    llm = _engine(tiny_v41, {"buckets": (1, 2), "graph_backend": cg.EmulatedGraphBackend()})
+    llm = _engine(tiny_v41, {"buckets": (1, 2), "graph_backend": cg.EmulatedGraphBackend(), **SINGLE})
     rec: list = []
     assert _greedy(llm, PROMPTS[:1], 2, rec) == [eager_baseline[0][0][:2]] and _agrees(rec, eager_baseline)
     dg = llm.executor.runner.graphs
@@ -354,12 +361,21 @@ def test_a_capture_that_syncs_falls_back_to_eager_and_says_why(tiny_v41, eager_b
     assert "not captured (every bucket eager)" in llm.executor.runner.report()
 
 
-def test_capture_failure_marks_only_that_bucket(tiny_v41, eager_baseline):
+@pytest.mark.parametrize("path", ["batched", "single"])
+def test_capture_failure_marks_only_that_bucket(tiny_v41, eager_baseline, path, monkeypatch):
+    """Both decode paths: a failed capture leaves that bucket eager with the reason. One sequence: the batched
+    step (the default) at B = 1 gives the one-sequence steps' bits too."""
+    from deepinfer.runtime.batched_decode import BatchedDecodeGraphs
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
+
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)  # the default
+
     class Flaky(cg.EmulatedGraphBackend):
         def capture(self, fn):
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    llm = _engine(tiny_v41, {"buckets": (1, 2), "graph_backend": Flaky()})
+    llm = _engine(tiny_v41, {"buckets": (1, 2), "graph_backend": Flaky(), **(SINGLE if path == "single" else {})})
+    assert isinstance(llm.executor.runner.graphs, BatchedDecodeGraphs) == (path == "batched")
     rec: list = []
     assert _greedy(llm, PROMPTS[:1], 2, rec) == [eager_baseline[0][0][:2]] and _agrees(rec, eager_baseline)
     dg = llm.executor.runner.graphs
@@ -385,16 +401,24 @@ def _gpu_llm(plan, params, kernels, **kw):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny, gpu_kernels):
+@pytest.mark.parametrize("path", ["batched", "single"])
+def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny, gpu_kernels, path):
+    """Five sequences, 8 greedy tokens, KV pools on the GPU with decode graphs on and off, and on the host (no
+    decode path: every item through forward, one sequence at a time). Graphs on == off bit for bit on both decode
+    paths (same buckets, same kernels); == host bit for bit on the one-sequence path only: the batched step (the
+    default) runs its GEMMs at M = B, and at T > 1 a kernel that T = 1 declines (tiny's MoE experts), so its
+    numbers are the host's only to the kernels' formats (test_batched_decode.py checks them)."""
     plan, params = sm90_tiny
     prompts = prompts_of_lengths([5, 9, 3, 12, 7], seed=2, vocab=120000)
+    path_kw = {"batched_decode": path == "batched"}
     runs = {}
     for name, kw in (("graphs", {}), ("eager", {"cuda_graphs": False}), ("host", {"kv_cache_device": "cpu"})):
-        llm = _gpu_llm(plan, params, gpu_kernels, **kw)
+        llm = _gpu_llm(plan, params, gpu_kernels, **kw, **path_kw)
         rec: list = []
         runs[name] = (_greedy(llm, prompts, 8, rec), _rows(rec), llm)
     tokens, rows, llm = runs["graphs"]
-    for other in ("eager", "host"):
+    assert all(len(t) == 8 for t in runs["host"][0])
+    for other in ("eager", "host") if path == "single" else ("eager",):
         assert runs[other][0] == tokens, other
         assert rows.keys() == runs[other][1].keys()
         assert all(torch.equal(rows[k], runs[other][1][k]) for k in rows), other
@@ -407,11 +431,14 @@ def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny, gpu_kernels):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_graph_replay_matches_eager_at_every_bucket(sm90_tiny, gpu_kernels):
-    """Batches of 1, 2, 3 and 8 sequences (buckets 1, 2, 4 with a padding slot, 8): every step's logits equal
-    the eager ones."""
+@pytest.mark.parametrize("path", ["batched", "single"])
+def test_gpu_decode_graph_replay_matches_eager_at_every_bucket(sm90_tiny, gpu_kernels, path):
+    """Batches of 1, 2, 3 and 8 sequences (buckets 1, 2, 4 with a padding slot, 8), on both decode paths: every
+    step's logits equal the eager ones bit for bit (the same bucket's step, replayed or not)."""
     plan, params = sm90_tiny
-    graphs, eager = _gpu_llm(plan, params, gpu_kernels), _gpu_llm(plan, params, gpu_kernels, cuda_graphs=False)
+    kw = {"batched_decode": path == "batched"}
+    graphs = _gpu_llm(plan, params, gpu_kernels, **kw)
+    eager = _gpu_llm(plan, params, gpu_kernels, cuda_graphs=False, **kw)
     for n in (1, 2, 3, 8):
         prompts = prompts_of_lengths([3 + i for i in range(n)], seed=n, vocab=120000)
         got, want = [], []
