@@ -792,6 +792,50 @@ def case_index_scores_f32(row: Row, T_: int, C: int, ratio: int, quick: bool, dr
     row.eager_ms = bench_device(lambda: indexer_scores(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5), quick)
 
 
+def case_batched_index_scores(row: Row, B: int, C: int, ratio: int, context: int, quick: bool, dry: bool,
+                              tile: dict | None = None):  # fmt: skip
+    """batched_index_scores (the batched decode graph: B sequences, each query against its own C keys) on
+    indexer_topk.triton_batched_scores vs the op's reference (a bmm per group of sequences, [B, 32, C] fp32
+    temporaries: the executor's 0.955 ms at B16 4k in session 7). Positions context-1 / context alternating, as
+    bench_batched_decode's. Check: the mask exactly, the finite scores to 1e-5 of the maximum (3xTF32)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.ir.ops.batched import batched_indexer_scores
+
+    row.bytes_, row.flops = it.f32_batched_scores_roofline(B, C)
+    row.peak = "bf16"  # TF32 tensor cores (three products per dot); the keys' bytes bound it first
+    if dry:
+        return
+    q = torch.randn(B, IDX_HEADS, IDX_DIM, device="cuda")
+    w = torch.randn(B, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
+    keys = torch.randn(B * C, IDX_DIM, device="cuda")
+    pos = torch.tensor([context - 1 + (i % 2) for i in range(B)], device="cuda")
+    cfg = dataclasses.replace(it.f32_batched_scores_config(B, C), **(tile or {}))
+    scale = IDX_DIM**-0.5
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=scale, cfg=cfg)
+    ref = batched_indexer_scores(q, w, keys, pos, ratio=ratio, scale=scale)[0]
+    fin = torch.isfinite(ref)
+    if not torch.equal(fin, torch.isfinite(s)):
+        raise AssertionError("the causal mask differs from the reference's")
+    row.check = expect(rel_err(s[fin], ref[fin]), 1e-5)
+    row.ms = bench_device(lambda: it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=scale, cfg=cfg), quick)
+    row.eager_ms = bench_device(lambda: batched_indexer_scores(q, w, keys, pos, ratio=ratio, scale=scale), quick)
+
+
+def batched_index_scores_cases():
+    """Rows "batched index_scores ...": bench_batched_decode's shapes (context 4096, max_model_len 4097: ratio 2 ->
+    C 2048, ratio 1 -> C 4097 pool rows a sequence) at B 16 / 64 / 256; the decode tile (64 keys, 4 warps) and
+    128 keys x 8 warps (q's split amortised over twice the keys; the tile a B > 64 batch inherits from the
+    one-sequence binding)."""
+    out = []
+    for B in (16, 64, 256):
+        for C, ratio in ((2048, 2), (4097, 1)):
+            for tag, tile in (("", None), (" c128w8", {"block_c": 128, "warps": 8})):
+                out.append((f"batched index_scores f32{tag}", f"B{B} C{C} r{ratio}",
+                            lambda r, q, d, B=B, C=C, ratio=ratio, tile=tile: case_batched_index_scores(
+                                r, B, C, ratio, 4096, q, d, tile)))  # fmt: skip
+    return out
+
+
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     """linear (f32 x, bf16 weight) on linear_bf16's kernel; check vs the op's reference (fp32 copy of the weight,
     the eager column) to 1e-5 of the output's maximum: both are fp32 sums of K exact products in different orders,
@@ -1924,6 +1968,151 @@ def attn_persist_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- sparse_attn s7
+# `--only "sparse_attn s7"` (session 7, one device call): every decode variant at V4.1 decode shapes in one run,
+# sorted per batch at the end. Rows append to S7_RESULTS; the summary row prints the table from it.
+
+S7_BATCHES = (64, 128, 256)
+S7_WIN = 128  # window entries (the SWA ring's 127 rows + this step's row); the other 512 are compressed rows
+S7_RESULTS: list[dict] = []
+
+
+def s7_operands(B: int, topk: int = 640):
+    """The operands the runtime's adapter passes at a batched decode step with 4k cached tokens: the window pool is
+    concat(B rings of 128 rows, B new rows) and request b reads 127 rows of its own ring (in ring order from a
+    random slot) plus its new row; the compressed pool is the selected rows copied in entry order (the adapter's
+    _selected_rows: 4k context holds 2048 / 4096 compressed rows a sequence, more than the 512 selected), so
+    request b reads rows b * 512 .. b * 512 + 511. Returns (q, (win, cmp), (idx_w, idx_c), sink) and the
+    single-pool form (kv, idx) the reference takes."""
+    n_cmp = topk - S7_WIN
+    q = torch.randn(B, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    win = torch.randn(B * S7_WIN + B, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cmp = torch.randn(B * n_cmp, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    b = torch.arange(B, device="cuda", dtype=torch.int32).view(B, 1)
+    start = torch.randint(0, S7_WIN, (B, 1), device="cuda", dtype=torch.int32)
+    ring = b * S7_WIN + (start + torch.arange(S7_WIN - 1, device="cuda", dtype=torch.int32)) % S7_WIN
+    idx_w = torch.cat([ring, B * S7_WIN + b], dim=1).contiguous()
+    idx_c = (b * n_cmp + torch.arange(n_cmp, device="cuda", dtype=torch.int32)).contiguous()
+    sink = torch.randn(HEADS, device="cuda")
+    kv_cat, idx_cat = torch.cat([win, cmp]), torch.cat([idx_w, idx_c + win.shape[0]], dim=1)
+    return q, (win, cmp), (idx_w, idx_c), sink, kv_cat, idx_cat
+
+
+def _s7_record(row: Row, B: int, what: str, read_ms: float = float("nan")) -> None:
+    S7_RESULTS.append({"B": B, "row": row.kernel, "what": what, "ms": row.ms, "read_ms": read_ms,
+                       "bytes": row.bytes_, "check": row.check})  # fmt: skip
+
+
+def case_attn_s7(row: Row, B: int, cfg, quick: bool, dry: bool):
+    """One decode variant on the runtime's operands (s7_operands), checked against the op's reference, timed with
+    do_bench's flush (the protocol of every earlier attention row) and after a read-only flush (_bench_read_flush:
+    no dirty L2 lines for the kernel's misses to write back)."""
+    sad = sparse_attn_decode
+    _ATTN_PREBUILT[0] = True  # main's -j prebuilds these rows; never the whole attention table
+    kernel = _attn_kernel(B, 640, cfg, False, dry, n_win=S7_WIN)
+    row.bytes_, row.flops = sad.roofline(B, HEADS, HEAD_DIM, 640)
+    row.peak = "bf16"
+    if dry:
+        return
+    q, kv, idx, sink, kv_cat, idx_cat = s7_operands(B)
+    out = torch.empty_like(q)
+    kernel(q, kv, idx, sink, out)
+    row.check = expect(rel_err(out, sad.reference(q, kv_cat, idx_cat, sink)), 2e-2)
+    row.ms = bench(lambda: kernel(q, kv, idx, sink, out), quick)
+    _s7_record(row, B, "4k", _bench_read_flush(lambda: kernel(q, kv, idx, sink, out), quick))
+
+
+def case_attn_s7_random(row: Row, B: int, topk: int, cfg, quick: bool, dry: bool, n_win: int):
+    """case_attn_decode's protocol (random rows of a 256K-row pool, a few -1 entries): the anchor to the earlier
+    figures and the fixed-cost probe's rows."""
+    _ATTN_PREBUILT[0] = True
+    case_attn_decode(row, B, topk, quick, dry, cfg, n_win=n_win)
+    if not dry:
+        _s7_record(row, B, f"random k{topk}")
+
+
+def _s7_pct(bytes_: float, ms: float, hbm: float) -> str:
+    return f"{100 * bytes_ / hbm / (ms * 1e-3):5.1f}%" if ms == ms else "    -"
+
+
+def case_attn_s7_summary(row: Row, quick: bool, dry: bool):
+    """The 4k-layout rows per batch, fastest first (% of the HBM copy bandwidth measured now; BEST marks the
+    first), with the random-layout anchor under them."""
+    if dry:
+        return
+    hbm = _copy_bandwidth(quick)
+    torch.cuda.empty_cache()
+    print(f"--- sparse_attn s7 summary (HBM copy now {hbm / 1e12:.2f} TB/s; time, % roofline, after a read flush)")
+    for B in S7_BATCHES:
+        rows = [r for r in S7_RESULTS if r["B"] == B and r["what"] == "4k"]
+        for i, r in enumerate(sorted(rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)):
+            print(f"  B{B:<4} {'BEST ' if i == 0 else '     '}{r['row']:<44} {r['ms'] * 1e3:7.1f} us "
+                  f"{_s7_pct(r['bytes'], r['ms'], hbm)}  read-flush {r['read_ms'] * 1e3:6.1f} us "
+                  f"{_s7_pct(r['bytes'], r['read_ms'], hbm)}  err {r['check']}")  # fmt: skip
+        for r in (r for r in S7_RESULTS if r["B"] == B and r["what"] == "random k640" and "fixedcost" not in r["row"]):
+            print(f"  B{B:<4} anchor {r['row']:<43} {r['ms'] * 1e3:7.1f} us {_s7_pct(r['bytes'], r['ms'], hbm)}")
+    row.check = "summary printed above"
+
+
+def case_attn_s7_fit(row: Row, quick: bool, dry: bool):
+    """The fixed-cost rows: time = fixed + slope x blocks (a request's 64-entry blocks) by least squares, for the
+    single pass at B128 (one request a CTA: slope = a block's cost) and the persistent grid at B256 (two requests a
+    CTA: slope = two blocks' cost, fixed = what a CTA pays once)."""
+    if dry:
+        return
+    for tag in sorted({r["row"].split(" k")[0] for r in S7_RESULTS if "fixedcost" in r["row"]}):
+        pts = [(int(r["what"].split("k")[1]) / 64, r["ms"] * 1e3) for r in S7_RESULTS
+               if r["row"].split(" k")[0] == tag and r["ms"] == r["ms"]]  # fmt: skip
+        if len(pts) >= 2:
+            x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+            y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+            fixed = y.mean() - slope * x.mean()
+            print(f"  {tag}: fixed {fixed:.1f} us + {slope:.2f} us per 64-entry block ({len(pts)} points: "
+                  + ", ".join(f"{int(a * 64)}: {b:.1f}" for a, b in pts) + ")")  # fmt: skip
+    row.check = "summary printed above"
+
+
+def attn_s7_cases():
+    """`--only "sparse_attn s7"`: at B 64 / 128 / 256 (V4.1: H64 D512, 128 window + 512 compressed entries, the
+    runtime's two pools at 4k context), the default (sm90_config) and the variants: bf16 split partials
+    (Config.partial_bf16: half the bytes the split pass writes and the combine reads), no split at B64 (64 CTAs,
+    no combine), L2 prefetch of the next block, split 2 with bf16 partials at B128 (256 CTAs: two waves of
+    5-block CTAs), the single pass vs the persistent grid at B256; each default also on the random-row layout of
+    the earlier rows (anchor). Then the summary (sorted per B), the fixed-cost probe (top-k 128 .. 1152 at B128
+    single pass / B256 persistent) and the one-launch output epilogue (fused_attention's inverse RoPE + FP8) at
+    T 64 / 128 / 256. Defaults first, unmeasured programs later (a device fault poisons the rest of the run)."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+    out = []
+
+    def add(B, cfg, what=""):
+        out.append((f"sparse_attn s7 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
+                    lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
+
+    def add_random(B, cfg, topk, what, n_win):
+        out.append((f"sparse_attn s7 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} rnd",
+                    lambda r, q, d, B=B, cfg=cfg, k=topk, n=n_win: case_attn_s7_random(r, B, k, cfg, q, d, n)))
+
+    for B in S7_BATCHES:  # the defaults: measured programs
+        add(B, sad.sm90_config(B, 640), "default")
+        add_random(B, sad.sm90_config(B, 640), 640, "default", S7_WIN)
+    add(256, ws64, "single pass")
+    add(128, rep(ws64, l2_prefetch=1))
+    add(64, ws64, "no split")
+    add(64, rep(sad.sm90_config(64, 640), partial_bf16=True))
+    add(128, rep(ws64, num_split=2, partial_bf16=True))
+    out.append(("sparse_attn s7 summary", "-", case_attn_s7_summary))
+    for B, cfg in ((128, ws64), (256, rep(ws64, persist=132))):
+        for k in (128, 256, 384, 640, 1152)[1 if cfg.persist else 0 :]:  # persist: >= 2 whole ring rounds
+            add_random(B, cfg, k, "fixedcost", 0)
+    out.append(("sparse_attn s7 fixedcost fit", "-", case_attn_s7_fit))
+    out += [(f"sparse_attn s7 oepilogue (triton) T{t}", f"T{t} H64 D512 g32",
+             lambda r, q, d, t=t: case_attn_o_epilogue(r, t, q, d)) for t in S7_BATCHES]  # fmt: skip
+    return out
+
+
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
     """V4.1 query RoPE: T tokens x 64 heads x 512, the last 64 channels rotated, YaRN table of 1M positions."""
     from deepinfer.ir.ops.attention import rope_inv_freq
@@ -2975,6 +3164,7 @@ def cases(quick: bool):
     for T_ in (4096, 64) if not quick else (4096,):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
     out += decode_small_cases()
+    out += batched_index_scores_cases()
     out += moe_layout_cases()
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()

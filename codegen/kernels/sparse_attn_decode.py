@@ -30,6 +30,7 @@ Not yet here: q's RoPE inside the kernel (`triton_q_operand` does it in one laun
 RoPE of o's last 64 dims.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -185,11 +186,33 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         if one_wave and best is not None and B * ns > num_sms and B * best.num_split <= num_sms:
             break  # keep the one-wave split count
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
-        if B * ns >= 0.9 * num_sms:
+        if B * ns >= SPLIT_FILL * num_sms:
             break
     if best is not None and PERSIST_MIN_B and B >= PERSIST_MIN_B and not fp8 and persist_fits(best, topk):
         return Config(best.block_n, WS_THREADS, 1, best.stages, True, persist=num_sms)  # more requests than SMs
+    if best is not None and not fp8:
+        best = _decode_options(best)
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
+
+
+# The decode switches the session-7 H200 rows (kernels_h200.py --only "sparse_attn s7") decide; each value here is the
+# measured default so far. SPLIT_FILL: sm90_config splits a request until B x num_split CTAs reach this share of the
+# SMs (0.45 would run B64 unsplit: 64 CTAs, no combine). SPLIT_PARTIAL_BF16: split passes write bf16 partials
+# (Config.partial_bf16). DECODE_L2_PREFETCH: the single pass's Config.l2_prefetch (blocks ahead; 0 off).
+SPLIT_FILL = 0.9
+SPLIT_PARTIAL_BF16 = False
+DECODE_L2_PREFETCH = 0
+
+
+def _decode_options(cfg: Config) -> Config:
+    """sm90_config's bf16-KV choice with the switches above applied (ws programs only)."""
+    if not cfg.ws:
+        return cfg
+    if cfg.num_split > 1 and SPLIT_PARTIAL_BF16:
+        return dataclasses.replace(cfg, partial_bf16=True)
+    if cfg.num_split == 1 and DECODE_L2_PREFETCH:
+        return dataclasses.replace(cfg, l2_prefetch=DECODE_L2_PREFETCH)
+    return cfg
 
 
 # decode: from this many requests sm90_config takes the persistent grid (0: never). H200, B256: 72.4 vs 74.4 us (both

@@ -1,0 +1,47 @@
+"""sparse_attn_decode's decode switches (SPLIT_FILL, SPLIT_PARTIAL_BF16, DECODE_L2_PREFETCH): the measured defaults
+leave sm90_config's choices as they were, and each switch changes only the configs it names (so flipping one after
+the H200 rows of `kernels_h200.py --only "sparse_attn s7"` is a one-line change with a known reach)."""
+
+import dataclasses
+
+from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+BATCHES = (1, 8, 16, 64, 128, 256, 1024)
+
+
+def _configs(fp8: bool = False) -> dict:
+    return {b: sad.sm90_config(b, 640, fp8=fp8) for b in BATCHES}
+
+
+def test_defaults_keep_the_measured_choices():
+    got = {b: c.tag for b, c in _configs().items()}
+    assert got[64] == "wsn64s2x2" and got[128] == "wsn64s2" and got[256] == "wsn64s2p132", got
+    assert not any(c.partial_bf16 or c.l2_prefetch for c in _configs().values())
+
+
+def test_partial_bf16_switch_reaches_split_configs_only(monkeypatch):
+    before = _configs()
+    monkeypatch.setattr(sad, "SPLIT_PARTIAL_BF16", True)
+    after = _configs()
+    for b in BATCHES:
+        want = dataclasses.replace(before[b], partial_bf16=True) if before[b].num_split > 1 else before[b]
+        assert after[b] == want, (b, after[b].tag)
+    assert after[64].tag == "wsn64s2x2h"
+    assert not any(c.partial_bf16 for c in _configs(fp8=True).values())  # FP8 KV: the switch is bf16-only
+
+
+def test_l2_prefetch_switch_reaches_the_single_pass_only(monkeypatch):
+    before = _configs()
+    monkeypatch.setattr(sad, "DECODE_L2_PREFETCH", 1)
+    after = _configs()
+    for b in BATCHES:
+        single = before[b].num_split == 1 and not before[b].persist  # persist takes no prefetch (Config check)
+        assert after[b] == (dataclasses.replace(before[b], l2_prefetch=1) if single else before[b]), b
+    assert after[128].tag == "wsn64s2pf1" and after[256].persist
+
+
+def test_split_fill_switch_runs_b64_unsplit(monkeypatch):
+    monkeypatch.setattr(sad, "SPLIT_FILL", 0.45)
+    cfg = sad.sm90_config(64, 640)
+    assert cfg.num_split == 1 and cfg.tag == "wsn64s2"
+    assert sad.sm90_config(128, 640).tag == "wsn64s2" and sad.sm90_config(256, 640).persist
