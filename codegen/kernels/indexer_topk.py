@@ -575,3 +575,9 @@ def triton_batched_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
 def f32_scores_roofline(T_: int, C: int, *, H: int = 32, di: int = 128) -> tuple[float, float]:
     """(bytes, flops) of `triton_scores`: keys, q and w read once (fp32), S written once; 2*H*di per pair."""
     return float(4 * C * di + 4 * T_ * (H * di + H + 1) + 4 * T_ * C), float(T_ * C * (2 * H * di + 3 * H))
+
+
+def f32_batched_scores_roofline(B: int, C: int, *, H: int = 32, di: int = 128) -> tuple[float, float]:
+    """(bytes, flops) of `triton_batched_scores`: every sequence's keys read once (no two queries share them), q and
+    w once, S written once; 2*H*di per (sequence, entry)."""
+    return float(4 * B * C * di + 4 * B * (H * di + H + 1) + 4 * B * C), float(B * C * (2 * H * di + 3 * H))
