@@ -2022,13 +2022,13 @@ def case_attn_s7(row: Row, B: int, cfg, quick: bool, dry: bool):
     _s7_record(row, B, "4k", _bench_read_flush(lambda: kernel(q, kv, idx, sink, out), quick))
 
 
-def case_attn_s7_random(row: Row, B: int, topk: int, cfg, quick: bool, dry: bool, n_win: int):
+def case_attn_s7_random(row: Row, B: int, topk: int, cfg, quick: bool, dry: bool, n_win: int, hot_rows: int = 0):
     """case_attn_decode's protocol (random rows of a 256K-row pool, a few -1 entries): the anchor to the earlier
-    figures and the fixed-cost probe's rows."""
+    figures and the fixed-cost probe's rows; hot_rows: the entries drawn from that many rows (L2-resident)."""
     _ATTN_PREBUILT[0] = True
-    case_attn_decode(row, B, topk, quick, dry, cfg, n_win=n_win)
+    case_attn_decode(row, B, topk, quick, dry, cfg, n_win=n_win, hot_rows=hot_rows)
     if not dry:
-        _s7_record(row, B, f"random k{topk}")
+        _s7_record(row, B, f"{'L2-hot' if hot_rows else 'random'} k{topk}")
 
 
 def _s7_pct(bytes_: float, ms: float, hbm: float) -> str:
@@ -2049,8 +2049,10 @@ def case_attn_s7_summary(row: Row, quick: bool, dry: bool):
             print(f"  B{B:<4} {'BEST ' if i == 0 else '     '}{r['row']:<44} {r['ms'] * 1e3:7.1f} us "
                   f"{_s7_pct(r['bytes'], r['ms'], hbm)}  read-flush {r['read_ms'] * 1e3:6.1f} us "
                   f"{_s7_pct(r['bytes'], r['read_ms'], hbm)}  err {r['check']}")  # fmt: skip
-        for r in (r for r in S7_RESULTS if r["B"] == B and r["what"] == "random k640" and "fixedcost" not in r["row"]):
-            print(f"  B{B:<4} anchor {r['row']:<43} {r['ms'] * 1e3:7.1f} us {_s7_pct(r['bytes'], r['ms'], hbm)}")
+        for r in (r for r in S7_RESULTS if r["B"] == B and r["what"] in ("random k640", "L2-hot k640")
+                  and "fixedcost" not in r["row"]):  # fmt: skip
+            kind = "anchor" if r["what"].startswith("random") else "L2-hot"
+            print(f"  B{B:<4} {kind} {r['row']:<43} {r['ms'] * 1e3:7.1f} us {_s7_pct(r['bytes'], r['ms'], hbm)}")
     row.check = "summary printed above"
 
 
@@ -2079,7 +2081,8 @@ def attn_s7_cases():
     (Config.partial_bf16: half the bytes the split pass writes and the combine reads), no split at B64 (64 CTAs,
     no combine), L2 prefetch of the next block, split 2 with bf16 partials at B128 (256 CTAs: two waves of
     5-block CTAs), the single pass vs the persistent grid at B256; each default also on the random-row layout of
-    the earlier rows (anchor). Then the summary (sorted per B), the fixed-cost probe (top-k 128 .. 1152 at B128
+    the earlier rows (anchor), and at B128 / B256 with the entries drawn from 4096 rows (L2-hot: the program's own
+    bound without HBM latency). Then the summary (sorted per B), the fixed-cost probe (top-k 128 .. 1152 at B128
     single pass / B256 persistent) and the one-launch output epilogue (fused_attention's inverse RoPE + FP8) at
     T 64 / 128 / 256. Defaults first, unmeasured programs later (a device fault poisons the rest of the run)."""
     sad = sparse_attn_decode
@@ -2091,9 +2094,10 @@ def attn_s7_cases():
         out.append((f"sparse_attn s7 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
                     lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
 
-    def add_random(B, cfg, topk, what, n_win):
-        out.append((f"sparse_attn s7 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} rnd",
-                    lambda r, q, d, B=B, cfg=cfg, k=topk, n=n_win: case_attn_s7_random(r, B, k, cfg, q, d, n)))
+    def add_random(B, cfg, topk, what, n_win, hot=0):
+        out.append((f"sparse_attn s7 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} {'hot' if hot else 'rnd'}",
+                    lambda r, q, d, B=B, cfg=cfg, k=topk, n=n_win, h=hot: case_attn_s7_random(
+                        r, B, k, cfg, q, d, n, h)))  # fmt: skip
 
     for B in S7_BATCHES:  # the defaults: measured programs
         add(B, sad.sm90_config(B, 640), "default")
@@ -2103,6 +2107,8 @@ def attn_s7_cases():
     add(64, ws64, "no split")
     add(64, rep(sad.sm90_config(64, 640), partial_bf16=True))
     add(128, rep(ws64, num_split=2, partial_bf16=True))
+    for B in (128, 256):  # the default's own bound without HBM latency (entries from 4096 rows: 4 MB, in L2)
+        add_random(B, sad.sm90_config(B, 640), 640, "L2-hot", S7_WIN, hot=4096)
     out.append(("sparse_attn s7 summary", "-", case_attn_s7_summary))
     for B, cfg in ((128, ws64), (256, rep(ws64, persist=132))):
         for k in (128, 256, 384, 640, 1152)[1 if cfg.persist else 0 :]:  # persist: >= 2 whole ring rounds
