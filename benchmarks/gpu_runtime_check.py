@@ -4,14 +4,16 @@
 
 Per preset (tiny, then small V4.1 compiled for sm90, seeded random weights), with timestamps:
   1. pre-build the kernels the runs need (TileLang, in --jobs processes; the rest build lazily or fall back);
-  2. generate greedily through the engine (LLM(target="sm90")) in three modes on one kernel cache:
-       graphs  KV pools on the GPU, decode steps replayed as CUDA graphs (the default)
-       eager   KV pools on the GPU, decode steps run eagerly (cuda_graphs=False)
+  2. generate greedily through the engine (LLM(target="sm90")) in four modes on one kernel cache:
+       graphs  KV pools on the GPU, one batched decode step replayed as a CUDA graph per bucket (the default)
+       eager   the same, decode steps run eagerly (cuda_graphs=False)
+       single  KV pools on the GPU, chained one-sequence decode steps as CUDA graphs (batched_decode=False)
        host    KV pools on the host (kv_cache_device="cpu"): caches copied host -> device -> host every step
      each at two shapes: a batch of 8 requests (decode bucket 8) and a single request (bucket 1); every mode
      runs once to warm up (kernel builds, first-call checks, graph capture) and once timed;
-  3. checks: the three modes give identical tokens and identical logits rows (bitwise) at every sampled step,
-     the graphs mode replayed graphs and no bucket fell back to eager (the runner report is printed);
+  3. checks: graphs == eager and single == host give identical tokens and identical logits rows (bitwise) at
+     every sampled step (SAME_BITS), the graphs mode replayed graphs and no bucket fell back to eager (the runner
+     report is printed);
 then a table: decode tokens/s and ms per decode step per mode and batch, the speed-ups, and PASS/FAIL.
 Decode time is the executor's time on batches whose every item runs one token (the GPU is synchronised at
 the end of each step: the sampled logits rows come back to the host). Results go to $OUT/gpu_runtime.json.
@@ -44,7 +46,12 @@ import _checkout  # noqa: E402,F401  (kernel cache dirs; `deepinfer` importable 
 import torch  # noqa: E402
 
 T0 = time.time()
-MODES = (("graphs", {}), ("eager", {"cuda_graphs": False}), ("host", {"kv_cache_device": "cpu"}))
+MODES = (("graphs", {}), ("eager", {"cuda_graphs": False}), ("single", {"batched_decode": False}),
+         ("host", {"kv_cache_device": "cpu"}))
+# bit-equal pairs: the batched default's graphs vs its eager steps (same buckets); the one-sequence decode steps vs
+# the host-KV forward (both one sequence per call). The batched step is not the one-sequence one's bits at B > 1
+# (GEMMs at M = B; docs/batched-decode.md), so graphs vs single is timed, not compared.
+SAME_BITS = (("graphs", "eager"), ("single", "host"))
 MAX_MODEL_LEN = 128
 DEVICE = "cuda"
 
@@ -133,7 +140,7 @@ def run_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
                          max_num_seqs=8, overlap=False, **kw)  # fmt: skip
     kernels = llms["graphs"].executor.runner.exec.kernels
     for llm in llms.values():
-        llm.executor.runner.exec.kernels = kernels  # one kernel cache: same shapes, built once
+        llm.executor.runner.use_kernels(kernels)  # one kernel cache: same shapes, built once
     batches = {"B=8": prompts(8, 1), "B=1": prompts(1, 2)}
     lengths = {1} | {len(p) for ps in batches.values() for p in ps}
     runner = llms["graphs"].executor.runner
@@ -176,11 +183,10 @@ def run_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
     # checks
     checks = []
     for label in batches:
-        base = results.get((label, "graphs"))
-        for name in ("eager", "host"):
-            other = results.get((label, name))
+        for ref, name in SAME_BITS:
+            base, other = results.get((label, ref)), results.get((label, name))
             if base is None or other is None:
-                checks.append((f"{label} graphs == {name}", None, "not run"))
+                checks.append((f"{label} {ref} == {name}", None, "not run"))
                 continue
             same_tok = base[0] == other[0]
             ka, kb = base[1].keys(), other[1].keys()
@@ -189,7 +195,7 @@ def run_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> dict:
             rows = ("identical" if same_rows else f"differ (max abs {max(diffs, default=0):.3g})" if ka == kb
                     else f"sampled at different steps ({len(ka)} vs {len(kb)})")  # fmt: skip
             detail = f"tokens {'equal' if same_tok else 'DIFFER'}, logits rows {rows} at {len(ka)} sampled steps"
-            checks.append((f"{label} graphs == {name}", same_tok and same_rows, detail))
+            checks.append((f"{label} {ref} == {name}", same_tok and same_rows, detail))
     report = runner.report()
     print(report, flush=True)
     dg = runner.graphs
@@ -295,18 +301,19 @@ def _graph_check(bs, comp, feeds: dict, t: int, row: dict, res: dict) -> None:
 
 def summary(all_res: list[dict]) -> None:
     print("\n=== decode throughput (tokens/s; ms per decode step) ===")
-    print(f"{'preset':>7} {'batch':>5} {'graphs':>16} {'eager':>16} {'host KV':>16} {'graphs/eager':>12} "
-          f"{'graphs/host':>11}")  # fmt: skip
+    print(f"{'preset':>7} {'batch':>5} {'graphs':>16} {'eager':>16} {'single':>16} {'host KV':>16} "
+          f"{'graphs/eager':>12} {'graphs/single':>13} {'graphs/host':>11}")  # fmt: skip
     for res in all_res:
         for label in ("B=8", "B=1"):
             by = {r["mode"]: r for r in res.get("rows", []) if r.get("batch") == label}
             if not by:
                 continue
             cells = [f"{by[m]['decode_tok_s']:7.1f} ({by[m]['ms_per_step']:5.1f})" if m in by else f"{'-':>16}"
-                     for m in ("graphs", "eager", "host")]  # fmt: skip
+                     for m in ("graphs", "eager", "single", "host")]  # fmt: skip
             sp = [f"{by['graphs']['decode_tok_s'] / by[m]['decode_tok_s']:.2f}x"
-                  if "graphs" in by and m in by and by[m]["decode_tok_s"] else "-" for m in ("eager", "host")]
-            print(f"{res['preset']:>7} {label:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {sp[0]:>12} {sp[1]:>11}")
+                  if "graphs" in by and m in by and by[m]["decode_tok_s"] else "-" for m in ("eager", "single", "host")]
+            print(f"{res['preset']:>7} {label:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {cells[3]:>16} "
+                  f"{sp[0]:>12} {sp[1]:>13} {sp[2]:>11}")  # fmt: skip
     for res in all_res:
         for r in res.get("rows", []):
             if "tokens" in r and "mode" not in r:

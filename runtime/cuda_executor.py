@@ -575,6 +575,14 @@ class CudaRunner:
             self.batched_off = f"off (batch_decode cannot rewrite this graph: {cg._one_line(e)})"
             return None
 
+    def use_kernels(self, kernels: KernelCache) -> None:
+        """Run on ``kernels`` (one cache for several runners of one plan: each kernel built once), the batched
+        decode step's executor too."""
+        self.exec.kernels = kernels
+        dec = getattr(self.graphs, "dec", None)  # BatchedDecodeGraphs' BatchedDecoder
+        if dec is not None:
+            dec.exec.kernels = kernels
+
     @property
     def selects_logit_rows(self) -> bool:
         """forward takes ``logit_rows`` (runtime/executor.py asks for the sampled row only)."""

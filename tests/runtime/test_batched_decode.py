@@ -258,7 +258,7 @@ def test_decode_path_default_env_and_fallback(tiny_v41, monkeypatch):
     from deepinfer.errors import DeepInferError, IRError
     from deepinfer.runtime import batched_decode as bd
     from deepinfer.runtime import cuda_graphs as cg
-    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV, CudaRunner
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV, CudaRunner, KernelCache
 
     def runner(**kw):
         return CudaRunner(tiny_v41.plan.graph, tiny_v41.params, device="cpu", max_model_len=16, **kw)
@@ -270,6 +270,9 @@ def test_decode_path_default_env_and_fallback(tiny_v41, monkeypatch):
     default = runner()
     assert path(default) == "batched" and default.batched_off is None
     assert "one batched step per bucket" in default.report() and "batched decode: off" not in default.report()
+    shared = KernelCache()
+    default.use_kernels(shared)  # the GPU tests' one cache for several engines reaches the batched step too
+    assert default.exec.kernels is shared and default.graphs.dec.exec.kernels is shared
     assert path(runner(batched_decode=False)) == "single"
     assert "batched decode: off (batched_decode=False)" in runner(batched_decode=False).report()
     monkeypatch.setenv(BATCHED_DECODE_ENV, "1")
@@ -317,8 +320,10 @@ def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
         return LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
                    overlap=False, **kw)  # fmt: skip
 
-    want_tokens, want = _greedy_rows(llm(batched_decode=False), one, 6)
+    single = llm(batched_decode=False)
+    want_tokens, want = _greedy_rows(single, one, 6)
     batched = llm()  # the default
+    batched.executor.runner.use_kernels(single.executor.runner.exec.kernels)  # each kernel built once
     got_tokens, got = _greedy_rows(batched, one, 6)
     dg = batched.executor.runner.graphs
     print(batched.executor.runner.report())

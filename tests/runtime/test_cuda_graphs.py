@@ -396,7 +396,7 @@ def gpu_kernels():
 def _gpu_llm(plan, params, kernels, **kw):
     llm = LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
               overlap=False, **kw)  # fmt: skip
-    llm.executor.runner.exec.kernels = kernels
+    llm.executor.runner.use_kernels(kernels)
     return llm
 
 
