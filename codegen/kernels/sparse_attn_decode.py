@@ -186,7 +186,7 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         if one_wave and best is not None and B * ns > num_sms and B * best.num_split <= num_sms:
             break  # keep the one-wave split count
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
-        if B * ns >= SPLIT_FILL * num_sms:
+        if B * ns >= 0.9 * num_sms or (UNSPLIT_MIN_B and B >= UNSPLIT_MIN_B):
             break
     if best is not None and PERSIST_MIN_B and B >= PERSIST_MIN_B and not fp8 and persist_fits(best, topk):
         return Config(best.block_n, WS_THREADS, 1, best.stages, True, persist=num_sms)  # more requests than SMs
@@ -196,10 +196,10 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
 
 
 # The decode switches the session-7 H200 rows (kernels_h200.py --only "sparse_attn s7") decide; each value here is the
-# measured default so far. SPLIT_FILL: sm90_config splits a request until B x num_split CTAs reach this share of the
-# SMs (0.45 would run B64 unsplit: 64 CTAs, no combine). SPLIT_PARTIAL_BF16: split passes write bf16 partials
-# (Config.partial_bf16). DECODE_L2_PREFETCH: the single pass's Config.l2_prefetch (blocks ahead; 0 off).
-SPLIT_FILL = 0.9
+# measured default so far. UNSPLIT_MIN_B: from this many requests no split (64: B64 runs 64 CTAs and no combine instead
+# of split 2; 0 off). SPLIT_PARTIAL_BF16: split passes write bf16 partials (Config.partial_bf16). DECODE_L2_PREFETCH:
+# the single pass's Config.l2_prefetch (blocks ahead; 0 off; the persistent grid takes none).
+UNSPLIT_MIN_B = 0
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
 

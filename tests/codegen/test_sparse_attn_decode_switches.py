@@ -1,4 +1,4 @@
-"""sparse_attn_decode's decode switches (SPLIT_FILL, SPLIT_PARTIAL_BF16, DECODE_L2_PREFETCH): the measured defaults
+"""sparse_attn_decode's decode switches (UNSPLIT_MIN_B, SPLIT_PARTIAL_BF16, DECODE_L2_PREFETCH): the measured defaults
 leave sm90_config's choices as they were, and each switch changes only the configs it names (so flipping one after
 the H200 rows of `kernels_h200.py --only "sparse_attn s7"` is a one-line change with a known reach)."""
 
@@ -40,8 +40,9 @@ def test_l2_prefetch_switch_reaches_the_single_pass_only(monkeypatch):
     assert after[128].tag == "wsn64s2pf1" and after[256].persist
 
 
-def test_split_fill_switch_runs_b64_unsplit(monkeypatch):
-    monkeypatch.setattr(sad, "SPLIT_FILL", 0.45)
-    cfg = sad.sm90_config(64, 640)
-    assert cfg.num_split == 1 and cfg.tag == "wsn64s2"
-    assert sad.sm90_config(128, 640).tag == "wsn64s2" and sad.sm90_config(256, 640).persist
+def test_unsplit_switch_reaches_b64_and_up_only(monkeypatch):
+    before = _configs()
+    monkeypatch.setattr(sad, "UNSPLIT_MIN_B", 64)
+    after = _configs()
+    assert after[64].num_split == 1 and after[64].tag == "wsn64s2"
+    assert all(after[b] == before[b] for b in BATCHES if b != 64), {b: after[b].tag for b in BATCHES}
