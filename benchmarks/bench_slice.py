@@ -247,14 +247,16 @@ def _stacked_fp4_experts(n, params: dict, device) -> None:
 # ---------------------------------------------------------------------------------------------- roofline
 
 
-def layer_roofline(g, params, t: int) -> dict[str, tuple[float, float]]:
-    """(bytes, flops) per layer: weights read and 2 x tokens x weights used per token (see module doc)."""
+def layer_roofline(g, params, t: int, head_rows: int | None = None) -> dict[str, tuple[float, float]]:
+    """(bytes, flops) per layer: weights read and 2 x tokens x weights used per token (see module doc); the head's
+    flops over head_rows rows where the graph selects them (logit_rows: a prefill's last row), else t."""
     from deepinfer.runtime.cuda_executor import plan_steps
 
     out: dict[str, list[float]] = {}
     for step in plan_steps(g):
         n = step.node
         acc = out.setdefault(step.layer, [0.0, 0.0])
+        rows = head_rows if head_rows is not None and step.layer == "head" else t
         pnames = [nm for nm, is_p in zip(step.inputs, step.param_inputs) if is_p]
         if n.op == "moe_grouped_experts":
             e, k = n.attrs["n_experts"], int(n.inputs[2].shape[1]) if isinstance(n.inputs[2].shape[1], int) else 6
@@ -272,19 +274,24 @@ def layer_roofline(g, params, t: int) -> dict[str, tuple[float, float]]:
         b = sum(params[x].numel() * params[x].element_size() for x in pnames)
         acc[0] += b
         if n.op in ("linear_fp8", "linear", "grouped_out_proj", "swiglu_gate_up", "fused_attention"):
-            acc[1] += 2.0 * t * sum(params[x].numel() for x in pnames if params[x].dim() == 2)
+            acc[1] += 2.0 * rows * sum(params[x].numel() for x in pnames if params[x].dim() == 2)
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def _inputs(g, t: int, context: int, device="cuda") -> dict:
+def _inputs(g, t: int, context: int, device="cuda", prefill: bool = False) -> dict:
+    """Feeds of t tokens after `context` cached ones; where the graph selects its logit rows (select_logit_rows, as
+    the engine runs it), a prefill asks for its last row only and a decode of t rows for all of them."""
+    from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows
     from deepinfer.runtime.session import allocate_caches
 
     feeds = {"tokens": torch.randint(3, 120000 if device == "cuda" else 500, (t,), device=device),
              "positions": torch.arange(context, context + t, device=device)}  # fmt: skip
     feeds.update(allocate_caches(g, context + t, device=device))
+    if has_logit_rows(g):
+        feeds[ROWS_INPUT] = torch.arange(t - 1 if prefill else 0, t, device=device)
     return feeds
 
 
@@ -613,6 +620,7 @@ def _write_json(out: Path, st, layers, experts: str, preset: str, rows: list, mo
 
 def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, moe_format: str = "g32") -> Setup:
     from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
+    from deepinfer.passes.select_logit_rows import select_logit_rows
     from deepinfer.runtime import cuda_graphs as cg
     from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, require_cuda
     from deepinfer.runtime.kernel_adapters import GLU_POLICY, MAX_POSITIONS, MOE_TILE_STATS, moe_act_cache_entries
@@ -635,7 +643,8 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, mo
         backend_factory = cg.EmulatedGraphBackend if graphs else None
     log(f"limits{' (nominal, CPU smoke mode)' if nominal else ''}: HBM copy {lim.hbm / 1e12:.2f} TB/s, "
         f"FP8 {lim.fp8 / 1e12:.0f} TFLOPS, BF16 {lim.bf16 / 1e12:.0f} TFLOPS")  # fmt: skip
-    g = slice_graph(layers, experts, preset, moe_format)
+    # the head as the engine runs it: logits only for the rows a step samples (a prefill's last row)
+    g = select_logit_rows(slice_graph(layers, experts, preset, moe_format))
     moe_act = describe_act_groups(g.meta) or f"MoE experts {experts} (no FP4 -> FP8 conversion)"
     log(f"--moe-format {moe_format}: {moe_act}")
     params = gpu_weights(g, device=device)
@@ -686,7 +695,7 @@ def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode, pr
     row: dict = {"case": _case_name(kind, t, ctx), "tokens": t}
     comp, eager = st.comp, st.eager
     try:
-        feeds = _inputs(st.g, t, ctx, st.device)
+        feeds = _inputs(st.g, t, ctx, st.device, prefill=kind == "prefill")
         if jobs and st.device == "cuda":
             keys = [k for k in comp.kernel_keys(feeds) if k not in comp.kernels.kernels]
             from deepinfer.runtime.kernel_adapters import prebuild
@@ -1082,7 +1091,7 @@ def _print_moe_ep(r: dict, ep: dict, pad: str) -> None:
 def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, base) -> dict:
     """Per layer: executor / graph / eager / straight-line / compiled times, % roofline (of the graph time when
     there is one), and the KV bytes a true batch of t sequences would add (see _kv_bytes)."""
-    roof = layer_roofline(st.g, st.params, t)
+    roof = layer_roofline(st.g, st.params, t, feeds["logit_rows"].numel() if "logit_rows" in feeds else None)
     kv = _kv_bytes(st.comp, feeds)
     rows = {}
     for layer, ms in layers_c.items():
