@@ -32,6 +32,7 @@ RoPE of o's last 64 dims.
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -195,10 +196,13 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
 
 
-# The decode switches the session-7 H200 rows (kernels_h200.py --only "sparse_attn s7") decide; each value here is the
-# measured default so far. UNSPLIT_MIN_B: from this many requests no split (64: B64 runs 64 CTAs and no combine instead
-# of split 2; 0 off). SPLIT_PARTIAL_BF16: split passes write bf16 partials (Config.partial_bf16). DECODE_L2_PREFETCH:
-# the single pass's Config.l2_prefetch (blocks ahead; 0 off; the persistent grid takes none).
+# Decode switches; each value is the measured default. UNSPLIT_MIN_B: from this many requests no split (64: B64 runs 64
+# CTAs and no combine instead of split 2; 0 off). SPLIT_PARTIAL_BF16: split passes write bf16 partials
+# (Config.partial_bf16). DECODE_L2_PREFETCH: the single pass's Config.l2_prefetch (blocks ahead; 0 off; the persistent
+# grid takes none). H200, session 7 call 3 (kernels_h200 --only "sparse_attn s7", the runtime's operands at 4k context,
+# all checked): B64 split 2 33.3 us vs unsplit 34.8 vs bf16 partials 35.8 (slower: keep fp32); B128 pf1 44.0 vs 44.2 us
+# (noise); after a read-only flush instead of do_bench's zeroing, unsplit B64 33.7 vs 36.8 us -- the protocols disagree,
+# so a switch waits for the batched step in graphs (DEEPINFER_ATTN_DECODE below).
 UNSPLIT_MIN_B = 0
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
@@ -216,8 +220,25 @@ def _decode_options(cfg: Config) -> Config:
 
 
 # decode: from this many requests sm90_config takes the persistent grid (0: never). H200, B256: 72.4 vs 74.4 us (both
-# checked; session 6 call 3); between the SM count and 256 not measured.
+# checked; session 6 call 3); session 7 call 3 on the runtime's operands: 74.6 vs 75.9 us, but 75.3 vs 70.8 us (single
+# pass faster) after a read-only flush; between the SM count and 256 not measured.
 PERSIST_MIN_B = 256
+
+DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B")
+# "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
+DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
+
+
+def apply_decode_switches(text: str) -> None:
+    """Set the decode switches from "NAME=int,..." (DEEPINFER_ATTN_DECODE's form); an unknown name raises."""
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in DECODE_SWITCHES:
+            raise ValueError(f"{DECODE_SWITCHES_ENV}: {name!r} is not one of {DECODE_SWITCHES}")
+        globals()[name] = type(globals()[name])(int(value))
+
+
+apply_decode_switches(os.environ.get(DECODE_SWITCHES_ENV, ""))
 
 
 def persist_fits(cfg: Config, topk: int) -> bool:

@@ -4,6 +4,8 @@ the H200 rows of `kernels_h200.py --only "sparse_attn s7"` is a one-line change 
 
 import dataclasses
 
+import pytest
+
 from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
 BATCHES = (1, 8, 16, 64, 128, 256, 1024)
@@ -46,3 +48,14 @@ def test_unsplit_switch_reaches_b64_and_up_only(monkeypatch):
     after = _configs()
     assert after[64].num_split == 1 and after[64].tag == "wsn64s2"
     assert all(after[b] == before[b] for b in BATCHES if b != 64), {b: after[b].tag for b in BATCHES}
+
+
+def test_env_form_sets_the_switches(monkeypatch):
+    for name in sad.DECODE_SWITCHES:  # restored after the test
+        monkeypatch.setattr(sad, name, getattr(sad, name))
+    sad.apply_decode_switches("UNSPLIT_MIN_B=64, PERSIST_MIN_B=0,SPLIT_PARTIAL_BF16=1")
+    assert (sad.UNSPLIT_MIN_B, sad.PERSIST_MIN_B, sad.SPLIT_PARTIAL_BF16) == (64, 0, True)
+    assert sad.sm90_config(64, 640).tag == "wsn64s2" and sad.sm90_config(256, 640).tag == "wsn64s2"
+    assert sad.sm90_config(16, 640).partial_bf16
+    with pytest.raises(ValueError, match="not one of"):
+        sad.apply_decode_switches("PERSIST=0")
