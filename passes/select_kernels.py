@@ -299,7 +299,8 @@ def bind_index_scores(c: _Ctx):
 def bind_batched_index_scores(c: _Ctx):
     """batched_index_scores (a graph bound after batch_decode; batch_decode itself keeps the one-sequence node's
     index_scores binding, whose family runs this op too) -> the same f32 Triton kernel with per-query keys
-    (triton_batched_scores): one query a CTA, so a sequence's scores do not depend on B; the decode tile."""
+    (triton_batched_scores): one query a CTA and one tile for every B (the adapter's: 64 keys x 4 warps, the
+    fastest on the H200 at B 64 and 256), so a sequence's scores do not depend on B."""
     from deepinfer.codegen.kernels import indexer_topk as it
 
     q, _, keys, _ = c.node.inputs

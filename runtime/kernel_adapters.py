@@ -2173,9 +2173,9 @@ class IndexScoresAdapter:
 class BatchedIndexScoresAdapter:
     """batched_index_scores (the batched decode graph: f32 q [B, Hi, di], keys [B*C, di], sequence b's at rows
     b*C..) on the same f32 Triton kernel with per-query keys (indexer_topk.triton_batched_scores: one query a CTA)
-    instead of the reference's bmm and [B, Hi, C] fp32 temporaries. The node keeps the one-sequence index_scores
-    binding (batch_decode keeps node names) or gets select_kernels' bind_batched_index_scores; either way its
-    block_c / warps / precision apply, block_t does not (no two queries share keys). CPU tensors: as
+    instead of the reference's bmm and [B, Hi, C] fp32 temporaries (H200, B64 at 4k: 74.8 us vs 210 us). The node
+    keeps the one-sequence index_scores binding (batch_decode keeps node names) or gets select_kernels'
+    bind_batched_index_scores; either way only its precision applies (the tile: see run). CPU tensors: as
     IndexScoresAdapter (the interpreter when asked, else the op's torch formula)."""
 
     family = "indexer_topk"
@@ -2202,9 +2202,12 @@ class BatchedIndexScoresAdapter:
 
             return [batched_indexer_scores(q, w, keys, pos, ratio=ratio, scale=scale)[0]]
         b = q.shape[0]
-        fields = {f.name for f in dataclasses.fields(it.F32ScoresConfig)} - {"block_t"}
-        cfg = dataclasses.replace(it.f32_batched_scores_config(b, keys.shape[0] // max(1, b), q.shape[1]),
-                                  **{k: v for k, v in call.config.items() if k in fields})  # fmt: skip
+        # the tile is the batched config's whatever the binding's bucket: the inherited one-sequence binding hands
+        # B > 256 the prefill tile (128 x 8), slower here (H200: 305 vs 242 us at B256 C4097), and one tile for
+        # every B keeps a sequence's scores (the head sum's layout) independent of the batch size
+        cfg = it.f32_batched_scores_config(b, keys.shape[0] // max(1, b), q.shape[1])
+        if "precision" in call.config:
+            cfg = dataclasses.replace(cfg, precision=call.config["precision"])
         return [it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=scale, cfg=cfg)]
 
 

@@ -84,9 +84,10 @@ def test_empty_batch():
     assert it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE).shape == (0, 0)
 
 
-def test_adapter_runs_the_kernel_with_the_bindings_tile(interpret, monkeypatch):
+def test_adapter_runs_the_kernel_with_its_own_tile(interpret, monkeypatch):
     """The executor's path: adapter_for(the index_scores binding's family, the batched op) -> the kernel, with the
-    binding's block_c / warps / precision, block_t (a one-sequence tile field) ignored; the op's numbers."""
+    batched tile (one query a CTA, 64 keys x 4 warps) whatever tile the inherited binding names (the prefill tile
+    at B > 256), the binding's precision; the op's numbers."""
     from deepinfer.runtime import kernel_adapters as ka
 
     monkeypatch.setattr(ka, "EMULATE", True)
@@ -98,11 +99,11 @@ def test_adapter_runs_the_kernel_with_the_bindings_tile(interpret, monkeypatch):
     attrs = {"ratio": 2, "scale": SCALE}
     a = ka.adapter_for("indexer_topk", "batched_index_scores")
     assert isinstance(a, ka.BatchedIndexScoresAdapter)
-    cfg = {"precision": "tf32x3", "block_c": 128, "warps": 8, "block_t": 4}
+    cfg = {"precision": "ieee", "block_c": 128, "warps": 8, "block_t": 4}
     call = ka.Call("batched_index_scores", attrs, [q, w, keys, pos], ["q", "w", "k", "p"], [False] * 4, cfg)
     assert a.keys(call) == []
     s = a.run(call, [])[0]
-    assert seen and (seen[0].block_c, seen[0].warps, seen[0].block_t) == (128, 8, 1)
+    assert seen and (seen[0].block_c, seen[0].warps, seen[0].block_t, seen[0].precision) == (64, 4, 1, "ieee")
     _check(s, _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)
     bad = ka.Call("batched_index_scores", attrs, [q, w, keys[:-1], pos], ["q", "w", "k", "p"], [False] * 4, cfg)
     with pytest.raises(ka.Decline):
