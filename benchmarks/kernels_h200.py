@@ -825,11 +825,12 @@ def batched_index_scores_cases():
     """Rows "batched index_scores ...": bench_batched_decode's shapes (context 4096, max_model_len 4097: ratio 2 ->
     C 2048, ratio 1 -> C 4097 pool rows a sequence) at B 16 / 64 / 256; the decode tile (64 keys, 4 warps) and
     128 keys x 8 warps (q's split amortised over twice the keys; the tile a B > 64 batch inherits from the
-    one-sequence binding)."""
+    one-sequence binding); r128: the decode tile capped at 128 registers (4 CTAs an SM instead of 3; 152 bytes of
+    spills)."""
     out = []
     for B in (16, 64, 256):
         for C, ratio in ((2048, 2), (4097, 1)):
-            for tag, tile in (("", None), (" c128w8", {"block_c": 128, "warps": 8})):
+            for tag, tile in (("", None), (" c128w8", {"block_c": 128, "warps": 8}), (" r128", {"maxnreg": 128})):
                 out.append((f"batched index_scores f32{tag}", f"B{B} C{C} r{ratio}",
                             lambda r, q, d, B=B, C=C, ratio=ratio, tile=tile: case_batched_index_scores(
                                 r, B, C, ratio, 4096, q, d, tile)))  # fmt: skip

@@ -478,6 +478,7 @@ class F32ScoresConfig:
     block_t: int = 4  # queries per CTA: the dot's N is block_t x heads (all heads of a query in ONE dot)
     warps: int = 4
     precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
+    maxnreg: int = 0  # batched form only: a register cap (0: none); 128 lets 4 CTAs of 4 warps share an SM, not 3
 
 
 def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
@@ -568,7 +569,7 @@ def triton_batched_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
         _f32_scores_kernel(_interpreted())[grid](
             q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
             b, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=1, PREC=cfg.precision, OWN_KEYS=True,
-            num_warps=cfg.warps)  # fmt: skip
+            num_warps=cfg.warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))  # fmt: skip
     return s
 
 

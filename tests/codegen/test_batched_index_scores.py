@@ -79,6 +79,14 @@ def test_one_sequence_is_the_shared_keys_kernel_bit_for_bit(interpret):
     assert torch.equal(it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE), one)
 
 
+def test_register_cap_is_a_launch_option_only(interpret):
+    """maxnreg (the r128 rows) changes registers, not numbers: the interpreter ignores it, the scores are equal."""
+    q, w, keys, pos = _inputs(2, 64, [63, 20], seed=9)
+    base = it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE)
+    capped = it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE, cfg=it.F32ScoresConfig(maxnreg=128))
+    assert torch.equal(base, capped)
+
+
 def test_empty_batch():
     q, w, keys, pos = _inputs(0, 8, [], seed=1)
     assert it.triton_batched_scores(q, w, keys, pos, ratio=1, scale=SCALE).shape == (0, 0)
@@ -144,12 +152,14 @@ def test_compiles_for_hopper_with_tf32_wgmma(bc, warps):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c,ratio", [(1024, 4), (4096, 1)])
-def test_cuda_kernel_at_batched_decode_dims(c, ratio):
-    """16 sequences at lengths spread over the cache (one at position 0: nothing visible yet)."""
+@pytest.mark.parametrize("c,ratio,maxnreg", [(1024, 4, 0), (4096, 1, 0), (4096, 1, 128)])
+def test_cuda_kernel_at_batched_decode_dims(c, ratio, maxnreg):
+    """16 sequences at lengths spread over the cache (one at position 0: nothing visible yet); maxnreg: the
+    register-capped variant (kernels_h200 'r128' rows)."""
     b = 16
     positions = [0] + [(c * ratio * (i + 1)) // b - 1 for i in range(b - 1)]
     q, w, keys, pos = _inputs(b, c, positions, seed=c, device="cuda")
-    s = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE)
+    cfg = it.F32ScoresConfig(block_t=1, maxnreg=maxnreg)
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=cfg)
     _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), pos.cpu(), ratio, SCALE), 1e-5)
     _check(s.cpu(), _op_reference(q, w, keys, pos, ratio, SCALE).cpu(), 1e-5)
