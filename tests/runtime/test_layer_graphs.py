@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepinfer.passes.select_logit_rows import select_logit_rows
 from deepinfer.runtime import cuda_graphs as cg
 from deepinfer.runtime import kernel_adapters as ka
 from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
@@ -234,7 +235,8 @@ def test_bench_slice_tiny_smoke_mode_reports_graph_rows(tiny_slice, tmp_path, mo
     data = json.loads((tmp_path / "bench_slice.json").read_text())
     (row,) = data["rows"]
     prof = row["profile"]  # a graph per node: every node timed once, none eager, op sums = node sum
-    assert len(prof["nodes"]) == len(tiny_slice[1].nodes) and prof["eager_nodes"] == []
+    ran = select_logit_rows(tiny_slice[1])  # the slice as bench_slice runs it: the head's rows selected
+    assert len(prof["nodes"]) == len(ran.nodes) == len(tiny_slice[1].nodes) + 2 and prof["eager_nodes"] == []
     assert sum(prof["by_op"].values()) == pytest.approx(prof["node_graphs_ms"])
     assert data["nominal_limits"] and "error" not in row, row.get("error")
     assert set(row["layers"]) == {"embed", "l0", "l1", "head"} and row["fell_back"] == {}
