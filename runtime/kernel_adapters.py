@@ -2148,11 +2148,7 @@ class IndexScoresAdapter:
 
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)
-        q, w, keys, _ = call.args
-        di = q.shape[-1]
-        if q.dim() != 3 or di & (di - 1) or di < 16 or q.dtype != torch.float32 or keys.dtype != torch.float32:
-            raise Decline(f"the f32 scores kernel takes f32 q [T, H, di] and keys with di a power of two >= 16 "
-                          f"(q {tuple(q.shape)} {q.dtype}, keys {keys.dtype})")  # fmt: skip
+        _f32_scores_operands(call, "T")
         return []
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
@@ -2170,6 +2166,16 @@ class IndexScoresAdapter:
         return [it.triton_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]), cfg=cfg)]
 
 
+def _f32_scores_operands(call: Call, rows: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, keys) of an index_scores call the f32 scores kernel takes, else Decline naming what does not fit."""
+    q, _, keys, _ = call.args
+    di = q.shape[-1]
+    if q.dim() != 3 or di & (di - 1) or di < 16 or q.dtype != torch.float32 or keys.dtype != torch.float32:
+        raise Decline(f"the f32 scores kernel takes f32 q [{rows}, H, di] and keys with di a power of two >= 16 "
+                      f"(q {tuple(q.shape)} {q.dtype}, keys {keys.dtype})")  # fmt: skip
+    return q, keys
+
+
 class BatchedIndexScoresAdapter:
     """batched_index_scores (the batched decode graph: f32 q [B, Hi, di], keys [B*C, di], sequence b's at rows
     b*C..) on the same f32 Triton kernel with per-query keys (indexer_topk.triton_batched_scores: one query a CTA)
@@ -2183,11 +2189,7 @@ class BatchedIndexScoresAdapter:
 
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)
-        q, w, keys, _ = call.args
-        di = q.shape[-1]
-        if q.dim() != 3 or di & (di - 1) or di < 16 or q.dtype != torch.float32 or keys.dtype != torch.float32:
-            raise Decline(f"the f32 scores kernel takes f32 q [B, H, di] and keys with di a power of two >= 16 "
-                          f"(q {tuple(q.shape)} {q.dtype}, keys {keys.dtype})")  # fmt: skip
+        q, keys = _f32_scores_operands(call, "B")
         if q.shape[0] and keys.shape[0] % q.shape[0]:
             raise Decline(f"keys {tuple(keys.shape)} is not B*C rows for B={q.shape[0]} sequences")
         return []
