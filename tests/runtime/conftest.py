@@ -67,14 +67,25 @@ def session_greedy(model: TinyModel, prompts, max_tokens: int) -> list[list[int]
     return [greedy_generate(model.graph, model.params, p, max_tokens).output_ids for p in prompts]
 
 
-@pytest.fixture(scope="module")
-def sm90_tiny():
-    """The tiny V4.1 compiled for sm90 with seeded weights, experts restacked as the CUDA runner does."""
+def _sm90_compiled(name: str):
+    """(plan, params) of a preset compiled for sm90 with seeded weights, experts restacked as the CUDA runner does."""
     from deepinfer.compiler import compile_model
     from deepinfer.runtime.cuda_executor import restack_experts
     from deepinfer.runtime.plan import bind_weights
 
-    plan = compile_model("deepseek-v4.1-flash:tiny", "sm90").plan
+    plan = compile_model(name, "sm90").plan
     params, _ = bind_weights(plan)
     restack_experts(plan.graph, params)
     return plan, params
+
+
+@pytest.fixture(scope="module")
+def sm90_tiny():
+    """The tiny V4.1 compiled for sm90."""
+    return _sm90_compiled("deepseek-v4.1-flash:tiny")
+
+
+@pytest.fixture(scope="module")
+def sm90_tiny_v4():
+    """The tiny V4 compiled for sm90 (overlap compressor at ratio 4, ratio 8, the V4 indexer)."""
+    return _sm90_compiled("deepseek-v4-flash:tiny")

@@ -48,19 +48,6 @@ def _single_steps(ex: GraphExecutor, g, tokens, lengths, seqs, device):
     return res
 
 
-@pytest.fixture(scope="module")
-def sm90_tiny_v4():
-    """The tiny V4 compiled for sm90 (overlap compressor at ratio 4, ratio 8, the V4 indexer), experts restacked."""
-    from deepinfer.compiler import compile_model
-    from deepinfer.runtime.cuda_executor import restack_experts
-    from deepinfer.runtime.plan import bind_weights
-
-    plan = compile_model("deepseek-v4-flash:tiny", "sm90").plan
-    params, _ = bind_weights(plan)
-    restack_experts(plan.graph, params)
-    return plan, params
-
-
 @pytest.mark.parametrize("model", ["v41", "v4"])
 def test_decoder_on_cpu_is_the_batched_graph_with_caches_updated_in_place(model, sm90_tiny, sm90_tiny_v4):
     plan, params = sm90_tiny if model == "v41" else sm90_tiny_v4
