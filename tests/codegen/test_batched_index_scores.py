@@ -10,6 +10,8 @@ import torch
 from deepinfer.codegen.kernels import indexer_topk as it
 from deepinfer.ir.ops.batched import BatchedIndexScores
 from tests.codegen._triton_aot import compile_sm90, spill_free
+from tests.codegen.test_indexer_scores_f32 import _check
+from tests.codegen.test_indexer_scores_f32 import _oracle_f64 as one_sequence_oracle
 
 SCALE = 128**-0.5
 
@@ -24,23 +26,12 @@ def _inputs(b: int, c: int, positions: list[int], seed: int, h: int = 32, device
 
 
 def _oracle_f64(q, w, keys, pos, ratio: int, scale: float) -> torch.Tensor:
-    """Per sequence, per head: float64 dots against that sequence's own key rows."""
+    """Per sequence: the one-sequence float64 oracle on that sequence's own key rows."""
     b = q.shape[0]
     c = keys.shape[0] // b
-    out = torch.zeros(b, c, dtype=torch.float64)
-    for s in range(b):
-        own = keys[s * c : (s + 1) * c].double()
-        for h in range(q.shape[1]):
-            out[s] += (own @ q[s, h].double()).clamp(min=0) * scale * w[s, h].double()
-    vis = torch.arange(c) < ((pos + 1) // ratio).unsqueeze(-1)
-    return out.masked_fill(~vis, float("-inf"))
-
-
-def _check(s, ref, tol):
-    fin = torch.isfinite(ref)
-    assert torch.equal(fin, torch.isfinite(s)) and (s[~fin] == float("-inf")).all()
-    err = ((s.double() - ref.double())[fin].abs().max() / ref.double()[fin].abs().max()).item()
-    assert err < tol, err
+    rows = [one_sequence_oracle(q[s : s + 1], w[s : s + 1], keys[s * c : (s + 1) * c], pos[s : s + 1], ratio, scale)
+            for s in range(b)]  # fmt: skip
+    return torch.cat(rows)
 
 
 def _op_reference(q, w, keys, pos, ratio, scale):
