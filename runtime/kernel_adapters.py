@@ -310,13 +310,6 @@ def _skip_tiles_plan(call: Call, m: int, rows: int, n: int, k: int, group: int, 
     return key, rows, SkipTiles(n, cfg.block_m)
 
 
-def _used_tiles(m: int, rows: int, block_m: int, device) -> torch.Tensor:
-    """TileExpert [rows / block_m] int32 of a one-expert GEMM over M real rows: 0 for the tiles holding rows, -1
-    (skipped) past them; made on the device (no host copy)."""
-    tiles = torch.arange(rows // block_m, dtype=torch.int32, device=device)
-    return torch.where(tiles < -(-m // block_m), 0, -1).to(torch.int32)
-
-
 def _gemm_plan(call: Call, x2d: torch.Tensor, n: int, group: int, block: int, tuned: bool):
     """(key, rows, n_pad) of the FP8 GEMM for x2d @ W^T; n_pad a SwabSplit: the swap-AB program (_dense_swab_plan);
     a SkipTiles: the grouped program skipping the bucket's padding tiles (_skip_tiles_plan)."""
@@ -364,7 +357,7 @@ def fp8_linear_codes(call: Call, kernel, a: torch.Tensor, sa_t: torch.Tensor, m:
         w, s = call.prep("gemm_w_expert", (wi, si), lambda: (call.args[wi].unsqueeze(0),
                                                              scales_f32(call.args[si]).unsqueeze(0).contiguous()))
         c = torch.empty(rows, n_pad.n, dtype=torch.bfloat16, device=a.device)
-        kernel(a, sa_t, w, s, _used_tiles(m, rows, n_pad.block_m, a.device), c)
+        kernel(a, sa_t, w, s, _group_tiles(call, 1, m, rows, n_pad.block_m, a.device), c)  # one group: W
         return c[:m]
     b, sb = _gemm_weight(call, wi, si, n_pad, block)
     c = torch.empty(rows, n_pad, dtype=torch.bfloat16, device=a.device)
@@ -541,8 +534,9 @@ class GroupedOutProjAdapter:
 
 
 def _group_tiles(call: Call, g: int, t: int, rows: int, block_m: int, device) -> torch.Tensor:
-    """TileExpert of grouped_out_proj's contiguous wo_a: group j's rows/block_m tiles are j's, those wholly past T
-    padding (-1: skipped, no MMA); made once per (G, T, rows, tile, device) like _const_counts (no launch a step)."""
+    """TileExpert of G groups of T rows each padded to `rows` (grouped_out_proj's contiguous wo_a; G = 1: a dense
+    GEMM's SkipTiles): group j's rows/block_m tiles are j's, those wholly past T padding (-1: skipped, no MMA); made
+    once per (G, T, rows, tile, device) like _const_counts (no launch a step)."""
     k = ("out_proj_tiles", g, t, rows, block_m, str(device))
     if k not in call.cache:  # made on the device (no host copy: capturable)
         tiles = torch.arange(g, dtype=torch.int32, device=device).view(g, 1).expand(g, rows // block_m).contiguous()

@@ -33,8 +33,9 @@ def test_a_mostly_padding_bucket_takes_the_grouped_program_and_skips_its_tiles()
     assert _families(call) == [("moe_grouped_gemm", "program")]
     key, rows, plan = ka.adapter_for("fp8_gemm", "linear_fp8")._plan(call)[0]
     assert rows == 512 and key.args == (512, 256, 256, 1) and plan == ka.SkipTiles(256, 128)
-    assert ka._used_tiles(300, 512, 128, "cpu").tolist() == [0, 0, 0, -1]
-    assert ka._used_tiles(256, 512, 128, "cpu").tolist() == [0, 0, -1, -1]
+    stub = ka.Call("x", {}, [], [], [], {}, {})
+    assert ka._group_tiles(stub, 1, 300, 512, 128, "cpu").tolist() == [0, 0, 0, -1]
+    assert ka._group_tiles(stub, 1, 256, 512, 128, "cpu").tolist() == [0, 0, -1, -1]
 
 
 def test_same_numbers_as_fp8_gemm_over_the_whole_bucket(monkeypatch):
