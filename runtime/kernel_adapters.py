@@ -1626,8 +1626,7 @@ class MoEGroupedAdapter:
 
         def stack():  # [1, 2I, D] w1|w3 tile-interleaved for the fused epilogue (a 2I x D copy), w2 as [1, D, I]
             half, wb = cfg.block_n // 2, a["shared_block"]
-            b13 = torch.cat([call.args[3], call.args[4]]).unsqueeze(0)
-            s13 = torch.cat([scales_f32(call.args[6]), scales_f32(call.args[7])]).unsqueeze(0)
+            b13, s13 = (x.unsqueeze(0) for x in _stack_gate_up(call))
             w2, s2 = call.args[5].unsqueeze(0), scales_f32(call.args[8]).unsqueeze(0).contiguous()
             return mg.gate_up_tiles(b13, half), mg.gate_up_tiles(s13, half // wb), w2, s2
 
