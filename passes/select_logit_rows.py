@@ -97,6 +97,17 @@ def row_indices(g: Graph, t: int, rows=None) -> torch.Tensor:
     return idx % n
 
 
+def rows_feed(g: Graph, t: int, rows=None, why_not: str | None = None) -> dict[str, torch.Tensor]:
+    """A runner's logit_rows feed (on the host) for a call of t tokens: {logit_rows: row_indices(...)} where g has
+    the input, {} where it has not and every row is asked for; asking for rows of a graph without the input is an
+    error naming why it has none (rows_graph's reason)."""
+    if has_logit_rows(g):
+        return {ROWS_INPUT: row_indices(g, t, rows)}
+    if rows is not None:
+        raise DeepInferError(f"this runner computes every logits row: {why_not}")
+    return {}
+
+
 def head_entry(g: Graph) -> Node:
     """The node that starts the head: from the producer of outputs[0] (named "logits", as the models name it)
     back along first inputs to the first node whose op is in HEAD_ENTRY_OPS."""

@@ -43,7 +43,14 @@ from deepinfer.ir.graph import Graph, Node
 from deepinfer.ir.interpreter import bind_symbols, concrete_attrs
 from deepinfer.ir.registry import get_op
 from deepinfer.ir.shapes import evaluate
-from deepinfer.passes.select_logit_rows import ROWS_INPUT, ROWS_SYMBOL, has_logit_rows, row_indices, rows_graph
+from deepinfer.passes.select_logit_rows import (
+    ROWS_INPUT,
+    ROWS_SYMBOL,
+    has_logit_rows,
+    row_indices,
+    rows_feed,
+    rows_graph,
+)
 from deepinfer.runtime import cuda_graphs as cg
 from deepinfer.runtime import kernel_adapters as ka
 
@@ -599,10 +606,8 @@ class CudaRunner:
         dev = self.device
         feeds = {"tokens": tokens.to(dev), "positions": positions.to(dev)}
         feeds.update({k: v.to(dev) for k, v in caches.items()})
-        if has_logit_rows(self.graph):
-            feeds[ROWS_INPUT] = row_indices(self.graph, len(tokens), logit_rows).to(dev)
-        elif logit_rows is not None:
-            raise DeepInferError(f"this runner computes every logits row: {self.logit_rows_off}")
+        feeds.update({k: v.to(dev) for k, v in rows_feed(self.graph, len(tokens), logit_rows,
+                                                          self.logit_rows_off).items()})  # fmt: skip
         outs = self.exec.run(feeds)
         new = {n: t.to(caches[n].device) for n, t in zip(self.cache_names, outs[1 : 1 + len(self.cache_names)])}
         return outs[0], new

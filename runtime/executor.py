@@ -25,7 +25,7 @@ import torch
 
 from deepinfer.ir import interpreter
 from deepinfer.ir.graph import Graph
-from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows, row_indices, rows_graph
+from deepinfer.passes.select_logit_rows import rows_feed, rows_graph
 from deepinfer.runtime.kv_cache import KVCacheManager
 from deepinfer.runtime.sampler import Sample, sample_row
 from deepinfer.runtime.scheduler import Batch, ScheduledItem
@@ -46,9 +46,8 @@ class InterpreterRunner:
         self.selects_logit_rows = self.logit_rows_off is None
 
     def forward(self, tokens, positions, caches, logit_rows=None):
-        feeds = {"tokens": tokens, "positions": positions, **caches}
-        if has_logit_rows(self.graph):
-            feeds[ROWS_INPUT] = row_indices(self.graph, len(tokens), logit_rows)
+        feeds = {"tokens": tokens, "positions": positions, **caches,
+                 **rows_feed(self.graph, len(tokens), logit_rows, self.logit_rows_off)}  # fmt: skip
         outs = interpreter.run(self.graph, feeds, self.params)
         return outs[0], dict(zip(self.cache_names, outs[1 : 1 + len(self.cache_names)]))
 
