@@ -62,6 +62,7 @@ class KernelSpec:
     config: dict
     source: str  # "tuned" | "rule"
     nodes: list = field(default_factory=list)  # graph values (first few) that use it
+    key: object = None  # sm90: the runtime adapter's KernelKey this spec was derived from (built through it)
 
     def ident(self) -> str:
         return json.dumps([self.family, self.program, list(self.args), self.kwargs, self.config], sort_keys=True)
@@ -127,22 +128,214 @@ def _spec_for(b: dict, attrs: dict, target: str, db, versions) -> KernelSpec | N
     return None  # a family whose program arguments are not derived here yet (see report)
 
 
-def kernel_specs(graph, target: str, mode: str = "bound", *, db=None) -> tuple[list[KernelSpec], dict]:
-    """The distinct kernels the graph's bindings need; returns (specs, {family: reason} for the unbuilt)."""
+# ---------------------------------------------------------------------------------------------- sm90: runtime keys
+
+ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len: min(the model's max positions, 4096) (engine.py)
+TRITON_REASON = "Triton kernel (no TileLang program): compiled by Triton's JIT at its first launch"
+
+
+def _meta_tensor(v, env: dict):
+    """A shape-only stand-in for value v (the meta device: no memory, no data)."""
+    import torch
+
+    from deepinfer.ir.shapes import evaluate
+
+    return torch.empty([evaluate(d, env) for d in v.shape], dtype=v.type.dtype.torch_dtype, device="meta")
+
+
+class _MetaParams(dict):
+    """The graph's parameters as meta tensors, made on first use (a 40-layer model has ~94k, mostly experts that
+    only the first layer of each kind is asked about). Not restacked as the CUDA runner does (restack_experts):
+    a restack changes where the experts' bytes live, not their shapes, and the adapters' keys read shapes only."""
+
+    def __init__(self, graph):
+        super().__init__()
+        self.values = {p.name: p for p in graph.params}
+
+    def __missing__(self, name: str):
+        t = self[name] = _meta_tensor(self.values[name], {})
+        return t
+
+
+@dataclass
+class _KeyWalk:
+    """What one derivation found: the keys (first seen first) and, per family.op without a key, why."""
+
+    keys: list = field(default_factory=list)
+    why: dict = field(default_factory=dict)  # "family.op" -> reason (reported where no call of it gave a key)
+    keyed: set = field(default_factory=set)  # "family.op" that gave at least one key
+    missed: dict = field(default_factory=dict)  # "family.op at T=t" -> why its keys were not derived (always shown)
+
+    def add(self, where: str, keys: list) -> None:
+        self.keyed.add(where)
+        self.keys += [k for k in keys if k not in self.keys]
+
+    def note(self, where: str, reason: str) -> None:
+        self.why.setdefault(where, reason)
+
+    def unkeyed(self) -> dict:
+        return {**{k: v for k, v in sorted(self.why.items()) if k not in self.keyed}, **self.missed}
+
+
+def _walk(ex, feeds: dict, walk: _KeyWalk) -> None:
+    """The kernels executor ``ex`` would look up for these feeds: GraphExecutor's own steps, bindings and
+    attributes, each node's adapter asked for its keys on meta tensors of the node's input types (the adapters'
+    keys are shape functions: the same keys the runtime asks its KernelCache for, on CUDA tensors). Nodes alike
+    in op, binding, attributes and input types (the layers) ask once."""
+    from deepinfer.ir.interpreter import bind_symbols
+    from deepinfer.passes.select_logit_rows import ROWS_SYMBOL
+    from deepinfer.runtime import kernel_adapters as ka
+
+    env = bind_symbols(ex.graph, feeds)
+    t = int(feeds["tokens"].shape[0])
+    n_rows = env.get(ROWS_SYMBOL)
+    seen: set = set()
+    for step in ex.steps:
+        if step.rows and n_rows == 0:
+            continue  # run_steps launches nothing there
+        b = ex.binding(step.node, n_rows if step.rows else t)
+        adapter = ka.adapter_for(b.get("family", ""), step.node.op)
+        if adapter is None:
+            continue
+        attrs = ex._attrs(step.node, env)
+        alike = (step.node.op, b["family"], repr(b.get("config")), repr(sorted(attrs.items())),
+                 tuple(None if v is None else v.type for v in step.node.inputs), step.rows)  # fmt: skip
+        if alike in seen:
+            continue
+        seen.add(alike)
+        args = [_meta_arg(v, feeds, ex.params, env) for v in step.node.inputs]
+        call = ka.Call(step.node.op, attrs, args, step.inputs, step.param_inputs, b.get("config") or {},
+                       ex.prep_cache)  # fmt: skip
+        _ask(adapter, call, f"{b['family']}.{step.node.op}", t, walk)
+
+
+def _meta_arg(v, feeds: dict, params: _MetaParams, env: dict):
+    if v is None:
+        return None
+    if v.kind == "param":
+        return params[v.name]
+    return feeds[v.name] if v.name in feeds else _meta_tensor(v, env)
+
+
+def _ask(adapter, call, where: str, t: int, walk: _KeyWalk) -> None:
+    from deepinfer.runtime import kernel_adapters as ka
+
+    try:
+        keys = adapter.keys(call)
+    except ka.Decline as e:
+        walk.note(where, f"the adapter declines (the reference runs): {e}")
+        return
+    except Exception as e:  # a key that needs the data (a host read of a device value): left to the runtime
+        msg = str(e).splitlines()[0][:120] if str(e) else ""
+        walk.missed.setdefault(f"{where} at T={t}", f"kernel arguments need device data: {type(e).__name__}: {msg}")
+        return
+    if keys:
+        walk.add(where, keys)
+    else:
+        walk.note(where, TRITON_REASON)
+
+
+def _one_sequence_feeds(graph, t: int, cache_len: int, rows: int) -> dict:
+    import torch
+
+    from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows
+    from deepinfer.runtime.session import allocate_caches
+
+    feeds = {"tokens": torch.empty(t, dtype=torch.long, device="meta"),
+             "positions": torch.empty(t, dtype=torch.long, device="meta"),
+             **allocate_caches(graph, cache_len, device="meta")}  # fmt: skip
+    if has_logit_rows(graph):
+        feeds[ROWS_INPUT] = torch.empty(rows, dtype=torch.long, device="meta")
+    return feeds
+
+
+def _batched_feeds(single, b: int, max_model_len: int) -> dict:
+    """BatchedDecoder.feeds for b sequences: [b, *shape] caches sized by max_model_len (the plan graph has no
+    logit_rows: the batched step samples every sequence's row)."""
+    import torch
+
+    from deepinfer.runtime.session import allocate_caches
+
+    caches = {k: v.expand(b, *v.shape) for k, v in allocate_caches(single, max_model_len, device="meta").items()}
+    return {"tokens": torch.empty(b, dtype=torch.long, device="meta"),
+            "positions": torch.empty(b, dtype=torch.long, device="meta"), **caches}  # fmt: skip
+
+
+def engine_kernel_keys(graph, lengths, *, max_model_len: int = ENGINE_MAX_MODEL_LEN, batch_sizes=(),
+                       cache_len: int | None = None, all_rows: bool = False) -> tuple[list, dict]:  # fmt: skip
+    """The KernelKeys the sm90 engine (runtime/cuda_executor.CudaRunner) looks up for a plan graph: its
+    one-sequence executor (the graph with logit_rows) at every T in ``lengths`` with caches of ``cache_len``
+    tokens (default max_model_len, as the engine sizes them) and the head on the last row (a prefill samples it;
+    ``all_rows``: every row, as a teacher-forced run computes them), and its batched decode step
+    (passes/batch_decode) at every B in ``batch_sizes``; MAX_POSITIONS = max_model_len, the MoE activation
+    groups from the plan. Nothing is computed: each adapter's keys() runs on meta tensors.
+    Returns (keys, {family.op: why no key}) -- Triton families, declines, keys that need device data."""
+    from deepinfer.passes.select_logit_rows import rows_graph
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import GraphExecutor
+
+    walk = _KeyWalk()
+    params = _MetaParams(graph)
+    saved, ka.EMULATE = ka.EMULATE, True  # the adapters' "CUDA tensors only" check: meta tensors stand in
+    try:
+        runner_graph, _ = rows_graph(graph)
+        ex = GraphExecutor(runner_graph, params, kernels=None, sync_free=True, max_positions=max_model_len)
+        for t in sorted(set(lengths)):
+            _walk(ex, _one_sequence_feeds(runner_graph, t, cache_len or max_model_len, t if all_rows else 1), walk)
+        if batch_sizes:
+            _walk_batched(graph, params, sorted(set(batch_sizes)), max_model_len, walk)
+    finally:
+        ka.EMULATE = saved
+    return walk.keys, walk.unkeyed()
+
+
+def _walk_batched(graph, params: _MetaParams, batch_sizes: list, max_model_len: int, walk: _KeyWalk) -> None:
+    from deepinfer.errors import IRError
+    from deepinfer.passes.batch_decode import batch_decode
+    from deepinfer.runtime.batched_decode import BatchedExecutor
+
+    try:
+        batched = batch_decode(graph, compact=True)
+    except IRError as e:  # the engine then chains one-sequence steps (CudaRunner's fallback)
+        walk.note("batched_decode", f"no batched decode graph (one-sequence steps at decode): {e}")
+        return
+    ex = BatchedExecutor(batched, params, kernels=None, sync_free="always", max_positions=max_model_len)
+    for b in batch_sizes:
+        _walk(ex, _batched_feeds(graph, b, max_model_len), walk)
+
+
+def spec_of_key(key) -> KernelSpec:
+    """A runtime KernelKey as a plan KernelSpec: its cfg fields are the spec's config, the rest its kwargs."""
+    kw = dict(key.kwargs)
+    cfg = dict(kw.pop("cfg", ()))
+    return KernelSpec(key.family, key.program, tuple(key.args), kw, cfg, "adapter", key=key)
+
+
+def kernel_specs(graph, target: str, mode: str = "bound", *, db=None,
+                 max_model_len: int = ENGINE_MAX_MODEL_LEN) -> tuple[list[KernelSpec], dict]:  # fmt: skip
+    """The distinct kernels the graph's bindings need; returns (specs, {family: reason} for the unbuilt).
+
+    sm90 (the target with a runtime): the keys the engine's adapters look up (engine_kernel_keys) at the plan's
+    bucket lengths (``all``: ALL_BUCKETS' lengths, still under the plan's bindings, which the runtime reads) and
+    the batched decode step at the engine's decode buckets, caches sized by ``max_model_len``. Configs are the
+    adapters' (the runtime reads no tuning database). Other targets: each binding's rule or tuned config."""
     from deepinfer.codegen.tuner import TuningDB, toolkit_versions
 
     if mode not in KERNEL_MODES:
         raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
     if mode == "none" or target == "cpu":
         return [], {}
+    meta = graph.meta.get("kernels")
+    if not meta:
+        raise ConfigError(f"the graph has no kernel bindings for {target} (select_kernels did not run)")
+    if target == "sm90":
+        return _engine_specs(graph, mode, max_model_len)
     if mode == "all":
         from deepinfer.passes.select_kernels import select_kernels
 
         graph = copy.deepcopy(graph)
         select_kernels(graph, target=target, buckets=ALL_BUCKETS)
-    meta = graph.meta.get("kernels")
-    if not meta:
-        raise ConfigError(f"the graph has no kernel bindings for {target} (select_kernels did not run)")
+        meta = graph.meta["kernels"]
     db = db if db is not None else TuningDB()
     versions = toolkit_versions()
     by_node = {n.outputs[0].name: n for n in graph.nodes}
@@ -160,6 +353,19 @@ def kernel_specs(graph, target: str, mode: str = "bound", *, db=None) -> tuple[l
             if len(spec.nodes) < 4 and vname not in spec.nodes:
                 spec.nodes.append(vname)
     return sorted(specs.values(), key=lambda s: s.name), skipped
+
+
+def _engine_specs(graph, mode: str, max_model_len: int) -> tuple[list[KernelSpec], dict]:
+    from deepinfer.runtime import cuda_graphs as cg
+
+    buckets = graph.meta["kernels"]["buckets"] if mode == "bound" else ALL_BUCKETS
+    lengths = [b["T"] for b in buckets.values()]
+    keys, why = engine_kernel_keys(graph, lengths, max_model_len=max_model_len, batch_sizes=cg.BUCKETS)
+    specs = {}
+    for key in keys:
+        spec = spec_of_key(key)
+        specs.setdefault(spec.ident(), spec)
+    return sorted(specs.values(), key=lambda s: s.name), why
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -187,6 +393,10 @@ def _ascend_program(spec: KernelSpec, mod):
 
 
 def _make_program(spec: KernelSpec, target: str):
+    if spec.key is not None:  # the runtime's key: its own factory (the program the adapter's KernelCache builds)
+        from deepinfer.runtime.kernel_adapters import _factory
+
+        return _factory(spec.key, target)
     mod = importlib.import_module(f"deepinfer.codegen.kernels.{spec.family}")
     if target == "ascend950":
         return _ascend_program(spec, mod)
