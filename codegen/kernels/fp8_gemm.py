@@ -359,6 +359,7 @@ class WSPlan:
     wb: int  # weight block (N and K)
     cfg: Config
     experts: int = 0  # > 0: grouped GEMM (contiguous layout), B [experts, N, K]
+    half_tiles: bool = False  # grouped: TileExpert entries >= HALF_TILE_FLAG are tiles of <= 64 real rows
 
     @property
     def sub(self) -> int:  # promotion step: the finer of the two K scale grids
@@ -478,6 +479,11 @@ class WSPlan:
         assert not c.pingpong or (c.threads == 256 and not c.overlap), "pingpong: 2 warpgroups, sync units"
         if c.overlap and len(self.units) % 2:
             assert self.k_blocks % 2 == 0, "overlap with one unit per stage pairs K blocks: an even K block count"
+        if self.half_tiles:  # each consumer warpgroup takes one N slice of the 64 real rows (_program_sm90_ws)
+            assert self.experts and c.block_m == 128 and c.threads == 256 and c.n_split == 2, (
+                f"{c.tag}: half tiles need the grouped program, 2 consumer warpgroups and 2 N slices"
+            )
+            assert not (c.overlap or c.direct_store or c.cluster > 1), f"{c.tag}: half tiles: sync units, smem C"
 
 
 # audit of generated CUDA (tests): the TMA transfers' shared-memory addresses
@@ -520,9 +526,12 @@ def tile_coords(t, m_tiles: int, n_tiles: int, raster: int, tmin=min):
 
 
 PP_BAR = 12  # pingpong: named barriers 12 (warpgroup 0's turn) and 13 (warpgroup 1's); TileLang uses low ids
+HALF_TILE_FLAG = 1 << 16  # grouped, half_tiles: TileExpert[m] = expert + this flag marks a tile of <= 64 real rows
+HALF_ROWS = 64  # rows of a half tile: one consumer warpgroup's share of a 128-row tile
 
 
-def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, experts: int = 0):
+def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, experts: int = 0,
+                     half_tiles: bool = False):  # fmt: skip
     """Persistent warp-specialised sm90 program (the DeepGEMM recipe, written in TileLang).
 
     `sms` CTAs of 128 + `threads` threads. The last warpgroup is the producer (setmaxnreg 40): it walks the
@@ -538,11 +547,20 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     K/wb] and TileExpert [M/block_m] (before C); M tile mi multiplies expert TileExpert[mi]'s weights, and a
     tile of expert -1 (padding) is skipped by producer and consumers alike. Slots are then counted per tile
     actually run (`done`), not per wave, so the ring's phases stay in step across skipped tiles.
+
+    half_tiles (grouped, 128 x (2 N slices) tiles, issue 8): TileExpert[m] = e + HALF_TILE_FLAG marks a tile whose
+    real rows are its first 64 (an expert's last tile with <= 64 pairs; its other rows are layout padding). For
+    such a tile the producer loads those 64 rows of A (and their activation scales) into BOTH 64-row halves of the
+    stage, and each consumer warpgroup MMAs and promotes only "its" N slice (warpgroup h: slice h), so the tile
+    costs half the MMA and promotion work of a full one with both warpgroups (and the tensor cores) busy; the
+    epilogue stores 64 rows per slice (warpgroup 0's rows of slice 0, warpgroup 1's rows of slice 1) and leaves the
+    tile's padding rows unwritten. Every real row goes through the same MMAs, scales and promotion order as
+    without the option (same bits). Off: the generated program is the one without the option.
     """
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
-    plan = WSPlan(M, N, K, act_group, weight_block, cfg, experts)
+    plan = WSPlan(M, N, K, act_group, weight_block, cfg, experts, half_tiles)
     plan.check()
     bM, bN, bK, S = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     ag, wb, sub, ns, bNs = act_group, weight_block, plan.sub, cfg.n_split, plan.bns
@@ -567,7 +585,17 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
         return T.And(valid, Meta[T.min(mi, plan.m_tiles - 1)] >= 0) if experts else valid
 
     def expert(mi, Meta):
+        if half_tiles:
+            return T.bitwise_and(Meta[T.min(mi, plan.m_tiles - 1)], HALF_TILE_FLAG - 1)
         return Meta[T.min(mi, plan.m_tiles - 1)] if experts else 0
+
+    def is_half(mi, Meta):  # (half_tiles) the tile's real rows are its first HALF_ROWS
+        return Meta[T.min(mi, plan.m_tiles - 1)] >= HALF_TILE_FLAG
+
+    def takes_unit(mi, Meta, wg, h):  # whether consumer warpgroup wg MMAs N slice h of this tile
+        return T.Or(T.Not(is_half(mi, Meta)), wg == h) if half_tiles else True
+
+    HR = HALF_ROWS
 
     @T.macro
     def body(A, SA, B, SB, Meta, C):
@@ -617,6 +645,14 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                     barrier=full[st],
                                     cluster_mask=(1 << cl) - 1,
                                 )
+                            elif half_tiles:  # a half tile's 64 real rows into both halves of the stage
+                                if is_half(mi, Meta):  # in boxes of one K sub-block: A_s's layout chunks
+                                    for r0, c0 in itertools.product((0, HR), range(0, bK, sub)):
+                                        T.tma_copy(A[mi * bM : mi * bM + HR, kk + c0 : kk + c0 + sub],
+                                                   A_s[st, r0 : r0 + HR, c0 : c0 + sub], barrier=full[st])  # fmt: skip
+                                else:
+                                    T.tma_copy(A[mi * bM : (mi + 1) * bM, kk : kk + bK], A_s[st, :, :],
+                                               barrier=full[st])  # fmt: skip
                             else:
                                 T.tma_copy(A[mi * bM : (mi + 1) * bM, kk : kk + bK], A_s[st, :, :], barrier=full[st])
                             if experts:
@@ -633,7 +669,18 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                     cluster_mask=(1 << cl) - 1,
                                 )
                             ka = k * bK // ag
-                            T.tma_copy(SA[ka : ka + sa_rows, mi * bM : (mi + 1) * bM], SA_s[st, :, :], barrier=full[st])
+                            if half_tiles:  # a half tile: its rows' scales into both halves, one K group at a time
+                                if is_half(mi, Meta):
+                                    for r in range(sa_rows):
+                                        for r0 in (0, HR):
+                                            T.tma_copy(SA[ka + r : ka + r + 1, mi * bM : mi * bM + HR],
+                                                       SA_s[st, r : r + 1, r0 : r0 + HR], barrier=full[st])  # fmt: skip
+                                else:
+                                    T.tma_copy(SA[ka : ka + sa_rows, mi * bM : (mi + 1) * bM], SA_s[st, :, :],
+                                               barrier=full[st])  # fmt: skip
+                            else:
+                                T.tma_copy(SA[ka : ka + sa_rows, mi * bM : (mi + 1) * bM], SA_s[st, :, :],
+                                           barrier=full[st])  # fmt: skip
                             if sb_box:
                                 nw, kw = ni * sb_rows, k * sb_cols
                                 if experts:
@@ -717,14 +764,15 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                             T.sync_threads(PP_BAR, 256)
                                         else:
                                             T.sync_threads(PP_BAR + 1, 256)
-                                        TC.wgmma_gemm(
-                                            A_s[st, :, s * sub : (s + 1) * sub],
-                                            B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
-                                            p0,
-                                            transpose_B=True,
-                                            clear_accum=True,
-                                            policy=policy,
-                                        )
+                                        if takes_unit(mi, Meta, wg, h):  # (half tiles: the turns still alternate)
+                                            TC.wgmma_gemm(
+                                                A_s[st, :, s * sub : (s + 1) * sub],
+                                                B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
+                                                p0,
+                                                transpose_B=True,
+                                                clear_accum=True,
+                                                policy=policy,
+                                            )
                                         if wg == 0:
                                             T.named_barrier_arrive(PP_BAR + 1, 256)
                                         else:
@@ -732,19 +780,21 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                         T.wait_wgmma(0)
                                         part = p0
                                     else:
-                                        T.gemm(
-                                            A_s[st, :, s * sub : (s + 1) * sub],
-                                            B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
-                                            p0,
-                                            transpose_B=True,
-                                            clear_accum=True,
-                                            policy=policy,
-                                        )
+                                        if takes_unit(mi, Meta, wg, h):
+                                            T.gemm(
+                                                A_s[st, :, s * sub : (s + 1) * sub],
+                                                B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
+                                                p0,
+                                                transpose_B=True,
+                                                clear_accum=True,
+                                                policy=policy,
+                                            )
                                         part = p0
                                     ra = plan.sa_at(s)
-                                    for i, j in T.Parallel(bM, bNs):
-                                        rb, cb = plan.sb_at(h, j, s)
-                                        accs[h][i, j] += part[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
+                                    if takes_unit(mi, Meta, wg, h):
+                                        for i, j in T.Parallel(bM, bNs):
+                                            rb, cb = plan.sb_at(h, j, s)
+                                            accs[h][i, j] += part[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
                                 if cl == 1:
                                     T.mbarrier_arrive(empty[st])
                                 else:  # lane r of every warp releases the slot in cluster CTA r
@@ -754,6 +804,13 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                         if cfg.direct_store:  # bf16 pairs straight from the fragments
                             for h in slices:
                                 T.copy(accs[h], C[mi * bM, ni * bN + h * bNs])
+                        elif half_tiles and is_half(mi, Meta):
+                            # warpgroup h holds the 64 real rows' slice h in its fragment rows [64h, 64h + 64): each
+                            # warpgroup stores them from registers (a 64-row box of the swizzled smem tile is not
+                            # one TMA box), shifted up by 64h rows
+                            for h in slices:
+                                if wg == h:
+                                    T.copy(accs[h], C[mi * bM - h * HR, ni * bN + h * bNs])
                         else:
                             for h in slices:
                                 T.copy(accs[h], outs[h])
@@ -794,15 +851,18 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     return fp8_gemm_sm90_ws
 
 
-def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, experts: int = 0):
+def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int, cfg: Config, experts: int = 0,
+                    half_tiles: bool = False):  # fmt: skip
     """The persistent kernel's schedule on TileLang's `c` target (fp32, numerics only): the same CTA count,
     tile order, per-stage operand and scale slices, units and promotion indices as `_program_sm90_ws`,
     with the producer/consumer hand-off replaced by program order (experts > 0: the grouped variant, with
-    the same tile -> expert lookup and skipped padding tiles)."""
+    the same tile -> expert lookup and skipped padding tiles; half_tiles: a half tile's 64 rows duplicated into both
+    halves of the stage, row half r promoted for N slice r only, and stored from there, as on the GPU)."""
     import tilelang.language as T
 
-    plan = WSPlan(M, N, K, act_group, weight_block, cfg, experts)
+    plan = WSPlan(M, N, K, act_group, weight_block, cfg, experts, half_tiles)
     plan.check()
+    HR = HALF_ROWS
     bM, bN, bK = cfg.block_m, cfg.block_n, cfg.block_k
     ag, wb, sub, bNs = act_group, weight_block, plan.sub, plan.bns
     units, slices = plan.units, list(range(cfg.n_split))
@@ -813,6 +873,17 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
 
     def runs(valid, mi, Meta):
         return T.And(valid, Meta[T.min(mi, plan.m_tiles - 1)] >= 0) if experts else valid
+
+    def meta(mi, Meta):
+        return Meta[T.min(mi, plan.m_tiles - 1)]
+
+    def expert(mi, Meta):
+        if not experts:
+            return 0
+        return T.bitwise_and(meta(mi, Meta), HALF_TILE_FLAG - 1) if half_tiles else meta(mi, Meta)
+
+    def takes(i, h, mi, Meta):  # row i of the tile is promoted for N slice h (half tile: row half i // 64 == h)
+        return T.Or(meta(mi, Meta) < HALF_TILE_FLAG, i // HR == h) if half_tiles else True
 
     @T.macro
     def body(A, SA, B, SB, Meta, C):
@@ -826,11 +897,15 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
             for w in T.serial(waves):
                 valid, mi, ni = plan.tile_of(w, bid, T.min)
                 if runs(valid, mi, Meta):
-                    e = Meta[T.min(mi, plan.m_tiles - 1)] if experts else 0
+                    e = expert(mi, Meta)
                     for i, j in T.grid(bM, bN):
                         acc[i, j] = 0.0
                     for k in T.serial(kb):
                         T.copy(A[mi * bM, k * bK], A_s)
+                        if half_tiles:  # the GPU producer's two 64-row loads of the same rows
+                            if meta(mi, Meta) >= HALF_TILE_FLAG:
+                                for i, c in T.grid(HR, bK):
+                                    A_s[HR + i, c] = A[mi * bM + i, k * bK + c]
                         if experts:
                             T.copy(B[e, ni * bN : (ni + 1) * bN, k * bK : (k + 1) * bK], B_s)
                         else:
@@ -838,6 +913,10 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
                         ka = k * bK // ag
                         for r, i in T.grid(sa_rows, bM):
                             SA_s[r, i] = SA[ka + r, mi * bM + i]
+                        if half_tiles:
+                            if meta(mi, Meta) >= HALF_TILE_FLAG:
+                                for r, i in T.grid(sa_rows, HR):
+                                    SA_s[r, HR + i] = SA[ka + r, mi * bM + i]
                         if sb_box:
                             for r, c in T.grid(sb_rows, sb_cols):
                                 if experts:
@@ -861,8 +940,16 @@ def _program_ws_cpu(M: int, N: int, K: int, *, act_group: int, weight_block: int
                             ra = plan.sa_at(s)
                             for i, j in T.grid(bM, bNs):
                                 rb, cb = plan.sb_at(h, j, s)
-                                acc[i, h * bNs + j] += part[i, j] * (SA_s[ra, i] * SB_s[rb, cb])
-                    T.copy(acc, C[mi * bM, ni * bN])
+                                if takes(i, h, mi, Meta):
+                                    acc[i, h * bNs + j] += part[i, j] * (SA_s[ra, i] * SB_s[rb, cb])
+                    if half_tiles:  # a half tile: row half h of slice h holds the 64 real rows' slice h
+                        if meta(mi, Meta) >= HALF_TILE_FLAG:
+                            for h, i, j in T.grid(cfg.n_split, HR, bNs):
+                                C[mi * bM + i, ni * bN + h * bNs + j] = acc[h * HR + i, h * bNs + j]
+                        else:
+                            T.copy(acc, C[mi * bM, ni * bN])
+                    else:
+                        T.copy(acc, C[mi * bM, ni * bN])
 
     if experts:
 

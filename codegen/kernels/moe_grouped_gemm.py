@@ -127,6 +127,7 @@ def program(
     cfg: Config,
     max_rows: int = 0,
     swiglu_limit: float | None = None,
+    half_tiles: bool = False,
 ):
     """prim_func(A, SA, B, SB, TileExpert [M/block_m] int32, C [M, N]) for target cpu | sm90 | sm100.
 
@@ -137,13 +138,18 @@ def program(
 
     swiglu_limit (sm90 loop only): N = 2I is w1|w3 laid out by `gate_up_tiles(w, cfg.block_n // 2)` (and its
     scales likewise), and the outputs are (Hq [M, I] e4m3, Hs [I/32, M] fp32), the clamped SwiGLU of the GEMM
-    quantised per 32 columns (module docstring) instead of C."""
+    quantised per 32 columns (module docstring) instead of C.
+
+    half_tiles (persistent program only): TileExpert entries e + fp8_gemm.HALF_TILE_FLAG mark tiles whose real rows
+    are their first 64 (the layout's `half_tiles` option); those tiles cost half (module docstring, "Half tiles")."""
     if cfg.persistent and target in ("sm90", "cpu") and not max_rows and swiglu_limit is None:
         # fp8_gemm's persistent warp-specialised program, each M tile on its expert's weights
         from deepinfer.codegen.kernels import fp8_gemm
 
         build = fp8_gemm._program_sm90_ws if target == "sm90" else fp8_gemm._program_ws_cpu
-        return build(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg, experts=E)
+        extra = {"half_tiles": True} if half_tiles else {}
+        return build(M, N, K, act_group=act_group, weight_block=weight_block, cfg=cfg, experts=E, **extra)
+    assert not half_tiles, "half tiles: the persistent grouped program only"
     if cfg.persistent:  # masked layout / fused SwiGLU: the same tile on the non-persistent loop
         assert cfg.block_n == 128 and cfg.n_split == 1, (
             f"{cfg.tag}: the non-persistent loop (masked layout, fused SwiGLU) has no N slices; use sm90_config "
@@ -1063,7 +1069,7 @@ def reference(a, sa, b, sb, tile_expert, block_m: int, act_group: int, weight_bl
 
     M, N = a.shape[0], b.shape[1]
     out = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    for t, e in enumerate(tile_expert.tolist()):
+    for t, e in enumerate(tile_experts(tile_expert).tolist()):
         if e < 0:
             continue
         rows = slice(t * block_m, (t + 1) * block_m)
@@ -1076,7 +1082,7 @@ def reference_f64(a, sa, b, sb, tile_expert, block_m: int, act_group: int, weigh
     from deepinfer.codegen.kernels import fp8_gemm
 
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
-    for t, e in enumerate(tile_expert.tolist()):
+    for t, e in enumerate(tile_experts(tile_expert).tolist()):
         if e >= 0:
             rows = slice(t * block_m, (t + 1) * block_m)
             out[rows] = fp8_gemm.reference_dequant_f64(a[rows], sa[rows], b[e], sb[e], act_group, weight_block)
@@ -1132,12 +1138,26 @@ def gate_up_tiles(w: torch.Tensor, half: int, dim: int = 1) -> torch.Tensor:
 
 def row_experts(layout_meta: torch.Tensor, block: int, masked: bool) -> torch.Tensor:
     """Expert of every row (-1: a padding row / a row past its expert's count): masked layout from Counts
-    with max_rows = block, contiguous layout from TileExpert with block = the tile rows."""
+    with max_rows = block, contiguous layout from TileExpert with block = the tile rows (a half tile's rows past
+    its first half: -1, layout padding)."""
     meta = layout_meta.cpu().long()
     if masked:
         e = torch.arange(meta.numel()).repeat_interleave(block)
         return torch.where(torch.arange(e.numel()) % block < meta[e], e, torch.full_like(e, -1))
-    return meta.repeat_interleave(block)
+    e = tile_experts(meta).repeat_interleave(block)
+    past_half = (meta >= _half_flag()).repeat_interleave(block) & (torch.arange(e.numel()) % block >= block // 2)
+    return torch.where(past_half, torch.full_like(e, -1), e)
+
+
+def _half_flag() -> int:
+    from deepinfer.codegen.kernels.fp8_gemm import HALF_TILE_FLAG
+
+    return HALF_TILE_FLAG
+
+
+def tile_experts(tile_expert: torch.Tensor) -> torch.Tensor:
+    """TileExpert without the half-tile flags (moe_routing's half_tiles layout): each tile's expert, -1 padding."""
+    return torch.where(tile_expert >= 0, tile_expert % _half_flag(), tile_expert)
 
 
 def dequant_fp4_experts(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

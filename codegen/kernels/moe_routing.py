@@ -256,6 +256,9 @@ def ascend_program(T_: int, E: int, *, topk: int, route_scale: float, block_m: i
 #                   scale (act_quant's padding rows)
 # tile_expert is written for a caller-chosen number of tiles (the bound min(E, T*K) + T*K // block_m where the count
 # is not read back); rows of tiles past the exact count are not written (the GEMMs skip tiles of expert -1).
+# half_tiles (issue 8, the persistent grouped program's option): an expert's last tile whose real rows are at most
+# block_m / 2 is written as e + fp8_gemm.HALF_TILE_FLAG; the rows stay where they are (block_m-row slots), only the
+# GEMMs treat such a tile as 64 rows (fp8_gemm._program_sm90_ws, half_tiles).
 
 
 def layout_tile_bound(pairs: int, n_experts: int, block_m: int) -> int:
@@ -284,7 +287,7 @@ def _layout_kernels(interpret: bool):
     @triton.jit
     def layout_slots_kernel(idx_ptr, part_ptr, counts_ptr, slot_ptr, tile_expert_ptr, total_ptr, P, E, S, SEG,
                             N_TILES, BLOCK_M, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                            TILE_BLOCK: tl.constexpr):  # fmt: skip
+                            TILE_BLOCK: tl.constexpr, HALF_FLAG: tl.constexpr = 0):  # fmt: skip
         pid = tl.program_id(0)
         ee = tl.arange(0, BLOCK_E)
         ss = tl.arange(0, BLOCK_S)[:, None]
@@ -307,7 +310,13 @@ def _layout_kernels(interpret: bool):
             ends = tl.where(ee < E, tl.cumsum(tiles, axis=0), 2147483647)  # experts past E never own a tile
             t = (pid - E * S) * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
             owner = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
-            tl.store(tile_expert_ptr + t, tl.where(owner < E, owner, -1), mask=t < N_TILES)
+            meta = tl.where(owner < E, owner, -1)
+            if HALF_FLAG:  # the owner's last tile, when it holds at most BLOCK_M / 2 of its pairs
+                mine = ee[None, :] == owner[:, None]
+                last = tl.sum(tl.where(mine, ends, 0), axis=1) - 1
+                tail = tl.sum(tl.where(mine, counts - (tiles - 1) * BLOCK_M, 0), axis=1)
+                meta += tl.where((owner < E) & (t == last) & (2 * tail <= BLOCK_M), HALF_FLAG, 0)
+            tl.store(tile_expert_ptr + t, meta, mask=t < N_TILES)
             if pid == E * S:
                 tl.store(counts_ptr + ee, counts, mask=ee < E)
                 tl.store(total_ptr, tl.sum(tiles, axis=0).to(tl.int64))
@@ -393,12 +402,13 @@ def layout_segments(pairs: int, n_experts: int) -> int:
     return max(1, min(triton.cdiv(pairs, LAYOUT_BLOCK), triton.cdiv(LAYOUT_PROGRAMS, n_experts)))
 
 
-def triton_contiguous_layout(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int):
+def triton_contiguous_layout(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int, half_tiles: bool = False):
     """The contiguous layout of idx [T, K] (expert ids) on the device, two launches, no host read: (slot [T*K] of
     idx's dtype, tile_expert [n_tiles] int32 (-1 past the last expert's tiles), counts [E] int32, the exact tile
     count [1] int64). n_tiles: how many tile_expert entries to write (>= the exact count, e.g. layout_tile_bound).
     The flat ids split into S segments; program (e, s) of each launch handles expert e's pairs in segment s (the
-    counts per segment first, then the ranks: the segments before s and the experts before e give the offset)."""
+    counts per segment first, then the ranks: the segments before s and the experts before e give the offset).
+    half_tiles: last tiles with at most block_m / 2 pairs flagged (fp8_gemm.HALF_TILE_FLAG added to the expert)."""
     flat = idx.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     pairs, dev = flat.numel(), flat.device
@@ -415,13 +425,22 @@ def triton_contiguous_layout(idx: torch.Tensor, n_experts: int, block_m: int, n_
     grid = n_experts * segs + max(1, triton.cdiv(n_tiles, TILE_BLOCK))
     slots_k[(grid,)](flat, part, counts, slot, tile_expert, total, pairs, n_experts, segs, seg, n_tiles, block_m,
                      BLOCK=block, BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_S=triton.next_power_of_2(segs),
-                     TILE_BLOCK=TILE_BLOCK, num_warps=LAYOUT_WARPS)  # fmt: skip
+                     TILE_BLOCK=TILE_BLOCK, HALF_FLAG=_half_flag(half_tiles), num_warps=LAYOUT_WARPS)  # fmt: skip
     return slot, tile_expert, counts, total
 
 
-def contiguous_layout_reference(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int):
+def _half_flag(half_tiles: bool) -> int:
+    from deepinfer.codegen.kernels.fp8_gemm import HALF_TILE_FLAG
+
+    return HALF_TILE_FLAG if half_tiles else 0
+
+
+def contiguous_layout_reference(idx: torch.Tensor, n_experts: int, block_m: int, n_tiles: int,
+                                half_tiles: bool = False):  # fmt: skip
     """Torch: the same four tensors from counts by scatter_add, a stable argsort of the flat ids (pairs of one expert
-    keep pair order) and searchsorted over the tile ends (no host read either)."""
+    keep pair order) and searchsorted over the tile ends (no host read either); half_tiles: the last tile of an
+    expert with at most block_m / 2 pairs there gets the flag, scattered to it (experts without one: to a dropped
+    entry)."""
     flat = idx.reshape(-1)
     ones = torch.ones_like(flat, dtype=torch.long)
     # bincount's counts without its host read of the maximum (torch.bincount synchronises on CUDA)
@@ -436,8 +455,13 @@ def contiguous_layout_reference(idx: torch.Tensor, n_experts: int, block_m: int,
     slot[order] = ((ends - tiles_per)[sorted_e] * block_m + rank).to(flat.dtype)
     # tile i belongs to the first expert whose tiles end after i; tiles past the last one are padding (-1)
     e = torch.searchsorted(ends, torch.arange(n_tiles, device=flat.device), right=True)
-    tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1)).to(torch.int32)
-    return slot, tile_expert, counts.to(torch.int32), ends[-1:]
+    tile_expert = torch.where(e < n_experts, e, torch.full_like(e, -1))
+    if half_tiles:
+        half = (tiles_per > 0) & (2 * (counts - (tiles_per - 1) * block_m) <= block_m)
+        at = torch.where(half, ends - 1, torch.full_like(ends, n_tiles))
+        flags = torch.zeros(n_tiles + 1, dtype=torch.long, device=flat.device).scatter_(0, at, _half_flag(True))
+        tile_expert = tile_expert + flags[:n_tiles]
+    return slot, tile_expert.to(torch.int32), counts.to(torch.int32), ends[-1:]
 
 
 def triton_gather_quant(x: torch.Tensor, slot: torch.Tensor, counts: torch.Tensor, group: int, rows: int,
