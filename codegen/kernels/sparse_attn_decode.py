@@ -81,6 +81,17 @@ class Config:
     # split kernel writes and the combine reads back (B64 x 2 chunks: 16.8 -> 8.4 MB; the combine alone was 10.3 of
     # the pair's 32.6 us). Each chunk's partial takes one bf16 rounding more before the weighted sum (~2^-9 relative).
     partial_bf16: bool = False
+    # ws (session 8, not yet measured): WG0 publishes P(j) (arrives p_full) before the row sum and the l update, which
+    # then run while PV(j) does. Why: the PV warpgroups wait on p_full at every block, and the sum (32 adds, two quad
+    # shuffles a row) only feeds the final normaliser. The same values in another order: bit-identical output.
+    early_p: bool = False
+    # ws (session 8, not yet measured): the online softmax's reference max m rises only when a block's row max exceeds
+    # it by more than 2^RESCALE_LOG2 (P <= 2^8 then: far inside bf16 / fp32 range); otherwise alpha = 1. A flag in
+    # shared memory (alpha_s[stage, H] = the round in which some row's m rose) lets the PV warpgroups skip the rescale
+    # of their 64 x 256 O accumulator (128 multiplies a thread, between p_full and the PV wgmma) at every block where
+    # no row's m rose -- after the first blocks, almost all of them. O, l and the sink term stay relative to the same
+    # m, so the result is the same softmax (rounding differs: P in bf16 relative to another max).
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -93,6 +104,7 @@ class Config:
             assert self.ws and self.num_split == 1 and not self.l2_prefetch, "persist"
             assert self.copy == "cp" and not self.skip, "persist: the full bf16 program"
         assert not self.partial_bf16 or (self.ws and self.num_split > 1), "partial_bf16: the ws split pass"
+        assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -111,6 +123,8 @@ class Config:
         head += f"pf{self.l2_prefetch}" if self.l2_prefetch else ""
         head += f"p{self.persist}" if self.persist else ""
         head += "h" if self.partial_bf16 else ""
+        head += "e" if self.early_p else ""
+        head += "z" if self.lazy_rescale else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -413,6 +427,7 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
 
 
 LOG2E = 1.4426950408889634
+RESCALE_LOG2 = 8.0  # Config.lazy_rescale: m rises when a row's block max exceeds it by more than 2^8 (in P's units)
 # tl::tma_load's 1-D form (cp.async.bulk): TileLang includes this header only for the copies it lowers itself
 BULK_PRELUDE = "#include <tl_templates/cuda/copy_sm90.h>\n"
 # Config.l2_prefetch: a bulk L2 prefetch (sm90; bytes a multiple of 16, a 16-B aligned address)
@@ -520,6 +535,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
+    early_p, lazy = cfg.early_p, cfg.lazy_rescale
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
     assert not (bulk and kv_fp8), "bulk copies: bf16 KV"
@@ -563,26 +579,45 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.wait_wgmma(0)
 
     @T.macro
-    def softmax(Sacc, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph):
+    def row_sum(Sacc, l, lblk, alpha):
+        T.reduce_sum(Sacc, lblk, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * alpha[h] + lblk[h]
+
+    @T.macro
+    def softmax(Sacc, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rnd):
+        """Block rnd * NS + st's softmax (rnd: its ring round; barrier parity rnd & 1)."""
         if "softmax" in skip:
             for h in T.Parallel(H):
                 alpha[h] = T.float32(1)
         else:
-            T.copy(m, m_prev)
-            T.reduce_max(Sacc, m, dim=1, clear=False)
-            for h in T.Parallel(H):
-                alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
+            if lazy:
+                T.reduce_max(Sacc, m_prev, dim=1, clear=True)  # m_prev: the block's row max here
+                for h in T.Parallel(H):
+                    alpha[h] = T.if_then_else((m_prev[h] - m[h]) * c2 > RESCALE_LOG2, T.exp2((m[h] - m_prev[h]) * c2),
+                                              T.float32(1))  # fmt: skip
+                    m[h] = T.if_then_else(alpha[h] < 1, m_prev[h], m[h])  # alpha < 1: m rose (by > 2^8)
+            else:
+                T.copy(m, m_prev)
+                T.reduce_max(Sacc, m, dim=1, clear=False)
+                for h in T.Parallel(H):
+                    alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
             for h, j in T.Parallel(H, bn):
                 Sacc[h, j] = T.exp2(Sacc[h, j] * c2 - m[h] * c2)
-            T.reduce_sum(Sacc, lblk, dim=1)
-            for h in T.Parallel(H):
-                l[h] = l[h] * alpha[h] + lblk[h]
-        T.barrier_wait(p_empty[st], ph ^ 1)
+            if not early_p:
+                row_sum(Sacc, l, lblk, alpha)
+        T.barrier_wait(p_empty[st], (rnd & 1) ^ 1)
         T.copy(Sacc, p_s[st, :, :])
         for h in T.Parallel(H):
             alpha_s[st, h] = alpha[h]
+        if lazy:
+            for h in T.Parallel(H):
+                if alpha[h] < 1:  # every thread whose row rose writes the same round: no race on the value
+                    alpha_s[st, H] = T.cast(rnd, f32)
         T.fence_proxy_async()  # P is read by the PV warpgroups' wgmma (async proxy)
         T.barrier_arrive(p_full[st])
+        if early_p and "softmax" not in skip:
+            row_sum(Sacc, l, lblk, alpha)  # registers only: the next QK^T overwrites Sacc after this
 
     @T.macro
     def load_rid(src, b, base, blk, t, rid, k):
@@ -741,9 +776,18 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.fence_proxy_async()
 
     @T.macro
-    def pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf: int):
+    def rescale_o(o, alpha_s, st):
         for h, d in T.Parallel(H, D2):
             o[h, d] = o[h, d] * alpha_s[st, h]
+
+    @T.macro
+    def pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf: int):
+        if lazy:
+            # some row's m rose in this block (a stale value that happens to match rescales by alpha = 1: exact)
+            if alpha_s[st, H] == T.cast(rnd, f32):
+                rescale_o(o, alpha_s, st)
+        else:
+            rescale_o(o, alpha_s, st)
         if "pv" not in skip:
             T.gemm(p_s[st, :, :], kvh[st, :, :], o)
         T.barrier_arrive(p_empty[st])
@@ -752,9 +796,10 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.sync_threads(1 + hf, 128)
 
     @T.macro
-    def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, ph, hf: int):
-        pv_wait(full, p_full, st, ph, hf)
-        pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf)
+    def pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rnd, hf: int):
+        """Block rnd * NS + st's PV (rnd: its ring round)."""
+        pv_wait(full, p_full, st, rnd & 1, hf)
+        pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf)
 
     @T.macro
     def pv_role(
@@ -822,12 +867,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 rid[NS, 0] = src.row_id(b, base + (NS + pf) * bn + t % bn)
         for it in T.serial(rounds):
             for st in ring:
-                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it & 1, hf)
+                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it, hf)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip
         for st in tail_blocks:
-            pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds & 1, hf)
+            pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds, hf)
         T.barrier_wait(fin, 0)
         if split and cfg.partial_bf16:
             for h, d in T.Parallel(H, D2):
@@ -846,7 +891,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         kv_l = T.alloc_shared((NS, bn, D2), bf)
         kv_r = T.alloc_shared((NS, bn, D2), bf)
         p_s = T.alloc_shared((NS, H, bn), bf)
-        alpha_s = T.alloc_shared((NS, H), f32)
+        alpha_s = T.alloc_shared((NS, H + lazy), f32)  # column H: Config.lazy_rescale's flag (the round m rose)
         idx_s = T.alloc_shared((NS, bn), i32)
         fin_s = T.alloc_shared((H,), f32)
         raw_l = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
@@ -887,31 +932,31 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                         nst, nph = (st + 1, it & 1) if st + 1 < NS else (0, (it + 1) & 1)
                         if st % 2 == 0:
                             qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, nst, nph, False)
-                            softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
+                            softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it)
                         else:
                             qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, nst, nph, False)
-                            softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
+                            softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it)
                 for st in la_tail:
                     T.wait_wgmma(0)
                     if st % 2 == 0:
                         qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, st + 1, la_rounds & 1, False)
-                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds & 1)
+                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds)
                     else:
                         qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st + 1, la_rounds & 1, False)
-                        softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds & 1)
+                        softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds)
                 T.wait_wgmma(0)  # the last block, nb - 1 = la_rounds * NS + len(la_tail)
                 if len(la_tail) % 2 == 0:
-                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, len(la_tail), la_rounds & 1)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, len(la_tail), la_rounds)
                 else:
-                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, len(la_tail), la_rounds & 1)
+                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, len(la_tail), la_rounds)
             else:
                 for it in T.serial(rounds):
                     for st in ring:
                         qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, it & 1, True)
-                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it & 1)
+                        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it)
                 for st in tail_blocks:
                     qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, rounds & 1, True)
-                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rounds & 1)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rounds)
             if split:
                 for h in T.Parallel(H):
                     Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
@@ -974,7 +1019,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             b = c + k * P
             for it in T.serial(rounds - 1):
                 for st in ring:
-                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, (k * rounds + it) & 1, hf)
+                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, k * rounds + it, hf)
                     gather(src, kvh, None, None, idx_s, full, b, 0, (it + 1) * NS + st, st, hf, t, rid, 0)
                     next_rid(src, b, (it + 1) * NS + st + 1, t, rid)
             for st in ring:  # the last round: its refills gather the next request's first NS blocks
@@ -982,7 +1027,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 if st == NS - 1:
                     if b + P < Bd:  # WG0 is past its last QK^T of request b (it armed p_full of this block)
                         load_q(Q, b + P, hf, t, q_h, bar_q)
-                pv_math(o, p_s, alpha_s, kvh, p_empty, st, hf)
+                pv_math(o, p_s, alpha_s, kvh, p_empty, st, k * rounds + rounds - 1, hf)
                 if b + P < Bd:
                     gather(src, kvh, None, None, idx_s, full, b + P, 0, st, st, hf, t, rid, 0)
                     load_rid(src, b + P, 0, st + 1, t, rid, 0)
@@ -1004,24 +1049,25 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 nst, nph = (st + 1, (kr + it) & 1) if st + 1 < NS else (0, (kr + it + 1) & 1)
                 if st % 2 == 0:
                     qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, nst, nph, False)
-                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, (kr + it) & 1)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, kr + it)
                 else:
                     qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, nst, nph, False)
-                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, (kr + it) & 1)
+                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, kr + it)
         for st in ring:  # the last round: its last block issues nothing
             T.wait_wgmma(0)
-            ph = (kr + rounds - 1) & 1
+            rnd = kr + rounds - 1
+            ph = rnd & 1
             if st + 1 < NS:
                 if st % 2 == 0:
                     qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, st + 1, ph, False)
-                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+                    softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rnd)
                 else:
                     qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st + 1, ph, False)
-                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+                    softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rnd)
             elif st % 2 == 0:
-                softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+                softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rnd)
             else:
-                softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, ph)
+                softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rnd)
 
     @T.macro
     def body_p(Q, src, Sink, O, Op, Mp, Lp, sp, c):
@@ -1035,7 +1081,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         kv_l = T.alloc_shared((NS, bn, D2), bf)
         kv_r = T.alloc_shared((NS, bn, D2), bf)
         p_s = T.alloc_shared((NS, H, bn), bf)
-        alpha_s = T.alloc_shared((NS, H), f32)
+        alpha_s = T.alloc_shared((NS, H + lazy), f32)  # column H: Config.lazy_rescale's flag (the round m rose)
         idx_s = T.alloc_shared((NS, bn), i32)
         fin_s = T.alloc_shared((H,), f32)
         s0 = T.alloc_fragment((H, bn), f32)
@@ -1068,7 +1114,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                         for st in ring:
                             qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, (k * rounds + it) & 1, True)
                             softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st,
-                                    (k * rounds + it) & 1)  # fmt: skip
+                                    k * rounds + it)  # fmt: skip
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
                 T.barrier_arrive(fin)
@@ -1269,6 +1315,7 @@ def _program_ws_cpu(
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS = cfg.block_n, cfg.num_split, cfg.stages
+    lazy = cfg.lazy_rescale  # (early_p only reorders WG0: the same values)
     assert topk % (bn * ns) == 0
     chunk, nb, D2, R, tpr = g.chunk, g.nb, g.D2, g.R, g.tpr
     f32, i32 = "float32", "int32"
@@ -1338,7 +1385,12 @@ def _program_ws_cpu(
                         for d in T.serial(D2):
                             sacc[h, j] = sacc[h, j] + q[hf, h, d] * kv[hf, st, j, d]
                     m[h] = T.max(m[h], sacc[h, j])
-                alpha_s[st, h] = T.exp2((m_prev[h] - m[h]) * c2)
+                if lazy:  # Config.lazy_rescale: m keeps its old value unless the block's max exceeds it by > 2^8
+                    alpha_s[st, h] = T.if_then_else((m[h] - m_prev[h]) * c2 > RESCALE_LOG2,
+                                                    T.exp2((m_prev[h] - m[h]) * c2), T.float32(1))  # fmt: skip
+                    m[h] = T.if_then_else(alpha_s[st, h] < 1, m[h], m_prev[h])
+                else:
+                    alpha_s[st, h] = T.exp2((m_prev[h] - m[h]) * c2)
                 acc[0] = 0.0
                 for j in T.serial(bn):
                     p[st, h, j] = T.exp2(sacc[h, j] * c2 - m[h] * c2)
