@@ -837,6 +837,142 @@ def batched_index_scores_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- indexer length
+# `--only "indexer length"` (helper D, session 8): decode caches are sized for max_model_len, so a step's index
+# scores are [B, max_model_len / ratio] whatever a sequence's length. Rows at a 4k context (positions 4095 / 4096)
+# with caches for max_model_len 4096 and 65536: the scores kernel in its first form (one CTA per key tile of the
+# cache: "old") and the balanced form (ctas_per_sm n: "bal<n>"; "nofill": the columns past the live tiles left
+# unwritten), then the step's scores + top-k ("step"): old scores + topk_select without positions (the runtime's
+# topk_entries today: every column read), bal8 + the same top-k, and bal8 nofill + topk_select WITH positions
+# (columns past (p+1)//ratio never read: what an IR topk_entries with positions would run). Flat in
+# max_model_len = the step's work follows the context. %limit: the visible entries' bytes (the 4k context's).
+
+IDXLEN_CONTEXT = 4096
+
+
+def _idxlen_inputs(B: int, C: int, batched: bool):
+    """q, w, keys ([B*C, di] per-sequence pools, or one sequence's [C, di]) and positions at the 4k context."""
+    q = torch.randn(B, IDX_HEADS, IDX_DIM, device="cuda")
+    w = torch.randn(B, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
+    keys = torch.randn(B * C if batched else C, IDX_DIM, device="cuda")
+    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
+    return q, w, keys, pos
+
+
+def _idxlen_scores_fn(B: int, C: int, ratio: int, form: str):
+    """(scores callable, fill) of one form: B 1 is the one-sequence index_scores kernel, B > 1 the batched one.
+    form "bal<n>[ s<stages>][ nofill]": the balanced form, one query a CTA and k_split 32 (indexer_topk's notes)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+
+    batched = B > 1
+    cfg = it.f32_batched_scores_config(B, C) if batched else it.f32_scores_config(B, C)
+    words = form.split()
+    if words[0] != "old":
+        stages = [int(w[1:]) for w in words if w.startswith("s")]
+        cfg = dataclasses.replace(cfg, block_t=1, ctas_per_sm=int(words[0][3:]), k_split=32, stages=(stages or [1])[0])
+    fill = "nofill" not in form
+    kernel = it.triton_batched_scores if batched else it.triton_scores
+
+    def scores(q, w, keys, pos):
+        return kernel(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5, cfg=cfg, fill=fill)
+
+    return scores, fill
+
+
+def _idxlen_check_scores(s, ref, pos, ratio: int, fill: bool) -> str:
+    """The visible columns within 1e-5 of the reference's maximum, -inf past them (up to the live tiles without
+    fill: past those the columns are not written)."""
+    lim = ((pos.long() + 1) // ratio).clamp(max=s.shape[1])
+    cols = torch.arange(s.shape[1], device=s.device)
+    vis = cols[None, :] < lim[:, None]
+    upto = vis if fill else cols[None, :] < ((lim + 63) // 64 * 64)[:, None]
+    if not (torch.isfinite(s[vis]).all() and (s[upto & ~vis] == float("-inf")).all()):
+        raise AssertionError("the causal mask differs from the reference's")
+    return expect(rel_err(s[vis], ref[vis]), 1e-5)
+
+
+def case_idxlen_scores(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
+    """Index scores alone in one form at a 4k context, caches for max_model_len `mml`."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.ir.ops.attention import indexer_scores
+    from deepinfer.ir.ops.batched import batched_indexer_scores
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    row.bytes_, row.flops = it.f32_batched_scores_roofline(B, vis) if B > 1 else it.f32_scores_roofline(B, vis)
+    row.peak = "bf16"
+    if dry:
+        return
+    q, w, keys, pos = _idxlen_inputs(B, C, B > 1)
+    scores, fill = _idxlen_scores_fn(B, C, ratio, form)
+    ref_op = batched_indexer_scores if B > 1 else indexer_scores
+    ref = ref_op(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5)[0]
+    row.check = _idxlen_check_scores(scores(q, w, keys, pos), ref, pos, ratio, fill)
+    row.ms = bench_device(lambda: scores(q, w, keys, pos), quick)
+
+
+def _idxlen_topk(B: int, C: int, ratio: int, with_pos: bool, dry: bool):
+    """topk_select as the runtime's topk_entries adapter builds it (has_pos False: -inf marks the invisible
+    columns), or with positions (the columns past (p+1)//ratio never read). -> (kernel, scratch maker)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = ts.default_config(B, C, IDX_TOPK)
+    kern = build(ts.program(B, C, k=IDX_TOPK, ratio=ratio if with_pos else 1, cfg=cfg, target="sm90",
+                            has_pos=with_pos))  # fmt: skip
+    return kern, (lambda: ts.make_scratch(B, C, IDX_TOPK, cfg, "cuda")), cfg
+
+
+def case_idxlen_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
+    """Scores + top-512 of a decode step (form: "old", "bal8", "bal8 nofill+pos"), checked against
+    topk_select.reference of the same form's scores with every column written (exactly the same set)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    with_pos = "pos" in form
+    fb, ff = it.f32_batched_scores_roofline(B, vis) if B > 1 else it.f32_scores_roofline(B, vis)
+    tb, tf = ts.roofline(B, vis, IDX_TOPK, visible=B * vis)
+    row.bytes_, row.flops, row.peak = fb + tb, ff + tf, "bf16"
+    kern, make_scratch, cfg = _idxlen_topk(B, C, ratio, with_pos, dry)
+    row.kernel += f" {cfg.tag}"
+    if dry:
+        return
+    q, w, keys, pos = _idxlen_inputs(B, C, B > 1)
+    scores, _ = _idxlen_scores_fn(B, C, ratio, form.replace("+pos", ""))
+    filled, _ = _idxlen_scores_fn(B, C, ratio, form.replace(" nofill+pos", ""))  # the same bits, every column
+    pos32, scratch = pos.int(), make_scratch()
+    zeros = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, IDX_TOPK, dtype=torch.int32, device="cuda")
+
+    def step():
+        kern(scores(q, w, keys, pos), pos32 if with_pos else zeros, out, *scratch)
+
+    step()
+    want = ts.reference(filled(q, w, keys, pos), IDX_TOPK)
+    if not torch.equal(out.long(), want.to(out.device)):
+        raise AssertionError("top-k set differs from the reference's on the form's (filled) scores")
+    row.check = "top-k set exact"
+    row.ms = bench_device(step, quick)
+
+
+def indexer_length_cases():
+    """Rows "indexer length scores ..." and "indexer length step ..." (see the section's comment)."""
+    out = []
+    for B in (1, 64):
+        for mml, ratio in ((4096, 2), (65536, 2), (65536, 1)):
+            shape = f"B{B} mml{mml} r{ratio}"
+            for form in ("old", "bal4", "bal8", "bal16", "bal8 s2", "bal8 nofill"):
+                run = functools.partial(_idxlen_row, case_idxlen_scores, B, mml, ratio, form)
+                out.append((f"indexer length scores {form}", shape, run))
+            for form in ("old", "bal8", "bal8 nofill+pos"):
+                run = functools.partial(_idxlen_row, case_idxlen_step, B, mml, ratio, form)
+                out.append((f"indexer length step {form}", shape, run))
+    return out
+
+
+def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: bool, dry: bool):
+    case(row, B, mml, ratio, form, quick, dry)
+
+
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     """linear (f32 x, bf16 weight) on linear_bf16's kernel; check vs the op's reference (fp32 copy of the weight,
     the eager column) to 1e-5 of the output's maximum: both are fp32 sums of K exact products in different orders,
@@ -2576,6 +2712,34 @@ def _topk_r3_rows():
     ]  # fmt: skip
 
 
+def _topk_s8_rows():
+    """(T, C, cfg, variant) rows "indexer_topk_select s8" (helper B, session 8, issue 6: top-k >= 60% of HBM;
+    unmeasured). T4096 C65536 k512, the default (fused + fast, 2 chunks prefetched into L2: 541.6 us = 45.8%)
+    next to: no L2 prefetch (p0: the read stage alone was 260.9 us without it, 306.7 us with it, session 5);
+    `lean` (no per-score column checks, no max pre-pass: fewer instructions a fused chunk); `compact` (the final
+    selection on the members staged in the free fine histogram, out of the chunk loop, instead of all 18 buffer
+    slots a thread); both, with and without the prefetch. Stage probes of the same run: diag first (the first
+    chunk's bound and push, later chunks read only), push (everything but the final selection) for the default
+    and lean, read without the prefetch. Then C16384 (128 threads) default vs lean + compact, and the decode shape
+    T64 C16384 (2 segments a row) default vs no prefetch vs fused + fast + lean."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    tl, rep = "tilelang", dataclasses.replace
+    pre = ts.default_config(4096, 65536, IDX_TOPK)
+    c16 = ts.default_config(4096, 16384, IDX_TOPK)
+    dec = ts.default_config(64, 16384, IDX_TOPK)
+    return [
+        (4096, 65536, None, tl), (4096, 65536, rep(pre, l2_ahead=0), tl), (4096, 65536, rep(pre, lean=True), tl),
+        (4096, 65536, rep(pre, compact=2048), tl), (4096, 65536, rep(pre, lean=True, compact=2048), tl),
+        (4096, 65536, rep(pre, lean=True, compact=2048, l2_ahead=0), tl),
+        (4096, 65536, rep(pre, diag="first"), tl), (4096, 65536, rep(pre, diag="push"), tl),
+        (4096, 65536, rep(pre, lean=True, diag="push"), tl), (4096, 65536, rep(pre, l2_ahead=0, diag="read"), tl),
+        (4096, 16384, None, tl), (4096, 16384, rep(c16, lean=True, compact=2048), tl),
+        (64, 16384, None, tl), (64, 16384, rep(dec, l2_ahead=0), tl),
+        (64, 16384, rep(dec, fused=2, ffs=True, fast=True, lean=True), tl),
+    ]  # fmt: skip
+
+
 TOPK_TIE_SHAPES = [(512, 2048), (264, 16384), (64, 65536), (1, 65536)]
 TOPK_TIE_PROGRAMS = ["default", "hist", "fused", "fast"]
 
@@ -2653,6 +2817,9 @@ def _indexer_cases(quick: bool):
                             lambda r, q, d, T_=T_, C=C, p=prog: case_topk_tie_build(r, T_, C, p, q, d)))
         for T_, C, cfg, var in _topk_r3_rows():
             out.append(("indexer_topk_select r3", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
+        for T_, C, cfg, var in _topk_s8_rows():
+            out.append(("indexer_topk_select s8", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         for T_, C, cfg in _topk_r2_rows():
             out.append(("indexer_topk_select r2", f"T{T_} C{C} k{IDX_TOPK}",
@@ -3172,6 +3339,7 @@ def cases(quick: bool):
         out.append(("rope", f"{T_}x{HEADS}x{HEAD_DIM} r64", lambda r, q, d, T_=T_: case_rope(r, T_, False, q, d)))
     out += decode_small_cases()
     out += batched_index_scores_cases()
+    out += indexer_length_cases()
     out += moe_layout_cases()
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()

@@ -472,6 +472,24 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
 # (`triton_batched_scores`): its reference bmm writes [B, 32, C] temporaries (0.955 ms at B16, 4k context).
 
 
+# Decode caches are sized for max_model_len, so C (columns of S, keys a sequence may have) is max_model_len / ratio
+# whatever a sequence's length; a CTA per key tile of C (`ctas_per_sm` 0, the first form) launches C / block_c
+# CTAs per query block at every step, most of them past the visible limit. The balanced form (`ctas_per_sm` n > 0)
+# launches n x SMs CTAs (a grid fixed by the shapes: CUDA graphs replay it) that share the work items of the step,
+# found on the device from the positions: first every query block's live key tiles (those below its furthest
+# visible entry), then -- `fill`, the op's definition: -inf wherever j >= (p+1)//ratio -- the columns past them in
+# blocks of `fill_block`. The dead tiles read no key and compute nothing in both forms; the balanced form's work
+# (and CTAs) follow the visible lengths, not C. Without `fill` the columns past a query block's last live tile are
+# not written at all: only for a consumer that reads S up to the positions' limit (topk_select with positions).
+# Registers (ptxas, sm_90a, 4 warps, one query a CTA): a 3xTF32 product of the whole [64, 128] key tile holds its
+# hi and lo parts in registers; straight-line (first form) that fits (170), inside the balanced form's item loop it
+# takes 255 and spills; `k_split` 32 (four accumulating products of 32 dims) brings the loop to 178-190, no spills.
+# It changes the order of the sums (not the accuracy); tile and loop are the same code in both forms, so at equal
+# k_split both give the same bits. 4 queries a CTA (the one-sequence tile) spill in the loop at any k_split: the
+# balanced one-sequence decode (T = 1) takes one query a CTA. (The dims' offsets get a loop-variant zero added:
+# hoisted out of the loop, their [64, DK] broadcast would stay in registers across it.)
+
+
 @dataclass(frozen=True)
 class F32ScoresConfig:
     block_c: int = 64  # index keys per CTA (the dot's M: one wgmma tile of rows)
@@ -479,6 +497,10 @@ class F32ScoresConfig:
     warps: int = 4
     precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
     maxnreg: int = 0  # batched form only: a register cap (0: none); 128 lets 4 CTAs of 4 warps share an SM, not 3
+    ctas_per_sm: int = 0  # 0: one CTA per key tile of C; n > 0: the balanced form, n x SMs CTAs (see above)
+    fill_block: int = 1024  # balanced form: columns of -inf one fill work item writes (a power of two)
+    k_split: int = 0  # dims per tensor-core product (0: all di in one); see below
+    stages: int = 1  # balanced form: software-pipeline stages of the work-item loop (1: none)
 
 
 def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
@@ -494,35 +516,71 @@ def f32_batched_scores_config(B: int, C: int, H: int = 32) -> F32ScoresConfig:
 
 @functools.lru_cache(maxsize=2)
 def _f32_scores_kernel(interpret: bool):
-    """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
+    """Built lazily, once per interpreter mode (triton fixes it at decoration time). One kernel for both forms
+    (BALANCED a constexpr): the key tile's code is shared, so both give the same bits on the visible columns."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def f32_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, s_ptr, T, C, scale, ratio, H: tl.constexpr,
                           DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                          OWN_KEYS: tl.constexpr):  # fmt: skip
-        c = tl.program_id(0) * BC + tl.arange(0, BC)
-        t0 = tl.program_id(1) * BT
-        t = t0 + tl.arange(0, BT)
+                          OWN_KEYS: tl.constexpr, BALANCED: tl.constexpr = False, RBP: tl.constexpr = 1,
+                          FILL: tl.constexpr = True, FB: tl.constexpr = 1024,
+                          STAGES: tl.constexpr = 1, DK: tl.constexpr = 0):  # fmt: skip
         j = tl.arange(0, BT * H)  # the CTA's (query, head) columns, query-major as q [T, H, DI] is stored
-        d = tl.arange(0, DI)
-        cm, tm, jm = c < C, t < T, t0 + j // H < T
-        nvis = (tl.load(pos_ptr + t, mask=tm, other=-1).to(tl.int32) + 1) // ratio  # entries query t sees
-        acc = tl.zeros((BC, BT), dtype=tl.float32)
-        if tl.program_id(0) * BC < tl.max(nvis, axis=0):  # a key block no query sees is only -inf
-            if OWN_KEYS:  # batched_index_scores (BT 1): query t0's keys are rows t0*C.. (64-bit: B*C*DI may pass 2^31)
-                krow = t0.to(tl.int64) * C + c
-            else:  # index_scores: every query scores the same C keys
-                krow = c
-            k = tl.load(k_ptr + krow[:, None] * DI + d[None, :], mask=cm[:, None], other=0.0)  # [BC, DI]
-            q = tl.load(q_ptr + (t0 * H + j)[:, None] * DI + d[None, :], mask=jm[:, None], other=0.0)  # [BT*H, DI]
-            dots = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BC, BT*H]: every head of BT queries at once
-            w = tl.load(w_ptr + t0 * H + j, mask=jm, other=0.0)
-            v = (tl.maximum(dots, 0.0) * scale) * w[None, :]
-            acc = tl.sum(tl.reshape(v, (BC, BT, H)), axis=2)  # the head sum per query
-        s = tl.where(c[:, None] < nvis[None, :], acc, float("-inf"))
-        tl.store(s_ptr + t[None, :] * C + c[:, None], s, mask=cm[:, None] & tm[None, :])
+        if BALANCED:  # work items: the live key tiles of every query block, in block order
+            pid, nprog = tl.program_id(0), tl.num_programs(0)
+            r = tl.arange(0, RBP)  # query blocks (RBP: their count rounded up to a power of two)
+            rows = r[:, None] * BT + tl.arange(0, BT)[None, :]
+            p = tl.load(pos_ptr + rows, mask=rows < T, other=-1).to(tl.int32)
+            seen = tl.minimum(tl.max((p + 1) // ratio, axis=1), C)  # the furthest entry a query block sees
+            live = (seen + BC - 1) // BC
+            live_end = tl.cumsum(live, axis=0)
+            lo, hi, step = pid, tl.sum(live, axis=0), nprog
+        else:  # one CTA per (key tile, query block): this CTA's only item
+            lo, hi, step = 0, 1, 1
+        for wi in tl.range(lo, hi, step, num_stages=STAGES):
+            if BALANCED:
+                rb = tl.sum((live_end <= wi).to(tl.int32), axis=0)  # the item's query block
+                cb = wi - tl.sum(tl.where(r == rb, live_end - live, 0), axis=0)  # its key tile in the block's row
+            else:
+                rb, cb = tl.program_id(1), tl.program_id(0)
+            c = cb * BC + tl.arange(0, BC)
+            t0 = rb * BT
+            t = t0 + tl.arange(0, BT)
+            cm, tm, jm = c < C, t < T, t0 + j // H < T
+            nvis = (tl.load(pos_ptr + t, mask=tm, other=-1).to(tl.int32) + 1) // ratio  # entries query t sees
+            acc = tl.zeros((BC, BT), dtype=tl.float32)
+            if cb * BC < tl.max(nvis, axis=0):  # a key block no query sees is only -inf
+                if OWN_KEYS:  # batched_index_scores (BT 1): query t0's keys are rows t0*C.. (64-bit: B*C*DI > 2^31)
+                    krow = t0.to(tl.int64) * C + c
+                else:  # index_scores: every query scores the same C keys
+                    krow = c
+                # [BC, BT*H]: every head of BT queries at once, DK of the DI dims a product (see k_split)
+                dots = tl.zeros((BC, BT * H), dtype=tl.float32)
+                for h0 in tl.static_range(0, DI, DK):
+                    dk = h0 + tl.arange(0, DK) + (cb >> 31)  # (loop-variant zero: see k_split)
+                    k = tl.load(k_ptr + krow[:, None] * DI + dk[None, :], mask=cm[:, None], other=0.0)  # [BC, DK]
+                    q = tl.load(q_ptr + (t0 * H + j)[:, None] * DI + dk[None, :], mask=jm[:, None], other=0.0)
+                    dots = tl.dot(k, tl.trans(q), dots, input_precision=PREC)
+                w = tl.load(w_ptr + t0 * H + j, mask=jm, other=0.0)
+                v = (tl.maximum(dots, 0.0) * scale) * w[None, :]
+                acc = tl.sum(tl.reshape(v, (BC, BT, H)), axis=2)  # the head sum per query
+            s = tl.where(c[:, None] < nvis[None, :], acc, float("-inf"))
+            tl.store(s_ptr + t.to(tl.int64)[None, :] * C + c[:, None], s, mask=cm[:, None] & tm[None, :])
+        if BALANCED:
+            if FILL:  # then -inf past every query block's live tiles, FB columns an item
+                dead0 = live * BC  # a block's first column past its live tiles
+                nfill = tl.where(r * BT < T, (tl.maximum(C - dead0, 0) + FB - 1) // FB, 0)
+                fill_end = tl.cumsum(nfill, axis=0)
+                for wi in tl.range(pid, tl.sum(nfill, axis=0), nprog, num_stages=1):
+                    rb = tl.sum((fill_end <= wi).to(tl.int32), axis=0)
+                    c0 = tl.sum(tl.where(r == rb, dead0 + (wi - fill_end + nfill) * FB, 0), axis=0)
+                    cols = c0 + tl.arange(0, FB)
+                    t = rb * BT + tl.arange(0, BT)
+                    tl.store(s_ptr + t.to(tl.int64)[:, None] * C + cols[None, :],
+                             tl.full((BT, FB), float("-inf"), tl.float32),
+                             mask=(t < T)[:, None] & (cols < C)[None, :])  # fmt: skip
 
     return f32_scores_kernel
 
@@ -533,43 +591,76 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, ratio: int,
-                  scale: float, cfg: F32ScoresConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """`index_scores` (q [T, H, di] f32, w [T, H], keys [C, di], positions [T]) -> S [T, C] f32 in one launch.
-    Under the CPU interpreter (TRITON_INTERPRET=1) the dots are plain fp32 products."""
-    import triton
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    """The GPU's SM count (the balanced form's grid); 132 (an H200) for CPU tensors under the interpreter."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
+
+def f32_scores_grid(rows: int, C: int, block_t: int, cfg: F32ScoresConfig, sms: int = 132) -> tuple[int, ...]:
+    """The launch grid: (key tiles, query blocks), or the balanced form's (ctas,) -- never more CTAs than the
+    tiles of a step whose every column is visible."""
+    blocks, tiles = -(-rows // block_t), -(-C // cfg.block_c)
+    if cfg.ctas_per_sm:
+        return (max(1, min(cfg.ctas_per_sm * sms, blocks * tiles)),)
+    return (tiles, blocks)
+
+
+def _launch_f32_scores(q, w, keys, positions, s, *, rows: int, C: int, block_t: int, own_keys: bool, ratio: int,
+                       scale: float, cfg: F32ScoresConfig, fill: bool, **launch):  # fmt: skip
+    """One launch of the f32 scores kernel (either form) writing S [rows, C]."""
+    grid = f32_scores_grid(rows, C, block_t, cfg, _sm_count(q.device))
+    form = {}
+    if cfg.ctas_per_sm:
+        assert cfg.fill_block & (cfg.fill_block - 1) == 0, cfg
+        form = dict(BALANCED=True, RBP=1 << max(0, -(-rows // block_t) - 1).bit_length(), FILL=bool(fill),
+                    FB=cfg.fill_block, STAGES=cfg.stages)  # fmt: skip
+    _f32_scores_kernel(_interpreted())[grid](
+        q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
+        rows, C, float(scale), int(ratio), H=q.shape[1], DI=q.shape[2], BC=cfg.block_c, BT=block_t,
+        PREC=cfg.precision, OWN_KEYS=own_keys, DK=cfg.k_split or q.shape[2], num_warps=cfg.warps, **form,
+        **launch)  # fmt: skip
+
+
+def _scores_out(out: torch.Tensor | None, rows: int, C: int, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(rows, C, dtype=torch.float32, device=device)
+    assert out.shape == (rows, C) and out.dtype == torch.float32 and out.is_contiguous(), (out.shape, out.dtype)
+    return out
+
+
+def triton_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, ratio: int,
+                  scale: float, cfg: F32ScoresConfig | None = None, fill: bool = True,
+                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`index_scores` (q [T, H, di] f32, w [T, H], keys [C, di], positions [T]) -> S [T, C] f32 in one launch.
+    Under the CPU interpreter (TRITON_INTERPRET=1) the dots are plain fp32 products. fill=False (balanced form
+    only): the columns past a query block's live key tiles are left unwritten (see the section's comment).
+    out: a contiguous f32 [T, C] to write S into (else a new one)."""
     t, h, di = q.shape
     c = keys.shape[0]
     cfg = cfg or f32_scores_config(t, c, h)
-    s = torch.empty(t, c, dtype=torch.float32, device=q.device)
+    s = _scores_out(out, t, c, q.device)
     if t and c:
-        grid = (triton.cdiv(c, cfg.block_c), triton.cdiv(t, cfg.block_t))
-        _f32_scores_kernel(_interpreted())[grid](
-            q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
-            t, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=cfg.block_t, PREC=cfg.precision,
-            OWN_KEYS=False, num_warps=cfg.warps)  # fmt: skip
+        _launch_f32_scores(q, w, keys, positions, s, rows=t, C=c, block_t=cfg.block_t, own_keys=False,
+                           ratio=ratio, scale=scale, cfg=cfg, fill=fill)  # fmt: skip
     return s
 
 
 def triton_batched_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
-                          ratio: int, scale: float, cfg: F32ScoresConfig | None = None) -> torch.Tensor:  # fmt: skip
+                          ratio: int, scale: float, cfg: F32ScoresConfig | None = None,
+                          fill: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`batched_index_scores` (q [B, H, di] f32, w [B, H], keys [B*C, di]: sequence b's keys are rows b*C..,
     positions [B]) -> S [B, C] f32 in one launch; -inf where j >= (p_b+1)//ratio. cfg.block_t is ignored (one
-    query a CTA: no two queries share keys)."""
-    import triton
-
+    query a CTA: no two queries share keys). fill, out: as triton_scores'."""
     b, h, di = q.shape
     assert b == 0 or keys.shape[0] % b == 0, f"keys {tuple(keys.shape)} is not B*C rows (B={b})"
     c = keys.shape[0] // b if b else 0
     cfg = cfg or f32_batched_scores_config(b, c, h)
-    s = torch.empty(b, c, dtype=torch.float32, device=q.device)
+    s = _scores_out(out, b, c, q.device)
     if b and c:
-        grid = (triton.cdiv(c, cfg.block_c), b)
-        _f32_scores_kernel(_interpreted())[grid](
-            q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
-            b, c, float(scale), int(ratio), H=h, DI=di, BC=cfg.block_c, BT=1, PREC=cfg.precision, OWN_KEYS=True,
-            num_warps=cfg.warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))  # fmt: skip
+        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+        _launch_f32_scores(q, w, keys, positions, s, rows=b, C=c, block_t=1, own_keys=True, ratio=ratio,
+                           scale=scale, cfg=cfg, fill=fill, **cap)  # fmt: skip
     return s
 
 

@@ -137,7 +137,7 @@ _SIG = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64",
 @pytest.mark.parametrize("bc,warps", [(64, 4), (128, 8)])
 def test_compiles_for_hopper_with_tf32_wgmma(bc, warps):
     ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", _SIG,
-                               dict(H=32, DI=128, BC=bc, BT=1, PREC="tf32x3", OWN_KEYS=True), num_warps=warps)
+                               dict(H=32, DI=128, BC=bc, BT=1, PREC="tf32x3", OWN_KEYS=True, DK=128), num_warps=warps)
     assert spill_free(report), report
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and ".f32.tf32.tf32" in ptx
 
@@ -154,3 +154,113 @@ def test_cuda_kernel_at_batched_decode_dims(c, ratio, maxnreg):
     s = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=cfg)
     _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), pos.cpu(), ratio, SCALE), 1e-5)
     _check(s.cpu(), _op_reference(q, w, keys, pos, ratio, SCALE).cpu(), 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- balanced form
+# Decode caches hold max_model_len / ratio keys a sequence; the balanced form (ctas_per_sm > 0) walks only the key
+# tiles some query sees (work items found from the positions on the device), then fills -inf past them (fill).
+
+# lengths from nothing visible to the whole (clamped) cache in one batch; C not a multiple of the tile
+_LENGTHS = dict(b=6, c=200, positions=[0, 1, 63, 130, 399, 1000], ratio=2)
+
+
+def _balanced(monkeypatch, ctas: int, fill_block: int = 64) -> it.F32ScoresConfig:
+    """A balanced config whose grid is `ctas` CTAs (one SM assumed), so every CTA walks several work items; the
+    k_split it takes on the GPU (the first form compared with it takes the same)."""
+    monkeypatch.setattr(it, "_sm_count", lambda device: 1)
+    return it.F32ScoresConfig(block_t=1, ctas_per_sm=ctas, fill_block=fill_block, k_split=32)
+
+
+_FIRST = it.F32ScoresConfig(block_t=1, k_split=32)  # the first form (a CTA per key tile) at the same k_split
+
+
+def _limits(pos: torch.Tensor, ratio: int, c: int) -> list[int]:
+    return [min((int(p) + 1) // ratio, c) for p in pos]
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 64])
+def test_balanced_form_at_very_different_lengths(interpret, monkeypatch, ctas):
+    """Equal to both oracles, and bit for bit to the first form (one CTA per key tile); 1 / 3 CTAs walk every
+    item, 64 CTAs are more than the items (the rest have none)."""
+    d = _LENGTHS
+    q, w, keys, pos = _inputs(d["b"], d["c"], d["positions"], seed=11)
+    first = it.triton_batched_scores(q, w, keys, pos, ratio=d["ratio"], scale=SCALE, cfg=_FIRST)
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=d["ratio"], scale=SCALE, cfg=_balanced(monkeypatch, ctas))
+    assert it.f32_scores_grid(d["b"], d["c"], 1, _balanced(monkeypatch, ctas), 1) == (min(ctas, d["b"] * 4),)
+    _check(s, _oracle_f64(q, w, keys, pos, d["ratio"], SCALE), 1e-6)
+    _check(s, _op_reference(q, w, keys, pos, d["ratio"], SCALE), 1e-6)
+    assert torch.equal(s, first)
+
+
+def test_balanced_form_reads_and_writes_no_dead_tile(interpret, monkeypatch):
+    """Keys past every sequence's limit are NaN and S starts as a sentinel: without fill, the visible columns are
+    the clean keys' bits, the rest of a live tile -inf, and every column past the live tiles keeps the sentinel
+    (no work item there, so its keys were not loaded); with fill, all of S is the clean first form's bits."""
+    d = _LENGTHS
+    b, c, ratio = d["b"], d["c"], d["ratio"]
+    q, w, keys, pos = _inputs(b, c, d["positions"], seed=12)
+    clean = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=_FIRST)
+    poisoned = keys.clone().view(b, c, -1)
+    lims = _limits(pos, ratio, c)
+    for s_, lim in enumerate(lims):
+        poisoned[s_, lim:] = float("nan")
+    poisoned = poisoned.view(b * c, -1)
+    cfg = _balanced(monkeypatch, 3)
+    out = torch.full((b, c), 7.0)
+    it.triton_batched_scores(q, w, poisoned, pos, ratio=ratio, scale=SCALE, cfg=cfg, fill=False, out=out)
+    for s_, lim in enumerate(lims):
+        live_end = min(-(-lim // 64) * 64, c)
+        assert torch.equal(out[s_, :lim], clean[s_, :lim])
+        assert (out[s_, lim:live_end] == float("-inf")).all() and (out[s_, live_end:] == 7.0).all()
+    filled = it.triton_batched_scores(q, w, poisoned, pos, ratio=ratio, scale=SCALE, cfg=cfg)
+    assert torch.equal(filled, clean)
+
+
+def test_unfilled_scores_give_the_reference_top_k_with_positions(interpret, monkeypatch, tilelang_required):
+    """The no-fill scores (NaN past the live tiles) through topk_select WITH positions (c target): the top-k set
+    of the fully written scores, which is the float64 oracle's (no near-ties at this seed)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    b, c, ratio, k = 4, 256, 2, 16
+    positions = [0, 40, 300, 600]  # 0, 20, 150 and 256 (all) entries visible
+    q, w, keys, pos = _inputs(b, c, positions, seed=13)
+    s = torch.full((b, c), float("nan"))
+    it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=_balanced(monkeypatch, 2), fill=False,
+                             out=s)  # fmt: skip
+    cfg = ts.Config(32, 8, 256, False)
+    kernel = compile_cpu(ts.program(b, c, k=k, ratio=ratio, cfg=cfg, target="cpu"))
+    idx = torch.full((b, k), 7, dtype=torch.int32)
+    kernel(s, pos.int(), idx, *ts.make_scratch(b, c, k, cfg, "cpu"))
+    full = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE)
+    assert torch.equal(idx.long(), ts.reference(full, k))
+    assert torch.equal(idx.long(), ts.reference(_oracle_f64(q, w, keys, pos, ratio, SCALE).float(), k))
+
+
+def test_balanced_grid_follows_the_shapes_only():
+    """The grid (CUDA graphs replay it) depends on the shapes: ctas_per_sm x SMs, at most one CTA per tile of a
+    fully visible step; the first form keeps a CTA per (key tile, query block)."""
+    cfg = it.F32ScoresConfig(block_t=1, ctas_per_sm=8)
+    assert it.f32_scores_grid(64, 32768, 1, cfg, 132) == (1056,)
+    assert it.f32_scores_grid(2, 100, 1, cfg, 132) == (4,)
+    assert it.f32_scores_grid(64, 32768, 1, it.F32ScoresConfig(block_t=1), 132) == (512, 64)
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_balanced_form_compiles_for_hopper(fill):
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", _SIG,
+                               dict(H=32, DI=128, BC=64, BT=1, PREC="tf32x3", OWN_KEYS=True, BALANCED=True, RBP=64,
+                                    FILL=fill, FB=1024, STAGES=1, DK=32), num_warps=4)  # fmt: skip
+    assert spill_free(report), report
+    assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
+
+
+@pytest.mark.gpu
+def test_cuda_balanced_form_at_decode_dims():
+    """B64 at lengths spread over a 64k-context cache (ratio 2): the balanced form equals the first form's bits."""
+    b, c, ratio = 64, 32768, 2
+    positions = [0] + [(c * ratio * (i + 1)) // b - 1 for i in range(b - 1)]
+    q, w, keys, pos = _inputs(b, c, positions, seed=5, device="cuda")
+    first = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=_FIRST)
+    cfg = it.F32ScoresConfig(block_t=1, ctas_per_sm=8, k_split=32)
+    assert torch.equal(it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=cfg), first)

@@ -57,7 +57,7 @@ def test_compiles_for_hopper_with_tf32_wgmma(bc, warps):
     sig = {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "pos_ptr": "*i64", "s_ptr": "*fp32", "T": "i32",
            "C": "i32", "scale": "fp32", "ratio": "i32"}  # fmt: skip
     ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", sig,
-                               dict(H=32, DI=128, BC=bc, BT=4, PREC="tf32x3", OWN_KEYS=False), num_warps=warps)
+                               dict(H=32, DI=128, BC=bc, BT=4, PREC="tf32x3", OWN_KEYS=False, DK=128), num_warps=warps)
     assert spill_free(report), report
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and ".f32.tf32.tf32" in ptx
 
@@ -70,3 +70,19 @@ def test_cuda_kernel_at_decode_dims(c, ratio):
     _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), pos.cpu(), ratio, 128**-0.5), 1e-5)
     s1 = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=128**-0.5, cfg=it.F32ScoresConfig(precision="tf32"))
     _check(s1.cpu(), s.cpu(), 5e-3)  # one TF32 product: ~1e-3 of the row maximum, for the bench's comparison
+
+
+@pytest.mark.parametrize("t,c,positions,ratio", [(1, 300, [97], 1), (1, 300, [1], 2), (7, 200, [0, 3, 63, 130, 399,
+                                                 1000, 150], 2)])  # fmt: skip
+def test_balanced_form_is_the_first_form_bit_for_bit(interpret, monkeypatch, t, c, positions, ratio):
+    """The balanced form (one query a CTA, 3 CTAs walking every live key tile, then the -inf fill in 64-column
+    items) against the first form (a CTA per key tile) at the same tile and k_split, and the float64 oracle; T 1
+    is the one-sequence decode step (one query block), 7 queries at very different lengths share the keys."""
+    monkeypatch.setattr(it, "_sm_count", lambda device: 1)
+    q, w, keys, _ = _inputs(t, c, 0, seed=t + c + ratio)
+    pos = torch.tensor(positions)
+    first = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=it.F32ScoresConfig(block_t=1, k_split=32))
+    cfg = it.F32ScoresConfig(block_t=1, k_split=32, ctas_per_sm=3, fill_block=64)
+    s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=cfg)
+    assert torch.equal(s, first)
+    _check(s, _oracle_f64(q, w, keys, pos, ratio, 0.088), 1e-6)
