@@ -518,6 +518,45 @@ def direct_greedy(runner, g, prompt: list[int], n: int, max_len: int, block_size
     return out
 
 
+def compiler_keys(plan, prompts, n_tokens: int, max_len: int, block_size: int) -> tuple[list, dict]:
+    """The kernels e2e_formats runs, as `deepinfer compile` derives them (plan_kernels.engine_kernel_keys: the
+    runtime adapters' keys from the plan's shapes alone, caches of max_len), for the three ways it drives the
+    compiled runner: the engine (each prompt's prefill chunks -- split at its last full block with prefix
+    caching, as the scheduler does -- with the head on the last row, then batched decode steps at every decode
+    bucket), direct_greedy (the same chunks and one-token steps, every row's logits) and the teacher-forced passes
+    (prompt + tokens in one call, caches of that length + 1, every row). Returns (keys, {family.op[ at T=t]: why
+    the compiler has no key}); the "at T=t" ones read device data (left to the runtime's prediction)."""
+    from deepinfer.codegen.plan_kernels import engine_kernel_keys
+    from deepinfer.runtime import cuda_graphs as cg
+
+    g = plan.graph
+    chunks = {1}
+    for p in prompts:
+        split = (len(p) - 1) // block_size * block_size if block_size else 0
+        chunks |= {split, len(p) - split} - {0}
+    keys, why = engine_kernel_keys(g, chunks, max_model_len=max_len, batch_sizes=cg.BUCKETS)
+    calls = [engine_kernel_keys(g, chunks, max_model_len=max_len, all_rows=True)]
+    calls += [engine_kernel_keys(g, [t], max_model_len=max_len, cache_len=t + 1, all_rows=True)
+              for t in sorted({len(p) + n_tokens - 1 for p in prompts})]  # fmt: skip
+    for more, w in calls:
+        keys += [k for k in more if k not in keys]
+        why.update(w)
+    return keys, why
+
+
+def lazy_builds(cache, prebuilt: list, name: str) -> dict:
+    """The kernels the run built on first use although they were not pre-built (the compiler's prediction
+    missed them): each one a serial TileLang build of seconds inside the engine's step. Printed and returned."""
+    pre = set(prebuilt)
+    lazy = {k: s for k, s in cache.build_s.items() if k not in pre}
+    log(f"{name}: LAZY BUILDS: {len(lazy)} kernels built lazily by the engine/runner (not pre-built from the "
+        f"compiler's keys), {sum(lazy.values()):.1f} s; pre-built {len(pre)}")  # fmt: skip
+    for k, sec in sorted(lazy.items(), key=lambda kv: -kv[1]):
+        log(f"  lazy: {k.describe()} ({sec:.1f} s)")
+    return {"lazy_builds": len(lazy), "lazy_s": round(sum(lazy.values()), 1),
+            "lazy": [k.describe() for k in lazy][:20]}  # fmt: skip
+
+
 def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: float, weights: str = "random") -> dict:
     """Issue 7's H200 equality for one model (the module docstring says what is compared and why the tolerances
     are what they are): greedy generation through `compile` + the sm90 engine (compiled kernels on the GPU)
@@ -544,17 +583,17 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     run_k.exec.kernels.builder = paired
     run_f.exec.kernels = KernelCache(builder=ka.emulated_kernel)
     run_f.exec.verify = False
-    lengths = {1} | {len(p) for p in prompts} | {len(p) + n_tokens - 1 for p in prompts}
-    keys: list = []
-    # the engine's caches hold max_len tokens whatever the step's length (shapes that follow the cache size, e.g.
-    # the top-k's columns, differ from a teacher-forced run's): predict both, or the engine builds them lazily, one
-    # at a time (session 7: 13 topk_select builds, ~150 s)
-    for t in sorted(lengths):
+    bs = llm_k.kv.block_size if llm_k.kv.enable_prefix_caching else 0
+    keys, why = compiler_keys(plan, prompts, n_tokens, max_len, bs)
+    data_t = sorted({int(w.split(" at T=")[1]) for w in why if " at T=" in w})
+    log(f"{name}: {len(keys)} distinct kernels from the compiler (plan_kernels.engine_kernel_keys); not derived: "
+        f"{json.dumps(why)}")  # fmt: skip
+    for t in data_t:  # keys that read device data (the MoE's tile count at prefill): the runtime's own prediction
         for cache_len in sorted({t + 1, max_len}):
             feeds = _teacher_inputs(plan.graph, [(7 * i) % 1000 for i in range(t)], "cuda", cache_len)
             keys += [k for k in run_k.exec.kernel_keys(feeds) if k not in keys]
-    log(f"{name}: {len(keys)} distinct kernels for lengths {sorted(lengths)} (caches of the step's length + 1 and "
-        f"of {max_len})")  # fmt: skip
+    if data_t:
+        log(f"{name}: {len(keys)} kernels with the runtime's prediction at T={data_t} (device-data keys)")
     pb_err = prebuild(keys, jobs, max(20.0, 0.5 * left(deadline)))
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.time()
@@ -572,7 +611,6 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     row.update(compiled=c, reference=r, families=dict(run_k.exec.stats.compiled))
     t0 = time.time()
     n_direct = args_direct_prompts(len(prompts))
-    bs = llm_k.kv.block_size if llm_k.kv.enable_prefix_caching else 0
     direct = [direct_greedy(run_k, plan.graph, p, n_tokens, llm_k.max_model_len, bs) for p in prompts[:n_direct]]
     row["runtime_equal"] = sum(d == o.token_ids for d, o in zip(direct, outs_k))
     row["runtime_checked"] = len(direct)
@@ -631,6 +669,7 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     if weights == "peaked":  # every step decisive: the construction's claim, measured here on the GPU's tokens
         ok = ok and decisive == steps
     row["kernels_off"] = kernels_off
+    row.update(lazy_builds(run_k.exec.kernels, keys, name))
     row.update(err_noise=err_noise, chaotic=chaotic, limit=limit, weights=weights, equality_required=required,
                noise_decisive=noise_decisive, task_steps=task_steps(task, outs_k))  # fmt: skip
     row.update(equal_prompts=equal_prompts, first_divergence=first_div, steps=steps, decisive=decisive,
@@ -808,7 +847,7 @@ def summary_formats(rows: list) -> None:
     print("\n=== compiled kernels vs the same graph at the kernels' formats (greedy, teacher-forced errors) ===")
     cols = ("model (weights)", "pass", "engine==direct", "compiled", "ref", "disabled", "equal (required)",
             "first div", "err", "err/range", "1e-6 perturbed", "limit", "decisive", "noise-decisive", "bad", "ties",
-            "task rule", "kernels off")  # fmt: skip
+            "task rule", "kernels off", "lazy builds")  # fmt: skip
     print(" | ".join(cols))
     for r in rows:
         if r.get("error"):
@@ -823,7 +862,7 @@ def summary_formats(rows: list) -> None:
             f"{r['err_noise']:.4f} ({r['err_noise'] / max(r['range'], 1e-30):.1%})", f"{r['limit']:.4f}",
             f"{r['decisive']}/{r['steps']}", f"{r['noise_decisive']}/{r['steps']}", r["decisive_mismatch"],
             len(r["near_ties"]), f"{r['task_steps']}/{r['steps']}" if r["weights"] == "peaked" else "-",
-            len(r["kernels_off"]))))
+            len(r["kernels_off"]), f"{r.get('lazy_builds', '?')} ({r.get('lazy_s', 0)} s)")))
 
 
 def summary(rows: list, slice_rows) -> None:

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ def _spec_for(b: dict, attrs: dict, target: str, db, versions) -> KernelSpec | N
 # ---------------------------------------------------------------------------------------------- sm90: runtime keys
 
 ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len: min(the model's max positions, 4096) (engine.py)
+ENGINE_BATCH_SIZES = None  # the batched decode step's buckets (None: the engine's, runtime/cuda_graphs.BUCKETS)
 TRITON_REASON = "Triton kernel (no TileLang program): compiled by Triton's JIT at its first launch"
 
 
@@ -355,12 +357,18 @@ def kernel_specs(graph, target: str, mode: str = "bound", *, db=None,
     return sorted(specs.values(), key=lambda s: s.name), skipped
 
 
+def engine_lengths(graph, mode: str) -> list[int]:
+    """The one-sequence step lengths kernel_specs derives at: the plan's buckets (select_kernels' T), or for
+    ``all`` ALL_BUCKETS' (the runtime binds them to the plan's nearest bucket, as it will at run time)."""
+    buckets = graph.meta["kernels"]["buckets"] if mode == "bound" else ALL_BUCKETS
+    return sorted({b["T"] for b in buckets.values()})
+
+
 def _engine_specs(graph, mode: str, max_model_len: int) -> tuple[list[KernelSpec], dict]:
     from deepinfer.runtime import cuda_graphs as cg
 
-    buckets = graph.meta["kernels"]["buckets"] if mode == "bound" else ALL_BUCKETS
-    lengths = [b["T"] for b in buckets.values()]
-    keys, why = engine_kernel_keys(graph, lengths, max_model_len=max_model_len, batch_sizes=cg.BUCKETS)
+    batch = cg.BUCKETS if ENGINE_BATCH_SIZES is None else ENGINE_BATCH_SIZES
+    keys, why = engine_kernel_keys(graph, engine_lengths(graph, mode), max_model_len=max_model_len, batch_sizes=batch)
     specs = {}
     for key in keys:
         spec = spec_of_key(key)
@@ -539,12 +547,13 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
 def format_manifest(manifest: dict) -> str:
     ents = manifest["kernels"]
     ok = [e for e in ents if "error" not in e]
-    tuned = sum(e["config_source"] == "tuned" for e in ents)
     cached = sum(bool(e.get("lower_cached")) for e in ok)
+    # tuned: a tuning-database record; rule: the binding's config; adapter: the sm90 runtime adapter's key
+    sources = Counter(e["config_source"] for e in ents)
     lines = [
         f"kernels ({manifest['mode']}, {manifest['target']}): {len(ok)}/{len(ents)} built in "
         f"{manifest['build_s']:.1f} s on {manifest['jobs']} processes ({cached} lowerings cached; "
-        f"configs: {tuned} tuned, {len(ents) - tuned} rule)"
+        f"configs: {', '.join(f'{n} {src}' for src, n in sorted(sources.items())) or 'none'})"
     ]
     lines += [f"  failed: {e['name']}: {e['error']}" for e in ents if "error" in e]
     lines += [f"  not built: {k}: {v}" for k, v in manifest.get("not_built", {}).items()]
