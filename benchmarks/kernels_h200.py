@@ -865,11 +865,11 @@ def _idxlen_scores_fn(B: int, C: int, ratio: int, form: str):
     from deepinfer.codegen.kernels import indexer_topk as it
 
     batched = B > 1
-    cfg = it.f32_batched_scores_config(B, C) if batched else it.f32_scores_config(B, C)
+    cfg = it.F32ScoresConfig(block_t=1 if batched else 4)  # the first form, whatever DECODE_CTAS_PER_SM says
     words = form.split()
     if words[0] != "old":
         stages = [int(w[1:]) for w in words if w.startswith("s")]
-        cfg = dataclasses.replace(cfg, block_t=1, ctas_per_sm=int(words[0][3:]), k_split=32, stages=(stages or [1])[0])
+        cfg = dataclasses.replace(it.decode_form(cfg, int(words[0][3:])), stages=(stages or [1])[0])
     fill = "nofill" not in form
     kernel = it.triton_batched_scores if batched else it.triton_scores
 

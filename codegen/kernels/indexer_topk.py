@@ -41,6 +41,7 @@ the largest threshold u with #(key >= u) >= k is the k-th key; then everything a
 (Idx int32, -1 padding at the end) with its keys; `keys_to_scores` turns keys back into float scores.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -503,15 +504,28 @@ class F32ScoresConfig:
     stages: int = 1  # balanced form: software-pipeline stages of the work-item loop (1: none)
 
 
+DECODE_CTAS_PER_SM = 0  # > 0: decode (one query, or B sequences) takes the balanced form with this many CTAs an SM
+
+
+def decode_form(cfg: F32ScoresConfig, ctas_per_sm: int | None = None) -> F32ScoresConfig:
+    """cfg as the balanced form (one query a CTA, k_split 32: see above) when DECODE_CTAS_PER_SM (or ctas_per_sm)
+    is set, else cfg. The one-sequence step (T 1) and every batch take the same tile, so a sequence's scores are
+    the same bits alone and in a batch."""
+    n = DECODE_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
+    return dataclasses.replace(cfg, block_t=1, ctas_per_sm=n, k_split=32) if n else cfg
+
+
 def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
-    """block_t x H = 128 columns per dot (4 queries at 32 heads); fewer heads: more queries per CTA."""
-    return F32ScoresConfig(block_t=max(1, 128 // H))
+    """block_t x H = 128 columns per dot (4 queries at 32 heads); fewer heads: more queries per CTA. One query
+    (the one-sequence decode step): decode_form."""
+    cfg = F32ScoresConfig(block_t=max(1, 128 // H))
+    return decode_form(cfg) if T_ == 1 else cfg
 
 
 def f32_batched_scores_config(B: int, C: int, H: int = 32) -> F32ScoresConfig:
     """Every query reads its own keys (batched_index_scores), so a CTA takes one query (the dot's N = H): queries
-    sharing a CTA would share no key tile."""
-    return F32ScoresConfig(block_t=1)
+    sharing a CTA would share no key tile. decode_form."""
+    return decode_form(F32ScoresConfig(block_t=1))
 
 
 @functools.lru_cache(maxsize=2)

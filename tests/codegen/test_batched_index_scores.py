@@ -264,3 +264,34 @@ def test_cuda_balanced_form_at_decode_dims():
     first = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=_FIRST)
     cfg = it.F32ScoresConfig(block_t=1, ctas_per_sm=8, k_split=32)
     assert torch.equal(it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=cfg), first)
+
+
+def test_decode_configs_take_the_balanced_form_when_switched_on(monkeypatch):
+    """DECODE_CTAS_PER_SM > 0: the batched config and the one-query config are the balanced form with the same
+    tile (a sequence's bits alone = in a batch); several queries of one sequence keep the first form."""
+    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 8)
+    one, batched = it.f32_scores_config(1, 4096), it.f32_batched_scores_config(64, 4096)
+    assert one == batched and (one.ctas_per_sm, one.block_t, one.k_split) == (8, 1, 32)
+    assert it.f32_scores_config(64, 4096).ctas_per_sm == 0
+    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 0)
+    assert it.f32_batched_scores_config(64, 4096) == it.F32ScoresConfig(block_t=1)
+
+
+def test_adapter_runs_the_balanced_form_when_switched_on(interpret, monkeypatch):
+    """The executor's path with DECODE_CTAS_PER_SM on: the adapter's kernel call is the balanced form (every
+    column written: other consumers of S read past the limits), the op's numbers."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 2)
+    monkeypatch.setattr(it, "_sm_count", lambda device: 1)
+    seen = []
+    kernel = it.triton_batched_scores
+    monkeypatch.setattr(it, "triton_batched_scores", lambda *a, **k: seen.append(k) or kernel(*a, **k))
+    q, w, keys, pos = _inputs(3, 200, [0, 399, 90], seed=6)
+    call = ka.Call("batched_index_scores", {"ratio": 2, "scale": SCALE}, [q, w, keys, pos], ["q", "w", "k", "p"],
+                   [False] * 4, {"precision": "ieee"})  # fmt: skip
+    s = ka.adapter_for("indexer_topk", "batched_index_scores").run(call, [])[0]
+    assert seen[0]["cfg"].ctas_per_sm == 2 and seen[0].get("fill", True)
+    _check(s, _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)
