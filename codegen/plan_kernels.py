@@ -3,15 +3,21 @@
     specs = kernel_specs(graph, "sm90", mode="bound")       # distinct (family, program, args, config)
     manifest = build_kernels(specs, "sm90", out_dir / "kernels", jobs=2)
 
-Which kernels: the bindings select_kernels recorded in ``graph.meta["kernels"]`` (its shape buckets:
-decode T=1, small T=64, prefill T=4096 by default). ``mode="all"`` re-binds a copy of the graph at the
-runtime's wider set of row buckets (``ALL_BUCKETS``: decode 1/16/64, 256, 1024, prefill 4096); ``none``
-builds nothing. Shapes are normalised as the runtime adapters do (rows padded to a power of two, at least
-one tile; GEMM N padded to block_n), so decode T=1 and T=64 usually share one kernel.
+Which kernels, for sm90 (the target with a runtime): the keys the engine's kernel adapters will look up
+(engine_kernel_keys: runtime/kernel_adapters' own keys() driven on meta tensors of each node's input types, so
+`deepinfer compile` builds exactly the programs the runtime's KernelCache asks for): its one-sequence step at the
+plan's bucket lengths (select_kernels' decode T=1, small T=64, prefill T=4096) with caches of the engine's
+max_model_len and the head on the last row, and its batched decode step at the engine's decode buckets.
+``mode="all"`` adds the lengths of ``ALL_BUCKETS`` (1/16/64/256/1024/4096), under the plan's own bindings as
+the runtime reads them. Families with no TileLang program (Triton kernels, compiled by Triton's JIT) and keys
+that depend on device data are listed as not built, with the reason. Other targets (no runtime yet): the
+bindings select_kernels recorded, shapes normalised by rule (rows padded to a power of two, at least one tile;
+GEMM N padded to block_n); ``mode="all"`` re-binds a copy at ``ALL_BUCKETS``. ``none`` builds nothing.
 
-The config: a tuning-database record (codegen/tuner.py) for this family, shape bucket, target and toolkit
-versions when there is one (``source: "tuned"``), else the binding's rule-based config (``"rule"``). The
-database is only read here: compile never tunes.
+The config: sm90, the adapter's (``source: "adapter"``; the runtime reads no tuning database, so a tuned
+config would build a kernel it never loads); other targets, a tuning-database record (codegen/tuner.py) for
+this family, shape bucket, target and toolkit versions when there is one (``"tuned"``), else the binding's
+rule-based config (``"rule"``). The database is only read here: compile never tunes.
 
 Per kernel: ``<name>.cu`` (``.cpp`` AscendC for ascend950, no cubin: bisheng is not available) and, for
 CUDA targets, ``<name>.cubin`` compiled with the local nvcc, plus ``manifest.json`` with family, program,
@@ -164,13 +170,19 @@ class _KeyWalk:
     """What one derivation found: the keys (first seen first) and, per family.op without a key, why."""
 
     keys: list = field(default_factory=list)
+    nodes: dict = field(default_factory=dict)  # key -> the first graph values (node outputs) that asked for it
     why: dict = field(default_factory=dict)  # "family.op" -> reason (reported where no call of it gave a key)
     keyed: set = field(default_factory=set)  # "family.op" that gave at least one key
     missed: dict = field(default_factory=dict)  # "family.op at T=t" -> why its keys were not derived (always shown)
 
-    def add(self, where: str, keys: list) -> None:
+    def add(self, where: str, keys: list, node: str) -> None:
         self.keyed.add(where)
-        self.keys += [k for k in keys if k not in self.keys]
+        for k in keys:
+            users = self.nodes.setdefault(k, [])
+            if not users:
+                self.keys.append(k)
+            if len(users) < 4 and node not in users:
+                users.append(node)
 
     def note(self, where: str, reason: str) -> None:
         self.why.setdefault(where, reason)
@@ -208,7 +220,7 @@ def _walk(ex, feeds: dict, walk: _KeyWalk) -> None:
         args = [_meta_arg(v, feeds, ex.params, env) for v in step.node.inputs]
         call = ka.Call(step.node.op, attrs, args, step.inputs, step.param_inputs, b.get("config") or {},
                        ex.prep_cache)  # fmt: skip
-        _ask(adapter, call, f"{b['family']}.{step.node.op}", t, walk)
+        _ask(adapter, call, f"{b['family']}.{step.node.op}", t, walk, step.outputs[0])
 
 
 def _meta_arg(v, feeds: dict, params: _MetaParams, env: dict):
@@ -219,7 +231,7 @@ def _meta_arg(v, feeds: dict, params: _MetaParams, env: dict):
     return feeds[v.name] if v.name in feeds else _meta_tensor(v, env)
 
 
-def _ask(adapter, call, where: str, t: int, walk: _KeyWalk) -> None:
+def _ask(adapter, call, where: str, t: int, walk: _KeyWalk, node: str) -> None:
     from deepinfer.runtime import kernel_adapters as ka
 
     try:
@@ -232,7 +244,7 @@ def _ask(adapter, call, where: str, t: int, walk: _KeyWalk) -> None:
         walk.missed.setdefault(f"{where} at T={t}", f"kernel arguments need device data: {type(e).__name__}: {msg}")
         return
     if keys:
-        walk.add(where, keys)
+        walk.add(where, keys, node)
     else:
         walk.note(where, TRITON_REASON)
 
@@ -264,14 +276,16 @@ def _batched_feeds(single, b: int, max_model_len: int) -> dict:
 
 
 def engine_kernel_keys(graph, lengths, *, max_model_len: int = ENGINE_MAX_MODEL_LEN, batch_sizes=(),
-                       cache_len: int | None = None, all_rows: bool = False) -> tuple[list, dict]:  # fmt: skip
+                       cache_len: int | None = None, all_rows: bool = False,
+                       with_nodes: bool = False) -> tuple:  # fmt: skip
     """The KernelKeys the sm90 engine (runtime/cuda_executor.CudaRunner) looks up for a plan graph: its
     one-sequence executor (the graph with logit_rows) at every T in ``lengths`` with caches of ``cache_len``
     tokens (default max_model_len, as the engine sizes them) and the head on the last row (a prefill samples it;
     ``all_rows``: every row, as a teacher-forced run computes them), and its batched decode step
     (passes/batch_decode) at every B in ``batch_sizes``; MAX_POSITIONS = max_model_len, the MoE activation
     groups from the plan. Nothing is computed: each adapter's keys() runs on meta tensors.
-    Returns (keys, {family.op: why no key}) -- Triton families, declines, keys that need device data."""
+    Returns (keys, {family.op: why no key}) -- Triton families, declines, keys that need device data -- and with
+    ``with_nodes`` {key: the first graph values that ask for it}; the keys in first-asked order."""
     from deepinfer.passes.select_logit_rows import rows_graph
     from deepinfer.runtime import kernel_adapters as ka
     from deepinfer.runtime.cuda_executor import GraphExecutor
@@ -288,6 +302,8 @@ def engine_kernel_keys(graph, lengths, *, max_model_len: int = ENGINE_MAX_MODEL_
             _walk_batched(graph, params, sorted(set(batch_sizes)), max_model_len, walk)
     finally:
         ka.EMULATE = saved
+    if with_nodes:
+        return walk.keys, walk.unkeyed(), walk.nodes
     return walk.keys, walk.unkeyed()
 
 
@@ -368,11 +384,12 @@ def _engine_specs(graph, mode: str, max_model_len: int) -> tuple[list[KernelSpec
     from deepinfer.runtime import cuda_graphs as cg
 
     batch = cg.BUCKETS if ENGINE_BATCH_SIZES is None else ENGINE_BATCH_SIZES
-    keys, why = engine_kernel_keys(graph, engine_lengths(graph, mode), max_model_len=max_model_len, batch_sizes=batch)
+    keys, why, nodes = engine_kernel_keys(graph, engine_lengths(graph, mode), max_model_len=max_model_len,
+                                          batch_sizes=batch, with_nodes=True)  # fmt: skip
     specs = {}
     for key in keys:
         spec = spec_of_key(key)
-        specs.setdefault(spec.ident(), spec)
+        specs.setdefault(spec.ident(), spec).nodes = list(nodes[key])
     return sorted(specs.values(), key=lambda s: s.name), why
 
 
