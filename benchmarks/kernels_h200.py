@@ -2256,6 +2256,107 @@ def attn_s7_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- sparse_attn s8
+# `--only "sparse_attn s8"` (session 8, helper A): Config.early_p / Config.lazy_rescale (tags "e" / "z") next to the
+# defaults on the runtime's operands (s7_operands), then the per-block split of the CTA's time: the fixed-cost probe
+# after a read-only flush (no dirty L2 lines to write back, which do_bench's zeroing flush adds to the intercept) and
+# the same probe with no global loads of KV rows or ids (skip "gather,ids": the QK^T -> softmax -> PV chain alone).
+# Rows append to S7_RESULTS (their names start "sparse_attn s8"); the summary and the fits read them.
+
+
+def case_attn_s8_readflush(row: Row, B: int, topk: int, cfg, quick: bool, dry: bool):
+    """case_attn_decode's random-row protocol (one pool, a few -1 entries) timed after a read-only flush only; a
+    skip diagnostic (Config.skip) is timed unchecked, as in case_attn_decode."""
+    _ATTN_PREBUILT[0] = True
+    case_attn_decode(row, B, topk, quick, dry, cfg, flush="read")
+    if not dry:
+        _s7_record(row, B, f"readflush k{topk}")
+
+
+def _s8_rows(B: int | None = None, what: str | None = None) -> list[dict]:
+    return [r for r in S7_RESULTS if r["row"].startswith("sparse_attn s8") and (B is None or r["B"] == B)
+            and (what is None or r["what"] == what)]  # fmt: skip
+
+
+def case_attn_s8_summary(row: Row, quick: bool, dry: bool):
+    """Per batch: the 4k-operand rows fastest first (% of the HBM copy bandwidth measured now, do_bench and after a
+    read flush) and each variant against the batch's default; then the per-block fits (time = fixed + slope x
+    64-entry blocks by least squares) of the read-flush and compute-only probes."""
+    if dry:
+        return
+    hbm = _copy_bandwidth(quick)
+    torch.cuda.empty_cache()
+    print(f"--- sparse_attn s8 summary (HBM copy now {hbm / 1e12:.2f} TB/s; do_bench, then after a read flush)")
+    for B in S7_BATCHES:
+        rows = _s8_rows(B, "4k")
+        base = next((r for r in rows if r["row"].endswith(" default")), None)
+        for i, r in enumerate(sorted(rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)):
+            vs = f"{base['ms'] / r['ms']:5.3f}x" if base and r["ms"] == r["ms"] else "    -"
+            print(f"  B{B:<4} {'BEST ' if i == 0 else '     '}{r['row']:<40} {r['ms'] * 1e3:7.1f} us "
+                  f"{_s7_pct(r['bytes'], r['ms'], hbm)} {vs} vs default  read-flush {r['read_ms'] * 1e3:6.1f} us "
+                  f"{_s7_pct(r['bytes'], r['read_ms'], hbm)}  err {r['check']}")  # fmt: skip
+        for r in _s8_rows(B, "L2-hot k640"):
+            print(f"  B{B:<4} L2-hot {r['row']:<40} {r['ms'] * 1e3:7.1f} us {_s7_pct(r['bytes'], r['ms'], hbm)}")
+    for tag in sorted({r["row"].rsplit(" k", 1)[0] for r in _s8_rows() if r["what"].startswith("readflush")}):
+        pts = [(int(r["what"].split("k")[1]) / 64, r["ms"] * 1e3) for r in _s8_rows()
+               if r["row"].rsplit(" k", 1)[0] == tag and r["ms"] == r["ms"]]  # fmt: skip
+        if len(pts) >= 2:
+            x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+            y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+            print(f"  fit {tag}: fixed {y.mean() - slope * x.mean():.1f} us + {slope:.2f} us per 64-entry block ("
+                  + ", ".join(f"{int(a * 64)}: {b:.1f}" for a, b in pts) + ")")  # fmt: skip
+    row.check = "summary printed above"
+
+
+S8_FIT_TOPK = (128, 384, 640, 1152)
+
+
+def attn_s8_cases():
+    """`--only "sparse_attn s8"`: at B 64 / 128 / 256 on the runtime's 4k operands, the default (sm90_config) next
+    to early_p ("e"), lazy_rescale ("z") and both ("ez"); at B64 also the unsplit program (64 CTAs, no combine) with
+    and without both; at B256 the single pass with both. L2-hot rows (entries from 4096 rows) of the default and
+    "ez" at B256: the program's own bound. Then, at B128 (one CTA a request, one wave), the fixed-cost probe after a
+    read flush (top-k 128 .. 1152) for the default and "ez", and the compute-only probe (no KV / id loads) for the
+    default and "e" ("z" is left out there: its flag follows the garbage in the unloaded stages). Defaults first."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    out = []
+
+    def add(B, cfg, what=""):
+        out.append((f"sparse_attn s8 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
+                    lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
+
+    def add_probe(B, cfg, topk, what):
+        out.append((f"sparse_attn s8 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} rnd",
+                    lambda r, q, d, B=B, cfg=cfg, k=topk: case_attn_s8_readflush(r, B, k, cfg, q, d)))  # fmt: skip
+
+    def options(cfg):
+        return [rep(cfg, early_p=True), rep(cfg, lazy_rescale=True), rep(cfg, early_p=True, lazy_rescale=True)]
+
+    for B in S7_BATCHES:
+        add(B, sad.sm90_config(B, 640), "default")
+    for B in S7_BATCHES:
+        for cfg in options(sad.sm90_config(B, 640)):
+            add(B, cfg)
+    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+    ez = rep(ws64, early_p=True, lazy_rescale=True)
+    add(64, ws64, "no split")
+    add(64, ez, "no split")
+    add(256, ez, "single pass")
+    for cfg in (sad.sm90_config(256, 640), rep(sad.sm90_config(256, 640), early_p=True, lazy_rescale=True)):
+        out.append((f"sparse_attn s8 B256 {cfg.tag} L2-hot k640", "B256 H64 k640 hot",
+                    lambda r, q, d, cfg=cfg: case_attn_s7_random(r, 256, 640, cfg, q, d, S7_WIN, 4096)))  # fmt: skip
+    for cfg in (ws64, ez):
+        for k in S8_FIT_TOPK:
+            add_probe(128, cfg, k, "readflush")
+    for cfg in (rep(ws64, skip="gather,ids"), rep(ws64, early_p=True, skip="gather,ids")):
+        for k in S8_FIT_TOPK:
+            add_probe(128, cfg, k, "readflush")
+    out.append(("sparse_attn s8 summary", "-", case_attn_s8_summary))
+    return out
+
+
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
     """V4.1 query RoPE: T tokens x 64 heads x 512, the last 64 channels rotated, YaRN table of 1M positions."""
     from deepinfer.ir.ops.attention import rope_inv_freq
@@ -3312,6 +3413,7 @@ def cases(quick: bool):
     out += moe_layout_cases()
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()
+    out += [] if quick else attn_s8_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)
