@@ -932,13 +932,26 @@ class MoERoutingAdapter:
 
 
 MOE_LAYOUT_ENV = "DEEPINFER_MOE_LAYOUT"  # "torch": the prefill layout and x gather by the torch references (A/B runs)
+# "1": the fp8 prefill's grouped GEMMs run an expert's last tile with <= 64 pairs as a 64-row half tile (issue 8;
+# fp8_gemm._program_sm90_ws half_tiles; same bits on every real row). Opt-in until measured on the H200.
+MOE_HALF_TILES_ENV = "DEEPINFER_MOE_HALF_TILES"
+
+
+def _half_tiles_on(persistent_prefill: bool, *cfgs) -> bool:
+    """Whether the fp8 prefill takes half tiles: asked for (MOE_HALF_TILES_ENV), on the persistent program, with
+    tiles the option supports (128 rows, 2 consumer warpgroups, 2 N slices; fp8_gemm.WSPlan.check)."""
+    if os.environ.get(MOE_HALF_TILES_ENV) != "1" or not persistent_prefill:
+        return False
+    return all(c.block_m == 128 and c.threads == 256 and c.n_split == 2 and not (c.overlap or c.direct_store)
+               and c.cluster == 1 for c in cfgs)  # fmt: skip
 
 
 def _layout_on_triton(t: torch.Tensor) -> bool:
     return _triton_on(t) and os.environ.get(MOE_LAYOUT_ENV) != "torch"
 
 
-def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int, read_back: bool = True):
+def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int, read_back: bool = True,
+                     half_tiles: bool = False):  # fmt: skip
     """Contiguous layout: (slot of each (token, k) pair, tile experts, padded rows, rows of the tiles that hold
     pairs -- exact where the count is read back, the bound otherwise; the tiles past it are padding --, the
     device's exact tile count [1], the experts' pair counts [E]). read_back=False: the bound at every size, no host
@@ -950,13 +963,15 @@ def _moe_layout_rows(idx: torch.Tensor, n_experts: int, block_m: int, read_back:
     pairs (T*k <= E/2: decode) the count is the routing-independent bound min(E, T*k) + T*k // block_m (tight
     there: almost every pair has its own expert), so the layout needs no device -> host synchronisation;
     otherwise the exact count is read back (one synchronisation) to keep padding tiles few. tile_expert is made
-    for the bound's bucket (before any read) and cut to the count's."""
+    for the bound's bucket (before any read) and cut to the count's. half_tiles: tile_expert flags the last tiles
+    holding <= block_m / 2 pairs (the persistent program's half_tiles option; moe_routing)."""
     from deepinfer.codegen.kernels import moe_routing as mr
 
     pairs = idx.numel()
     bound = mr.layout_tile_bound(pairs, n_experts, block_m)
     make = mr.triton_contiguous_layout if _layout_on_triton(idx) else mr.contiguous_layout_reference
-    slot, tile_expert, counts, total = make(idx, n_experts, block_m, _tile_bucket(max(bound, 1)))
+    extra = {"half_tiles": True} if half_tiles else {}
+    slot, tile_expert, counts, total = make(idx, n_experts, block_m, _tile_bucket(max(bound, 1)), **extra)
     n_tiles = bound if 2 * pairs <= n_experts or not read_back else int(total)
     n_bucket = _tile_bucket(max(n_tiles, 1))
     return slot, tile_expert[:n_bucket], n_bucket * block_m, n_tiles * block_m, total, counts
@@ -1366,13 +1381,17 @@ class MoEGroupedAdapter:
         # nor at decode sizes (a model whose experts the swap-AB program declines): a CUDA graph captures those steps
         persistent = cfg13.persistent and cfg2.persistent
         decode = t <= call.attrs.get("masked_max_t", 64)
+        half = _half_tiles_on(persistent and not decode, cfg13, cfg2)
         slot, tile_expert, rows, real, n_tiles, counts = _moe_layout_rows(idx, e, cfg13.block_m,
-                                                                          read_back=not (persistent or decode))
+                                                                          read_back=not (persistent or decode),
+                                                                          half_tiles=half)  # fmt: skip
         stats = call.cache.get(MOE_TILE_STATS)
         if stats is not None:  # the exact count stays on the device until the runner reads it (bench_slice)
             stats[call.names[9]] = {"pairs": idx.numel(), "tile_rows": n_tiles * cfg13.block_m, "rows": rows}
-        k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block)
-        k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block)
+        extra = {"half_tiles": True} if half else {}  # (absent when off: the default kernels' keys unchanged)
+        k1 = _key("moe_grouped_gemm", "program", (rows, 2 * inter, d, e), cfg13, act_group=ag, weight_block=block,
+                  **extra)  # fmt: skip
+        k2 = _key("moe_grouped_gemm", "program", (rows, d, inter, e), cfg2, act_group=ag, weight_block=block, **extra)
         layout = (slot, tile_expert, rows, real, counts)
         return _MoEPlan("contiguous", "fp8", rows, False, 0, [k1, k2], layout, act_group=ag)
 

@@ -182,3 +182,28 @@ def test_cuda_half_tiles_equal_the_default_program(ag):
     want = mg.reference_f64(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), tiles.cpu(), bm, ag, 128)
     err = (outs[0][real].double().cpu() - want[real.cpu()]).abs().max() / want.abs().max()
     assert err <= 2e-2, err
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+
+
+def test_adapter_half_tiles_switch_gives_the_same_output(monkeypatch, tilelang_required):
+    """MoEGroupedAdapter's fp8 prefill with DEEPINFER_MOE_HALF_TILES=1: both grouped GEMMs' keys carry half_tiles and
+    run the real programs (their c-target builds) on the flagged layout; the node's output equals the default path's
+    bit for bit (the half tiles' padding rows, unwritten now, are never read into a real row). 600 tokens x top-2
+    over 8 experts: ~150 pairs an expert, so most experts end in a half tile."""
+    from tests.codegen.test_moe_prefill_g128_adapter import G128, moe_call
+
+    monkeypatch.setattr(ka, "EMULATE", True)  # CPU tensors accepted (the kernels here are the c-target builds)
+
+    def run(on: bool):
+        monkeypatch.setenv(ka.MOE_HALF_TILES_ENV, "1" if on else "0")
+        call = moe_call(600, 128, G128)
+        adapter = ka.MoEGroupedAdapter()
+        keys = adapter.keys(call)
+        assert [dict(k.kwargs).get("half_tiles", False) for k in keys] == [on, on]
+        tiles = adapter._plan(call).layout[1]
+        assert (tiles >= FLAG).any() == on
+        return adapter.run(call, [ka.c_target_kernel(k) for k in keys])[0]
+
+    assert torch.equal(run(True), run(False))
