@@ -2813,6 +2813,34 @@ def _topk_r3_rows():
     ]  # fmt: skip
 
 
+def _topk_s8_rows():
+    """(T, C, cfg, variant) rows "indexer_topk_select s8" (helper B, session 8, issue 6: top-k >= 60% of HBM;
+    unmeasured). T4096 C65536 k512, the default (fused + fast, 2 chunks prefetched into L2: 541.6 us = 45.8%)
+    next to: no L2 prefetch (p0: the read stage alone was 260.9 us without it, 306.7 us with it, session 5);
+    `lean` (no per-score column checks, no max pre-pass: fewer instructions a fused chunk); `compact` (the final
+    selection on the members staged in the free fine histogram, out of the chunk loop, instead of all 18 buffer
+    slots a thread); both, with and without the prefetch. Stage probes of the same run: diag first (the first
+    chunk's bound and push, later chunks read only), push (everything but the final selection) for the default
+    and lean, read without the prefetch. Then C16384 (128 threads) default vs lean + compact, and the decode shape
+    T64 C16384 (2 segments a row) default vs no prefetch vs fused + fast + lean."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    tl, rep = "tilelang", dataclasses.replace
+    pre = ts.default_config(4096, 65536, IDX_TOPK)
+    c16 = ts.default_config(4096, 16384, IDX_TOPK)
+    dec = ts.default_config(64, 16384, IDX_TOPK)
+    return [
+        (4096, 65536, None, tl), (4096, 65536, rep(pre, l2_ahead=0), tl), (4096, 65536, rep(pre, lean=True), tl),
+        (4096, 65536, rep(pre, compact=2048), tl), (4096, 65536, rep(pre, lean=True, compact=2048), tl),
+        (4096, 65536, rep(pre, lean=True, compact=2048, l2_ahead=0), tl),
+        (4096, 65536, rep(pre, diag="first"), tl), (4096, 65536, rep(pre, diag="push"), tl),
+        (4096, 65536, rep(pre, lean=True, diag="push"), tl), (4096, 65536, rep(pre, l2_ahead=0, diag="read"), tl),
+        (4096, 16384, None, tl), (4096, 16384, rep(c16, lean=True, compact=2048), tl),
+        (64, 16384, None, tl), (64, 16384, rep(dec, l2_ahead=0), tl),
+        (64, 16384, rep(dec, fused=2, ffs=True, fast=True, lean=True), tl),
+    ]  # fmt: skip
+
+
 TOPK_TIE_SHAPES = [(512, 2048), (264, 16384), (64, 65536), (1, 65536)]
 TOPK_TIE_PROGRAMS = ["default", "hist", "fused", "fast"]
 
@@ -2890,6 +2918,9 @@ def _indexer_cases(quick: bool):
                             lambda r, q, d, T_=T_, C=C, p=prog: case_topk_tie_build(r, T_, C, p, q, d)))
         for T_, C, cfg, var in _topk_r3_rows():
             out.append(("indexer_topk_select r3", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
+        for T_, C, cfg, var in _topk_s8_rows():
+            out.append(("indexer_topk_select s8", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         for T_, C, cfg in _topk_r2_rows():
             out.append(("indexer_topk_select r2", f"T{T_} C{C} k{IDX_TOPK}",

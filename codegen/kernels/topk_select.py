@@ -114,6 +114,12 @@ class HistConfig:
     # maximum is below it skips the count, reservation and push (no key conversion of the ~all keys that fail)
     fast: bool = False
     trim: bool = False  # the buffer's selections, cuts and marks visit its ctl[0] entries, not all BUF
+    # (fast) no per-score column check and no max pre-pass in the fused chunks: the one chunk that straddles the
+    # visible limit gets -inf past it when its bits are copied, and every warp counts (~all have keys at the bound)
+    lean: bool = False
+    # (one segment a row) the final selection on the buffer's members >= the bound copied to the free fine
+    # histogram (up to `compact` of them; more: the buffer as before) instead of all BUF entries in place
+    compact: int = 0
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -126,14 +132,17 @@ class HistConfig:
         return (f"h{self.threads}e{self.per_thread}s{self.seg}" + (f"b{self.buf}" if self.buf else "")
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
-                + ("v" if self.fast else "") + ("t" if self.trim else "")
+                + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
+                + (f"z{self.compact}" if self.compact else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
 # scores and their keys (a per-thread max written out), "count" adds the histogram bound, "push" the candidate
-# buffer and its cuts; only the final selection / output is left out. "" = the real program.
+# buffer and its cuts; only the final selection / output is left out. "" = the real program. HIST_DIAG_FIRST:
+# (fused) the first chunk's bound and push as in the real program, the later chunks read only.
 HIST_DIAGS = ("read", "count", "push")
+HIST_DIAG_FIRST = "first"
 
 
 def hist_buffer(C: int, k: int, cfg: HistConfig) -> int:
@@ -156,7 +165,8 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
     if isinstance(cfg, HistConfig):
         assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
         assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
-        assert cfg.diag in ("", *HIST_DIAGS), cfg
+        assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST), cfg
+        assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
@@ -1129,10 +1139,16 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
         return T.call_extern("int32", "__any_sync", full, pred) != 0
 
     @T.macro
-    def reserve_push(bufk, bufi, ctl, fz, par, keyf, idf, takef, fl, tmp, hist_f=None, hist_c=None, hitx=None):
+    def reserve_push(bufk, bufi, ctl, fz, par, keyf, idf, takef, fl, tmp, hist_f=None, hist_c=None, hitx=None,
+                     fm=None):  # fmt: skip
         """hitx = (xf, thr) (GPU): no key of thread i is taken unless max_q xf(i, q) >= thr (a float): a warp
-        where that holds for no lane skips the count, the reservation and the push."""
+        where that holds for no lane skips the count, the reservation and the push. fm (lean, no hitx): a
+        per-thread int32 fragment for the taken keys as a bit mask -- the count is its popcount (not a chain of
+        selects and adds), the push tests its bits and converts each key once; a warp without a key to push
+        skips the reservation and the push."""
         hitf = None if hitx is None or ops.cpu else hitx
+        skip = hitf is not None or (fm is not None and not ops.cpu)  # (warp-uniform) idle warps skip the reservation
+        assert fm is None or (hitx is None and E < 32), "the lean mask: one bit a key"
         if hitf is not None:  # fl = whether the thread's largest float reaches the bound
             for i in ops.par(NT):  # (one loop over a register array per parallel loop: TileLang's layouts)
                 xm = T.alloc_var("float32", init=-T.infinity("float32"))
@@ -1140,7 +1156,12 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                     xm = T.max(xm, hitf[0](i, q))
                 fl[i] = T.if_then_else(xm >= hitf[1], 1, 0)
         for i in ops.par(NT):  # (the count in fl first: one loop over the keys a parallel loop)
-            if hitf is None:
+            if fm is not None:
+                fm[i] = 0
+                for q in ops.unroll(E):
+                    fm[i] = T.bitwise_or(fm[i], T.if_then_else(takef(i, q), T.shift_left(1, q), 0))
+                fl[i] = ops.popc_add(T.int32(0), fm[i])
+            elif hitf is None:
                 fl[i] = 0
                 for q in ops.unroll(E):
                     fl[i] = fl[i] + T.if_then_else(takef(i, q), 1, 0)
@@ -1155,7 +1176,7 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
             if ops.cpu:
                 tmp[0] = ctl[0]
                 ctl[0] = ctl[0] + n
-            elif hitf is None:
+            elif not skip:
                 warp_reserve(ctl, 0, n, i % 32, tmp)
             elif warp_any(n > 0):  # (warp-uniform: the shuffles need every lane) no atomic for an idle warp
                 warp_reserve(ctl, 0, n, i % 32, tmp)
@@ -1168,14 +1189,28 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                 else:
                     T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(fz[FZ_FLAG + par]), 1))
                     T.evaluate(T.call_extern("int32", "atomicMin", T.address_of(fz[FZ_MINF + par]), p))
-            elif T.bool(True) if hitf is None else n > 0:  # (opaque stores on the GPU: the planner put a
-                for q in ops.unroll(E):  # barrier into this divergent branch for them)
-                    if takef(i, q):
-                        put(bufk, p, keyf(i, q))
-                        put(bufi, p, idf(i, q))
-                        p = p + 1
-                        if hist_f is not None:  # counted here, not in a loop of its own (fewer registers)
-                            count_key(hist_f, hist_c, keyf(i, q))
+            elif T.bool(True) if not skip else n > 0:  # (opaque stores on the GPU: the planner put a
+                if fm is not None:  # barrier into this divergent branch for them)
+                    # (GPU: the mask through an opaque move, else nvcc keeps the count's 16 predicates live in
+                    # a register -- two bit operations a key -- instead of testing the mask's bits)
+                    mb = T.alloc_var("int32", init=fm[i] if ops.cpu else T.call_extern("int32", "tl_topk_opaque",
+                                                                                          fm[i]))  # fmt: skip
+                    for q in ops.unroll(E):
+                        if T.bitwise_and(T.shift_right(mb, q), 1) == 1:
+                            kq = T.alloc_var("int32", init=keyf(i, q))
+                            put(bufk, p, kq)
+                            put(bufi, p, idf(i, q))
+                            p = p + 1
+                            if hist_f is not None:
+                                count_key(hist_f, hist_c, kq)
+                else:
+                    for q in ops.unroll(E):
+                        if takef(i, q):
+                            put(bufk, p, keyf(i, q))
+                            put(bufi, p, idf(i, q))
+                            p = p + 1
+                            if hist_f is not None:  # counted here, not in a loop of its own (fewer registers)
+                                count_key(hist_f, hist_c, keyf(i, q))
 
     @T.macro
     def warp_threshold(hist_f, hist_c, fz, r, w):
@@ -1232,6 +1267,11 @@ __device__ __forceinline__ void tl_topk_prefetch_l2(const float* row, int off, i
 __device__ __forceinline__ int tl_topk_ld(const int* p) { return *(const volatile int*)p; }
 __device__ __forceinline__ void tl_topk_st(int* p, int v) { *(volatile int*)p = v; }
 __device__ __forceinline__ void tl_topk_put(int* p, int j, int v) { p[j] = v; }
+__device__ __forceinline__ int tl_topk_opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
 """
 
 
@@ -1281,6 +1321,11 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
     FAST = bool(cfg.fast) and FUSED > 0  # (fused chunks: raw float bits in kc, float compares, idle warps skip)
+    LEAN = FAST and cfg.lean  # (fast chunks: kc is -inf past the limit, no column checks; no max pre-pass)
+    # (compact) the final selection's members staged in hist_f: keys at [0, STAGE), ids at [STAGE, 2 STAGE)
+    STAGE = min(cfg.compact, HB // 2, BUF) // NT * NT
+    COMPACT = cfg.compact > 0 and NSEG == 1 and STAGE > 0
+    block_sum, red_total = _make_block_sum(NT)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
@@ -1297,6 +1342,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return _tl_unkey(T.max(bound, KEY_NEG_INF + 1))
 
     def raw_at_least(kc, c0, lim, bound):
+        if LEAN:  # (raw_bits put -inf past the limit)
+            return lambda i, j: raw_x(kc, i, j) >= bound_x(bound)
         return lambda i, j: T.And(io.col_of(c0, i, j) < lim, raw_x(kc, i, j) >= bound_x(bound))
 
     def raw_key(kc):  # (of a key that passed raw_at_least: visible, not -inf)
@@ -1306,10 +1353,21 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return (lambda i, j: raw_x(kc, i, j)), bound_x(bound)
 
     @T.macro
-    def raw_bits(xr, kc):
-        for i in ops.par(NT):
-            for j in ops.unroll(E):
-                kc[i, j] = T.reinterpret(xr[i, j], "int32")
+    def raw_bits(xr, kc, c0, lim):
+        if LEAN:
+            if c0 + CH > lim:  # (the chunk that straddles the limit; fetch_chunk reads whole float4s)
+                for i in ops.par(NT):
+                    for j in ops.unroll(E):
+                        kc[i, j] = T.reinterpret(T.if_then_else(io.col_of(c0, i, j) < lim, xr[i, j],
+                                                                -T.infinity("float32")), "int32")  # fmt: skip
+            else:
+                for i in ops.par(NT):
+                    for j in ops.unroll(E):
+                        kc[i, j] = T.reinterpret(xr[i, j], "int32")
+        else:
+            for i in ops.par(NT):
+                for j in ops.unroll(E):
+                    kc[i, j] = T.reinterpret(xr[i, j], "int32")
 
     @T.macro
     def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it):
@@ -1348,6 +1406,51 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
 
     def take_s(bufk, bufi, st, st2):
         return lambda i, q: _taken(bufk[q * NT + i], bufi[q * NT + i], st, st2)
+
+    # (compact) the final selection's set: the staged members (hist_f: keys, then ids at STAGE; ctl[2] of them) or,
+    # when they did not fit, the buffer as `members` left it. Indices clamped: both loads are evaluated.
+    def key_u(bufk, stage, staged, ctl):
+        def key(i, q):
+            e = q * NT + i
+            on_stage = T.if_then_else(e < ctl[2], stage[T.min(e, STAGE - 1)], NONE)
+            return T.if_then_else(staged == 1, on_stage, bufk[T.min(e, BUF - 1)])
+
+        return key
+
+    def id_u(bufi, stage, staged):
+        return lambda i, q: T.if_then_else(staged == 1, stage[STAGE + T.min(q * NT + i, STAGE - 1)],
+                                           bufi[T.min(q * NT + i, BUF - 1)])  # fmt: skip
+
+    def take_u(bufk, bufi, stage, staged, ctl, st, st2):
+        return lambda i, q: _taken(key_u(bufk, stage, staged, ctl)(i, q), id_u(bufi, stage, staged)(i, q), st, st2)
+
+    @T.macro
+    def stage_members(bufk, bufi, ctl, beta, stage, tmp):
+        """(compact) the buffer's members (its ctl[0] entries >= beta) to the stage: keys at [0, M), ids at
+        [STAGE, STAGE + M); ctl[2] = M. A thread whose range would end past STAGE writes nothing (M > STAGE then:
+        the caller selects on the buffer). hist_f is free here: the last bound was found before the last chunk."""
+        for _z in ops.par(1):
+            ctl[2] = 0
+        ops.barrier()  # (ctl[0] may come from atomics; ctl[2] is reserved with atomics next)
+        for i in ops.par(NT):
+            nb = T.alloc_var("int32", init=ctl[0])
+            nq = T.alloc_var("int32", init=T.min((nb + NT - 1) // NT, EB))
+            n = T.alloc_var("int32", init=0)
+            for q in T.serial(nq):
+                if T.And(q * NT + i < nb, bufk[q * NT + i] >= T.max(beta, NONE + 1)):
+                    n = n + 1
+            if ops.cpu:
+                io.atomic_add_ret(ctl, 2, n, tmp)
+            else:
+                io.warp_reserve(ctl, 2, n, i % 32, tmp)
+            p = T.alloc_var("int32", init=tmp[0])
+            if p + n <= STAGE:
+                for q in T.serial(nq):
+                    if T.And(q * NT + i < nb, bufk[q * NT + i] >= T.max(beta, NONE + 1)):
+                        stage[T.min(p, STAGE - 1)] = bufk[q * NT + i]
+                        stage[STAGE + T.min(p, STAGE - 1)] = bufi[q * NT + i]
+                        p = p + 1
+        ops.barrier()
 
     @T.macro
     def members(bufk, nb, beta, nq):
@@ -1447,6 +1550,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             cut = T.alloc_var("int32", init=0)
             mode = T.alloc_var("int32", init=1)  # this chunk's push: 1 (of the old path) or 2 (fused: the overflow)
             last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
+            staged = T.alloc_var("int32", init=0)  # (compact) 1: the final selection's members are in hist_f
+            nsel = T.alloc_var("int32", init=EB)  # (compact) the q's the final selection visits
             for u in T.serial(4):
                 stb[u] = 0
                 stb2[u] = NONE
@@ -1456,6 +1561,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 hist_c[b] = 0
             fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
+            fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
             for _z in ops.par(1):
                 ctl[0] = 0
                 for u in T.serial(3):
@@ -1464,7 +1570,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 fz[FZ_BETA] = NONE
             for i in ops.par(NT):
                 fl[i] = 0
-                if DIAG == "read":
+                if DIAG in ("read", HIST_DIAG_FIRST):
                     rc[i] = NONE
             ops.barrier()  # (shared atomics next)
             if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
@@ -1472,8 +1578,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             if cfg.l2_ahead > 0 and NCH > 1:
                 for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
                     prefetch_l2(S, t, sg, a + 1, lim)
-            # iterations: the chunks, the segment's selection, (several segments, the row's last CTA) the merge
-            for it in T.serial(NCH + (1 if NSEG == 1 else 2)):
+            # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
+            # row's last CTA) the merge
+            for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
                 cut = 0
                 mode = 1
                 if it < NCH:
@@ -1483,7 +1590,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         elif it < OLD_CHUNKS:
                             chunk_keys(c0_of(sg, it), lim, xr, kc)
                         else:  # (fast) no key conversion: the bits, compared as floats
-                            raw_bits(xr, kc)
+                            raw_bits(xr, kc, c0_of(sg, it), lim)
                         if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
                             prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
                         if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
@@ -1514,11 +1621,16 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                         fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
                                     if DIAG == "count":
                                         count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                    elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
+                                        for i in ops.par(NT):
+                                            for j in ops.unroll(E):
+                                                rc[i] = T.max(rc[i], kc[i, j])
                                     elif FAST:
                                         c0, bnd = c0_of(sg, it), T.max(beta, floor)
                                         fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
                                                            raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
-                                                           raw_hit(kc, bnd))  # fmt: skip
+                                                           None if LEAN else raw_hit(kc, bnd),
+                                                           fm if LEAN else None)  # fmt: skip
                                     else:  # (the keys without room are not counted: a looser bound, rare)
                                         fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc), id_c(c0_of(sg, it)),
                                                            at_least(kc, T.max(beta, floor)), fl, tmp,
@@ -1558,7 +1670,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
                             if bc[2] == NSEG - 1:
                                 last = 1
-                if DIAG in ("", "push"):
+                if DIAG in ("", "push", HIST_DIAG_FIRST):
                     if not FAST:
                         if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
                             push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
@@ -1569,17 +1681,35 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
                         push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
                              raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
+            if COMPACT and DIAG == "":  # the final selection, out of the chunk loop (its registers are free)
+                stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
+                if ctl[2] <= STAGE:
+                    staged = 1
+                    nsel = (ctl[2] + NT - 1) // NT
+                else:  # (heavy ties) in the buffer as before
+                    nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
+                    members(bufk, ctl[0], beta, nsel)
+                select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum, bc,
+                         ra, rb, rc, r1, nsel)  # fmt: skip
             if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
                 for i in ops.par(NT):
                     if i < k:
                         Idx[t, i] = rc[i]
+            elif DIAG == HIST_DIAG_FIRST:
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = T.if_then_else(i == 0, ctl[0], T.max(rc[i], beta))
             elif DIAG != "":
                 for i in ops.par(NT):
                     if i < k:
                         Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
             elif last == 1:
-                nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (ctl[0]: the last cut's buffer)
-                mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
+                if COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
+                    mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2), nsel,
+                         unroll=False)  # fmt: skip
+                else:
+                    nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
+                    mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
                 emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select_hist

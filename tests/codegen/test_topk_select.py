@@ -168,6 +168,31 @@ def test_c_target_hist_bound(c_hist_kernels, kind, which):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
+@pytest.fixture(scope="module")
+def c_lean_kernel(tilelang_required):
+    """Session 8's variants in one program: fused fast chunks with `lean` (no per-score column checks: the chunk
+    that straddles the limit gets -inf past it when its bits are copied; every warp counts) and `compact` (the
+    final selection on the members staged in the fine histogram, room for 64: random rows fit, tied rows do not
+    and select in the buffer as before)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=64)
+    return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
+
+
+@pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
+def test_c_target_hist_lean_compact(c_lean_kernel, kind):
+    """lean + compact exact, ties included. Row 2 sees 701 columns: the limit falls inside the third (fused) chunk
+    and inside a float4, whose invisible columns 701..703 hold the row's largest scores -- never taken. Run twice."""
+    kernel, cfg = c_lean_kernel
+    s = _scores(kind, 4, 1024, seed=5)
+    s[:, 701:704] = 1e30
+    pos = torch.tensor([0, 40, 1402, 5000])  # ratio 2: 0, 20, 701 and 1024 visible
+    want = ts.reference(s, 16, pos, 2)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+
+
 def _barrier_between(src: str, first: str, then: str) -> bool:
     """Whether a `__syncthreads()` lies between the last line with `first` before the first `then` on a later
     line (the atomic's own line may name the buffer too)."""
