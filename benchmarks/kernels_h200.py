@@ -3164,6 +3164,109 @@ def grouped_v41g128_cases(quick: bool):
     return out
 
 
+# Half tiles (issue 8, session 8): V4.1's prefill MoE on ONE GPU (384 experts, 8192 tokens x top-6: ~128 pairs an
+# expert, so ~a third of the 128-row tiles' rows are padding). The layout flags an expert's last tile with <= 64 pairs
+# and the persistent grouped program runs it as 64 rows (fp8_gemm._program_sm90_ws half_tiles; the runtime's switch
+# DEEPINFER_MOE_HALF_TILES=1). --only "moe halftiles": the layout, then each expert GEMM in the g128 option's format
+# (w128a128) and the exact one (w128a32), half tiles vs the default program in the same row (time = half tiles, "vs
+# eager" = the default's time over it, % of the FP8 peak counting the real rows only).
+HALF_TILES_T = 8192
+
+
+@functools.lru_cache(maxsize=1)
+def _halftiles_layout():
+    """(idx [T, 6] on the GPU: 6 distinct experts a token, uniform -- the spread of a trained router's balanced
+    load; bucketed tile count as the adapter's persistent path uses it: the bound, no host read)."""
+    gen = torch.Generator().manual_seed(8)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(HALF_TILES_T)]).int().cuda()
+    from deepinfer.runtime import kernel_adapters as ka
+
+    n_tiles = ka._tile_bucket(moe_routing.layout_tile_bound(idx.numel(), EXPERTS, 128))
+    return idx, n_tiles
+
+
+@functools.lru_cache(maxsize=1)
+def _halftiles_weights(which: str):
+    """Random e4m3 experts [384, N, K] (codes with bit 6 clear: no NaN) and power-of-two 128x128 block scales."""
+    N, K = V41_EXPERT_GEMMS[which]
+    b = torch.randint(0, 256, (EXPERTS, N, K), dtype=torch.uint8, device="cuda").bitwise_and_(0xBF)
+    b = b.view(torch.float8_e4m3fn)
+    sb = torch.exp2(torch.randint(-9, -5, (EXPERTS, N // 128, K // 128), device="cuda").float())
+    return b, sb
+
+
+def case_moe_halftiles_layout(row: Row, quick: bool, dry: bool):
+    """triton_contiguous_layout with half_tiles vs without (time = with; "vs eager" = without over with): the tables
+    equal up to the flags; the check column gives how many tiles are half tiles and the real share of the rows the
+    GEMMs compute (128 a full tile, 64 a half tile) before and after."""
+    row.bytes_ = float(HALF_TILES_T * TOPK * 8)
+    if dry:
+        return
+    idx, n_tiles = _halftiles_layout()
+    plain = moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles)
+    half = moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles, half_tiles=True)
+    if not torch.equal(moe_grouped_gemm.tile_experts(half[1]), plain[1]) or not torch.equal(half[0], plain[0]):
+        raise AssertionError("the half-tile layout differs from the plain one beyond the flags")
+    tiles = int(plain[3])
+    n_half = int((half[1] >= fp8_gemm.HALF_TILE_FLAG).sum())
+    pairs = idx.numel()
+    row.check = (f"{n_half}/{tiles} half tiles; real rows {100 * pairs / (128 * tiles):.1f}% -> "
+                 f"{100 * pairs / (128 * tiles - 64 * n_half):.1f}%")  # fmt: skip
+    row.ms = bench_device(lambda: moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles, half_tiles=True),
+                          quick)  # fmt: skip
+    row.eager_ms = bench_device(lambda: moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles), quick)
+
+
+def case_moe_halftiles_gemm(row: Row, which: str, ag: int, quick: bool, dry: bool):
+    """One expert GEMM of the one-GPU prefill on the adapter's persistent config (moe_grouped_gemm.sm90_config with
+    k_group = ag, 128x128 weight blocks): the half-tile program on the flagged layout vs the default program on the
+    plain one, same operands. Check: real rows equal bit for bit, and a sample of experts against the float64 oracle
+    (rel 2e-2)."""
+    N, K = V41_EXPERT_GEMMS[which]
+    R = HALF_TILES_T * TOPK
+    M = 768 * 128  # the bucket of the tile bound at T 8192, top-6, 384 experts (_halftiles_layout)
+    cfg = moe_grouped_gemm.sm90_config(0, N, k_group=ag)
+    row.shape = f"{R}r/{M}x{N}x{K} E{EXPERTS}"
+    row.bytes_, row.flops = moe_grouped_gemm.roofline(R, N, K, EXPERTS, ag, 128)
+    kernels = {h: build(moe_grouped_gemm.program(M, N, K, EXPERTS, act_group=ag, weight_block=128, target="sm90",
+                                                  cfg=cfg, half_tiles=h)) for h in (True, False)}  # fmt: skip
+    if dry:
+        return
+    idx, n_tiles = _halftiles_layout()
+    assert n_tiles * 128 == M, (n_tiles, M)
+    tables = {h: moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles, half_tiles=h)[1]
+              for h in (True, False)}  # fmt: skip
+    b, sb = _halftiles_weights(which)
+    a, sa = quant_fp8_groups(torch.randn(M, K, device="cuda"), ag)
+    sa_t = sa.T.contiguous()
+    outs = {}
+    for h in (True, False):
+        outs[h] = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernels[h](a, sa_t, b, sb, tables[h], outs[h])
+    torch.cuda.synchronize()
+    row_e = moe_grouped_gemm.row_experts(tables[True], 128, masked=False).cuda()
+    real = row_e >= 0
+    if int(real.sum()) != R or not torch.equal(outs[True][real], outs[False][real]):
+        raise AssertionError("half tiles: the real rows differ from the default program's")
+    keep = (row_e >= 0) & (row_e < 4)  # the rows of experts 0-3 against the float64 oracle
+    want = _grouped_f64(a[keep], sa[keep], ag, b, sb, 128, row_e[keep])
+    err = expect(rel_err(outs[True][keep], want), 2e-2)
+    c = outs[True]
+    del want, outs[False]
+    row.ms = bench(lambda: kernels[True](a, sa_t, b, sb, tables[True], c), quick)
+    row.eager_ms = bench(lambda: kernels[False](a, sa_t, b, sb, tables[False], c), quick)
+    row.check = f"{err}; equal to the default on every real row; default {row.eager_ms * 1e3:.1f} us"
+
+
+def moe_halftiles_cases():
+    out = [("moe halftiles layout", f"T{HALF_TILES_T} k{TOPK} E{EXPERTS}", case_moe_halftiles_layout)]
+    for which in V41_EXPERT_GEMMS:  # (one expert stack in memory at a time: _halftiles_weights)
+        for ag in (128, 32):
+            out.append((f"moe halftiles {which} w128a{ag}", f"one GPU {HALF_TILES_T} tok",
+                        lambda r, q, d, w=which, ag=ag: case_moe_halftiles_gemm(r, w, ag, q, d)))  # fmt: skip
+    return out
+
+
 # grouped_out_proj at V4.1 prefill (session 7): wo_a (8 groups of [T, 4096] x [1024, 4096]^T, FP8 32x32 blocks, 1x32
 # activations) then wo_b [5120, 8192]. The node as runtime/kernel_adapters.GroupedOutProjAdapter runs it now (wo_a on
 # the contiguous persistent grouped program) vs the swap-AB program it ran at every T before ("vs eager" column =
@@ -3448,6 +3551,7 @@ def cases(quick: bool):
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)
+    out += moe_halftiles_cases()
     out += grouped_out_proj_prefill_cases(quick)
     out += skip_tiles_cases(quick)
     return out
