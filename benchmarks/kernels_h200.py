@@ -2841,6 +2841,20 @@ def _topk_s8_rows():
     ]  # fmt: skip
 
 
+TOPK_S8_TEST_SHAPES = [(264, 16384), (64, 65536), (1, 65536)]  # tests/codegen/test_topk_select.py's gpu lean test
+
+
+def case_topk_s8_build(row: Row, T_: int, C: int, quick: bool, dry: bool):
+    """Builds (only) the kernel of test_gpu_lean_compact_exact at one shape (the tie test's "fast" program with
+    lean + compact): `--dry-run --only "topk_select s8build" -j 3` fills the cache before the test runs."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = dataclasses.replace(topk_tie_config(T_, C, "fast"), lean=True, compact=2048)
+    row.kernel += f" {cfg.tag}"
+    build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
+    row.check = "built only"
+
+
 TOPK_TIE_SHAPES = [(512, 2048), (264, 16384), (64, 65536), (1, 65536)]
 TOPK_TIE_PROGRAMS = ["default", "hist", "fused", "fast"]
 
@@ -2922,6 +2936,9 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg, var in _topk_s8_rows():
             out.append(("indexer_topk_select s8", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
+        for T_, C in TOPK_S8_TEST_SHAPES:
+            out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
+                        lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))
         for T_, C, cfg in _topk_r2_rows():
             out.append(("indexer_topk_select r2", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, cfg=cfg: case_indexer_topk_select(r, T_, C, q, d, cfg=cfg)))
