@@ -954,8 +954,39 @@ def case_idxlen_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: b
     row.ms = bench_device(step, quick)
 
 
+def case_idxlen_candidates(row: Row, B: int, mml: int, ratio: int, op: str, quick: bool, dry: bool):
+    """The V4.1 candidate level's ops as the runtime runs them at decode (torch references: no kernel binds them):
+    op "candidate_blocks" (layer 20: block maxima over all C columns, a sort of C/8 blocks) or "two-level" (layers
+    24..36: topk_entries within 2048 candidate blocks of 8: a [B, C] block mask and a sort of C columns). Both
+    read every column of the max_model_len-sized scores. Timed eagerly (the references index with masks)."""
+    from deepinfer.ir.ops.v41 import CandidateBlocks, TopKEntries
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    row.bytes_, row.peak = 4.0 * B * vis, "bf16"
+    if dry:
+        return
+    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
+    lim = (pos + 1) // ratio
+    s = torch.randn(B, C, device="cuda").masked_fill(torch.arange(C, device="cuda")[None, :] >= lim[:, None],
+                                                     float("-inf"))  # fmt: skip
+    blocks = CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)
+    if op == "candidate_blocks":
+
+        def run():
+            return CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)
+    else:
+
+        def run():
+            return TopKEntries.reference(s, blocks, topk=IDX_TOPK, block=8)
+
+    run()
+    row.check = "torch reference (eager)"
+    row.ms = bench(run, quick)  # (eager: a host sync inside would fail a CUDA-graph capture)
+
+
 def indexer_length_cases():
-    """Rows "indexer length scores ..." and "indexer length step ..." (see the section's comment)."""
+    """Rows "indexer length scores ..." and "indexer length step ..." (see the section's comment), and the
+    candidate level's torch ops at B64 ratio 1 ("indexer length candidate_blocks / two-level (torch)")."""
     out = []
     for B in (1, 64):
         for mml, ratio in ((4096, 2), (65536, 2), (65536, 1)):
@@ -966,6 +997,10 @@ def indexer_length_cases():
             for form in ("old", "bal8", "bal8 nofill+pos"):
                 run = functools.partial(_idxlen_row, case_idxlen_step, B, mml, ratio, form)
                 out.append((f"indexer length step {form}", shape, run))
+    for mml in (4096, 65536):
+        for op in ("candidate_blocks", "two-level"):
+            run = functools.partial(_idxlen_row, case_idxlen_candidates, 64, mml, 1, op)
+            out.append((f"indexer length {op} (torch)", f"B64 mml{mml} r1", run))
     return out
 
 
