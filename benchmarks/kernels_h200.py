@@ -3269,53 +3269,76 @@ def case_moe_halftiles_layout(row: Row, quick: bool, dry: bool):
     row.eager_ms = bench_device(lambda: moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles), quick)
 
 
-def case_moe_halftiles_gemm(row: Row, which: str, ag: int, quick: bool, dry: bool):
-    """One expert GEMM of the one-GPU prefill on the adapter's persistent config (moe_grouped_gemm.sm90_config with
-    k_group = ag, 128x128 weight blocks): the half-tile program on the flagged layout vs the default program on the
-    plain one, same operands. Check: real rows equal bit for bit, and a sample of experts against the float64 oracle
-    (rel 2e-2)."""
+HALF_TILES_BM64 = fp8_gemm.Config(64, 256, 128, 4, 128, False, True, 2, persistent=True)  # one consumer warpgroup
+
+
+def _halftiles_spec(ag: int, n: int, variant: str):
+    """(block_m, config, half_tiles, M) of one variant: "default" (the adapter's program, 128-row tiles), "half" (the
+    same with half tiles), "bm64" (64-row tiles throughout: one consumer warpgroup, no ping-pong)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    bm = 64 if variant == "bm64" else 128
+    cfg = HALF_TILES_BM64 if variant == "bm64" else moe_grouped_gemm.sm90_config(0, n, k_group=ag)
+    m = ka._tile_bucket(moe_routing.layout_tile_bound(HALF_TILES_T * TOPK, EXPERTS, bm)) * bm
+    return bm, cfg, variant == "half", m
+
+
+def _halftiles_operands(xq, xs, idx, bm: int, m: int, half: bool):
+    """The layout (Triton, as the adapter makes it) and A / its MN-major scales with every pair's codes at its row
+    (other rows: zero codes, the floor's scale)."""
+    slot, tiles, _, _ = moe_routing.triton_contiguous_layout(idx, EXPERTS, bm, m // bm, half_tiles=half)
+    a = torch.zeros(m, xq.shape[1], dtype=torch.uint8, device="cuda")
+    a[slot.long()] = xq.view(torch.uint8)
+    sa = torch.full((m, xs.shape[1]), 2.0**-22, device="cuda")
+    sa[slot.long()] = xs
+    return slot.long(), tiles, a.view(torch.float8_e4m3fn), sa.T.contiguous()
+
+
+def case_moe_halftiles_gemm(row: Row, which: str, ag: int, variant: str, quick: bool, dry: bool):
+    """One expert GEMM of the one-GPU prefill (128x128 weight blocks, activations per 1 x ag): `variant` ("half":
+    half tiles; "bm64": 64-row tiles throughout) against the adapter's default program (time = the variant, "vs
+    eager" = the default's time over it, % limit counts the real rows). The same pairs' codes in each layout. Check:
+    every pair's output row equal bit for bit to the default's, and experts 0-3 against the float64 oracle."""
     N, K = V41_EXPERT_GEMMS[which]
     R = HALF_TILES_T * TOPK
-    M = 768 * 128  # the bucket of the tile bound at T 8192, top-6, 384 experts (_halftiles_layout)
-    cfg = moe_grouped_gemm.sm90_config(0, N, k_group=ag)
-    row.shape = f"{R}r/{M}x{N}x{K} E{EXPERTS}"
+    specs = {v: _halftiles_spec(ag, N, v) for v in (variant, "default")}
+    row.shape = f"{R}r/{specs[variant][3]}x{N}x{K} E{EXPERTS}"
     row.bytes_, row.flops = moe_grouped_gemm.roofline(R, N, K, EXPERTS, ag, 128)
-    kernels = {h: build(moe_grouped_gemm.program(M, N, K, EXPERTS, act_group=ag, weight_block=128, target="sm90",
-                                                  cfg=cfg, half_tiles=h)) for h in (True, False)}  # fmt: skip
+    kernels = {v: build(moe_grouped_gemm.program(m, N, K, EXPERTS, act_group=ag, weight_block=128, target="sm90",
+                                                  cfg=cfg, half_tiles=half)) for v, (_, cfg, half, m) in specs.items()}
     if dry:
         return
-    idx, n_tiles = _halftiles_layout()
-    assert n_tiles * 128 == M, (n_tiles, M)
-    tables = {h: moe_routing.triton_contiguous_layout(idx, EXPERTS, 128, n_tiles, half_tiles=h)[1]
-              for h in (True, False)}  # fmt: skip
+    idx, _ = _halftiles_layout()
     b, sb = _halftiles_weights(which)
-    a, sa = quant_fp8_groups(torch.randn(M, K, device="cuda"), ag)
-    sa_t = sa.T.contiguous()
-    outs = {}
-    for h in (True, False):
-        outs[h] = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        kernels[h](a, sa_t, b, sb, tables[h], outs[h])
-    torch.cuda.synchronize()
-    row_e = moe_grouped_gemm.row_experts(tables[True], 128, masked=False).cuda()
-    real = row_e >= 0
-    if int(real.sum()) != R or not torch.equal(outs[True][real], outs[False][real]):
-        raise AssertionError("half tiles: the real rows differ from the default program's")
-    keep = (row_e >= 0) & (row_e < 4)  # the rows of experts 0-3 against the float64 oracle
-    want = _grouped_f64(a[keep], sa[keep], ag, b, sb, 128, row_e[keep])
-    err = expect(rel_err(outs[True][keep], want), 2e-2)
-    c = outs[True]
-    del want, outs[False]
-    row.ms = bench(lambda: kernels[True](a, sa_t, b, sb, tables[True], c), quick)
-    row.eager_ms = bench(lambda: kernels[False](a, sa_t, b, sb, tables[False], c), quick)
-    row.check = f"{err}; equal to the default on every real row; default {row.eager_ms * 1e3:.1f} us"
+    xq, xs = quant_fp8_groups(torch.randn(R, K, device="cuda"), ag)  # pair p's codes (row p of the flat ids)
+    runs, by_pair = {}, {}
+    for v, (bm, _, half, m) in specs.items():
+        slot, tiles, a, sa_t = _halftiles_operands(xq, xs, idx, bm, m, half)
+        c = torch.full((m, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernels[v](a, sa_t, b, sb, tiles, c)
+        torch.cuda.synchronize()
+        by_pair[v] = c[slot]
+        runs[v] = functools.partial(kernels[v], a, sa_t, b, sb, tiles, c)
+    if not torch.equal(by_pair[variant], by_pair["default"]):
+        raise AssertionError(f"{variant}: the pairs' rows differ from the default program's")
+    flat = idx.reshape(-1).long()
+    keep = flat < 4  # the pairs of experts 0-3 against the float64 oracle
+    want = _grouped_f64(xq[keep], xs[keep], ag, b, sb, 128, flat[keep])
+    err = expect(rel_err(by_pair[variant][keep], want), 2e-2)
+    del want, by_pair
+    row.ms = bench(runs[variant], quick)
+    row.eager_ms = bench(runs["default"], quick)
+    row.check = f"{err}; every pair's row = the default's; default {row.eager_ms * 1e3:.1f} us"
 
 
 def moe_halftiles_cases():
     out = [("moe halftiles layout", f"T{HALF_TILES_T} k{TOPK} E{EXPERTS}", case_moe_halftiles_layout)]
     for which in V41_EXPERT_GEMMS:  # (one expert stack in memory at a time: _halftiles_weights)
         for ag in (128, 32):
-            out.append((f"moe halftiles {which} w128a{ag}", f"one GPU {HALF_TILES_T} tok",
-                        lambda r, q, d, w=which, ag=ag: case_moe_halftiles_gemm(r, w, ag, q, d)))  # fmt: skip
+            for variant in ("half", "bm64"):
+                out.append((f"moe halftiles {which} w128a{ag}{' bm64' if variant == 'bm64' else ''}",
+                            f"one GPU {HALF_TILES_T} tok",
+                            lambda r, q, d, w=which, ag=ag, v=variant: case_moe_halftiles_gemm(r, w, ag, v, q, d)))
     return out
 
 

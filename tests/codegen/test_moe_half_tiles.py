@@ -69,6 +69,19 @@ def test_reference_layout_flags_without_the_interpreter():
     )
 
 
+def test_flagging_slots_kernel_compiles_for_hopper_spill_free():
+    """sm_90a build of the layout's slots kernel with the flag (E = 384: a [64, 512] owner match per program)."""
+    from tests.codegen._triton_aot import compile_sm90, spill_free
+
+    sig = {"idx_ptr": "*i32", "part_ptr": "*i32", "counts_ptr": "*i32", "slot_ptr": "*i32", "tile_expert_ptr": "*i32",
+           "total_ptr": "*i64", "P": "i32", "E": "i32", "S": "i32", "SEG": "i32", "N_TILES": "i32",
+           "BLOCK_M": "i32"}  # fmt: skip
+    consts = dict(BLOCK=mr.LAYOUT_BLOCK, BLOCK_E=512, BLOCK_S=4, TILE_BLOCK=mr.TILE_BLOCK, HALF_FLAG=FLAG)
+    _, report = compile_sm90("deepinfer.codegen.kernels.moe_routing", "_layout_slots_kernel", sig, consts,
+                             num_warps=mr.LAYOUT_WARPS)  # fmt: skip
+    assert spill_free(report), report
+
+
 # ---------------------------------------------------------------------------------------------- c target
 
 
