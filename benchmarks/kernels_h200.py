@@ -2344,6 +2344,89 @@ def case_attn_s8_summary(row: Row, quick: bool, dry: bool):
     row.check = "summary printed above"
 
 
+def _trace_kernel(B: int, cfg, dry: bool):
+    """Config.trace's build on the runtime's two pools: launch(q, kv, idx, sink, out) -> Trace [B * ns, slots] int64
+    (split configs: the partial pass traced, then the combine)."""
+    sad = sparse_attn_decode
+    pools = dict(n_win=S7_WIN, S_cmp=ATTN_POOL - ATTN_WIN_POOL)
+    prog = sad.program(B, HEADS, HEAD_DIM, ATTN_WIN_POOL, 640, target="sm90", cfg=cfg, **pools)
+    k = build(prog)
+    ns = cfg.num_split
+    comb = build(sad.combine_program_wide(B, HEADS, HEAD_DIM, ns, target="sm90")) if ns > 1 else None
+    if dry:
+        return None
+    slots = sad.trace_slots(640 // ns // cfg.block_n)
+
+    def launch(q, kv, idx, sink, out):
+        trace = torch.zeros(B * ns, slots, device="cuda", dtype=torch.int64)
+        if ns == 1:
+            k(q, *kv, *idx, sink, out, trace)
+            return trace
+        op = torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda")
+        mp, lp = (torch.empty(B, ns, HEADS, device="cuda") for _ in range(2))
+        k(q, *kv, *idx, op, mp, lp, trace)
+        comb(op, mp, lp, sink, out)
+        return trace
+
+    return launch
+
+
+def _trace_report(trace: torch.Tensor, nb: int) -> None:
+    """Medians over the CTAs of Config.trace's stamps, in us (clock64 ticks over globaltimer ns per CTA)."""
+    sad = sparse_attn_decode
+    t = trace.double().cpu()
+    ghz = ((t[:, sad.TRACE_END] - t[:, sad.TRACE_CLK0]) / (t[:, sad.TRACE_GT_END] - t[:, sad.TRACE_GT0])).median()
+
+    def us(x):
+        return x / ghz / 1e3
+
+    def med(x):
+        return float(x.median())
+
+    gt0 = t[:, sad.TRACE_GT0]
+    span = (t[:, sad.TRACE_GT_END].max() - gt0.min()) / 1e3
+    print(f"  {t.shape[0]} CTAs, SM clock {ghz:.2f} GHz; span {span:.1f} us; "
+          f"CTA start skew median {med(gt0 - gt0.min()) / 1e3:.1f} / max {(gt0.max() - gt0.min()) / 1e3:.1f} us; "
+          f"CTA span median {med(t[:, sad.TRACE_GT_END] - gt0) / 1e3:.1f} us; Q landed "
+          f"{med(us(t[:, sad.TRACE_Q] - t[:, sad.TRACE_CLK0])):.2f} us after the start")  # fmt: skip
+    print("  block: WG0 data wait | QK^T | softmax+P | P->PV warpgroups | rescale+PV | WG0 period (median us)")
+    for j in range(nb):
+        e = [t[:, sad.TRACE_BLOCK0 + sad.TRACE_PER_BLOCK * j + i] for i in range(sad.TRACE_PER_BLOCK)]
+        nxt = t[:, sad.TRACE_BLOCK0 + sad.TRACE_PER_BLOCK * (j + 1)] if j + 1 < nb else t[:, sad.TRACE_FIN]
+        print(f"  {j:5d}: {med(us(e[1] - e[0])):6.2f} | {med(us(e[2] - e[1])):5.2f} | {med(us(e[3] - e[2])):5.2f} | "
+              f"{med(us(e[4] - e[3])):5.2f} | {med(us(e[5] - e[4])):5.2f} | {med(us(nxt - e[0])):5.2f}")  # fmt: skip
+    last_pv = t[:, sad.TRACE_BLOCK0 + sad.TRACE_PER_BLOCK * (nb - 1) + 5]
+    print(f"  first block ready {med(us(t[:, sad.TRACE_BLOCK0] - t[:, sad.TRACE_CLK0])):.2f} us after the start; "
+          f"last PV -> O stored {med(us(t[:, sad.TRACE_END] - last_pv)):.2f} us")  # fmt: skip
+
+
+def case_attn_s8_trace(row: Row, B: int, cfg, quick: bool, dry: bool):
+    """Config.trace on the runtime's 4k operands: checked against the untraced config (bit for bit: the same program
+    plus the stamps) and the reference; prints _trace_report of the last of a few launches and times the traced
+    build (do_bench) next to the untraced one."""
+    sad = sparse_attn_decode
+    _ATTN_PREBUILT[0] = True
+    traced = _trace_kernel(B, cfg, dry)
+    plain = _attn_kernel(B, 640, dataclasses.replace(cfg, trace=False), False, dry, n_win=S7_WIN)
+    row.bytes_, row.flops = sad.roofline(B, HEADS, HEAD_DIM, 640)
+    row.peak = "bf16"
+    if dry:
+        return
+    q, kv, idx, sink, kv_cat, idx_cat = s7_operands(B)
+    out, ref_out = torch.empty_like(q), torch.empty_like(q)
+    plain(q, kv, idx, sink, ref_out)
+    for _ in range(3):
+        trace = traced(q, kv, idx, sink, out)
+    torch.cuda.synchronize()
+    same = torch.equal(out, ref_out)
+    row.check = expect(rel_err(out, sad.reference(q, kv_cat, idx_cat, sink)), 2e-2) + ("" if same else " NOT-EQUAL")
+    row.ms = bench(lambda: traced(q, kv, idx, sink, out), quick)
+    row.eager_ms = bench(lambda: plain(q, kv, idx, sink, ref_out), quick)  # (the eager column: untraced)
+    print(f"--- {row.kernel}: traced {row.ms * 1e3:.1f} us, untraced {row.eager_ms * 1e3:.1f} us, bit-equal {same}")
+    _trace_report(trace, 640 // cfg.num_split // cfg.block_n)
+
+
+S8_FIT_TOPK = (128, 384, 640, 1152)
 S8_FIT_TOPK = (128, 384, 640, 1152)
 
 
@@ -2389,7 +2472,20 @@ def attn_s8_cases():
         for k in S8_FIT_TOPK:
             add_probe(128, cfg, k, "readflush")
     out.append(("sparse_attn s8 summary", "-", case_attn_s8_summary))
+    out += attn_s8_trace_cases()
     return out
+
+
+def attn_s8_trace_cases():
+    """`--only "sparse_attn s8 trace"`: Config.trace (per-block stamps of the ws program) at B128 (single pass), B64
+    (split 2 + combine) and B128 with early_p + lazy_rescale, on the runtime's 4k operands."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    cfgs = [(128, sad.sm90_config(128, 640)), (64, sad.sm90_config(64, 640)),
+            (128, rep(sad.sm90_config(128, 640), early_p=True, lazy_rescale=True))]  # fmt: skip
+    cfgs = [(B, rep(cfg, trace=True)) for B, cfg in cfgs]
+    return [(f"sparse_attn s8 trace B{B} {cfg.tag}", f"B{B} H64 k640 4k",
+             lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d)) for B, cfg in cfgs]
 
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):

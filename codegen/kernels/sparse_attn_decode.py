@@ -92,6 +92,12 @@ class Config:
     # no row's m rose -- after the first blocks, almost all of them. O, l and the sink term stay relative to the same
     # m, so the result is the same softmax (rounding differs: P in bf16 relative to another max).
     lazy_rescale: bool = False
+    # Diagnostic (session 8; correct results, one more output): the ws program, two pools, not persistent, no
+    # lookahead, records per-CTA timestamps into a trailing int64 argument Trace [B * num_split, trace_slots(nb)]
+    # (TRACE_* slots: SM clock64 at each hand-off of every block, globaltimer at the CTA's start and end), so that
+    # one H200 run shows where a block's time goes: waiting for its rows, QK^T, softmax, the PV warpgroups' hand-off
+    # and PV, and the CTA's start-up and tail (kernels_h200 'sparse_attn s8 trace').
+    trace: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -105,6 +111,7 @@ class Config:
             assert self.copy == "cp" and not self.skip, "persist: the full bf16 program"
         assert not self.partial_bf16 or (self.ws and self.num_split > 1), "partial_bf16: the ws split pass"
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
+        assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -125,6 +132,7 @@ class Config:
         head += "h" if self.partial_bf16 else ""
         head += "e" if self.early_p else ""
         head += "z" if self.lazy_rescale else ""
+        head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
@@ -438,6 +446,26 @@ __device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) 
 """
 
 
+# Config.trace: Trace[b * num_split + sp, slot] (int64). Per CTA: globaltimer (ns) and clock64 at its start, WG0's clock
+# when Q has landed, WG1's clock after its O (or partial) stores and globaltimer then, WG0's clock after its final
+# max / sum; per block j, from TRACE_BLOCK0 + TRACE_PER_BLOCK * j: WG0 ready for block j (before its data wait), its
+# rows landed, QK^T done, P published (p_full), then WG1 given P (after its waits) and WG1's PV done.
+TRACE_GT0, TRACE_CLK0, TRACE_Q, TRACE_END, TRACE_GT_END, TRACE_FIN = range(6)
+TRACE_BLOCK0, TRACE_PER_BLOCK = 8, 6
+TRACE_EVENTS = ("ready", "landed", "qk_done", "p_published", "pv_given_p", "pv_done")
+TRACE_PRELUDE = """
+__device__ __forceinline__ long long di_clock() { return clock64(); }
+__device__ __forceinline__ long long di_gtimer() {
+  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t;
+}
+"""
+
+
+def trace_slots(nb: int) -> int:
+    """Config.trace's slots a CTA writes for nb blocks."""
+    return TRACE_BLOCK0 + TRACE_PER_BLOCK * nb
+
+
 class _WsGeom:
     """Sizes of the ws program and the data each loader thread (t in 0..127 of a PV warpgroup) moves;
     shared with its CPU mirror (`_program_ws_cpu`), which checks this index arithmetic on TileLang's c target.
@@ -535,7 +563,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
-    early_p, lazy = cfg.early_p, cfg.lazy_rescale
+    early_p, lazy, trace = cfg.early_p, cfg.lazy_rescale, cfg.trace
+    assert not trace or (n_win and not kv_fp8), "trace: the two-pool bf16 program"
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
     assert not (bulk and kv_fp8), "bulk copies: bf16 KV"
@@ -577,6 +606,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.wgmma_gemm(q_r, kv_r[st, :, :], Sacc, transpose_B=True)
         if sync:
             T.wait_wgmma(0)
+
+    @T.macro
+    def stamp(Trace, row, slot, t, clock: bool = True):
+        """Config.trace: thread t == 0 of its warpgroup writes the SM clock (or the globaltimer) to Trace[row, slot]."""
+        if trace:
+            if t == 0:
+                Trace[row, slot] = T.call_extern("int64", "di_clock" if clock else "di_gtimer")
 
     @T.macro
     def row_sum(Sacc, l, lblk, alpha):
@@ -830,6 +866,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         rid,
         buf,
         obuf,
+        Trace=None,
+        tr_row=0,
     ):
         T.fill(o, 0.0)
         for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
@@ -867,12 +905,24 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 rid[NS, 0] = src.row_id(b, base + (NS + pf) * bn + t % bn)
         for it in T.serial(rounds):
             for st in ring:
-                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it, hf)
+                if trace and hf == 0:
+                    pv_wait(full, p_full, st, it & 1, hf)
+                    stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (it * NS + st) + 4, t)
+                    pv_math(o, p_s, alpha_s, kvh, p_empty, st, it, hf)
+                    stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (it * NS + st) + 5, t)
+                else:
+                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it, hf)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip
         for st in tail_blocks:
-            pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds, hf)
+            if trace and hf == 0:
+                pv_wait(full, p_full, st, rounds & 1, hf)
+                stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (rounds * NS + st) + 4, t)
+                pv_math(o, p_s, alpha_s, kvh, p_empty, st, rounds, hf)
+                stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (rounds * NS + st) + 5, t)
+            else:
+                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds, hf)
         T.barrier_wait(fin, 0)
         if split and cfg.partial_bf16:
             for h, d in T.Parallel(H, D2):
@@ -883,9 +933,25 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         else:
             for h, d in T.Parallel(H, D2):
                 O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+        if hf == 0:
+            stamp(Trace, tr_row, TRACE_END, t)
+            stamp(Trace, tr_row, TRACE_GT_END, t, False)
 
     @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
+    def wg0_block_traced(q_l, q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full,
+                         p_empty, st, rnd, Trace, tr_row, tx):  # fmt: skip
+        """WG0's block rnd * NS + st with Config.trace's stamps (the data wait first: qk's own wait then passes)."""
+        slot = TRACE_BLOCK0 + TRACE_PER_BLOCK * (rnd * NS + st)
+        stamp(Trace, tr_row, slot, tx)
+        wait_kv(full, st, rnd & 1)
+        stamp(Trace, tr_row, slot + 1, tx)
+        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st, rnd & 1, True)
+        stamp(Trace, tr_row, slot + 2, tx)
+        softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, rnd)
+        stamp(Trace, tr_row, slot + 3, tx)
+
+    @T.macro
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None):
         q_l = T.alloc_shared((H, D2), bf)
         q_r = T.alloc_shared((H, D2), bf)
         kv_l = T.alloc_shared((NS, bn, D2), bf)
@@ -917,12 +983,24 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         p_empty = T.alloc_barrier([256] * NS)
         fin = T.alloc_barrier(128)
         base = sp * chunk
+        tr_row = b * ns + sp  # Config.trace's row
         tx = T.get_thread_binding()
+        stamp(Trace, tr_row, TRACE_GT0, tx, False)
+        stamp(Trace, tr_row, TRACE_CLK0, tx)
         if tx < 128:  # ------------------------------------------------------ WG0: QK^T + softmax
             T.fill(m, NEG)
             T.fill(l, 0.0)
             T.barrier_wait(bar_q, 0)
-            if la:
+            stamp(Trace, tr_row, TRACE_Q, tx)
+            if trace:
+                for it in T.serial(rounds):
+                    for st in ring:
+                        wg0_block_traced(q_l, q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk, alpha, p_s,
+                                         alpha_s, p_full, p_empty, st, it, Trace, tr_row, tx)  # fmt: skip
+                for st in tail_blocks:
+                    wg0_block_traced(q_l, q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk, alpha, p_s, alpha_s,
+                                     p_full, p_empty, st, rounds, Trace, tr_row, tx)  # fmt: skip
+            elif la:
                 # blocks 0 .. nb-2 issue the next block's QK^T before their softmax (unconditionally: a
                 # wgmma under a data-dependent branch makes ptxas serialise every wgmma, C7518); S[i % 2]
                 qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, 0, 0, False)
@@ -965,9 +1043,11 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
             T.barrier_arrive(fin)
+            stamp(Trace, tr_row, TRACE_FIN, tx)
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
-                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, Trace,
+                    tr_row)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
@@ -1125,13 +1205,14 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             pv_role_p(Q, src, O, c, ntok, 1, tx - 256, o_r, q_r, kv_r, idx_s, p_s, alpha_s, fin_s, full, p_full,
                       p_empty, bar_q, fin, rid)  # fmt: skip
 
-    prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else None)
+    prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else (TRACE_PRELUDE if trace else None))
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     opt = bf if cfg.partial_bf16 else f32  # the split pass's Op
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
-                                  fp8=kv_fp8, split=split, prelude=prelude, persist=P, op_dtype=opt)  # fmt: skip
+                                  fp8=kv_fp8, split=split, prelude=prelude, persist=P, op_dtype=opt,
+                                  trace_slots=trace_slots(nb) if trace else 0)  # fmt: skip
     if P:
 
         @T.prim_func
@@ -1208,13 +1289,50 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
-                       act="bfloat16", prelude=None, persist: int = 0, op_dtype="float32"):  # fmt: skip
+                       act="bfloat16", prelude=None, persist: int = 0, op_dtype="float32",
+                       trace_slots: int = 0):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
-    is the CTA index (the persistent ws body walks the requests itself)."""
+    is the CTA index (the persistent ws body walks the requests itself). trace_slots (Config.trace, bf16 ws):
+    a trailing Trace [B * ns, trace_slots] int64 argument, passed to body as Trace."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
+    if trace_slots and split:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_split_trace(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVc: T.Tensor((Sc, D), kvt),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Op: T.Tensor((B, ns, H, D), op_dtype),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+            Trace: T.Tensor((B * ns, trace_slots), "int64"),
+        ):
+            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), None, None, Op, Mp, Lp, sp, b, Trace)
+
+        return sparse_attn_decode_ws2_split_trace
+    if trace_slots:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_trace(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVc: T.Tensor((Sc, D), kvt),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+            Trace: T.Tensor((B * ns, trace_slots), "int64"),
+        ):
+            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b, Trace)
+
+        return sparse_attn_decode_ws2_trace
     if persist:
 
         @T.prim_func

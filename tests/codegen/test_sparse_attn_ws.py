@@ -446,3 +446,29 @@ def test_early_p_lazy_rescale_on_the_h200(kb, B):
         if tag.endswith("ez"):  # early_p reorders lazy_rescale's values too
             assert torch.equal(out, outs[tag[:-2] + "z"]), tag
         assert kb.rel_err(out, ref) < 2e-2 and kb.rel_err(out, default) < 1e-2, tag
+
+
+def test_trace_config_names_and_validates():
+    assert sad.Config(64, 384, 1, 2, True, trace=True).tag == "wsn64s2T"
+    assert sad.trace_slots(10) == sad.TRACE_BLOCK0 + 6 * 10 and len(sad.TRACE_EVENTS) == sad.TRACE_PER_BLOCK
+    for bad in (dict(persist=132), dict(lookahead=True)):
+        with pytest.raises(AssertionError):
+            sad.Config(64, 384, 1, 2, True, trace=True, **bad)
+    with pytest.raises(AssertionError):  # the one-pool entry has no Trace argument
+        sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=sad.Config(64, 384, 1, 2, True, trace=True))
+
+
+@pytest.mark.parametrize("ns", [1, 2])
+def test_trace_sm90_build_stamps_every_block(codegen_cache, nvcc_required, ns):
+    """Config.trace: a trailing int64 Trace argument; thread 0 of WG0 stamps 4 events a block and thread 0 of WG1
+    2 (6 slots a block, TRACE_BLOCK0 on), plus the CTA's start / Q / fin / end stamps; no spills."""
+    cfg = sad.Config(64, 384, ns, 2, True, trace=True)
+    func = sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128)
+    assert func.params[-1].name.startswith("Trace")
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", func)
+    assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
+    slots = sad.trace_slots(640 // ns // 64)
+    stamped = {int(m) for m in re.findall(r"\+ \(int64_t\)(\d+)\)\] = di_clock\(\)", art.source)}
+    assert set(range(sad.TRACE_BLOCK0, sad.TRACE_BLOCK0 + 2 * sad.TRACE_PER_BLOCK)) <= stamped  # a ring round
+    assert {sad.TRACE_CLK0, sad.TRACE_Q, sad.TRACE_END, sad.TRACE_FIN} <= stamped | {0, 1}
+    assert art.source.count("di_gtimer()") >= 3 and f"* (int64_t){slots})" in art.source
