@@ -685,41 +685,51 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     return row
 
 
+def emulated_engine(plan, params, max_len: int, max_seqs: int):
+    """(the sm90 engine on the CPU with every kernel its torch emulation, a factory of such runners) -- needs
+    kernel_adapters.EMULATE on (the emulated kernels take CPU tensors)."""
+    from unittest import mock
+
+    from deepinfer.runtime import engine
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
+
+    def emulated_runner(max_model_len):
+        return CudaRunner(plan.graph, params, device="cpu", kernels=KernelCache(builder=ka.emulated_kernel),
+                          verify=False, max_model_len=max_model_len, cuda_graphs=False)  # fmt: skip
+
+    with (mock.patch.object(engine, "_runner", lambda plan_, params_, config, mml: emulated_runner(mml)),
+          mock.patch.object(engine, "_resolve_plan", lambda model_, target, plan_: plan_)):  # no CUDA check
+        llm = engine.LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=max_len,
+                         max_num_seqs=max_seqs, max_num_batched_tokens=512, overlap=False)  # fmt: skip
+    return llm, emulated_runner
+
+
 def cpu_formats(model: str, preset: str, n_tokens: int, weights: str = "random") -> dict:
     """The formats path alone, on the CPU (``--cpu``; no GPU, no compiled kernel): the sm90 engine with every
     kernel replaced by its torch emulation, against the same emulated runner driven directly one sequence at a
     time (engine == direct: scheduler, block pools, batching and prompt splits change nothing), and against the
     direct loop with every node output perturbed by 1e-6 (tokens stable: the model is not chaotic, so compiled
     kernels that sum in another order can be held to token equality). What the H200 run adds is the kernels."""
-    from unittest import mock
-
     from deepinfer.compiler import compile_model
-    from deepinfer.runtime import engine
     from deepinfer.runtime import kernel_adapters as ka
-    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
     from deepinfer.runtime.sampler import SamplingParams
 
     name = f"{model}:{preset} ({weights} weights)"
     plan = compile_model(f"{model}:{preset}", "sm90").plan
     params, prompts, task = model_inputs(plan, weights)
     max_len = max(map(len, prompts)) + n_tokens + 8
-
-    def emulated_runner(max_model_len):
-        return CudaRunner(plan.graph, params, device="cpu", kernels=KernelCache(builder=ka.emulated_kernel),
-                          verify=False, max_model_len=max_model_len, cuda_graphs=False)  # fmt: skip
-
     ka.EMULATE = True  # the emulated kernels take CPU tensors
     try:
-        with (mock.patch.object(engine, "_runner", lambda plan_, params_, config, mml: emulated_runner(mml)),
-              mock.patch.object(engine, "_resolve_plan", lambda model_, target, plan_: plan_)):  # no CUDA check
-            llm = engine.LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=max_len,
-                             max_num_seqs=len(prompts), max_num_batched_tokens=512, overlap=False)  # fmt: skip
+        llm, emulated_runner = emulated_engine(plan, params, max_len, len(prompts))
         t0 = time.time()
         outs = llm.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))
         log(f"{name}: engine (emulated kernels, CPU) generated {len(prompts)} x {n_tokens} in {time.time() - t0:.0f} s")
         runner = llm.executor.runner
         bs = llm.kv.block_size if llm.kv.enable_prefix_caching else 0
         direct = [direct_greedy(runner, plan.graph, p, n_tokens, max_len, bs) for p in prompts]
+        # the kernels the engine and the direct loop asked for, against the compiler's prediction for the H200 run
+        lazy = lazy_builds(runner.exec.kernels, compiler_keys(plan, prompts, n_tokens, max_len, bs)[0], name)
         noisy_runner = emulated_runner(max_len)
         perturb(noisy_runner.exec)
         torch.manual_seed(0)
@@ -731,7 +741,7 @@ def cpu_formats(model: str, preset: str, n_tokens: int, weights: str = "random")
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n_tokens) for a, b in zip(direct, noisy)]
     row = {"model": name, "prompts": len(prompts), "tokens": n_tokens, "engine_direct": engine_direct,
            "perturbed_equal": stable, "perturbed_first_div": first, "task_steps": task_steps(task, outs),
-           "errors": [o.error for o in outs if o.error]}  # fmt: skip
+           "errors": [o.error for o in outs if o.error], **lazy}  # fmt: skip
     # stability under the perturbation is what the peaked weights promise; for random weights it is reported
     n = len(prompts)
     row["pass_"] = engine_direct == n and not row["errors"] and (weights != "peaked" or stable == n)
