@@ -1353,6 +1353,20 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return (lambda i, j: raw_x(kc, i, j)), bound_x(bound)
 
     @T.macro
+    def fetch_next(S, t, c0, lim, xr):
+        """The next chunk's loads; lean: a wholly visible chunk without the per-float4 limit checks and -inf
+        defaults (two code paths: ~20 fewer instructions a chunk)."""
+        if LEAN:
+            if c0 + CH <= lim:
+                for i in ops.par(NT):
+                    for j in ops.unroll(E):
+                        xr[i, j] = S[t, io.col_of(c0, i, j)]
+            else:
+                fetch_chunk(S, t, c0, lim, xr)
+        else:
+            fetch_chunk(S, t, c0, lim, xr)
+
+    @T.macro
     def raw_bits(xr, kc, c0, lim):
         if LEAN:
             if c0 + CH > lim:  # (the chunk that straddles the limit; fetch_chunk reads whole float4s)
@@ -1595,7 +1609,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
                         if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
                             if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
-                                fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
+                                fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
                         if DIAG == "read":  # (diagnostics) the keys' per-thread max only
                             for i in ops.par(NT):
                                 for j in ops.unroll(E):
