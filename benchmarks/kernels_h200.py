@@ -3315,8 +3315,9 @@ def grouped_v41g128_cases(quick: bool):
 # Half tiles (issue 8, session 8): V4.1's prefill MoE on ONE GPU (384 experts, 8192 tokens x top-6: ~128 pairs an
 # expert, so ~a third of the 128-row tiles' rows are padding). The layout flags an expert's last tile with <= 64 pairs
 # and the persistent grouped program runs it as 64 rows (fp8_gemm._program_sm90_ws half_tiles; the runtime's switch
-# DEEPINFER_MOE_HALF_TILES=1). --only "moe halftiles": the layout, then each expert GEMM in the g128 option's format
-# (w128a128) and the exact one (w128a32), half tiles vs the default program in the same row (time = half tiles, "vs
+# DEEPINFER_MOE_HALF_TILES=1). --only "moe halftiles": the layout, the MoE input's fake_quant_fp8 (one launch vs the
+# path before), then each expert GEMM in the g128 option's format (w128a128) and the exact one (w128a32), half tiles
+# and 64-row tiles throughout ("bm64") each against the default program in the same row (time = the variant, "vs
 # eager" = the default's time over it, % of the FP8 peak counting the real rows only).
 HALF_TILES_T = 8192
 
@@ -3427,8 +3428,36 @@ def case_moe_halftiles_gemm(row: Row, which: str, ag: int, variant: str, quick: 
     row.check = f"{err}; every pair's row = the default's; default {row.eager_ms * 1e3:.1f} us"
 
 
+def case_fake_quant(row: Row, group: int, quick: bool, dry: bool):
+    """fake_quant_fp8 of the prefill MoE's fp32 input [8192, 5120] per `group`: act_quant.triton_fake_quant (one
+    launch; FakeQuantAdapter's CUDA path since session 8) vs the path before it (quant_rows' kernel + codes -> fp32
+    times the scales in torch), both timed as CUDA-graph replays; bit for bit against the op's torch formula."""
+    from deepinfer.codegen.kernels import act_quant
+    from deepinfer.ir.ops.quant import fake_quant_fp8
+    from deepinfer.runtime import kernel_adapters as ka
+
+    t, d = HALF_TILES_T, HIDDEN
+    row.bytes_ = act_quant.fake_quant_roofline(t, d)
+    if dry:
+        return
+    x = torch.randn(t, d, device="cuda") * torch.logspace(-8, 8, d, base=2.0, device="cuda")
+
+    def before():
+        q, s_t = ka.quant_rows(x, group, t)
+        return (q.float().unflatten(-1, (-1, group)) * s_t.T.unsqueeze(-1)).flatten(-2)
+
+    y = act_quant.triton_fake_quant(x, group)
+    if not torch.equal(y, fake_quant_fp8(x, group)) or not torch.equal(before(), y):
+        raise AssertionError("fake quant: differs from the op's formula")
+    row.check = "exact"
+    row.ms = bench_device(lambda: act_quant.triton_fake_quant(x, group), quick)
+    row.eager_ms = bench_device(before, quick)
+
+
 def moe_halftiles_cases():
     out = [("moe halftiles layout", f"T{HALF_TILES_T} k{TOPK} E{EXPERTS}", case_moe_halftiles_layout)]
+    out += [(f"moe halftiles fake_quant g{g}", f"{HALF_TILES_T}x{HIDDEN} f32",
+             lambda r, q, d, g=g: case_fake_quant(r, g, q, d)) for g in (32, 128)]  # fmt: skip
     for which in V41_EXPERT_GEMMS:  # (one expert stack in memory at a time: _halftiles_weights)
         for ag in (128, 32):
             for variant in ("half", "bm64"):

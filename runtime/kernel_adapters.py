@@ -563,7 +563,8 @@ def _token_major(q: torch.Tensor, sq: torch.Tensor, g: int, rows: int, t: int, r
 class FakeQuantAdapter:
     """fake_quant_fp8 (a folded Q/DQ pair, e.g. the MoE's input): act_quant's codes times their power-of-two
     scales -- fake_quant_fp8's numbers exactly (the e4m3 -> fp32 conversion and the power-of-two product are
-    exact), in ~3 launches instead of ~12. No TileLang kernel (keys: none)."""
+    exact). Where Triton runs: one launch (act_quant.triton_fake_quant: x read once, y written once); else
+    quant_rows + two torch launches. No TileLang kernel (keys: none)."""
 
     family = "act_quant"
     ops = ("fake_quant_fp8",)
@@ -578,6 +579,10 @@ class FakeQuantAdapter:
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         x, g = call.args[0], call.attrs["group"]
         x2d = x.reshape(-1, x.shape[-1])
+        if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch":  # quant_rows' gate
+            from deepinfer.codegen.kernels import act_quant
+
+            return [act_quant.triton_fake_quant(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), g).view(x.shape)]
         q, s_t = quant_rows(x2d, g, x2d.shape[0])
         y = (q.float().unflatten(-1, (-1, g)) * s_t.T.unsqueeze(-1)).flatten(-2)
         return [y.view(x.shape)]

@@ -26,6 +26,8 @@ from deepinfer.codegen.kernels import act_quant
 calls = []
 _kernel_quant = act_quant.triton_act_quant
 act_quant.triton_act_quant = lambda *a, **k: calls.append(1) or _kernel_quant(*a, **k)
+_kernel_fake = act_quant.triton_fake_quant  # fake_quant_fp8's own one-launch kernel
+act_quant.triton_fake_quant = lambda *a, **k: calls.append(1) or _kernel_fake(*a, **k)
 
 
 def both(run):
