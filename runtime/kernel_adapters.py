@@ -579,10 +579,16 @@ class FakeQuantAdapter:
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         x, g = call.args[0], call.attrs["group"]
         x2d = x.reshape(-1, x.shape[-1])
-        if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch":  # quant_rows' gate
-            from deepinfer.codegen.kernels import act_quant
+        kernel_on = (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch"
+        if kernel_on and not _ACT_QUANT_BROKEN:
+            try:  # quant_rows' gate and fallback
+                from deepinfer.codegen.kernels import act_quant
 
-            return [act_quant.triton_fake_quant(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), g).view(x.shape)]
+                xc = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+                return [act_quant.triton_fake_quant(xc, g).view(x.shape)]
+            except Exception as e:  # no triton, or it cannot build here: the path below (same numbers), said once
+                _ACT_QUANT_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
+                print(f"act_quant kernels off, torch quantisation instead: {_ACT_QUANT_BROKEN[0]}", flush=True)
         q, s_t = quant_rows(x2d, g, x2d.shape[0])
         y = (q.float().unflatten(-1, (-1, g)) * s_t.T.unsqueeze(-1)).flatten(-2)
         return [y.view(x.shape)]
