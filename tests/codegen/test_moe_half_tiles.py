@@ -193,7 +193,7 @@ def test_cuda_half_tiles_equal_the_default_program(ag):
         kernel(a, sa.T.contiguous(), b, sb, tiles if half else mg.tile_experts(tiles), c)
         torch.cuda.synchronize()
         outs.append(c)
-    assert int(real.sum()) == t * k and torch.equal(outs[0][real], outs[1][real])
+    assert torch.equal(outs[0][real], outs[1][real])  # (real: every row but the half tiles' second halves)
     for x in range(4):
         rows = row_e == x
         a64 = a[rows].double() * _common.expand_scales(sa[rows].double(), 1, ag, (int(rows.sum()), d))
