@@ -57,6 +57,16 @@ program itself (`fp8_gemm._program_sm90_ws(..., experts=E)`, not a copy of its l
 whole block_m tiles, so no tile straddles two experts), and tiles of expert -1 are skipped. CTA pairs
 sharing B (cluster 2) are refused: two M-adjacent tiles may belong to different experts.
 
+Half tiles (persistent prefill, `half_tiles=True`, issue 8; runtime switch DEEPINFER_MOE_HALF_TILES=1). On one GPU
+with all 384 experts, 8192 tokens x top-6 give ~128 pairs an expert, so about half the experts end in a tile with
+few real rows: 49152 pairs fill 71168 tile rows (69% real). The layout (moe_routing, half_tiles) then marks an
+expert's last tile holding <= 64 pairs as TileExpert = e + fp8_gemm.HALF_TILE_FLAG, its rows staying where they are;
+the persistent program loads that tile's 64 real rows into both 64-row halves of the A stage and lets consumer
+warpgroup h compute N slice h only, so the tile costs half the MMA and promotion work with both warpgroups (and the
+tensor cores) busy, and stores 64 rows a slice. Every real row gets the same products in the same order as without
+the option (bit for bit). 64-row tiles throughout (one consumer warpgroup a CTA) are the alternative the kernels_h200
+'moe halftiles ... bm64' rows time next to it.
+
 Limits (sm90, exact per-32 promotion). V4.1's scales are per 32 K (activations 1x32, weights 32x32 or per-row
 1x32), and wgmma has no per-K-block scale, so every 32 K each accumulator element takes one FFMA: at 128 FP32
 lanes vs 4096 FP8 MACs per SM-clock that is as many issue cycles as the MMA itself. fp8_gemm.py's docstring
@@ -141,7 +151,7 @@ def program(
     quantised per 32 columns (module docstring) instead of C.
 
     half_tiles (persistent program only): TileExpert entries e + fp8_gemm.HALF_TILE_FLAG mark tiles whose real rows
-    are their first 64 (the layout's `half_tiles` option); those tiles cost half (module docstring, "Half tiles")."""
+    are their first 64 (the layout's `half_tiles` option); those tiles cost half (module docstring: Half tiles)."""
     if cfg.persistent and target in ("sm90", "cpu") and not max_rows and swiglu_limit is None:
         # fp8_gemm's persistent warp-specialised program, each M tile on its expert's weights
         from deepinfer.codegen.kernels import fp8_gemm
