@@ -1162,19 +1162,22 @@ def _combine(c: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, base: t
     return (mg.combine_rows if _triton_on(c) else mg.combine_rows_reference)(c, slot, weights, base)
 
 
-def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int, rows: int | None = None):
+def swiglu_quant_rows(c: torch.Tensor, limit: float, group: int, rows: int | None = None,
+                      tiles: torch.Tensor | None = None):  # fmt: skip
     """The clamped SwiGLU of a w1|w3 GEMM output c [M, 2I] (gate columns, then up) quantised per `group` columns:
     (e4m3 codes [rows, I], MN-major fp32 scales [I/group, rows]; rows >= M, default M; the rows past M are left
     unwritten by the kernel -- zero in the torch path) -- what the prefill w2 GEMM reads. One Triton launch
     (act_quant.triton_swiglu_quant) where Triton runs (_triton_on), else torch's SwiGLU in fp32 (ir/ops/moe.py
-    swiglu) and quant_rows (the same scales; a code may differ by one E4M3 step where silu's last ulp differs)."""
+    swiglu) and quant_rows (the same scales; a code may differ by one E4M3 step where silu's last ulp differs).
+    tiles: the half-tile TileExpert of 128-row tiles (the kernel then skips the rows the GEMMs skip)."""
     from deepinfer.ir.ops.moe import swiglu
 
     rows = c.shape[0] if rows is None else rows
     if _triton_on(c) and os.environ.get(ACT_QUANT_ENV) != "torch":
         from deepinfer.codegen.kernels import act_quant
 
-        q, s = act_quant.triton_swiglu_quant(c if c.stride(1) == 1 else c.contiguous(), limit, group, rows=rows)
+        q, s = act_quant.triton_swiglu_quant(c if c.stride(1) == 1 else c.contiguous(), limit, group, rows=rows,
+                                             tiles=tiles, block_m=rows // tiles.numel() if tiles is not None else 128)
         return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
     inter = c.shape[1] // 2
     return quant_rows(swiglu(c[:, :inter], c[:, inter:], limit), group, rows)
@@ -1549,7 +1552,9 @@ class MoEGroupedAdapter:
         _stage(call, "w1|w3 GEMM")
         base = shared() if shared is not None else None
         _stage(call, "shared expert")
-        hq, hs = swiglu_quant_rows(c1[:real], call.attrs["swiglu_limit"], ag, rows=m_rows)
+        half = dict(p.keys[0].kwargs).get("half_tiles", False)  # then the rows the GEMMs skip are skipped here too
+        hq, hs = swiglu_quant_rows(c1[:real], call.attrs["swiglu_limit"], ag, rows=m_rows,
+                                   tiles=tile_expert if half else None)  # fmt: skip
         _stage(call, "SwiGLU + quant")
         c2 = torch.empty(m_rows, d, dtype=torch.bfloat16, device=x.device)
         kernels[1](hq, hs, b2, s2, tile_expert, c2)

@@ -248,12 +248,17 @@ def _swiglu_kernel(interpret: bool):
         raise ImportError("triton is not installed (pip install deepinfer[codegen])")
 
     @triton.jit
-    def swiglu_quant_kernel(c_ptr, q_ptr, s_ptr, M, INTER, stride_c, ROWS, LIMIT, G: tl.constexpr,
-                            GROUP: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    def swiglu_quant_kernel(c_ptr, q_ptr, s_ptr, M, INTER, stride_c, ROWS, LIMIT, tiles_ptr, BLOCK_M,
+                            G: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                            HALF_FLAG: tl.constexpr = 0):  # fmt: skip
         row = tl.program_id(0)
         g = tl.arange(0, BLOCK_G)[:, None]
         c = tl.arange(0, GROUP)[None, :]
-        mask = (g < G) & (row < M)
+        live = row < M
+        if HALF_FLAG:  # a tile table: only rows the GEMM computed (not padding tiles, not a half tile's second half)
+            e = tl.load(tiles_ptr + row // BLOCK_M)
+            live = live & (e >= 0) & ((e < HALF_FLAG) | (2 * (row % BLOCK_M) < BLOCK_M))
+        mask = (g < G) & live
         src = c_ptr + row * stride_c + g * GROUP + c
         gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(src + INTER, mask=mask, other=0.0).to(tl.float32)
@@ -267,17 +272,20 @@ def _swiglu_kernel(interpret: bool):
         scale = ((ex + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
         inv = ((127 - ex).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
         q = tl.clamp(h * inv[:, None], -448.0, 448.0)  # FP8_MAX
-        tl.store(q_ptr + row * INTER + g * GROUP + c, q.to(q_ptr.dtype.element_ty), mask=g < G)
+        tl.store(q_ptr + row * INTER + g * GROUP + c, q.to(q_ptr.dtype.element_ty), mask=mask)
         gs = tl.arange(0, BLOCK_G)
-        tl.store(s_ptr + gs * ROWS + row, scale, mask=gs < G)
+        tl.store(s_ptr + gs * ROWS + row, scale, mask=(gs < G) & live)
 
     return swiglu_quant_kernel
 
 
-def triton_swiglu_quant(c: torch.Tensor, limit: float, group: int, out_dtype=None, rows: int | None = None):
+def triton_swiglu_quant(c: torch.Tensor, limit: float, group: int, out_dtype=None, rows: int | None = None,
+                        tiles: torch.Tensor | None = None, block_m: int = 128):  # fmt: skip
     """c [M, 2I] (gate columns, then up; any float dtype, unit stride along columns) -> (q [rows, I] e4m3 codes,
     s [I/group, rows] fp32 MN-major scales) of the clamped SwiGLU (limit 0: none); rows >= M (default M), the rows
-    past M left unwritten (a GEMM's padding tiles that it skips). out_dtype as triton_act_quant's."""
+    past M left unwritten (a GEMM's padding tiles that it skips). out_dtype as triton_act_quant's.
+    tiles: the grouped GEMMs' half-tile TileExpert of block_m-row tiles (moe_routing half_tiles): rows of padding
+    tiles and of half tiles' second halves are neither read nor written (the GEMMs neither wrote nor read them)."""
     m, n = c.shape
     inter = n // 2
     rows = m if rows is None else rows
@@ -287,9 +295,13 @@ def triton_swiglu_quant(c: torch.Tensor, limit: float, group: int, out_dtype=Non
     q = torch.empty(rows, inter, dtype=out_dtype, device=c.device)
     s = torch.empty(inter // group, rows, dtype=torch.float32, device=c.device)
     if m:
+        from deepinfer.codegen.kernels.fp8_gemm import HALF_TILE_FLAG
+
+        assert tiles is None or tiles.numel() * block_m >= m, (tiles.shape, block_m, m)
         _swiglu_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(m,)](
-            c, q, s, m, inter, c.stride(0), rows, float(limit), G=inter // group, GROUP=group,
-            BLOCK_G=triton.next_power_of_2(inter // group))  # fmt: skip
+            c, q, s, m, inter, c.stride(0), rows, float(limit), c if tiles is None else tiles, block_m,
+            G=inter // group, GROUP=group, BLOCK_G=triton.next_power_of_2(inter // group),
+            HALF_FLAG=0 if tiles is None else HALF_TILE_FLAG)  # fmt: skip
     return q, s
 
 

@@ -82,6 +82,37 @@ def test_flagging_slots_kernel_compiles_for_hopper_spill_free():
     assert spill_free(report), report
 
 
+def test_swiglu_quant_skips_the_rows_the_gemms_skip(interpret, monkeypatch):
+    """act_quant.triton_swiglu_quant with the half-tile table (16-row tiles here): the rows it computes equal the
+    table-less call's bit for bit; the rows of padding tiles and of half tiles' second halves (NaN here, as the
+    GEMM leaves them unwritten) are skipped: codes and scales keep what the buffers held (7 here)."""
+    from deepinfer.codegen.kernels import act_quant
+
+    bm, inter = 16, 64
+    tiles = torch.tensor([2, 0 + FLAG, -1, 1 + FLAG, 1], dtype=torch.int32)
+    live = mg.row_experts(tiles, bm, masked=False) >= 0
+    c = (torch.randn(tiles.numel() * bm, 2 * inter, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    c[~live] = float("nan")
+    q0, s0 = act_quant.triton_swiglu_quant(c, 10.0, 32)
+    full = torch.full
+    monkeypatch.setattr(torch, "empty", lambda *shape, dtype=None, device=None: full(shape, 7.0, dtype=dtype,
+                                                                                     device=device))  # fmt: skip
+    q, s = act_quant.triton_swiglu_quant(c, 10.0, 32, tiles=tiles, block_m=bm)
+    assert torch.equal(q[live], q0[live]) and torch.equal(s[:, live], s0[:, live])
+    assert q0[~live].isnan().all(), "the table-less call computes them from the NaN"
+    assert (q[~live] == 7.0).all() and (s[:, ~live] == 7.0).all(), "skipped: neither read nor written"
+
+
+def test_swiglu_quant_with_the_table_compiles_for_hopper_spill_free():
+    from tests.codegen._triton_aot import compile_sm90, spill_free
+
+    sig = {"c_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "INTER": "i32", "stride_c": "i32",
+           "ROWS": "i32", "LIMIT": "fp32", "tiles_ptr": "*i32", "BLOCK_M": "i32"}  # fmt: skip
+    _, report = compile_sm90("deepinfer.codegen.kernels.act_quant", "_swiglu_kernel", sig,
+                             dict(G=72, GROUP=32, BLOCK_G=128, HALF_FLAG=FLAG), num_warps=4)  # fmt: skip
+    assert spill_free(report), report
+
+
 # ---------------------------------------------------------------------------------------------- c target
 
 

@@ -121,7 +121,7 @@ def test_swiglu_quant_compiles_for_hopper_spill_free(group, bg):
     from tests.codegen._triton_aot import compile_sm90, spill_free
 
     sig = {"c_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "INTER": "i32", "stride_c": "i32",
-           "ROWS": "i32", "LIMIT": "fp32"}  # fmt: skip
+           "ROWS": "i32", "LIMIT": "fp32", "tiles_ptr": "*i32", "BLOCK_M": "i32"}  # fmt: skip
     ptx, report = compile_sm90("deepinfer.codegen.kernels.act_quant", "_swiglu_kernel", sig,
                                dict(G=2304 // group, GROUP=group, BLOCK_G=bg), num_warps=4)  # fmt: skip
     assert ".target sm_90a" in ptx and "e4m3x2" in ptx and "lg2." not in ptx
