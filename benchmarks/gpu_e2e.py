@@ -10,7 +10,13 @@ summary table; files under $OUT (or --out):
   (2) with --fp32 only: the older comparison with the CPU fp32 interpreter (e2e_preset; informative);
   (3) unless --skip-slice: the real-dims slice benchmark (benchmarks/bench_slice.py), reduced to the time left.
 ``--cpu`` runs no GPU stage: the formats path alone on this machine (cpu_formats: the engine with emulated
-kernels == the same runner driven directly, and tokens stable under 1e-6 perturbations).
+kernels == the same runner driven directly, and tokens stable under 1e-6 perturbations; the kernels asked for
+outside the compiler's prediction are counted, as on the GPU).
+
+Kernels: (1) pre-builds, in --jobs processes, the keys `deepinfer compile` derives for what it runs
+(compiler_keys -> codegen/plan_kernels.engine_kernel_keys: the runtime adapters' keys from the plan's shapes),
+plus the runtime's own prediction only where the compiler lists keys that read device data; its "LAZY BUILDS"
+line counts the kernels the engine still built on first use (each a serial build inside a step).
 
 What (1) compares, and why that reference. Greedy generation through compile + the sm90 engine (compiled
 TileLang/Triton kernels on the GPU; 8 prompts of 2-55 tokens batched, 64 tokens each) against greedy generation
