@@ -59,7 +59,7 @@ ROW_LOCAL: dict[str, tuple[int, ...] | None] = {
     "compressed_indices": (0,),  # per query position
     # fused ops (phase 2): the same rows as the ops they replace
     "fused_attention": (0, 1, 4, 6),  # q, positions, win_idx, cmp_idx
-    "grouped_out_proj": (0,),
+    "grouped_out_proj": (0, 5),  # x (or its FP8 codes) and their scales
     "moe_grouped_experts": (0, 1, 2),
     "hc_pre_collapse": (0, 4),
     "hc_post_pre": (0, 1, 2, 3),

@@ -92,7 +92,7 @@ def bind_grouped_out_proj(c: _Ctx):
     through fp8_gemm (runtime/kernel_adapters.GroupedOutProjAdapter); block-scaled FP8 weights only."""
     from deepinfer.codegen.kernels import moe_grouped_gemm
 
-    x, wa, wb, sa, sb = c.node.inputs
+    x, wa, wb, sa, sb = c.node.inputs[:5]
     if sa is None or sb is None:
         raise Fallback("the compiled grouped_out_proj takes block-scaled FP8 wo_a and wo_b")
     t, g, k = c.shape(x)

@@ -437,7 +437,7 @@ class GroupedOutProjAdapter:
 
     def _make_plan(self, call: Call) -> _OutProjPlan:
         _cuda_only(call)
-        x, wa, wb, sa, sb = call.args
+        x, wa, wb, sa, sb = call.args[:5]
         if sa is None or sb is None or wa.dtype != torch.float8_e4m3fn or wb.dtype != torch.float8_e4m3fn:
             raise Decline("the compiled grouped_out_proj takes block-scaled FP8 wo_a and wo_b")
         t, g, k = x.shape
@@ -445,7 +445,8 @@ class GroupedOutProjAdapter:
         if r % block or k % block:
             raise Decline(f"wo_a's groups of R={r} x K={k} do not split into {block}-blocks")
         # wo_b's plan from a stand-in u of the right shape (an expanded scalar: no [T, G*R] allocation)
-        wo_b = self.dense._plan(self._wo_b_call(call, x.new_empty(()).expand(t, g * r)))[0]
+        u_like = torch.empty((), device=x.device)  # (f32: x may be the attention's FP8 codes)
+        wo_b = self.dense._plan(self._wo_b_call(call, u_like.expand(t, g * r)))[0]
         cfg = self._contiguous_cfg(call, t, r, k)
         if cfg is not None:
             rows = bucket_rows(t, cfg.block_m)
@@ -505,22 +506,28 @@ class GroupedOutProjAdapter:
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         p = self._plan(call)
-        x, wa, _, sa, _ = call.args
+        x, wa, _, sa, _ = call.args[:5]
+        xs = call.args[5] if len(call.args) > 5 else None
         t, g, k = x.shape
         r, block = wa.shape[0] // g, call.attrs["block_a"]
         w, s = call.prep("wo_a_stack", (1, 3), lambda: (wa.view(g, r, k), scales_f32(sa).view(g, r // block, -1)))
-        # the groups' rows: group g's T rows at g*rows ..., quantised chunk-major straight from x (no transposed copy)
-        a_m, sa_m = quant_rows(x.reshape(t, g * k), block, p.rows, chunks=g)
+        # the groups' rows: group g's T rows at g*rows ..., quantised chunk-major straight from x (no transposed
+        # copy), or x's own codes moved there (x is FP8 already)
+        if xs is None:
+            a_m, sa_m = quant_rows(x.reshape(t, g * k), block, p.rows, chunks=g)
+        else:
+            a_m, sa_m = _codes_chunk_major(x, xs, p.rows)
+        out_dtype = torch.float32 if xs is not None else x.dtype
         c = torch.empty(g * p.rows, r, dtype=torch.bfloat16, device=x.device)
         if p.path == "contiguous":
             kernels[0](a_m, sa_m, w, s, _group_tiles(call, g, t, p.rows, p.tile, x.device), c)
-            return [self._wo_b_from_groups(call, p, kernels[1], c).to(x.dtype)]
+            return [self._wo_b_from_groups(call, p, kernels[1], c).to(out_dtype)]
         kernels[0](a_m, sa_m, w, s, _const_counts(call, g, t, x.device), c)
         u = c.view(g, p.rows, r)[:, :t].transpose(0, 1).reshape(t, g * r).float()
         sub = self._wo_b_call(call, u)
         a = call.attrs
         group = a["mid_group"] or a["block_b"]
-        return [fp8_linear(sub, kernels[1], u, 1, 2, group, a["block_b"], p.wo_b).to(x.dtype)]
+        return [fp8_linear(sub, kernels[1], u, 1, 2, group, a["block_b"], p.wo_b).to(out_dtype)]
 
     def _wo_b_from_groups(self, call: Call, p: _OutProjPlan, kernel, c: torch.Tensor) -> torch.Tensor:
         """wo_b on fp8_gemm's program from wo_a's chunk-major bf16 output c [G*rows, R]: quantised per mid_group as
@@ -531,6 +538,22 @@ class GroupedOutProjAdapter:
         q, sq = quant_rows(c, group, c.shape[0])
         a_u, sa_u = _token_major(q, sq, g, p.rows, t, p.wo_b[1])
         return fp8_linear_codes(self._wo_b_call(call, a_u), kernel, a_u, sa_u, t, 1, 2, block_b, p.wo_b)
+
+
+def _codes_chunk_major(xc: torch.Tensor, xs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 x (e4m3 codes [T, G, K], ue8m0 scales [T, G, K/block]) in quant_rows(..., chunks=G)'s layout: codes
+    [G*rows, K] (row j*rows + i = group j of token i; padding rows zero) and MN-major fp32 scales [K/block, G*rows]
+    (padding columns 1: never read). The same operand values as quantising dequant_fp8(xc, xs) again (that can
+    pick a code twice as large at half the scale where rounding brought a group's maximum down to 448 x the
+    smaller scale: the same products, scaled exactly by powers of two); bytes moved, nothing computed."""
+    t, g, k = xc.shape
+    kb = xs.shape[-1]
+    a = torch.empty(g, rows, k, dtype=xc.dtype, device=xc.device)
+    a.view(torch.uint8)[:, :t].copy_(xc.view(torch.uint8).transpose(0, 1))
+    a.view(torch.uint8)[:, t:] = 0
+    sa = torch.ones(kb, g, rows, device=xc.device)
+    sa[:, :, :t] = scales_f32(xs).permute(2, 1, 0)
+    return a.view(g * rows, k), sa.view(kb, g * rows)
 
 
 def _group_tiles(call: Call, g: int, t: int, rows: int, block_m: int, device) -> torch.Tensor:

@@ -217,7 +217,7 @@ def _mid_quant_ref(u: torch.Tensor, group: int) -> torch.Tensor:
 
 @register_op(
     "grouped_out_proj",
-    "x, wa, wb, sa?, sb?",
+    "x, wa, wb, sa?, sb?, xs?",
     {"block_a": Attr("int", 128), "block_b": Attr("int", 128), "mid_group": Attr("int", 0)},
     level="kernel",
 )
@@ -225,16 +225,23 @@ class GroupedOutProj:
     """The attention output projection (MODEL_SPEC §2.11) as one op: u = grouped_linear(x [T, G, K], wa, sa)
     reshaped to [T, G*R], then y = u @ wb^T (linear_fp8 with sb, or linear), with u quantised per `mid_group`
     first when quantisation is on (Q/DQ). Two chained fp8_gemm.py GEMMs whose [T, G*R] intermediate (1024
-    wide on V4) stays on chip. Returns [T, N]."""
+    wide on V4) stays on chip. Returns [T, N].
+    With ``xs``, x is already FP8: e4m3 codes [T, G, K] with their ue8m0 scales xs [T, G, K/block_a] (the
+    attention's FP8 epilogue, folded in by fuse_out_proj), i.e. the operand dequant_fp8(x, xs) -- the GEMM takes
+    the codes as they are instead of a widened fp32 copy it would quantise again to the same codes."""
 
-    def infer(x, wa, wb, sa, sb, *, block_a, block_b, mid_group):
+    def infer(x, wa, wb, sa, sb, xs=None, *, block_a, block_b, mid_group):
+        if xs is not None:
+            x = DequantFP8.infer(x, xs, group=block_a, dtype=dt.f32)
         u = GroupedLinear.infer(x, wa, sa, block=block_a)
         u = Reshape.infer(u, shape=[u.shape[0], u.shape[1] * u.shape[2]])
         if mid_group:
             u = DequantFP8.infer(*QuantFP8.infer(u, group=mid_group), group=mid_group, dtype=u.dtype)
         return _gemm_infer(u, wb, sb, block_b, 0)
 
-    def reference(x, wa, wb, sa, sb, *, block_a, block_b, mid_group):
+    def reference(x, wa, wb, sa, sb, xs=None, *, block_a, block_b, mid_group):
+        if xs is not None:
+            x = DequantFP8.reference(x, xs, group=block_a, dtype=dt.f32)
         u = GroupedLinear.reference(x, wa, sa, block=block_a)
         u = u.reshape(u.shape[0], -1)
         if mid_group:

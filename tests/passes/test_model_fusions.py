@@ -140,3 +140,28 @@ def test_hyper_connection_post_pre_not_when_the_new_streams_are_read_before_the_
     g.outputs.append(node.outputs[0])
     g = run_pass(g, "fuse_hyper_connection")
     assert g.op_counts()["hc_post_pre"] == 6
+
+
+def _out_proj_after_fp8_epilogue(code_group: int):
+    """x = dequant_fp8(quant_fp8(a)) per code_group feeding wo_a (block 32, FP8) and wo_b (FP8): the attention's
+    FP8 epilogue in front of the output projection."""
+    b = GraphBuilder("g")
+    a = b.input("a", "f32", ["T", 2, 64])
+    x = b.dequant_fp8(*b.quant_fp8(a, group=code_group), group=code_group)
+    wa, sa = b.param("wa", "f8e4m3", [64, 64]), b.param("sa", "e8m0", [2, 2])
+    wb, sb = b.param("wb", "f8e4m3", [32, 64]), b.param("sb", "e8m0", [1, 2])
+    u = b.reshape(b.grouped_linear(x, wa, sa, block=32), shape=["T", 64])
+    b.output(b.linear_fp8(u, wb, sb, block=32))
+    return run_pass(b.build(), "fuse_out_proj")
+
+
+def test_out_proj_takes_the_epilogue_codes_when_their_groups_are_wo_as_blocks():
+    g = _out_proj_after_fp8_epilogue(32)
+    node = next(n for n in g.nodes if n.op == "grouped_out_proj")
+    assert [n.op for n in g.nodes].count("dequant_fp8") == 0
+    assert node.inputs[0].type.dtype.name == "f8e4m3" and node.inputs[5] is not None
+    # 64-groups are not wo_a's 32-blocks: x stays the dequantised fp32 operand
+    g = _out_proj_after_fp8_epilogue(64)
+    node = next(n for n in g.nodes if n.op == "grouped_out_proj")
+    assert [n.op for n in g.nodes].count("dequant_fp8") == 1
+    assert node.inputs[0].type.dtype.name == "f32" and (len(node.inputs) < 6 or node.inputs[5] is None)

@@ -108,3 +108,46 @@ def test_binding_names_the_adapter_family():
     fam, prog, shape, cfg, _ = bind_grouped_out_proj(_Ctx(y.producer, {}, get_target("sm90")))
     assert (fam, prog, shape["R"], shape["N"]) == ("fp8_gemm", "grouped_out_proj", 1024, 5120)
     assert ka.adapter_for(fam, "grouped_out_proj") is not None
+
+
+def _codes_in(call: ka.Call) -> ka.Call:
+    """The same call with x as the attention's FP8 codes and scales (fuse_out_proj's codes-in form)."""
+    x = call.args[0]
+    q, s = quant_fp8_groups(x, 32)
+    return ka.Call(call.op, call.attrs, [q, *call.args[1:5], s], [*call.names, "xs"], [*call.is_param, False], {},
+                   {})  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [3, 64, 130])  # 130: the contiguous wo_a path (prefill); 3 / 64: swap-AB
+def test_codes_in_equals_the_dequantised_x_bit_for_bit(monkeypatch, t):
+    """x's own codes moved to the GEMM's chunk-major layout are the operand quant_rows makes from the dequantised
+    x, value for value: the node's output is the same, bit for bit, and the op's reference agrees (the codes-in
+    reference dequantises first)."""
+    monkeypatch.setattr(ka.GroupedOutProjAdapter, "contiguous_min_t", 0)
+    monkeypatch.delenv(ka.OUT_PROJ_PREFILL_ENV, raising=False)
+    call = out_proj_call(t, g=3, k=128, r=256)
+    fp8 = _codes_in(call)
+    assert fp8.args[0].dtype == torch.float8_e4m3fn
+    adapter = ka.adapter_for("fp8_gemm", "grouped_out_proj")
+    assert adapter.keys(fp8) == adapter.keys(call)
+    assert adapter.path(fp8) == ("contiguous" if t > 64 else "swab")
+    got, want = run_adapter(fp8, ka.emulated_kernel), run_adapter(call, ka.emulated_kernel)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(reference(fp8), reference(call))
+
+
+def test_codes_chunk_major_layout():
+    t, g, k, rows = 3, 2, 64, 8
+    q, s = quant_fp8_groups(torch.randn(t, g, k, generator=torch.Generator().manual_seed(4)) * 5, 32)
+    a, sa = ka._codes_chunk_major(q, s, rows)
+    want_a, want_sa = ka.quant_rows(get_op("dequant_fp8").run([q, s], {"group": 32, "dtype": dt.f32})[0]
+                                    .reshape(t, g * k), 32, rows, chunks=g)  # fmt: skip
+    real = torch.cat([torch.arange(j * rows, j * rows + t) for j in range(g)])
+
+    def values(codes, scales):  # the operand's values: codes x their group's scale
+        return (codes[real].float().unflatten(-1, (-1, 32)) * scales[:, real].T.unsqueeze(-1)).flatten(-2)
+
+    # the same values; the codes themselves may differ by a power of two where e4m3 rounding brought a group's
+    # maximum down to a smaller scale's 448 (re-quantising the dequantised x then picks that smaller scale)
+    assert torch.equal(values(a, sa), values(want_a, want_sa))
+    assert not a.view(torch.uint8)[rows - 1].any()  # a padding row
