@@ -595,6 +595,14 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     def takes_unit(mi, Meta, wg, h):  # whether consumer warpgroup wg MMAs N slice h of this tile
         return T.Or(T.Not(is_half(mi, Meta)), wg == h) if half_tiles else True
 
+    def promotes_in_turn(mi, Meta, wg, h):
+        """Whether warpgroup wg promotes unit (s, h) right after its turn. Ping-pong half tiles: no -- each
+        warpgroup passes the turn of the other's slice before waiting for its own MMA, so the two MMAs are issued
+        back to back, and promotes after the sub-block's last turn (`deferred`)."""
+        if half_tiles and cfg.pingpong:
+            return T.Not(is_half(mi, Meta))
+        return takes_unit(mi, Meta, wg, h)
+
     HR = HALF_ROWS
 
     @T.macro
@@ -777,7 +785,8 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                             T.named_barrier_arrive(PP_BAR + 1, 256)
                                         else:
                                             T.named_barrier_arrive(PP_BAR, 256)
-                                        T.wait_wgmma(0)
+                                        if promotes_in_turn(mi, Meta, wg, h):
+                                            T.wait_wgmma(0)
                                         part = p0
                                     else:
                                         if takes_unit(mi, Meta, wg, h):
@@ -791,10 +800,19 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                             )
                                         part = p0
                                     ra = plan.sa_at(s)
-                                    if takes_unit(mi, Meta, wg, h):
+                                    if promotes_in_turn(mi, Meta, wg, h):
                                         for i, j in T.Parallel(bM, bNs):
                                             rb, cb = plan.sb_at(h, j, s)
                                             accs[h][i, j] += part[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
+                                    if half_tiles and cfg.pingpong and h == ns - 1:  # deferred: my slice's MMA
+                                        if is_half(mi, Meta):
+                                            T.wait_wgmma(0)
+                                            for hh in slices:
+                                                if wg == hh:
+                                                    for i, j in T.Parallel(bM, bNs):
+                                                        rb, cb = plan.sb_at(hh, j, s)
+                                                        accs[hh][i, j] += p0[i, j] * (
+                                                            SA_s[st, ra, i] * SB_s[st, rb, cb])  # fmt: skip
                                 if cl == 1:
                                     T.mbarrier_arrive(empty[st])
                                 else:  # lane r of every warp releases the slot in cluster CTA r
