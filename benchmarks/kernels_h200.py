@@ -861,15 +861,18 @@ def _idxlen_inputs(B: int, C: int, batched: bool):
 
 def _idxlen_scores_fn(B: int, C: int, ratio: int, form: str):
     """(scores callable, fill) of one form: B 1 is the one-sequence index_scores kernel, B > 1 the batched one.
-    form "bal<n>[ s<stages>][ nofill]": the balanced form, one query a CTA and k_split 32 (indexer_topk's notes)."""
+    form "bal<n>[ s<stages>][ r<maxnreg>][ nofill]": the balanced form (indexer_topk.decode_form: one query a CTA,
+    k_split 32, 168 registers) with n CTAs an SM."""
     from deepinfer.codegen.kernels import indexer_topk as it
 
     batched = B > 1
     cfg = it.F32ScoresConfig(block_t=1 if batched else 4)  # the first form, whatever DECODE_CTAS_PER_SM says
     words = form.split()
     if words[0] != "old":
-        stages = [int(w[1:]) for w in words if w.startswith("s")]
-        cfg = dataclasses.replace(it.decode_form(cfg, int(words[0][3:])), stages=(stages or [1])[0])
+        cfg = it.decode_form(cfg, int(words[0][3:]))
+        for w in words[1:]:  # "s<stages>", "r<register cap>" (r0: none)
+            if w[0] in "sr" and w[1:].isdigit():
+                cfg = dataclasses.replace(cfg, **{"stages" if w[0] == "s" else "maxnreg": int(w[1:])})
     fill = "nofill" not in form
     kernel = it.triton_batched_scores if batched else it.triton_scores
 
@@ -993,7 +996,7 @@ def indexer_length_cases():
     for B in (1, 64):
         for mml, ratio in ((4096, 2), (65536, 2), (65536, 1)):
             shape = f"B{B} mml{mml} r{ratio}"
-            for form in ("old", "bal4", "bal8", "bal16", "bal8 s2", "bal8 nofill"):
+            for form in ("old", "bal4", "bal8", "bal16", "bal8 s2", "bal8 r0", "bal8 nofill"):
                 run = functools.partial(_idxlen_row, case_idxlen_scores, B, mml, ratio, form)
                 out.append((f"indexer length scores {form}", shape, run))
             for form in ("old", "bal8", "bal8 nofill+pos"):

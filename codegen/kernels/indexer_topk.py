@@ -486,9 +486,10 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
 # hi and lo parts in registers; straight-line (first form) that fits (170), inside the balanced form's item loop it
 # takes 255 and spills; `k_split` 32 (four accumulating products of 32 dims) brings the loop to 178-190, no spills.
 # It changes the order of the sums (not the accuracy); tile and loop are the same code in both forms, so at equal
-# k_split both give the same bits. 4 queries a CTA (the one-sequence tile) spill in the loop at any k_split: the
-# balanced one-sequence decode (T = 1) takes one query a CTA. (The dims' offsets get a loop-variant zero added:
-# hoisted out of the loop, their [64, DK] broadcast would stay in registers across it.)
+# k_split both give the same bits. decode_form caps the loop at 168 registers (still no spills): 3 CTAs an SM,
+# not 2. 4 queries a CTA (the one-sequence tile) spill in the loop at any k_split: the balanced one-sequence
+# decode (T = 1) takes one query a CTA. (The dims' offsets get a loop-variant zero added: hoisted out of the loop,
+# their [64, DK] broadcast would stay in registers across it.)
 
 
 @dataclass(frozen=True)
@@ -497,7 +498,7 @@ class F32ScoresConfig:
     block_t: int = 4  # queries per CTA: the dot's N is block_t x heads (all heads of a query in ONE dot)
     warps: int = 4
     precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
-    maxnreg: int = 0  # batched form only: a register cap (0: none); 128 lets 4 CTAs of 4 warps share an SM, not 3
+    maxnreg: int = 0  # a register cap (0: none); 128 lets 4 CTAs of 4 warps share an SM, not 3 (batched first form)
     ctas_per_sm: int = 0  # 0: one CTA per key tile of C; n > 0: the balanced form, n x SMs CTAs (see above)
     fill_block: int = 1024  # balanced form: columns of -inf one fill work item writes (a power of two)
     k_split: int = 0  # dims per tensor-core product (0: all di in one); see below
@@ -512,7 +513,7 @@ def decode_form(cfg: F32ScoresConfig, ctas_per_sm: int | None = None) -> F32Scor
     is set, else cfg. The one-sequence step (T 1) and every batch take the same tile, so a sequence's scores are
     the same bits alone and in a batch."""
     n = DECODE_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    return dataclasses.replace(cfg, block_t=1, ctas_per_sm=n, k_split=32) if n else cfg
+    return dataclasses.replace(cfg, block_t=1, ctas_per_sm=n, k_split=32, maxnreg=168) if n else cfg
 
 
 def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
@@ -621,19 +622,18 @@ def f32_scores_grid(rows: int, C: int, block_t: int, cfg: F32ScoresConfig, sms: 
 
 
 def _launch_f32_scores(q, w, keys, positions, s, *, rows: int, C: int, block_t: int, own_keys: bool, ratio: int,
-                       scale: float, cfg: F32ScoresConfig, fill: bool, **launch):  # fmt: skip
+                       scale: float, cfg: F32ScoresConfig, fill: bool):  # fmt: skip
     """One launch of the f32 scores kernel (either form) writing S [rows, C]."""
     grid = f32_scores_grid(rows, C, block_t, cfg, _sm_count(q.device))
-    form = {}
+    form = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     if cfg.ctas_per_sm:
         assert cfg.fill_block & (cfg.fill_block - 1) == 0, cfg
-        form = dict(BALANCED=True, RBP=1 << max(0, -(-rows // block_t) - 1).bit_length(), FILL=bool(fill),
+        form |= dict(BALANCED=True, RBP=1 << max(0, -(-rows // block_t) - 1).bit_length(), FILL=bool(fill),
                     FB=cfg.fill_block, STAGES=cfg.stages)  # fmt: skip
     _f32_scores_kernel(_interpreted())[grid](
         q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
         rows, C, float(scale), int(ratio), H=q.shape[1], DI=q.shape[2], BC=cfg.block_c, BT=block_t,
-        PREC=cfg.precision, OWN_KEYS=own_keys, DK=cfg.k_split or q.shape[2], num_warps=cfg.warps, **form,
-        **launch)  # fmt: skip
+        PREC=cfg.precision, OWN_KEYS=own_keys, DK=cfg.k_split or q.shape[2], num_warps=cfg.warps, **form)  # fmt: skip
 
 
 def _scores_out(out: torch.Tensor | None, rows: int, C: int, device) -> torch.Tensor:
@@ -672,9 +672,8 @@ def triton_batched_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     cfg = cfg or f32_batched_scores_config(b, c, h)
     s = _scores_out(out, b, c, q.device)
     if b and c:
-        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
         _launch_f32_scores(q, w, keys, positions, s, rows=b, C=c, block_t=1, own_keys=True, ratio=ratio,
-                           scale=scale, cfg=cfg, fill=fill, **cap)  # fmt: skip
+                           scale=scale, cfg=cfg, fill=fill)  # fmt: skip
     return s
 
 
