@@ -90,3 +90,17 @@ def test_balanced_form_is_the_first_form_bit_for_bit(interpret, monkeypatch, t, 
     s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=cfg)
     assert torch.equal(s, first)
     _check(s, _oracle_f64(q, w, keys, pos, ratio, 0.088), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pos,c,ratio", [(4095, 32768, 2), (70000, 65536, 1)])  # a 4k context / the whole cache
+def test_cuda_balanced_one_query_step(pos, c, ratio):
+    """The one-sequence decode step (T 1) in decode_form against the first form at the same tile and k_split (the
+    same bits) and the float64 oracle."""
+    q, w, keys, _ = _inputs(1, c, 0, seed=pos, device="cuda")
+    p = torch.tensor([pos], device="cuda")
+    cfg = it.decode_form(it.F32ScoresConfig(), 8)
+    s = it.triton_scores(q, w, keys, p, ratio=ratio, scale=128**-0.5, cfg=cfg)
+    first = it.triton_scores(q, w, keys, p, ratio=ratio, scale=128**-0.5, cfg=it.F32ScoresConfig(block_t=1, k_split=32))
+    assert torch.equal(s, first)
+    _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), p.cpu(), ratio, 128**-0.5), 1e-5)
