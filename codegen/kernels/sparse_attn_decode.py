@@ -212,7 +212,8 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         if B * ns >= 0.9 * num_sms or (UNSPLIT_MIN_B and B >= UNSPLIT_MIN_B):
             break
     if best is not None and PERSIST_MIN_B and B >= PERSIST_MIN_B and not fp8 and persist_fits(best, topk):
-        return Config(best.block_n, WS_THREADS, 1, best.stages, True, persist=num_sms)  # more requests than SMs
+        # more requests than SMs
+        return _chain_options(Config(best.block_n, WS_THREADS, 1, best.stages, True, persist=num_sms))
     if best is not None and not fp8:
         best = _decode_options(best)
     return best or Config(32, 256, 1, 2)  # top-k not a multiple of 32: no config fits (the binding falls back)
@@ -228,12 +229,22 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
 UNSPLIT_MIN_B = 0
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
+# Session 8 (not yet measured: kernels_h200 --only "sparse_attn s8"): every bf16 ws decode config takes Config.early_p /
+# Config.lazy_rescale (1) or not (0).
+DECODE_EARLY_P = 0
+DECODE_LAZY_RESCALE = 0
+
+
+def _chain_options(cfg: Config) -> Config:
+    """DECODE_EARLY_P / DECODE_LAZY_RESCALE applied to a bf16 ws decode config."""
+    return dataclasses.replace(cfg, early_p=bool(DECODE_EARLY_P), lazy_rescale=bool(DECODE_LAZY_RESCALE))
 
 
 def _decode_options(cfg: Config) -> Config:
     """sm90_config's bf16-KV choice with the switches above applied (ws programs only)."""
     if not cfg.ws:
         return cfg
+    cfg = _chain_options(cfg)
     if cfg.num_split > 1 and SPLIT_PARTIAL_BF16:
         return dataclasses.replace(cfg, partial_bf16=True)
     if cfg.num_split == 1 and DECODE_L2_PREFETCH:
@@ -246,7 +257,8 @@ def _decode_options(cfg: Config) -> Config:
 # pass faster) after a read-only flush; between the SM count and 256 not measured.
 PERSIST_MIN_B = 256
 
-DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B")
+DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_EARLY_P",
+                   "DECODE_LAZY_RESCALE")
 # "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
 DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
 
