@@ -344,6 +344,19 @@ def test_sm90_lowers_decode_hist(tilelang_required):
     assert "tl_topk_prefetch_l2(" in src
 
 
+def test_sm90_lowers_decode_c32768(tilelang_required):
+    """Regression (H200 session 8: batched decode with caches for max_model_len 65536, ratio 2): the default config
+    at T64 C32768 (4 segments of 8192, 2 chunks prefetched into L2) failed to lower in TileLang's layout inference
+    ("Can't fetch the lanes of a scalable vector at a compile time") on the prefetch's `address_of(S[t, 0])`; the
+    prefetch now takes the scores' base and an int64 offset."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.default_config(64, 32768)
+    assert isinstance(cfg, ts.HistConfig) and cfg.l2_ahead > 0 and ts.n_segments(32768, cfg) > 1
+    src = tb.lower(ts.program(64, 32768, k=512, ratio=1, cfg=cfg, target="sm90", has_pos=False), tb.get_target("sm90"))
+    assert "tl_topk_prefetch_l2(" in src
+
+
 def test_sm90_lowers_ffs_one_word_a_thread(tilelang_required):
     """Regression: the __ffs output did not lower where a thread owns one bitmap word and some threads none (C 2048
     at 128 threads: the 'fused' GPU tie test at T512; here C 1024 at 64 threads): its loop bound was a shared load
