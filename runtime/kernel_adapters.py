@@ -2192,7 +2192,9 @@ class IndexScoresAdapter:
     each dot as three TF32 products, ~fp32 accuracy; ReLU, scale, head weights, head sum and the causal mask in
     registers) instead of the reference's [T, Hi, C] fp32 temporaries. No TileLang kernel (keys: none). On CPU
     tensors (the emulated tests) the kernel runs under Triton's interpreter when it is on, else the op's torch
-    formula stands in."""
+    formula stands in. The one-query decode step takes indexer_topk's decode form (DECODE_CTAS_PER_SM); a binding's
+    config "fill": False (only where every consumer of S reads up to the positions' limit, e.g. a top-k with
+    positions) leaves the columns past the live key tiles unwritten."""
 
     family = "indexer_topk"
     ops = ("index_scores",)
@@ -2214,7 +2216,8 @@ class IndexScoresAdapter:
         fields = {f.name for f in dataclasses.fields(it.F32ScoresConfig)}
         cfg = dataclasses.replace(it.f32_scores_config(q.shape[0], keys.shape[0], q.shape[1]),
                                   **{k: v for k, v in call.config.items() if k in fields})  # fmt: skip
-        return [it.triton_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]), cfg=cfg)]
+        return [it.triton_scores(q, w, keys, pos, ratio=int(a["ratio"]), scale=float(a["scale"]), cfg=cfg,
+                                 fill=bool(call.config.get("fill", True)))]  # fmt: skip
 
 
 def _f32_scores_operands(call: Call, rows: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2232,8 +2235,9 @@ class BatchedIndexScoresAdapter:
     b*C..) on the same f32 Triton kernel with per-query keys (indexer_topk.triton_batched_scores: one query a CTA)
     instead of the reference's bmm and [B, Hi, C] fp32 temporaries (H200, B64 at 4k: 74.8 us vs 210 us). The node
     keeps the one-sequence index_scores binding (batch_decode keeps node names) or gets select_kernels'
-    bind_batched_index_scores; either way only its precision applies (the tile: see run). CPU tensors: as
-    IndexScoresAdapter (the interpreter when asked, else the op's torch formula)."""
+    bind_batched_index_scores; either way only its precision (and "fill", as IndexScoresAdapter's) applies (the
+    tile: see run; decode_form when DECODE_CTAS_PER_SM is on). CPU tensors: as IndexScoresAdapter (the
+    interpreter when asked, else the op's torch formula)."""
 
     family = "indexer_topk"
     ops = ("batched_index_scores",)
@@ -2261,7 +2265,8 @@ class BatchedIndexScoresAdapter:
         cfg = it.f32_batched_scores_config(b, keys.shape[0] // max(1, b), q.shape[1])
         if "precision" in call.config:
             cfg = dataclasses.replace(cfg, precision=call.config["precision"])
-        return [it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=scale, cfg=cfg)]
+        return [it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=scale, cfg=cfg,
+                                         fill=bool(call.config.get("fill", True)))]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- rope / engram

@@ -293,5 +293,8 @@ def test_adapter_runs_the_balanced_form_when_switched_on(interpret, monkeypatch)
     call = ka.Call("batched_index_scores", {"ratio": 2, "scale": SCALE}, [q, w, keys, pos], ["q", "w", "k", "p"],
                    [False] * 4, {"precision": "ieee"})  # fmt: skip
     s = ka.adapter_for("indexer_topk", "batched_index_scores").run(call, [])[0]
-    assert seen[0]["cfg"].ctas_per_sm == 2 and seen[0].get("fill", True)
+    assert seen[0]["cfg"].ctas_per_sm == 2 and seen[0]["fill"]
     _check(s, _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)
+    call.config["fill"] = False  # a binding whose consumers read only up to the limits
+    ka.adapter_for("indexer_topk", "batched_index_scores").run(call, [])
+    assert not seen[1]["fill"]
