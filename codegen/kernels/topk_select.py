@@ -1261,8 +1261,9 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
 # l2_ahead: a bulk L2 prefetch of a chunk's bytes by one thread (no registers, no shared memory); fused: volatile
 # shared loads / stores of words other warps write without a barrier between
 _L2_PREFETCH_PRELUDE = r"""
-__device__ __forceinline__ void tl_topk_prefetch_l2(const float* base, long long off, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + off), "r"(bytes) : "memory");
+__device__ __forceinline__ void tl_topk_prefetch_l2(const float* base, int row, int row_len, int off, int bytes) {
+  const float* p = base + (long long)row * row_len + off;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ int tl_topk_ld(const int* p) { return *(const volatile int*)p; }
 __device__ __forceinline__ void tl_topk_st(int* p, int v) { *(volatile int*)p = v; }
@@ -1482,13 +1483,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def prefetch_l2(S, t, sg, it, lim):
         """(l2_ahead, GPU) chunk `it` of the segment into L2: HBM requests in flight beyond the register chunk."""
         if not ops.cpu and cfg.l2_ahead > 0 and NCH > 1:
-            for i in T.Parallel(NT):
-                if T.And(i == 0, T.And(it < NCH, c0_of(sg, it) < lim)):
-                    n = T.min(CH, lim - c0_of(sg, it))  # (rounded up to float4s: within the row, C % 4 == 0)
-                    # (the scores' base and an int64 element offset: `address_of(S[t, 0])` failed TileLang's layout
-                    # inference at C = 32768 -- "Can't fetch the lanes of a scalable vector" -- at T64 decode)
-                    T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", S.data,
-                                             T.cast(t, "int64") * C + c0_of(sg, it), (n + 3) // 4 * 16))  # fmt: skip
+            # thread 0 by its index, the scores by their base, row and offset: in a T.Parallel loop, the layout
+            # inference of `address_of(S[t, 0])` failed at C = 32768 ("Can't fetch the lanes of a scalable
+            # vector", T64 decode), and without a buffer access the loop is not bound to the threads
+            if T.And(T.get_thread_binding(0) == 0, T.And(it < NCH, c0_of(sg, it) < lim)):
+                n = T.min(CH, lim - c0_of(sg, it))  # (rounded up to float4s: within the row, C % 4 == 0)
+                T.evaluate(T.call_extern("handle", "tl_topk_prefetch_l2", S.data, t, C, c0_of(sg, it),
+                                         (n + 3) // 4 * 16))  # fmt: skip
 
     @T.macro
     def keep(bufk, bufi, st, st2, tk, ti, ctl, rc, tmp, nq):
