@@ -919,8 +919,6 @@ def _idxlen_topk(B: int, C: int, ratio: int, with_pos: bool, dry: bool):
     from deepinfer.codegen.kernels import topk_select as ts
 
     cfg = ts.default_config(B, C, IDX_TOPK)
-    if isinstance(cfg, ts.HistConfig) and C == 32768:  # (T 32 / 64 at C 32768: the default hist program fails to
-        cfg = ts.default_config(1, C, IDX_TOPK)  # build here, "Can't fetch the lanes of a scalable vector"; B's)
     kern = build(ts.program(B, C, k=IDX_TOPK, ratio=ratio if with_pos else 1, cfg=cfg, target="sm90",
                             has_pos=with_pos))  # fmt: skip
     return kern, (lambda: ts.make_scratch(B, C, IDX_TOPK, cfg, "cuda")), cfg
