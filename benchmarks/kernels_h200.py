@@ -2499,10 +2499,15 @@ def attn_s8_trace_cases():
     ws = sad.sm90_config(128, 640)  # wsn64s2
     cfgs = [(128, ws, 640), (128, ws, 256), (128, rep(ws, skip="gather,ids"), 640),
             (128, rep(ws, skip="gather,ids,qk,softmax,pv"), 640), (64, sad.sm90_config(64, 640), 640),
-            (256, ws, 640), (128, rep(ws, early_p=True, lazy_rescale=True), 640)]  # fmt: skip
+            (256, ws, 640), (128, rep(ws, early_p=True, lazy_rescale=True), 640), (128, rep(ws, ids_first=True), 640),
+            (64, rep(sad.sm90_config(64, 640), ids_first=True), 640)]  # fmt: skip
     cfgs = [(B, rep(cfg, trace=True), k) for B, cfg, k in cfgs]
-    return [(f"sparse_attn s8 trace B{B} {cfg.tag} k{k}", f"B{B} H64 k{k} 4k",
-             lambda r, q, d, B=B, cfg=cfg, k=k: case_attn_s8_trace(r, B, cfg, q, d, k)) for B, cfg, k in cfgs]
+    out = [(f"sparse_attn s8 trace B{B} {cfg.tag} k{k}", f"B{B} H64 k{k} 4k",
+            lambda r, q, d, B=B, cfg=cfg, k=k: case_attn_s8_trace(r, B, cfg, q, d, k)) for B, cfg, k in cfgs]
+    for cfg in (sad.sm90_config(256, 640), rep(sad.sm90_config(256, 640), ids_first=True)):  # untraced (persist)
+        out.append((f"sparse_attn s8 trace-free B256 {cfg.tag} readflush k640", "B256 H64 k640 rnd",
+                    lambda r, q, d, cfg=cfg: case_attn_s8_readflush(r, 256, 640, cfg, q, d)))  # fmt: skip
+    return out
 
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):

@@ -98,6 +98,10 @@ class Config:
     # one H200 run shows where a block's time goes: waiting for its rows, QK^T, softmax, the PV warpgroups' hand-off
     # and PV, and the CTA's start-up and tail (kernels_h200 'sparse_attn s8 trace').
     trace: bool = False
+    # ws (session 8, not yet measured): the PV warpgroups load the first blocks' row ids before Q's copies, not after.
+    # Why: the first gathers wait on those ids, and behind 64 KB of Q copies per CTA (8 MB machine-wide at B128) they
+    # return ~2 us late; the first QK^T needs both Q and block 0, so Q loses nothing by going second. Same results.
+    ids_first: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -112,6 +116,7 @@ class Config:
         assert not self.partial_bf16 or (self.ws and self.num_split > 1), "partial_bf16: the ws split pass"
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
+        assert not self.ids_first or self.ws, "ids_first: the ws program"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -132,6 +137,7 @@ class Config:
         head += "h" if self.partial_bf16 else ""
         head += "e" if self.early_p else ""
         head += "z" if self.lazy_rescale else ""
+        head += "i" if self.ids_first else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
@@ -882,6 +888,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         tr_row=0,
     ):
         T.fill(o, 0.0)
+        if cfg.ids_first:  # the first gathers' row ids ahead of Q's copies in the memory queues
+            for j in pre_blocks:
+                load_rid(src, b, base, j, t, rid, j)
         for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
             T.ptx_cp_async(
                 T.access_ptr(q_h[g.q_row(k, t), g.q_col(k, t)], "w", 8),
@@ -889,8 +898,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 8,
             )
         T.cp_async_barrier_noinc(bar_q)
-        for j in pre_blocks:
-            load_rid(src, b, base, j, t, rid, j)
+        if not cfg.ids_first:
+            for j in pre_blocks:
+                load_rid(src, b, base, j, t, rid, j)
         if kv_fp8:
             for j in ring:
                 if j < nb:
@@ -1101,9 +1111,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         k * nb + i: stage i % NS, parity (k * rounds + i // NS) & 1 (nb % NS == 0), so the ring never drains."""
         T.fill(o, 0.0)
         if c < Bd:  # the first request: Q, the ring's first NS blocks, the next block's row ids
+            if cfg.ids_first:
+                for j in pre_blocks:
+                    load_rid(src, c, 0, j, t, rid, j)
             load_q(Q, c, hf, t, q_h, bar_q)
-            for j in pre_blocks:
-                load_rid(src, c, 0, j, t, rid, j)
+            if not cfg.ids_first:
+                for j in pre_blocks:
+                    load_rid(src, c, 0, j, t, rid, j)
             for j in pre_blocks:
                 gather(src, kvh, None, None, idx_s, full, c, 0, j, j, hf, t, rid, j)
             load_rid(src, c, 0, NS, t, rid, 0)

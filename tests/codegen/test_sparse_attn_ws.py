@@ -423,7 +423,8 @@ def _rising_pools(kb, B, n_win=128, topk=640, bn=64):
 def test_early_p_lazy_rescale_on_the_h200(kb, B):
     """On the H200 at the batch's default blocking (B128 single pass, B256 persistent grid, B64 split 2 + combine),
     two pools, row maxima rising across blocks (lazy_rescale's m rises past the first block at some rows and not at
-    others: checked in float64): early_p's output equals the default's bit for bit (a hand-off bug would not);
+    others: checked in float64): early_p's and ids_first's outputs equal the default's bit for bit (a hand-off bug
+    would not);
     lazy_rescale and both match the float64-accumulated reference as the decode rows do (2e-2 rel) and stay close to
     the default (another rounding of P, not another result)."""
     import dataclasses
@@ -435,13 +436,14 @@ def test_early_p_lazy_rescale_on_the_h200(kb, B):
     kv_in, idx_in = kb._attn_two_pool_args(kv, idx, 128)
     base = sad.sm90_config(B, 640)
     outs = {}
-    for cfg in (base, *(dataclasses.replace(base, early_p=e, lazy_rescale=z) for e, z in ((1, 0), (0, 1), (1, 1)))):
+    variants = [dataclasses.replace(base, early_p=e, lazy_rescale=z) for e, z in ((1, 0), (0, 1), (1, 1))]
+    for cfg in (base, *variants, dataclasses.replace(base, ids_first=True)):
         outs[cfg.tag] = torch.empty_like(q)
         kb._attn_kernel(B, 640, cfg, False, False, 128)(q, kv_in, idx_in, sink, outs[cfg.tag])
     default = outs.pop(base.tag)
     assert kb.rel_err(default, ref) < 2e-2
     for tag, out in outs.items():
-        if tag.endswith("e"):
+        if tag.endswith(("e", "i")):  # early_p, ids_first: the same values in another order
             assert torch.equal(out, default), tag
         if tag.endswith("ez"):  # early_p reorders lazy_rescale's values too
             assert torch.equal(out, outs[tag[:-2] + "z"]), tag
@@ -472,3 +474,18 @@ def test_trace_sm90_build_stamps_every_block(codegen_cache, nvcc_required, ns):
     assert set(range(sad.TRACE_BLOCK0, sad.TRACE_BLOCK0 + 2 * sad.TRACE_PER_BLOCK)) <= stamped  # a ring round
     assert {sad.TRACE_CLK0, sad.TRACE_Q, sad.TRACE_END, sad.TRACE_FIN} <= stamped | {0, 1}
     assert art.source.count("di_gtimer()") >= 3 and f"* (int64_t){slots})" in art.source
+
+
+def test_ids_first_config_and_order_in_the_sass(codegen_cache, nvcc_required):
+    """ids_first (tag "i"): the PV warpgroups' first global loads are the row ids (LDG), then Q's copies (LDGSTS);
+    the default keeps Q first."""
+    assert sad.Config(64, 384, 1, 2, True, ids_first=True).tag == "wsn64s2i"
+    with pytest.raises(AssertionError):
+        sad.Config(64, 256, 1, 2, ids_first=True)
+    for ids_first in (False, True):
+        cfg = sad.Config(64, 384, 1, 2, True, ids_first=ids_first)
+        art = _build_ws(f"sparse_attn_ws_{cfg.tag}_order", sad.program(128, 64, 512, 1 << 18, 640, target="sm90",
+                                                                       cfg=cfg, n_win=128))  # fmt: skip
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Z0-9_.]*)", art.sass)
+        first = [o for o in ops[ops.index("BAR.SYNC.DEFER_BLOCKING") :] if o.startswith("LDG")][0]
+        assert first.startswith("LDGSTS") != ids_first, (cfg.tag, first)
