@@ -2994,6 +2994,30 @@ def _topk_s8_rows():
     ]  # fmt: skip
 
 
+def _topk_s8b_rows():
+    """(T, C, cfg, variant) rows "indexer_topk_select s8b" (helper B, session 8, round 3; unmeasured). Call 2 (H200,
+    same run): T4096 C65536 default 541.8 us = 45.8%, lean 495.8, lean + compact without the L2 prefetch 478.6 us =
+    51.8% (best); stages: read 259.7, lean push 391.3. Now, all without the L2 prefetch: lean + compact (since then
+    the next chunk's loads unpredicated when wholly visible), lean alone (is compact worth it), + wscan (the output
+    offsets by warp scans, not one warp's T.cumsum), fused=1 (the bound without a chunk's lag), and the stage probes
+    diag select (the final selection without the output) / lean push. Then lean + compact + wscan at C16384 and
+    the fused + fast + lean decode forms at T64 C65536 (4 segments) and T64 C16384 next to the defaults."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    tl, rep = "tilelang", dataclasses.replace
+    best = rep(ts.default_config(4096, 65536, IDX_TOPK), l2_ahead=0, lean=True, compact=2048)
+    c16 = rep(ts.default_config(4096, 16384, IDX_TOPK), l2_ahead=0, lean=True, compact=2048, wscan=True)
+    fastdec = dict(l2_ahead=0, fused=2, ffs=True, fast=True, lean=True, wscan=True)
+    return [
+        (4096, 65536, None, tl), (4096, 65536, best, tl), (4096, 65536, rep(best, compact=0), tl),
+        (4096, 65536, rep(best, wscan=True), tl), (4096, 65536, rep(best, fused=1), tl),
+        (4096, 65536, rep(best, diag="select"), tl), (4096, 65536, rep(best, compact=0, diag="push"), tl),
+        (4096, 16384, None, tl), (4096, 16384, c16, tl),
+        (64, 65536, None, tl), (64, 65536, rep(ts.default_config(64, 65536, IDX_TOPK), **fastdec), tl),
+        (64, 16384, None, tl), (64, 16384, rep(ts.default_config(64, 16384, IDX_TOPK), **fastdec), tl),
+    ]  # fmt: skip
+
+
 TOPK_S8_TEST_SHAPES = [(264, 16384), (64, 65536), (1, 65536)]  # tests/codegen/test_topk_select.py's gpu lean test
 
 
@@ -3002,7 +3026,7 @@ def case_topk_s8_build(row: Row, T_: int, C: int, quick: bool, dry: bool):
     lean + compact): `--dry-run --only "topk_select s8build" -j 3` fills the cache before the test runs."""
     from deepinfer.codegen.kernels import topk_select as ts
 
-    cfg = dataclasses.replace(topk_tie_config(T_, C, "fast"), lean=True, compact=2048)
+    cfg = dataclasses.replace(topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True)
     row.kernel += f" {cfg.tag}"
     build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
     row.check = "built only"
@@ -3088,6 +3112,9 @@ def _indexer_cases(quick: bool):
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         for T_, C, cfg, var in _topk_s8_rows():
             out.append(("indexer_topk_select s8", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
+        for T_, C, cfg, var in _topk_s8b_rows():
+            out.append(("indexer_topk_select s8b", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",

@@ -120,6 +120,7 @@ class HistConfig:
     # (one segment a row) the final selection on the buffer's members >= the bound copied to the free fine
     # histogram (up to `compact` of them; more: the buffer as before) instead of all BUF entries in place
     compact: int = 0
+    wscan: bool = False  # the output offsets by warp shuffle scans (one barrier), not T.cumsum (one warp, serial)
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -133,16 +134,18 @@ class HistConfig:
                 + (f"p{self.l2_ahead}" if self.l2_ahead else "") + fused
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
-                + (f"z{self.compact}" if self.compact else "")
+                + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
 # scores and their keys (a per-thread max written out), "count" adds the histogram bound, "push" the candidate
 # buffer and its cuts; only the final selection / output is left out. "" = the real program. HIST_DIAG_FIRST:
-# (fused) the first chunk's bound and push as in the real program, the later chunks read only.
+# (fused) the first chunk's bound and push as in the real program, the later chunks read only. HIST_DIAG_SELECT:
+# the real program up to its final selection, without the output's bitmap marks and emit.
 HIST_DIAGS = ("read", "count", "push")
 HIST_DIAG_FIRST = "first"
+HIST_DIAG_SELECT = "select"
 
 
 def hist_buffer(C: int, k: int, cfg: HistConfig) -> int:
@@ -165,7 +168,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
     if isinstance(cfg, HistConfig):
         assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
         assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
-        assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST), cfg
+        assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST, HIST_DIAG_SELECT), cfg
         assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
@@ -604,13 +607,18 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
     return select
 
 
-def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False):
+def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan: bool = False):
     """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after.
-    ffs (GPU): a non-zero word's set bits visited with __ffs (popcount iterations, not 32)."""
+    ffs (GPU): a non-zero word's set bits visited with __ffs (popcount iterations, not 32). warp_scan (GPU): the
+    threads' output offsets by a shuffle scan in each warp and the warp totals (one barrier), not T.cumsum (one
+    warp walking all NT counts)."""
     import tilelang.language as T
 
     NW = -(-C // 32)
     WPT = -(-NW // NT)
+    NWARP = max(NT // 32, 1)
+    WSCAN = warp_scan and not ops.cpu
+    full = T.uint32(0xFFFFFFFF)
 
     @T.macro
     def emit(bitmap, wcnt, wbase, Idx, t, kk):
@@ -619,17 +627,34 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False):
             for u in T.serial(WPT):
                 if i * WPT + u < NW:
                     c = ops.popc_add(c, bitmap[T.min(i * WPT + u, NW - 1)])
-            wcnt[i] = c
+            if WSCAN:  # wbase[i]: the count before thread i in its warp; wcnt[w]: warp w's total
+                incl = T.alloc_var("int32", init=c)
+                for d in (1, 2, 4, 8, 16):
+                    up = T.call_extern("int32", "__shfl_up_sync", full, incl, d)
+                    incl = incl + T.if_then_else(i % 32 >= d, up, 0)
+                wbase[i] = incl - c
+                if i % 32 == 31:
+                    wcnt[i // 32] = incl
+            else:
+                wcnt[i] = c
         if ops.cpu:
             acc = T.alloc_var("int32", init=0)
             for i in T.serial(NT):
                 wbase[i] = acc
                 acc = acc + wcnt[i]
-        else:
+        elif not WSCAN:
             T.cumsum(src=wcnt, dst=wbase, dim=0)
-        ops.sync()
+        if WSCAN:
+            ops.barrier()
+        else:
+            ops.sync()
         for i in ops.par(NT):
-            p = T.alloc_var("int32", init=wbase[i] if ops.cpu else wbase[i] - wcnt[i])
+            p = T.alloc_var("int32", init=wbase[i] if ops.cpu else (0 if WSCAN else wbase[i] - wcnt[i]))
+            if WSCAN:
+                p = wbase[i]
+                for w in T.unroll(NWARP):
+                    if w < i // 32:
+                        p = p + wcnt[w]
             for u in T.serial(WPT):
                 w = i * WPT + u
                 if w < NW:
@@ -1310,7 +1335,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     sh = scratch_shapes(T_, C, k, cfg)
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
-    emit = _make_emit(ops, NT, C, k, cfg.ffs)
+    emit = _make_emit(ops, NT, C, k, cfg.ffs, cfg.wscan)
     count, threshold = _make_hist_bound(ops, NT)
     io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
@@ -1663,7 +1688,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                     elif FUSED == 1:
                                         bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
                 elif it == NCH:
-                    cut = 1 if DIAG == "" else 0
+                    cut = 1 if DIAG in ("", HIST_DIAG_SELECT) else 0
                 if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
                     if T.And(it == NCH + 1, last == 1):
                         load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
@@ -1687,7 +1712,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
                             if bc[2] == NSEG - 1:
                                 last = 1
-                if DIAG in ("", "push", HIST_DIAG_FIRST):
+                if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
                     if not FAST:
                         if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
                             push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
@@ -1698,7 +1723,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
                         push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
                              raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
-            if COMPACT and DIAG == "":  # the final selection, out of the chunk loop (its registers are free)
+            if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
                 stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
                 if ctl[2] <= STAGE:
                     staged = 1
@@ -1712,6 +1737,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 for i in ops.par(NT):
                     if i < k:
                         Idx[t, i] = rc[i]
+            elif DIAG == HIST_DIAG_SELECT:  # the selection's results only
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = T.if_then_else(i == 0, stb[0], T.if_then_else(i == 1, stb[3], stb2[0]))
             elif DIAG == HIST_DIAG_FIRST:
                 for i in ops.par(NT):
                     if i < k:
