@@ -235,15 +235,18 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
 UNSPLIT_MIN_B = 0
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
-# Session 8 (not yet measured: kernels_h200 --only "sparse_attn s8"): every bf16 ws decode config takes Config.early_p /
-# Config.lazy_rescale (1) or not (0).
+# Session 8: every bf16 ws decode config takes Config.early_p / lazy_rescale / ids_first (1) or not (0). H200 (call 2,
+# kernels_h200 --only "sparse_attn s8", runtime operands): early_p + lazy_rescale within ~1% under do_bench at B64 /
+# 128 / 256; after a read flush B128 38.6 vs 39.7 us, B64 unsplit 32.6 vs 34.0 us; ids_first measured in call 4.
 DECODE_EARLY_P = 0
 DECODE_LAZY_RESCALE = 0
+DECODE_IDS_FIRST = 0
 
 
 def _chain_options(cfg: Config) -> Config:
-    """DECODE_EARLY_P / DECODE_LAZY_RESCALE applied to a bf16 ws decode config."""
-    return dataclasses.replace(cfg, early_p=bool(DECODE_EARLY_P), lazy_rescale=bool(DECODE_LAZY_RESCALE))
+    """DECODE_EARLY_P / DECODE_LAZY_RESCALE / DECODE_IDS_FIRST applied to a bf16 ws decode config."""
+    return dataclasses.replace(cfg, early_p=bool(DECODE_EARLY_P), lazy_rescale=bool(DECODE_LAZY_RESCALE),
+                               ids_first=bool(DECODE_IDS_FIRST))  # fmt: skip
 
 
 def _decode_options(cfg: Config) -> Config:
@@ -264,7 +267,7 @@ def _decode_options(cfg: Config) -> Config:
 PERSIST_MIN_B = 256
 
 DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_EARLY_P",
-                   "DECODE_LAZY_RESCALE")
+                   "DECODE_LAZY_RESCALE", "DECODE_IDS_FIRST")
 # "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
 DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
 
