@@ -64,8 +64,8 @@ def test_env_form_sets_the_switches(monkeypatch):
 @pytest.mark.parametrize("name,field", [("DECODE_EARLY_P", "early_p"), ("DECODE_LAZY_RESCALE", "lazy_rescale"),
                                         ("DECODE_IDS_FIRST", "ids_first")])
 def test_chain_option_switches_reach_every_bf16_ws_decode_config(monkeypatch, name, field):
-    """Session 8's options (Config.early_p / lazy_rescale / ids_first): off by default; the switch sets the field on every bf16
-    decode config -- split, single pass and the persistent grid alike -- and on no FP8-KV one."""
+    """Session 8's options (Config.early_p / lazy_rescale / ids_first): off by default; the switch sets the field on
+    every bf16 decode config -- split, single pass and the persistent grid alike -- and on no FP8-KV one."""
     before, before8 = _configs(), _configs(fp8=True)
     assert not any(getattr(c, field) for c in before.values())
     monkeypatch.setattr(sad, name, 1)
