@@ -375,7 +375,7 @@ class Linear:
         return TensorType(x.dtype, x.shape[:-1] + (weight.shape[0],))
 
     def reference(x, weight, bias):
-        if x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and _split_pays(x, weight):
+        if x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and weight.numel() >= SPLIT_MIN:
             return linear_f32_bf16(x, weight, bias)
         y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
@@ -393,17 +393,8 @@ def split_f32_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 # weights from this many elements take linear_f32_bf16 on CUDA (the head: 662M); smaller ones (the compressor and
-# indexer projections, <= 2.6M) keep the fp32 copy at decode: 2 launches, where the split takes ~9 for a few
-# microseconds. From SPLIT_MIN_MACS multiply-adds the fp32 GEMM itself costs more than the split: a prefill of
-# 8192 tokens through the V4.1 compressor and indexer projections (5120 -> 512 | 512 | 64) is ~46 G MACs, 2.2 ms
-# at the fp32 rate (H200, session 8 call 1: "linear (reference)"), against three bf16 tensor-core GEMMs.
+# indexer projections, <= 2.6M) keep the fp32 copy: 2 launches, where the split takes ~9 for a few microseconds
 SPLIT_MIN = 1 << 24
-SPLIT_MIN_MACS = 1 << 30
-
-
-def _split_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // max(x.shape[-1], 1)
-    return weight.numel() >= SPLIT_MIN or rows * weight.numel() >= SPLIT_MIN_MACS
 STACKED_OUT_BYTES = 1 << 29  # the three partial products in one GEMM while their fp32 output stays this small
 
 

@@ -55,33 +55,3 @@ def test_split_linear_cuda_matches_fp32_reference():
         torch.set_float32_matmul_precision(before)
     bound = 16 * torch.finfo(torch.float32).eps * (x.abs() @ w.float().abs().T)
     assert ((y - ref).abs() <= bound).all(), float(((y - ref).abs() / bound).max())
-
-
-def test_split_path_taken_where_the_fp32_gemm_costs_more():
-    """The head always; the compressor / indexer projections (5120 -> 512, 5120 -> 64) at a prefill of 8192
-    tokens, not at decode (there the split's ~9 launches cost more than the small fp32 GEMM)."""
-    head = torch.empty(129280, 5120, dtype=torch.bfloat16, device="meta")
-    wkv = torch.empty(512, 5120, dtype=torch.bfloat16, device="meta")
-    wproj = torch.empty(64, 5120, dtype=torch.bfloat16, device="meta")
-    one, many = (torch.empty(t, 5120, device="meta") for t in (1, 8192))
-    assert core._split_pays(one, head) and core._split_pays(many, head)
-    assert core._split_pays(many, wkv) and core._split_pays(many, wproj)
-    assert not core._split_pays(one, wkv) and not core._split_pays(one, wproj)
-    assert not core._split_pays(torch.empty(64, 5120, device="meta"), wkv)
-
-
-@pytest.mark.gpu
-def test_split_linear_cuda_prefill_rows_small_weight():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(8192, 5120, generator=g).cuda()
-    w = (torch.randn(64, 5120, generator=g) * 0.02).bfloat16().cuda()
-    assert core._split_pays(x, w)
-    y = core.Linear.reference(x, w, None)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        ref = F.linear(x, w.float())
-    finally:
-        torch.set_float32_matmul_precision(before)
-    bound = 16 * torch.finfo(torch.float32).eps * (x.abs() @ w.float().abs().T)
-    assert ((y - ref).abs() <= bound).all(), float(((y - ref).abs() / bound).max())
