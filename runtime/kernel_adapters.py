@@ -545,7 +545,13 @@ def _codes_chunk_major(xc: torch.Tensor, xs: torch.Tensor, rows: int) -> tuple[t
     [G*rows, K] (row j*rows + i = group j of token i; padding rows zero) and MN-major fp32 scales [K/block, G*rows]
     (padding columns 1: never read). The same operand values as quantising dequant_fp8(xc, xs) again (that can
     pick a code twice as large at half the scale where rounding brought a group's maximum down to 448 x the
-    smaller scale: the same products, scaled exactly by powers of two); bytes moved, nothing computed."""
+    smaller scale: the same products, scaled exactly by powers of two); bytes moved, nothing computed. On CUDA one
+    Triton launch (act_quant.triton_codes_chunk_major); these torch copies are its CPU reference."""
+    if xc.is_cuda or ACT_QUANT_KERNEL_ON_CPU:
+        from deepinfer.codegen.kernels import act_quant
+
+        a, sa = act_quant.triton_codes_chunk_major(xc, xs, rows)
+        return a.view(torch.float8_e4m3fn), sa
     t, g, k = xc.shape
     kb = xs.shape[-1]
     a = torch.empty(g, rows, k, dtype=xc.dtype, device=xc.device)

@@ -151,3 +151,41 @@ def test_codes_chunk_major_layout():
     # maximum down to a smaller scale's 448 (re-quantising the dequantised x then picks that smaller scale)
     assert torch.equal(values(a, sa), values(want_a, want_sa))
     assert not a.view(torch.uint8)[rows - 1].any()  # a padding row
+
+
+def test_codes_chunk_major_kernel_equals_the_torch_copies(monkeypatch):
+    """act_quant.triton_codes_chunk_major under Triton's interpreter: the torch layout's bytes and scales exactly
+    (padding rows included), ue8m0 byte 0 (2^-127) decoded too."""
+    pytest.importorskip("triton")
+    t, g, k, rows = 5, 3, 64, 8
+    q, s = quant_fp8_groups(torch.randn(t, g, k, generator=torch.Generator().manual_seed(5)) * 3, 32)
+    s.view(torch.uint8)[0, 0, 0] = 0
+    want_a, want_sa = ka._codes_chunk_major(q, s, rows)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ka, "ACT_QUANT_KERNEL_ON_CPU", True)
+    a, sa = ka._codes_chunk_major(q, s, rows)
+    assert a.dtype == torch.float8_e4m3fn and a.shape == want_a.shape and sa.shape == want_sa.shape
+    assert torch.equal(a.view(torch.uint8), want_a.view(torch.uint8))
+    assert torch.equal(sa, want_sa) and sa[0, 0].item() == 2.0**-127
+
+
+def test_codes_chunk_major_kernel_compiles_for_hopper_spill_free():
+    """sm_90a build at V4.1's out-group width (K = 4096 codes, 128 scales a chunk): no spills."""
+    from tests.codegen._triton_aot import compile_sm90, spill_free
+
+    sig = {"q_ptr": "*u8", "e_ptr": "*u8", "a_ptr": "*u8", "s_ptr": "*fp32", "M": "i32", "ROWS": "i32",
+           "ROWS_PER": "i32", "CHUNKS": "i32"}  # fmt: skip
+    _, report = compile_sm90("deepinfer.codegen.kernels.act_quant", "_codes_kernel", sig,
+                             dict(KC=4096, G=128, BLOCK_K=4096, BLOCK_G=128), num_warps=4)  # fmt: skip
+    assert spill_free(report), report
+
+
+@pytest.mark.gpu
+def test_cuda_codes_chunk_major_at_v41_prefill():
+    """On the H200 at V4.1's prefill shape (8192 tokens, 8 out-groups of 4096): the kernel's bytes equal the torch
+    copies' (run on the same device tensors with the kernel switched off)."""
+    t, g, k, rows = 8192, 8, 4096, 8192
+    q, s = quant_fp8_groups(torch.randn(t, g, k, device="cuda") * 3, 32)
+    a, sa = ka._codes_chunk_major(q, s, rows)
+    cpu_a, cpu_sa = ka._codes_chunk_major(q.cpu(), s.cpu(), rows)
+    assert torch.equal(a.view(torch.uint8).cpu(), cpu_a.view(torch.uint8)) and torch.equal(sa.cpu(), cpu_sa)
