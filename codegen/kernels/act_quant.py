@@ -52,11 +52,23 @@ FP8_MAX = 448.0
 SCALE_FLOOR = 1e-4  # dt.pow2_scale's floor: an all-zero group gets 2^ceil(log2(1e-4 / 448)) = 2^-22
 
 
-@functools.lru_cache(maxsize=2)
+def _triton_factory(build):
+    """A kernel factory: build(interpret) once per interpreter mode (Triton fixes the mode when it decorates), and
+    the missing-triton error before it."""
+
+    @functools.lru_cache(maxsize=2)
+    @functools.wraps(build)
+    def factory(interpret: bool):
+        if triton is None:
+            raise ImportError("triton is not installed (pip install deepinfer[codegen])")
+        return build(interpret)
+
+    return factory
+
+
+@_triton_factory
 def _kernel(interpret: bool):
     """Built lazily, once per interpreter mode (triton fixes it at decoration time)."""
-    if triton is None:
-        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
 
     @triton.jit
     def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS, ROWS_PER, CHUNK_OFF, G: tl.constexpr,
@@ -132,11 +144,8 @@ def reference(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[tor
 RNE_MAGIC = 12582912.0  # 1.5 * 2^23: x + RNE_MAGIC - RNE_MAGIC rounds |x| < 2^22 to an integer, ties to even
 
 
-@functools.lru_cache(maxsize=2)
+@_triton_factory
 def _fake_quant_kernel(interpret: bool):
-    if triton is None:
-        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
-
     @triton.jit
     def fake_quant_kernel(x_ptr, y_ptr, K, stride_x, G: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -182,11 +191,8 @@ def fake_quant_roofline(m: int, k: int, x_bytes: int = 4) -> float:
 # ~5 launches (byte -> float, - 127, exp2, code -> float, product).
 
 
-@functools.lru_cache(maxsize=2)
+@_triton_factory
 def _dequant_kernel(interpret: bool):
-    if triton is None:
-        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
-
     @triton.jit
     def dequant_kernel(q_ptr, s_ptr, y_ptr, K, G: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
         row = tl.program_id(0)
@@ -288,11 +294,8 @@ def rebase_stats(x: torch.Tensor, fine: int = 32, coarse: int = 128) -> dict:
 # an ulp or so of torch's, so a code can flip at a rounding boundary (the tests bound it to one E4M3 step).
 
 
-@functools.lru_cache(maxsize=2)
+@_triton_factory
 def _swiglu_kernel(interpret: bool):
-    if triton is None:
-        raise ImportError("triton is not installed (pip install deepinfer[codegen])")
-
     @triton.jit
     def swiglu_quant_kernel(c_ptr, q_ptr, s_ptr, M, INTER, stride_c, ROWS, LIMIT, tiles_ptr, BLOCK_M,
                             G: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,

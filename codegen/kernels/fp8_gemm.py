@@ -604,6 +604,8 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
         return takes_unit(mi, Meta, wg, h)
 
     HR = HALF_ROWS
+    # a unit's MMA without overlap: issued async between the ping-pong turns, else T.gemm (issue and wait)
+    unit_mma = TC.wgmma_gemm if cfg.pingpong else T.gemm
 
     @T.macro
     def body(A, SA, B, SB, Meta, C):
@@ -767,13 +769,14 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                         else:
                                             T.wait_wgmma(0)
                                         part = parts[g % 2]
-                                    elif cfg.pingpong:  # wait for my turn, issue, pass the turn, then wait
-                                        if wg == 0:
-                                            T.sync_threads(PP_BAR, 256)
-                                        else:
-                                            T.sync_threads(PP_BAR + 1, 256)
+                                    else:  # ping-pong: wait for my turn, issue, pass the turn, then wait
+                                        if cfg.pingpong:
+                                            if wg == 0:
+                                                T.sync_threads(PP_BAR, 256)
+                                            else:
+                                                T.sync_threads(PP_BAR + 1, 256)
                                         if takes_unit(mi, Meta, wg, h):  # (half tiles: the turns still alternate)
-                                            TC.wgmma_gemm(
+                                            unit_mma(
                                                 A_s[st, :, s * sub : (s + 1) * sub],
                                                 B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
                                                 p0,
@@ -781,23 +784,13 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                                 clear_accum=True,
                                                 policy=policy,
                                             )
-                                        if wg == 0:
-                                            T.named_barrier_arrive(PP_BAR + 1, 256)
-                                        else:
-                                            T.named_barrier_arrive(PP_BAR, 256)
-                                        if promotes_in_turn(mi, Meta, wg, h):
-                                            T.wait_wgmma(0)
-                                        part = p0
-                                    else:
-                                        if takes_unit(mi, Meta, wg, h):
-                                            T.gemm(
-                                                A_s[st, :, s * sub : (s + 1) * sub],
-                                                B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
-                                                p0,
-                                                transpose_B=True,
-                                                clear_accum=True,
-                                                policy=policy,
-                                            )
+                                        if cfg.pingpong:
+                                            if wg == 0:
+                                                T.named_barrier_arrive(PP_BAR + 1, 256)
+                                            else:
+                                                T.named_barrier_arrive(PP_BAR, 256)
+                                            if promotes_in_turn(mi, Meta, wg, h):
+                                                T.wait_wgmma(0)
                                         part = p0
                                     ra = plan.sa_at(s)
                                     if promotes_in_turn(mi, Meta, wg, h):
