@@ -841,11 +841,20 @@ def batched_index_scores_cases():
 # `--only "indexer length"` (helper D, session 8): decode caches are sized for max_model_len, so a step's index
 # scores are [B, max_model_len / ratio] whatever a sequence's length. Rows at a 4k context (positions 4095 / 4096)
 # with caches for max_model_len 4096 and 65536: the scores kernel in its first form (one CTA per key tile of the
-# cache: "old") and the balanced form (ctas_per_sm n: "bal<n>"; "nofill": the columns past the live tiles left
-# unwritten), then the step's scores + top-k ("step"): old scores + topk_select without positions (the runtime's
-# topk_entries today: every column read), bal8 + the same top-k, and bal8 nofill + topk_select WITH positions
-# (columns past (p+1)//ratio never read: what an IR topk_entries with positions would run). Flat in
-# max_model_len = the step's work follows the context. %limit: the visible entries' bytes (the 4k context's).
+# cache: "old"), the work-list form ("bal<n>": n CTAs an SM share one list of the step's live tiles) and the per-row
+# form ("row<n>": about n x SMs CTAs split over the rows, each walking its row's live tiles in strides); "nofill":
+# the columns past the live tiles left unwritten. Then the step's scores + top-k ("step"): old scores +
+# topk_select without positions (the runtime's topk_entries today: every column read), row32 + the same top-k, and
+# row32 nofill + topk_select WITH positions (columns past (p+1)//ratio never read: what an IR topk_entries with
+# positions would run). Flat in max_model_len = the step's work follows the context. %limit: the visible
+# entries' bytes (the 4k context's). The candidate level's torch ops close the list.
+# H200, session 8 call 2 (work-list form before its 168-register cap, 2 CTAs an SM; us, mml 4096 -> 65536 r2 /
+# 65536 r1): B64 scores old 50.0 -> 101.2 / 156.1, bal8 82.3 -> 84.6 / 144.7, bal8 nofill 75.8 -> 76.2 / 126.6
+# (flat, but 1.6x the first form's live work at 4k: one CTA walking several tiles keeps fewer loads in flight);
+# B64 step (r1 only; r2 did not build then) old 214.5, bal8 202.8, bal8 nofill+pos 174.4; B1 scores ~10-11 us in
+# every form (flat already); B1 step old 16.9 -> 28.7 / 34.4, bal8 nofill+pos 18.5 -> 30.1 / 34.6 (topk_select's
+# dead segments still cost with positions). The per-row form (one tile a CTA at a 4k context, the first form's
+# grid at mml 4096) is unmeasured.
 
 IDXLEN_CONTEXT = 4096
 
@@ -861,15 +870,15 @@ def _idxlen_inputs(B: int, C: int, batched: bool):
 
 def _idxlen_scores_fn(B: int, C: int, ratio: int, form: str):
     """(scores callable, fill) of one form: B 1 is the one-sequence index_scores kernel, B > 1 the batched one.
-    form "bal<n>[ s<stages>][ r<maxnreg>][ nofill]": the balanced form (indexer_topk.decode_form: one query a CTA,
-    k_split 32, 168 registers) with n CTAs an SM."""
+    form "bal<n>|row<n>[ s<stages>][ r<maxnreg>][ nofill]": a balanced form (indexer_topk.decode_form: one query a
+    CTA, k_split 32, 168 registers; bal: one work list, row: per-row strides) with n CTAs an SM."""
     from deepinfer.codegen.kernels import indexer_topk as it
 
     batched = B > 1
     cfg = it.F32ScoresConfig(block_t=1 if batched else 4)  # the first form, whatever DECODE_CTAS_PER_SM says
     words = form.split()
-    if words[0] != "old":
-        cfg = it.decode_form(cfg, int(words[0][3:]))
+    if words[0] != "old":  # "bal<n>": the work-list form, "row<n>": the per-row form
+        cfg = it.decode_form(cfg, int(words[0][3:]), per_row=words[0].startswith("row"))
         for w in words[1:]:  # "s<stages>", "r<register cap>" (r0: none)
             if w[0] in "sr" and w[1:].isdigit():
                 cfg = dataclasses.replace(cfg, **{"stages" if w[0] == "s" else "maxnreg": int(w[1:])})
@@ -925,7 +934,7 @@ def _idxlen_topk(B: int, C: int, ratio: int, with_pos: bool, dry: bool):
 
 
 def case_idxlen_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
-    """Scores + top-512 of a decode step (form: "old", "bal8", "bal8 nofill+pos"), checked against
+    """Scores + top-512 of a decode step (form: "old", "row32", "row32 nofill+pos"), checked against
     topk_select.reference of the same form's scores with every column written (exactly the same set)."""
     from deepinfer.codegen.kernels import indexer_topk as it
     from deepinfer.codegen.kernels import topk_select as ts
@@ -994,10 +1003,10 @@ def indexer_length_cases():
     for B in (1, 64):
         for mml, ratio in ((4096, 2), (65536, 2), (65536, 1)):
             shape = f"B{B} mml{mml} r{ratio}"
-            for form in ("old", "bal4", "bal8", "bal16", "bal8 s2", "bal8 r0", "bal8 nofill"):
+            for form in ("old", "bal8", "row16", "row32", "row32 r0", "row32 nofill"):
                 run = functools.partial(_idxlen_row, case_idxlen_scores, B, mml, ratio, form)
                 out.append((f"indexer length scores {form}", shape, run))
-            for form in ("old", "bal8", "bal8 nofill+pos"):
+            for form in ("old", "row32", "row32 nofill+pos"):
                 run = functools.partial(_idxlen_row, case_idxlen_step, B, mml, ratio, form)
                 out.append((f"indexer length step {form}", shape, run))
     for mml in (4096, 65536):

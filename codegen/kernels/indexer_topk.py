@@ -503,17 +503,20 @@ class F32ScoresConfig:
     fill_block: int = 1024  # balanced form: columns of -inf one fill work item writes (a power of two)
     k_split: int = 0  # dims per tensor-core product (0: all di in one); see below
     stages: int = 1  # balanced form: software-pipeline stages of the work-item loop (1: none)
+    per_row: bool = False  # with ctas_per_sm: the per-row form (see above) instead of one work list for the step
 
 
-DECODE_CTAS_PER_SM = 0  # > 0: decode (one query, or B sequences) takes the balanced form with this many CTAs an SM
+DECODE_CTAS_PER_SM = 0  # > 0: decode (one query, or B sequences) takes a balanced form, this many CTAs an SM
+DECODE_PER_ROW = True  # which: the per-row form (unmeasured) -- the work-list form lost to the first (call 2)
 
 
-def decode_form(cfg: F32ScoresConfig, ctas_per_sm: int | None = None) -> F32ScoresConfig:
-    """cfg as the balanced form (one query a CTA, k_split 32: see above) when DECODE_CTAS_PER_SM (or ctas_per_sm)
-    is set, else cfg. The one-sequence step (T 1) and every batch take the same tile, so a sequence's scores are
-    the same bits alone and in a batch."""
+def decode_form(cfg: F32ScoresConfig, ctas_per_sm: int | None = None, per_row: bool | None = None) -> F32ScoresConfig:
+    """cfg as a balanced form (one query a CTA, k_split 32, 168 registers: see above) when DECODE_CTAS_PER_SM (or
+    ctas_per_sm) is set, else cfg. The one-sequence step (T 1) and every batch take the same tile, so a sequence's
+    scores are the same bits alone and in a batch."""
     n = DECODE_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    return dataclasses.replace(cfg, block_t=1, ctas_per_sm=n, k_split=32, maxnreg=168) if n else cfg
+    row = DECODE_PER_ROW if per_row is None else per_row
+    return dataclasses.replace(cfg, block_t=1, ctas_per_sm=n, k_split=32, maxnreg=168, per_row=row) if n else cfg
 
 
 def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
@@ -541,7 +544,8 @@ def _f32_scores_kernel(interpret: bool):
                           DI: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                           OWN_KEYS: tl.constexpr, BALANCED: tl.constexpr = False, RBP: tl.constexpr = 1,
                           FILL: tl.constexpr = True, FB: tl.constexpr = 1024,
-                          STAGES: tl.constexpr = 1, DK: tl.constexpr = 0):  # fmt: skip
+                          STAGES: tl.constexpr = 1, DK: tl.constexpr = 0,
+                          PER_ROW: tl.constexpr = False):  # fmt: skip
         j = tl.arange(0, BT * H)  # the CTA's (query, head) columns, query-major as q [T, H, DI] is stored
         if BALANCED:  # work items: the live key tiles of every query block, in block order
             pid, nprog = tl.program_id(0), tl.num_programs(0)
@@ -552,12 +556,19 @@ def _f32_scores_kernel(interpret: bool):
             live = (seen + BC - 1) // BC
             live_end = tl.cumsum(live, axis=0)
             lo, hi, step = pid, tl.sum(live, axis=0), nprog
+        elif PER_ROW:  # query block program_id(1)'s live key tiles, strided over the CTAs of its grid row
+            tq = tl.program_id(1) * BT + tl.arange(0, BT)
+            pq = tl.load(pos_ptr + tq, mask=tq < T, other=-1).to(tl.int32)
+            live_row = (tl.minimum(tl.max((pq + 1) // ratio, axis=0), C) + BC - 1) // BC
+            lo, hi, step = tl.program_id(0), live_row, tl.num_programs(0)
         else:  # one CTA per (key tile, query block): this CTA's only item
             lo, hi, step = 0, 1, 1
         for wi in tl.range(lo, hi, step, num_stages=STAGES):
             if BALANCED:
                 rb = tl.sum((live_end <= wi).to(tl.int32), axis=0)  # the item's query block
                 cb = wi - tl.sum(tl.where(r == rb, live_end - live, 0), axis=0)  # its key tile in the block's row
+            elif PER_ROW:
+                rb, cb = tl.program_id(1), wi
             else:
                 rb, cb = tl.program_id(1), tl.program_id(0)
             c = cb * BC + tl.arange(0, BC)
@@ -596,6 +607,14 @@ def _f32_scores_kernel(interpret: bool):
                     tl.store(s_ptr + t.to(tl.int64)[:, None] * C + cols[None, :],
                              tl.full((BT, FB), float("-inf"), tl.float32),
                              mask=(t < T)[:, None] & (cols < C)[None, :])  # fmt: skip
+        elif PER_ROW:
+            if FILL:  # then -inf past the block's live tiles, FB columns a CTA in turn
+                tq = tl.program_id(1) * BT + tl.arange(0, BT)
+                for f in tl.range(live_row * BC + tl.program_id(0) * FB, C, tl.num_programs(0) * FB, num_stages=1):
+                    cols = f + tl.arange(0, FB)
+                    tl.store(s_ptr + tq.to(tl.int64)[:, None] * C + cols[None, :],
+                             tl.full((BT, FB), float("-inf"), tl.float32),
+                             mask=(tq < T)[:, None] & (cols < C)[None, :])  # fmt: skip
 
     return f32_scores_kernel
 
@@ -616,6 +635,8 @@ def f32_scores_grid(rows: int, C: int, block_t: int, cfg: F32ScoresConfig, sms: 
     """The launch grid: (key tiles, query blocks), or the balanced form's (ctas,) -- never more CTAs than the
     tiles of a step whose every column is visible."""
     blocks, tiles = -(-rows // block_t), -(-C // cfg.block_c)
+    if cfg.ctas_per_sm and cfg.per_row:  # (CTAs a query block, query blocks)
+        return (max(1, min(tiles, -(-cfg.ctas_per_sm * sms // blocks))), blocks)
     if cfg.ctas_per_sm:
         return (max(1, min(cfg.ctas_per_sm * sms, blocks * tiles)),)
     return (tiles, blocks)
@@ -628,8 +649,9 @@ def _launch_f32_scores(q, w, keys, positions, s, *, rows: int, C: int, block_t: 
     form = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     if cfg.ctas_per_sm:
         assert cfg.fill_block & (cfg.fill_block - 1) == 0, cfg
-        form |= dict(BALANCED=True, RBP=1 << max(0, -(-rows // block_t) - 1).bit_length(), FILL=bool(fill),
-                    FB=cfg.fill_block, STAGES=cfg.stages)  # fmt: skip
+        blocks_p2 = 1 << max(0, -(-rows // block_t) - 1).bit_length()
+        form |= dict(BALANCED=not cfg.per_row, PER_ROW=cfg.per_row, RBP=1 if cfg.per_row else blocks_p2,
+                     FILL=bool(fill), FB=cfg.fill_block, STAGES=cfg.stages)  # fmt: skip
     _f32_scores_kernel(_interpreted())[grid](
         q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(), positions.contiguous(), s,
         rows, C, float(scale), int(ratio), H=q.shape[1], DI=q.shape[2], BC=cfg.block_c, BT=block_t,

@@ -164,11 +164,12 @@ def test_cuda_kernel_at_batched_decode_dims(c, ratio, maxnreg):
 _LENGTHS = dict(b=6, c=200, positions=[0, 1, 63, 130, 399, 1000], ratio=2)
 
 
-def _balanced(monkeypatch, ctas: int, fill_block: int = 64) -> it.F32ScoresConfig:
-    """A balanced config whose grid is `ctas` CTAs (one SM assumed), so every CTA walks several work items; the
-    k_split it takes on the GPU (the first form compared with it takes the same)."""
+def _balanced(monkeypatch, ctas: int, fill_block: int = 64, per_row: bool = False) -> it.F32ScoresConfig:
+    """A balanced config whose grid is `ctas` CTAs (one SM assumed; per_row: `ctas` split over the rows, at least
+    one each), so every CTA walks several work items; the k_split it takes on the GPU (the first form compared
+    with it takes the same)."""
     monkeypatch.setattr(it, "_sm_count", lambda device: 1)
-    return it.F32ScoresConfig(block_t=1, ctas_per_sm=ctas, fill_block=fill_block, k_split=32)
+    return it.F32ScoresConfig(block_t=1, ctas_per_sm=ctas, fill_block=fill_block, k_split=32, per_row=per_row)
 
 
 _FIRST = it.F32ScoresConfig(block_t=1, k_split=32)  # the first form (a CTA per key tile) at the same k_split
@@ -178,21 +179,24 @@ def _limits(pos: torch.Tensor, ratio: int, c: int) -> list[int]:
     return [min((int(p) + 1) // ratio, c) for p in pos]
 
 
-@pytest.mark.parametrize("ctas", [1, 3, 64])
-def test_balanced_form_at_very_different_lengths(interpret, monkeypatch, ctas):
+@pytest.mark.parametrize("ctas,per_row", [(1, False), (3, False), (64, False), (6, True), (13, True), (64, True)])
+def test_balanced_form_at_very_different_lengths(interpret, monkeypatch, ctas, per_row):
     """Equal to both oracles, and bit for bit to the first form (one CTA per key tile); 1 / 3 CTAs walk every
-    item, 64 CTAs are more than the items (the rest have none)."""
+    item, 64 CTAs are more than the items (the rest have none); per row: 1 / 3 / 4 (all tiles) CTAs a row."""
     d = _LENGTHS
     q, w, keys, pos = _inputs(d["b"], d["c"], d["positions"], seed=11)
     first = it.triton_batched_scores(q, w, keys, pos, ratio=d["ratio"], scale=SCALE, cfg=_FIRST)
-    s = it.triton_batched_scores(q, w, keys, pos, ratio=d["ratio"], scale=SCALE, cfg=_balanced(monkeypatch, ctas))
-    assert it.f32_scores_grid(d["b"], d["c"], 1, _balanced(monkeypatch, ctas), 1) == (min(ctas, d["b"] * 4),)
+    cfg = _balanced(monkeypatch, ctas, per_row=per_row)
+    s = it.triton_batched_scores(q, w, keys, pos, ratio=d["ratio"], scale=SCALE, cfg=cfg)
+    want = (min(4, -(-ctas // d["b"])), d["b"]) if per_row else (min(ctas, d["b"] * 4),)
+    assert it.f32_scores_grid(d["b"], d["c"], 1, cfg, 1) == want
     _check(s, _oracle_f64(q, w, keys, pos, d["ratio"], SCALE), 1e-6)
     _check(s, _op_reference(q, w, keys, pos, d["ratio"], SCALE), 1e-6)
     assert torch.equal(s, first)
 
 
-def test_balanced_form_reads_and_writes_no_dead_tile(interpret, monkeypatch):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_balanced_form_reads_and_writes_no_dead_tile(interpret, monkeypatch, per_row):
     """Keys past every sequence's limit are NaN and S starts as a sentinel: without fill, the visible columns are
     the clean keys' bits, the rest of a live tile -inf, and every column past the live tiles keeps the sentinel
     (no work item there, so its keys were not loaded); with fill, all of S is the clean first form's bits."""
@@ -205,7 +209,7 @@ def test_balanced_form_reads_and_writes_no_dead_tile(interpret, monkeypatch):
     for s_, lim in enumerate(lims):
         poisoned[s_, lim:] = float("nan")
     poisoned = poisoned.view(b * c, -1)
-    cfg = _balanced(monkeypatch, 3)
+    cfg = _balanced(monkeypatch, 3 if not per_row else 12, per_row=per_row)
     out = torch.full((b, c), 7.0)
     it.triton_batched_scores(q, w, poisoned, pos, ratio=ratio, scale=SCALE, cfg=cfg, fill=False, out=out)
     for s_, lim in enumerate(lims):
@@ -244,13 +248,17 @@ def test_balanced_grid_follows_the_shapes_only():
     assert it.f32_scores_grid(64, 32768, 1, cfg, 132) == (1056,)
     assert it.f32_scores_grid(2, 100, 1, cfg, 132) == (4,)
     assert it.f32_scores_grid(64, 32768, 1, it.F32ScoresConfig(block_t=1), 132) == (512, 64)
+    per_row = it.F32ScoresConfig(block_t=1, ctas_per_sm=32, per_row=True)  # 4224 CTAs over 64 rows: 66 a row
+    assert it.f32_scores_grid(64, 32768, 1, per_row, 132) == (66, 64)
+    assert it.f32_scores_grid(64, 2048, 1, per_row, 132) == (32, 64)  # the first form's grid at a 4k cache
 
 
-@pytest.mark.parametrize("fill", [True, False])
-def test_balanced_form_compiles_for_hopper(fill):
+@pytest.mark.parametrize("fill,per_row", [(True, False), (False, False), (True, True)])
+def test_balanced_form_compiles_for_hopper(fill, per_row):
     ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_f32_scores_kernel", _SIG,
-                               dict(H=32, DI=128, BC=64, BT=1, PREC="tf32x3", OWN_KEYS=True, BALANCED=True, RBP=64,
-                                    FILL=fill, FB=1024, STAGES=1, DK=32), num_warps=4, maxnreg=168)  # fmt: skip
+                               dict(H=32, DI=128, BC=64, BT=1, PREC="tf32x3", OWN_KEYS=True, BALANCED=not per_row,
+                                    RBP=1 if per_row else 64, FILL=fill, FB=1024, STAGES=1, DK=32, PER_ROW=per_row),
+                               num_warps=4, maxnreg=168)  # fmt: skip
     assert spill_free(report), report  # (decode_form's register cap: 3 CTAs an SM)
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
 
@@ -271,7 +279,7 @@ def test_decode_configs_take_the_balanced_form_when_switched_on(monkeypatch):
     tile (a sequence's bits alone = in a batch); several queries of one sequence keep the first form."""
     monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 8)
     one, batched = it.f32_scores_config(1, 4096), it.f32_batched_scores_config(64, 4096)
-    assert one == batched and (one.ctas_per_sm, one.block_t, one.k_split) == (8, 1, 32)
+    assert one == batched and (one.ctas_per_sm, one.block_t, one.k_split, one.per_row) == (8, 1, 32, True)
     assert it.f32_scores_config(64, 4096).ctas_per_sm == 0
     monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 0)
     assert it.f32_batched_scores_config(64, 4096) == it.F32ScoresConfig(block_t=1)

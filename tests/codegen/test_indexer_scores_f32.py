@@ -77,8 +77,10 @@ _SPREAD = [0, 3, 63, 130, 399, 1000, 150]  # 7 queries: nothing visible .. the w
 
 @pytest.mark.parametrize("t,c,positions,ratio,bt", [(1, 300, [97], 1, 1), (1, 300, [1], 2, 1),
                                                     (7, 200, _SPREAD, 2, 1), (7, 200, _SPREAD, 2, 4)])  # fmt: skip
-def test_balanced_form_is_the_first_form_bit_for_bit(interpret, monkeypatch, t, c, positions, ratio, bt):
-    """The balanced form (3 CTAs walking every live key tile, then the -inf fill in 64-column items) against the
+@pytest.mark.parametrize("per_row", [False, True])
+def test_balanced_form_is_the_first_form_bit_for_bit(interpret, monkeypatch, t, c, positions, ratio, bt, per_row):
+    """The balanced form (3 CTAs walking every live key tile -- per row: 3 CTAs a query block or at least one --,
+    then the -inf fill in 64-column items) against the
     first form (a CTA per key tile) at the same tile and k_split, and the float64 oracle; T 1 is the one-sequence
     decode step (one query block), 7 queries at very different lengths share the keys, one or 4 a CTA (a
     partial last block; the 4-query tile is correct but spills on sm_90a in the balanced loop)."""
@@ -86,7 +88,7 @@ def test_balanced_form_is_the_first_form_bit_for_bit(interpret, monkeypatch, t, 
     q, w, keys, _ = _inputs(t, c, 0, seed=t + c + ratio)
     pos = torch.tensor(positions)
     first = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=it.F32ScoresConfig(block_t=bt, k_split=32))
-    cfg = it.F32ScoresConfig(block_t=bt, k_split=32, ctas_per_sm=3, fill_block=64)
+    cfg = it.F32ScoresConfig(block_t=bt, k_split=32, ctas_per_sm=3, fill_block=64, per_row=per_row)
     s = it.triton_scores(q, w, keys, pos, ratio=ratio, scale=0.088, cfg=cfg)
     assert torch.equal(s, first)
     _check(s, _oracle_f64(q, w, keys, pos, ratio, 0.088), 1e-6)
