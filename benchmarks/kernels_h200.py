@@ -2219,14 +2219,29 @@ def _s7_pct(bytes_: float, ms: float, hbm: float) -> str:
     return f"{100 * bytes_ / hbm / (ms * 1e-3):5.1f}%" if ms == ms else "    -"
 
 
+def _summary_bandwidth(quick: bool, title: str, columns: str) -> float:
+    """The HBM copy bandwidth measured now (the summaries' % column), printed in the summary's title line."""
+    hbm = _copy_bandwidth(quick)
+    torch.cuda.empty_cache()
+    print(f"--- {title} (HBM copy now {hbm / 1e12:.2f} TB/s; {columns})")
+    return hbm
+
+
+def _print_block_fit(label: str, pts: list) -> None:
+    """time = fixed + slope x blocks through (blocks, us) points by least squares, printed with the points."""
+    x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+    slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    print(f"  {label}: fixed {y.mean() - slope * x.mean():.1f} us + {slope:.2f} us per 64-entry block ({len(pts)} "
+          "points: " + ", ".join(f"{int(a * 64)}: {b:.1f}" for a, b in pts) + ")")  # fmt: skip
+
+
 def case_attn_s7_summary(row: Row, quick: bool, dry: bool):
     """The 4k-layout rows per batch, fastest first (% of the HBM copy bandwidth measured now; BEST marks the
     first), with the random-layout anchor under them."""
     if dry:
         return
-    hbm = _copy_bandwidth(quick)
-    torch.cuda.empty_cache()
-    print(f"--- sparse_attn s7 summary (HBM copy now {hbm / 1e12:.2f} TB/s; time, % roofline, after a read flush)")
+    hbm = _summary_bandwidth(quick, "sparse_attn s7 summary", "time, % roofline, after a read flush")
     for B in S7_BATCHES:
         rows = [r for r in S7_RESULTS if r["B"] == B and r["what"] == "4k"]
         for i, r in enumerate(sorted(rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)):
@@ -2250,12 +2265,7 @@ def case_attn_s7_fit(row: Row, quick: bool, dry: bool):
         pts = [(int(r["what"].split("k")[1]) / 64, r["ms"] * 1e3) for r in S7_RESULTS
                if r["row"].split(" k")[0] == tag and r["ms"] == r["ms"]]  # fmt: skip
         if len(pts) >= 2:
-            x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
-            y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
-            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
-            fixed = y.mean() - slope * x.mean()
-            print(f"  {tag}: fixed {fixed:.1f} us + {slope:.2f} us per 64-entry block ({len(pts)} points: "
-                  + ", ".join(f"{int(a * 64)}: {b:.1f}" for a, b in pts) + ")")  # fmt: skip
+            _print_block_fit(tag, pts)
     row.check = "summary printed above"
 
 
@@ -2331,9 +2341,7 @@ def case_attn_s8_summary(row: Row, quick: bool, dry: bool):
     64-entry blocks by least squares) of the read-flush and compute-only probes."""
     if dry:
         return
-    hbm = _copy_bandwidth(quick)
-    torch.cuda.empty_cache()
-    print(f"--- sparse_attn s8 summary (HBM copy now {hbm / 1e12:.2f} TB/s; do_bench, then after a read flush)")
+    hbm = _summary_bandwidth(quick, "sparse_attn s8 summary", "do_bench, then after a read flush")
     for B in S7_BATCHES:
         rows = _s8_rows(B, "4k")
         base = next((r for r in rows if r["row"].endswith(" default")), None)
@@ -2348,11 +2356,7 @@ def case_attn_s8_summary(row: Row, quick: bool, dry: bool):
         pts = [(int(r["what"].split("k")[1]) / 64, r["ms"] * 1e3) for r in _s8_rows()
                if r["row"].rsplit(" k", 1)[0] == tag and r["ms"] == r["ms"]]  # fmt: skip
         if len(pts) >= 2:
-            x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
-            y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
-            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
-            print(f"  fit {tag}: fixed {y.mean() - slope * x.mean():.1f} us + {slope:.2f} us per 64-entry block ("
-                  + ", ".join(f"{int(a * 64)}: {b:.1f}" for a, b in pts) + ")")  # fmt: skip
+            _print_block_fit(f"fit {tag}", pts)
     row.check = "summary printed above"
 
 
@@ -2369,15 +2373,14 @@ def _trace_kernel(B: int, cfg, dry: bool, topk: int = 640):
         return None
     slots = sad.trace_slots(topk // ns // cfg.block_n)
 
+    op = torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda")  # the single pass leaves these alone
+    mp, lp = (torch.empty(B, ns, HEADS, device="cuda") for _ in range(2))
+
     def launch(q, kv, idx, sink, out):
         trace = torch.zeros(B * ns, slots, device="cuda", dtype=torch.int64)
-        if ns == 1:
-            k(q, *kv, *idx, sink, out, trace)
-            return trace
-        op = torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda")
-        mp, lp = (torch.empty(B, ns, HEADS, device="cuda") for _ in range(2))
-        k(q, *kv, *idx, op, mp, lp, trace)
-        comb(op, mp, lp, sink, out)
+        k(q, *kv, *idx, sink, out, op, mp, lp, trace)
+        if ns > 1:
+            comb(op, mp, lp, sink, out)
         return trace
 
     return launch
@@ -2502,13 +2505,13 @@ def attn_s8_trace_cases():
     operands, to split the fixed cost (B128: 19 us of 39 at k640, read flush): B128 single pass at k640 and k256, the
     same with no KV / id loads ("gather,ids": the compute chain alone) and with nothing but the skeleton (Q load,
     hand-offs, O store: "gather,ids,qk,softmax,pv"); B64 split 2 (+ combine); B256 single pass (two waves of CTAs);
-    B128 early_p + lazy_rescale."""
+    ids_first at B128 and B64 split; then, untraced, the B256 persistent grid with and without ids_first."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws = sad.sm90_config(128, 640)  # wsn64s2
     cfgs = [(128, ws, 640), (128, ws, 256), (128, rep(ws, skip="gather,ids"), 640),
             (128, rep(ws, skip="gather,ids,qk,softmax,pv"), 640), (64, sad.sm90_config(64, 640), 640),
-            (256, ws, 640), (128, rep(ws, early_p=True, lazy_rescale=True), 640), (128, rep(ws, ids_first=True), 640),
+            (256, ws, 640), (128, rep(ws, ids_first=True), 640),
             (64, rep(sad.sm90_config(64, 640), ids_first=True), 640)]  # fmt: skip
     cfgs = [(B, rep(cfg, trace=True), k) for B, cfg, k in cfgs]
     out = [(f"sparse_attn s8 trace B{B} {cfg.tag} k{k}", f"B{B} H64 k{k} 4k",

@@ -92,8 +92,9 @@ class Config:
     # no row's m rose -- after the first blocks, almost all of them. O, l and the sink term stay relative to the same
     # m, so the result is the same softmax (rounding differs: P in bf16 relative to another max).
     lazy_rescale: bool = False
-    # Diagnostic (session 8; correct results, one more output): the ws program, two pools, not persistent, no
-    # lookahead, records per-CTA timestamps into a trailing int64 argument Trace [B * num_split, trace_slots(nb)]
+    # Diagnostic (session 8; correct results): the ws program, two pools, not persistent, no lookahead, takes the
+    # single pass's and the split pass's outputs (Sink, O, Op, Mp, Lp: the other pass's are left alone) and records
+    # per-CTA timestamps into a trailing int64 argument Trace [B * num_split, trace_slots(nb)]
     # (TRACE_* slots: SM clock64 at each hand-off of every block, globaltimer at the CTA's start and end), so that
     # one H200 run shows where a block's time goes: waiting for its rows, QK^T, softmax, the PV warpgroups' hand-off
     # and PV, and the CTA's start-up and tail (kernels_h200 'sparse_attn s8 trace').
@@ -1322,30 +1323,13 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
                        trace_slots: int = 0):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
-    is the CTA index (the persistent ws body walks the requests itself). trace_slots (Config.trace, bf16 ws):
-    a trailing Trace [B * ns, trace_slots] int64 argument, passed to body as Trace."""
+    is the CTA index (the persistent ws body walks the requests itself). trace_slots (Config.trace, bf16 ws): one
+    prim_func for the single and the split pass, (Q, KVw, KVc, IdxW, IdxC, Sink, O, Op, Mp, Lp, Trace) with Trace
+    [B * ns, trace_slots] int64, passed to body as Trace."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
-    if trace_slots and split:
-
-        @T.prim_func
-        def sparse_attn_decode_ws2_split_trace(
-            Q: T.Tensor((B, H, D), act),
-            KVw: T.Tensor((Sw, D), kvt),
-            KVc: T.Tensor((Sc, D), kvt),
-            IdxW: T.Tensor((B, nw), i32),
-            IdxC: T.Tensor((B, nc), i32),
-            Op: T.Tensor((B, ns, H, D), op_dtype),
-            Mp: T.Tensor((B, ns, H), f32),
-            Lp: T.Tensor((B, ns, H), f32),
-            Trace: T.Tensor((B * ns, trace_slots), "int64"),
-        ):
-            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
-                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), None, None, Op, Mp, Lp, sp, b, Trace)
-
-        return sparse_attn_decode_ws2_split_trace
-    if trace_slots:
+    if trace_slots:  # one entry for both passes: the pass's unused outputs (Op, Mp, Lp or Sink, O) are left alone
 
         @T.prim_func
         def sparse_attn_decode_ws2_trace(
@@ -1356,10 +1340,13 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
             IdxC: T.Tensor((B, nc), i32),
             Sink: T.Tensor((H,), f32),
             O: T.Tensor((B, H, D), act),
+            Op: T.Tensor((B, ns, H, D), op_dtype),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
             Trace: T.Tensor((B * ns, trace_slots), "int64"),
         ):
             with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
-                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b, Trace)
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, Trace)
 
         return sparse_attn_decode_ws2_trace
     if persist:
