@@ -475,18 +475,29 @@ def roofline(T_: int, C: int, *, H: int = 32, di: int = 128, topk: int = 512, ra
 
 # Decode caches are sized for max_model_len, so C (columns of S, keys a sequence may have) is max_model_len / ratio
 # whatever a sequence's length; a CTA per key tile of C (`ctas_per_sm` 0, the first form) launches C / block_c
-# CTAs per query block at every step, most of them past the visible limit. The balanced form (`ctas_per_sm` n > 0)
-# launches n x SMs CTAs (a grid fixed by the shapes: CUDA graphs replay it) that share the work items of the step,
-# found on the device from the positions: first every query block's live key tiles (those below its furthest
-# visible entry), then -- `fill`, the op's definition: -inf wherever j >= (p+1)//ratio -- the columns past them in
-# blocks of `fill_block`. The dead tiles read no key and compute nothing in both forms; the balanced form's work
-# (and CTAs) follow the visible lengths, not C. Without `fill` the columns past a query block's last live tile are
-# not written at all: only for a consumer that reads S up to the positions' limit (topk_select with positions).
+# CTAs per query block at every step, most of them past the visible limit (they read no key and compute nothing,
+# but each is a CTA and writes its -inf tile). Two balanced forms (`ctas_per_sm` n > 0) launch about n x SMs CTAs
+# (a grid fixed by the shapes: CUDA graphs replay it) that find the live key tiles (those below a query block's
+# furthest visible entry) on the device from the positions:
+# * the work-list form: one list of every query block's live tiles (a cumsum), shared by all the CTAs in strides;
+# * the per-row form (`per_row`): grid (min(tiles, n x SMs / blocks), blocks), each CTA walking its query block's
+#   live tiles in strides -- at a 4k context and 64 sequences that is the first form's grid (one tile a CTA) for a
+#   4k cache, while a 64k cache adds fill-only CTAs instead of 16x the CTAs.
+# Then -- `fill`, the op's definition: -inf wherever j >= (p+1)//ratio -- the columns past the live tiles in
+# blocks of `fill_block`. Without `fill` they are not written at all: only for a consumer that reads S up to the
+# positions' limit (topk_select with positions; the runtime's topk_entries has none yet, so adapters keep fill).
+# H200, session 8 call 2, 4k context, us for max_model_len 4096 -> 65536 (ratio 2) / 65536 (ratio 1), the
+# work-list form before its register cap (2 CTAs an SM): B64 first form 50.0 -> 101.2 / 156.1, work list (8 CTAs
+# an SM) 82.3 -> 84.6 / 144.7, without fill 75.8 -> 76.2 / 126.6: flat in max_model_len, but its live work is
+# 1.6x the first form's at a 4k cache (a CTA walking several tiles one after another keeps fewer key loads in
+# flight than 3 CTAs an SM of one tile each), so it loses at max_model_len 4096 and wins at 65536. B1: ~10-11 us
+# in every form (flat already: 512 idle CTAs cost ~0.5 us). The per-row form and the 168-register cap are
+# unmeasured; DECODE_CTAS_PER_SM stays 0 (the first form) until a run shows a form matching the first at 4096.
 # Registers (ptxas, sm_90a, 4 warps, one query a CTA): a 3xTF32 product of the whole [64, 128] key tile holds its
-# hi and lo parts in registers; straight-line (first form) that fits (170), inside the balanced form's item loop it
+# hi and lo parts in registers; straight-line (first form) that fits (170), inside a balanced form's item loop it
 # takes 255 and spills; `k_split` 32 (four accumulating products of 32 dims) brings the loop to 178-190, no spills.
-# It changes the order of the sums (not the accuracy); tile and loop are the same code in both forms, so at equal
-# k_split both give the same bits. decode_form caps the loop at 168 registers (still no spills): 3 CTAs an SM,
+# It changes the order of the sums (not the accuracy); tile and loop are the same code in all forms, so at equal
+# k_split they give the same bits. decode_form caps the loop at 168 registers (still no spills): 3 CTAs an SM,
 # not 2. 4 queries a CTA (the one-sequence tile) spill in the loop at any k_split: the balanced one-sequence
 # decode (T = 1) takes one query a CTA. (The dims' offsets get a loop-variant zero added: hoisted out of the loop,
 # their [64, DK] broadcast would stay in registers across it.)
@@ -499,7 +510,7 @@ class F32ScoresConfig:
     warps: int = 4
     precision: str = "tf32x3"  # "tf32x3" (~fp32) | "tf32" (one TF32 product: ~1e-3 relative) | "ieee" (FMA)
     maxnreg: int = 0  # a register cap (0: none); 128 lets 4 CTAs of 4 warps share an SM, not 3 (batched first form)
-    ctas_per_sm: int = 0  # 0: one CTA per key tile of C; n > 0: the balanced form, n x SMs CTAs (see above)
+    ctas_per_sm: int = 0  # 0: one CTA per key tile of C; n > 0: a balanced form, ~n x SMs CTAs (see above)
     fill_block: int = 1024  # balanced form: columns of -inf one fill work item writes (a power of two)
     k_split: int = 0  # dims per tensor-core product (0: all di in one); see below
     stages: int = 1  # balanced form: software-pipeline stages of the work-item loop (1: none)
