@@ -555,7 +555,9 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     costs half the MMA and promotion work of a full one with both warpgroups (and the tensor cores) busy; the
     epilogue stores 64 rows per slice (warpgroup 0's rows of slice 0, warpgroup 1's rows of slice 1) and leaves the
     tile's padding rows unwritten. Every real row goes through the same MMAs, scales and promotion order as
-    without the option (same bits). Off: the generated program is the one without the option.
+    without the option (same bits). Off: the generated program is the one without the option. Measured slower on
+    the H200 (moe_grouped_gemm.py's "Half tiles": ptxas serialises the kernel's wgmmas, C7518, because they sit in
+    thread-dependent branches here).
     """
     import tilelang.cuda.language as TC
     import tilelang.language as T
