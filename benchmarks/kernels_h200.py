@@ -3012,7 +3012,8 @@ def _topk_s8b_rows():
     51.8% (best); stages: read 259.7, lean push 391.3. Now, all without the L2 prefetch: lean + compact (since then
     the next chunk's loads unpredicated when wholly visible), lean alone (is compact worth it), + wscan (the output
     offsets by warp scans, not one warp's T.cumsum), fused=1 (the bound without a chunk's lag), and the stage probes
-    diag select (the final selection without the output) / lean push. Then lean + compact + wscan at C16384 and
+    diag select (the final selection without the output) / lean push; rsel (the staged members selected in
+    registers, 3 barriers a radix round) with wscan, and its diag select. Then lean + compact + wscan at C16384 and
     the fused + fast + lean decode forms at T64 C65536 (4 segments) and T64 C16384 next to the defaults."""
     from deepinfer.codegen.kernels import topk_select as ts
 
@@ -3024,6 +3025,7 @@ def _topk_s8b_rows():
         (4096, 65536, None, tl), (4096, 65536, best, tl), (4096, 65536, rep(best, compact=0), tl),
         (4096, 65536, rep(best, wscan=True), tl), (4096, 65536, rep(best, fused=1), tl),
         (4096, 65536, rep(best, diag="select"), tl), (4096, 65536, rep(best, compact=0, diag="push"), tl),
+        (4096, 65536, rep(best, wscan=True, rsel=True), tl), (4096, 65536, rep(best, rsel=True, diag="select"), tl),
         (4096, 16384, None, tl), (4096, 16384, c16, tl),
         (64, 65536, None, tl), (64, 65536, rep(ts.default_config(64, 65536, IDX_TOPK), **fastdec), tl),
         (64, 16384, None, tl), (64, 16384, rep(ts.default_config(64, 16384, IDX_TOPK), **fastdec), tl),
@@ -3038,7 +3040,7 @@ def case_topk_s8_build(row: Row, T_: int, C: int, quick: bool, dry: bool):
     lean + compact): `--dry-run --only "topk_select s8build" -j 3` fills the cache before the test runs."""
     from deepinfer.codegen.kernels import topk_select as ts
 
-    cfg = dataclasses.replace(topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True)
+    cfg = dataclasses.replace(topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True, rsel=True)
     row.kernel += f" {cfg.tag}"
     build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
     row.check = "built only"

@@ -121,6 +121,8 @@ class HistConfig:
     # histogram (up to `compact` of them; more: the buffer as before) instead of all BUF entries in place
     compact: int = 0
     wscan: bool = False  # the output offsets by warp shuffle scans (one barrier), not T.cumsum (one warp, serial)
+    # (compact) the staged members' selection in registers with few barriers (`_make_reg_select`), not select_b
+    rsel: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -135,6 +137,7 @@ class HistConfig:
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
                 + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
+                + ("r" if self.rsel else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -605,6 +608,189 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
                         st2[u] = stw[u]
 
     return select
+
+
+def _make_reg_select(ops: _Ops, NT: int, QR: int):
+    """Macro reg_select(keyf, idf, kk_req, st, st2, h2, red, bc): `_make_select` for a per-thread set held in
+    registers (QR a thread; keyf(i, q) NONE = not a member, idf unique ids), with few barriers: the same adaptive
+    radix rounds (ties at the k-th key by a second pass over -id), but on two NB-bin histograms used alternately
+    (h2: 2 NB ints), 3 barriers a round and rounds only while needed. Every shared access is opaque to TileLang's
+    sync planner (its barriers ran every round of the 5 and split each one further), the barriers explicit.
+    red: >= 3 * NT // 32 ints of scratch, bc: 4 ints."""
+    import tilelang.language as T
+
+    NWARP = max(NT // 32, 1)
+    BPT = max(NB // NT, 1)  # bins a thread owns (contiguous)
+    full = T.uint32(0xFFFFFFFF)
+
+    def ld(buf, j):
+        return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
+
+    @T.macro
+    def st_(buf, j, v):
+        if ops.cpu:
+            buf[j] = v
+        else:
+            T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(buf[j]), v))
+
+    @T.macro
+    def reduce3(cnt, mn, mx, red, res):
+        """res[0..2] = the CTA's sum of cnt, min of mn, max of mx (per-thread fragments [NT]); one barrier."""
+        if ops.cpu:
+            res[0] = 0
+            res[1] = INT_MAX
+            res[2] = NONE
+            for i in T.serial(NT):
+                res[0] = res[0] + cnt[i]
+                res[1] = T.min(res[1], mn[i])
+                res[2] = T.max(res[2], mx[i])
+        else:
+            for i in T.Parallel(NT):
+                w_sum = T.call_extern("int32", "__reduce_add_sync", full, cnt[i])
+                w_min = T.call_extern("int32", "__reduce_min_sync", full, mn[i])
+                w_max = T.call_extern("int32", "__reduce_max_sync", full, mx[i])
+                if i % 32 == 0:
+                    st_(red, i // 32 * 3, w_sum)
+                    st_(red, i // 32 * 3 + 1, w_min)
+                    st_(red, i // 32 * 3 + 2, w_max)
+            ops.barrier()
+            res[0] = ld(red, 0)
+            res[1] = ld(red, 1)
+            res[2] = ld(red, 2)
+            for w in T.unroll(NWARP - 1):
+                res[0] = res[0] + ld(red, w * 3 + 3)
+                res[1] = T.min(res[1], ld(red, w * 3 + 4))
+                res[2] = T.max(res[2], ld(red, w * 3 + 5))
+
+    @T.macro
+    def find(h2, base, r, red, bc, own, sfx, other):
+        """bc[0] = the bin of h2[base : base + NB] holding rank r from the top, bc[1] = the count above it; the
+        bins of h2[other : other + NB] zeroed (the next round's). Between a barrier behind the counts and one
+        after (2 barriers inside: the warp totals, the result)."""
+        if ops.cpu:
+            acc = T.alloc_var("int32", init=0)
+            for bb in T.serial(NB):
+                h = h2[base + NB - 1 - bb]
+                if T.And(acc < r, acc + h >= r):
+                    bc[0] = NB - 1 - bb
+                    bc[1] = acc
+                acc = acc + h
+                h2[other + NB - 1 - bb] = 0
+        else:
+            for i in T.Parallel(NT):
+                own[i] = 0
+                for u in T.unroll(BPT):
+                    if i * BPT + u < NB:
+                        own[i] = own[i] + ld(h2, base + T.min(i * BPT + u, NB - 1))
+                sfx[i] = own[i]  # this thread's bins and its higher lanes'
+                for d in (1, 2, 4, 8, 16):
+                    dn = T.call_extern("int32", "__shfl_down_sync", full, sfx[i], d)
+                    sfx[i] = sfx[i] + T.if_then_else(i % 32 + d < 32, dn, 0)
+                if i % 32 == 0:
+                    st_(red, i // 32, sfx[i])
+            ops.barrier()
+            for i in T.Parallel(NT):
+                above = T.alloc_var("int32", init=sfx[i] - own[i])  # the bins above this thread's
+                for w in T.unroll(NWARP):
+                    if w > i // 32:
+                        above = above + ld(red, w)
+                for v in T.unroll(BPT):
+                    b = i * BPT + BPT - 1 - v
+                    if b < NB:
+                        h = ld(h2, base + T.min(b, NB - 1))
+                        if T.And(above < r, above + h >= r):
+                            st_(bc, 0, b)
+                            st_(bc, 1, above)
+                        above = above + h
+                        st_(h2, other + T.min(b, NB - 1), 0)
+        ops.barrier()
+
+    @T.macro
+    def radix(keyf, kk_req, stw, h2, red, bc, own, sfx, rc, res):
+        lo = T.alloc_var("int32")
+        hi = T.alloc_var("int32")
+        r = T.alloc_var("int32")
+        done = T.alloc_var("int32")
+        kk = T.alloc_var("int32")
+        for i in ops.par(NT):  # both histograms zeroed, the members' count / min / max
+            for u in T.unroll(BPT):
+                if i * BPT + u < NB:
+                    st_(h2, T.min(i * BPT + u, NB - 1), 0)
+                    st_(h2, NB + T.min(i * BPT + u, NB - 1), 0)
+            rc[i] = 0
+            own[i] = INT_MAX
+            sfx[i] = NONE
+            for q in ops.unroll(QR):
+                kq = keyf(i, q)
+                if kq != NONE:
+                    rc[i] = rc[i] + 1
+                    own[i] = T.min(own[i], kq)
+                    sfx[i] = T.max(sfx[i], kq)
+        reduce3(rc, own, sfx, red, res)  # (its barrier also orders the zeroing before the first counts)
+        kk = T.min(kk_req, res[0])
+        done = T.if_then_else(kk == res[0], 1, 0)  # every member taken: lo = the smallest
+        lo = T.if_then_else(kk == 0, INT_MAX, res[1])
+        hi = res[2]
+        r = kk
+        for rd in T.serial(4):  # (8 bits a round: 4 rounds cover 32)
+            if T.And(done == 0, lo < hi):
+                shift = T.alloc_var("int32", init=T.max(ops.bitlen64(T.cast(hi, "int64") - T.cast(lo, "int64")) - 8,
+                                                        0))  # fmt: skip
+                base = T.alloc_var("int32", init=(rd % 2) * NB)
+                for i in ops.par(NT):
+                    for q in ops.unroll(QR):
+                        kq = keyf(i, q)
+                        if T.And(kq != NONE, T.And(kq >= lo, kq <= hi)):
+                            bn = T.cast(T.shift_right(T.cast(kq, "int64") - T.cast(lo, "int64"), shift), "int32")
+                            if ops.cpu:
+                                h2[base + bn] = h2[base + bn] + 1
+                            else:
+                                T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(h2[base + bn]), 1))
+                ops.barrier()
+                find(h2, base, r, red, bc, own, sfx, NB - base)
+                bs = T.alloc_var("int32", init=ld(bc, 0))
+                r = r - ld(bc, 1)
+                lo_new = T.cast(lo, "int64") + T.shift_left(T.cast(bs, "int64"), shift)
+                hi = T.cast(T.min(T.cast(hi, "int64"), lo_new + T.shift_left(T.int64(1), shift) - 1), "int32")
+                lo = T.cast(lo_new, "int32")
+                if ld(h2, base + bs) == r:
+                    done = 1
+        if done == 0:  # one key left (lo == hi): it is the kk-th; are all its copies taken?
+            for i in ops.par(NT):
+                rc[i] = 0
+                for q in ops.unroll(QR):
+                    if keyf(i, q) == lo:
+                        rc[i] = rc[i] + 1
+            ops.barrier()  # (the last round's reads of red are done)
+            reduce3(rc, rc, rc, red, res)
+            done = T.if_then_else(res[0] == r, 1, 0)
+        stw[0] = lo
+        stw[1] = done
+        stw[2] = r
+        stw[3] = kk
+
+    @T.macro
+    def reg_select(keyf, idf, kk_req, st, st2, h2, red, bc, own, sfx, rc):
+        stw = T.alloc_local((4,), "int32")
+        res = T.alloc_local((3,), "int32")
+        st2[0] = NONE
+        st[1] = 1
+        for ps in T.serial(2):
+            if T.Or(ps == 0, st[1] == 0):
+                ops.barrier()  # (the previous pass's reads of h2, red, bc are done)
+                radix(
+                    lambda i, q, ps=ps: T.if_then_else(
+                        ps == 0, keyf(i, q), T.if_then_else(keyf(i, q) == st[0], -idf(i, q), NONE)
+                    ),
+                    T.if_then_else(ps == 0, kk_req, st[2]), stw, h2, red, bc, own, sfx, rc, res,
+                )  # fmt: skip
+                for u in T.serial(4):
+                    if ps == 0:
+                        st[u] = stw[u]
+                    else:
+                        st2[u] = stw[u]
+
+    return reg_select
 
 
 def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan: bool = False):
@@ -1351,6 +1537,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     # (compact) the final selection's members staged in hist_f: keys at [0, STAGE), ids at [STAGE, 2 STAGE)
     STAGE = min(cfg.compact, HB // 2, BUF) // NT * NT
     COMPACT = cfg.compact > 0 and NSEG == 1 and STAGE > 0
+    RSEL = COMPACT and cfg.rsel
+    QR = STAGE // NT  # (rsel) staged members a thread holds in registers
+    reg_select = _make_reg_select(ops, NT, QR) if RSEL else None
     block_sum, red_total = _make_block_sum(NT)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
@@ -1460,6 +1649,12 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def id_u(bufi, stage, staged):
         return lambda i, q: T.if_then_else(staged == 1, stage[STAGE + T.min(q * NT + i, STAGE - 1)],
                                            bufi[T.min(q * NT + i, BUF - 1)])  # fmt: skip
+
+    def key_r(rk):
+        return lambda i, q: rk[i, q]
+
+    def id_r(ri):
+        return lambda i, q: ri[i, q]
 
     def take_u(bufk, bufi, stage, staged, ctl, st, st2):
         return lambda i, q: _taken(key_u(bufk, stage, staged, ctl)(i, q), id_u(bufi, stage, staged)(i, q), st, st2)
@@ -1604,6 +1799,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
+            if RSEL:  # (rsel) the staged members in registers
+                rk = ops.fr((NT, QR), "int32")
+                ri = ops.fr((NT, QR), "int32")
             for _z in ops.par(1):
                 ctl[0] = 0
                 for u in T.serial(3):
@@ -1728,11 +1926,22 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 if ctl[2] <= STAGE:
                     staged = 1
                     nsel = (ctl[2] + NT - 1) // NT
+                    if RSEL:  # the members into registers; hist_f is then the selection's two histograms
+                        for i in ops.par(NT):
+                            for q in ops.unroll(QR):
+                                rk[i, q] = T.if_then_else(q * NT + i < ctl[2], hist_f[q * NT + i], NONE)
+                                ri[i, q] = hist_f[STAGE + q * NT + i]
+                        ops.barrier()
+                        reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc)
                 else:  # (heavy ties) in the buffer as before
                     nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
                     members(bufk, ctl[0], beta, nsel)
-                select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum, bc,
-                         ra, rb, rc, r1, nsel)  # fmt: skip
+                if not RSEL:
+                    select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
+                             bc, ra, rb, rc, r1, nsel)  # fmt: skip
+                elif staged == 0:
+                    select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
+                             bc, ra, rb, rc, r1, nsel)  # fmt: skip
             if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
                 for i in ops.par(NT):
                     if i < k:
@@ -1750,7 +1959,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     if i < k:
                         Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
             elif last == 1:
-                if COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
+                if RSEL:
+                    if staged == 1:
+                        mark(bitmap, id_r(ri), lambda i, q: _taken(rk[i, q], ri[i, q], stb, stb2), QR)
+                    else:
+                        mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2),
+                             nsel, unroll=False)  # fmt: skip
+                elif COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
                     mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2), nsel,
                          unroll=False)  # fmt: skip
                 else:

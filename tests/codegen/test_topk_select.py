@@ -180,11 +180,23 @@ def c_lean_kernel(tilelang_required):
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
+@pytest.fixture(scope="module")
+def c_rsel_kernel(tilelang_required):
+    """lean + compact with rsel: every member fits the stage (room for all 288 buffer entries), so tied rows are
+    selected in registers too (the second pass over -id at the k-th key)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True)
+    return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
+
+
+@pytest.mark.parametrize("which", ["lean", "rsel"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
-def test_c_target_hist_lean_compact(c_lean_kernel, kind):
-    """lean + compact exact, ties included. Row 2 sees 701 columns: the limit falls inside the third (fused) chunk
-    and inside a float4, whose invisible columns 701..703 hold the row's largest scores -- never taken. Run twice."""
-    kernel, cfg = c_lean_kernel
+def test_c_target_hist_lean_compact(request, which, kind):
+    """lean + compact (+ rsel) exact, ties included. Row 2 sees 701 columns: the limit falls inside the third (fused)
+    chunk and inside a float4, whose invisible columns 701..703 hold the row's largest scores -- never taken. Run
+    twice."""
+    kernel, cfg = request.getfixturevalue(f"c_{which}_kernel")
     s = _scores(kind, 4, 1024, seed=5)
     s[:, 701:704] = 1e30
     pos = torch.tensor([0, 40, 1402, 5000])  # ratio 2: 0, 20, 701 and 1024 visible
@@ -197,13 +209,13 @@ def test_c_target_hist_lean_compact(c_lean_kernel, kind):
 @pytest.mark.parametrize("T_,C", [(264, 16384), (64, 65536), (1, 65536)])
 @pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
 def test_gpu_lean_compact_exact(kb, T_, C, kind):
-    """lean + compact + wscan on the H200 against topk_entries' set: the tie test's "fast" program per shape (T264:
-    one CTA a row, compact staged -- or not: all-zero rows have every key at the bound; T64 / T1: 8 segments a row,
-    lean and wscan only) on heavy ties, all zeros (buffer overflows mid-chunk) and randn, causal limits anywhere in
-    a chunk; run twice (the arrival counters reset)."""
+    """lean + compact + wscan + rsel on the H200 against topk_entries' set: the tie test's "fast" program per shape
+    (T264: one CTA a row, compact staged and selected in registers -- or not: all-zero rows have every key at the
+    bound; T64 / T1: 8 segments a row, lean and wscan only) on heavy ties, all zeros (buffer overflows mid-chunk)
+    and randn, causal limits anywhere in a chunk; run twice (the arrival counters reset)."""
     import dataclasses
 
-    cfg = dataclasses.replace(kb.topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True)
+    cfg = dataclasses.replace(kb.topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True, rsel=True)
     kern = kb.build(ts.program(T_, C, k=512, ratio=2, cfg=cfg, target="sm90"))
     g = torch.Generator().manual_seed(T_ + 1)
     s = {"ints": lambda: torch.randint(-3, 4, (T_, C), generator=g).float(), "zeros": lambda: torch.zeros(T_, C),
