@@ -264,13 +264,15 @@ def test_balanced_form_compiles_for_hopper(fill, per_row):
 
 
 @pytest.mark.gpu
-def test_cuda_balanced_form_at_decode_dims():
-    """B64 at lengths spread over a 64k-context cache (ratio 2): the balanced form equals the first form's bits."""
+@pytest.mark.parametrize("per_row", [False, True])
+def test_cuda_balanced_form_at_decode_dims(per_row):
+    """B64 at lengths spread over a 64k-context cache (ratio 2): the balanced forms (decode_form: 168 registers)
+    equal the first form's bits."""
     b, c, ratio = 64, 32768, 2
     positions = [0] + [(c * ratio * (i + 1)) // b - 1 for i in range(b - 1)]
     q, w, keys, pos = _inputs(b, c, positions, seed=5, device="cuda")
     first = it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=_FIRST)
-    cfg = it.F32ScoresConfig(block_t=1, ctas_per_sm=8, k_split=32)
+    cfg = it.decode_form(it.F32ScoresConfig(block_t=1), 8 if not per_row else 32, per_row=per_row)
     assert torch.equal(it.triton_batched_scores(q, w, keys, pos, ratio=ratio, scale=SCALE, cfg=cfg), first)
 
 
