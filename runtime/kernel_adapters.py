@@ -974,7 +974,8 @@ class MoERoutingAdapter:
 MOE_LAYOUT_ENV = "DEEPINFER_MOE_LAYOUT"  # "torch": the prefill layout and x gather by the torch references (A/B runs)
 # "1": the fp8 prefill's grouped GEMMs run an expert's last tile with <= 64 pairs as a 64-row half tile (issue 8;
 # fp8_gemm._program_sm90_ws half_tiles; same bits on every real row). Measured slower (H200 session 8: layer 2's MoE
-# part 9.17 vs 7.72 ms; moe_grouped_gemm.py's "Half tiles" says why): off, kept for the next version of the program.
+# part 9.17 vs 7.72 ms; moe_grouped_gemm.py's "Half tiles" says why): off. The program's second version (no wgmma
+# under a thread-dependent branch) is not timed yet: kernels_h200 --only "moe halftiles".
 MOE_HALF_TILES_ENV = "DEEPINFER_MOE_HALF_TILES"
 
 

@@ -551,13 +551,15 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     half_tiles (grouped, 128 x (2 N slices) tiles, issue 8): TileExpert[m] = e + HALF_TILE_FLAG marks a tile whose
     real rows are its first 64 (an expert's last tile with <= 64 pairs; its other rows are layout padding). For
     such a tile the producer loads those 64 rows of A (and their activation scales) into BOTH 64-row halves of the
-    stage, and each consumer warpgroup MMAs and promotes only "its" N slice (warpgroup h: slice h), so the tile
-    costs half the MMA and promotion work of a full one with both warpgroups (and the tensor cores) busy; the
-    epilogue stores 64 rows per slice (warpgroup 0's rows of slice 0, warpgroup 1's rows of slice 1) and leaves the
-    tile's padding rows unwritten. Every real row goes through the same MMAs, scales and promotion order as
-    without the option (same bits). Off: the generated program is the one without the option. Measured slower on
-    the H200 (moe_grouped_gemm.py's "Half tiles": ptxas serialises the kernel's wgmmas, C7518, because they sit in
-    thread-dependent branches here).
+    stage, and the consumers run such a tile through a pipeline of its own (a branch on the tile's flag around
+    whole pipelines): warpgroup wg MMAs only N slice wg -- the slice chosen by the B descriptor's offset, never by a
+    branch on the warpgroup: a wgmma under a thread-dependent branch makes ptxas serialise every wgmma of the kernel
+    (C7518), which is how the first version of this option lost on the H200 (moe_grouped_gemm.py, "Half tiles") --
+    promotes into its first accumulator, and stores it from registers at rows / columns shifted by the warpgroup
+    (fragment rows [64 wg, 64 wg + 64) -> the tile's first 64 rows, slice wg). Half the MMA and promotion work of a
+    full tile, both warpgroups busy; the tile's padding rows are left unwritten. Every real row goes through the
+    same MMAs, scales and promotion order as without the option (same bits). Off: the generated program is the one
+    without the option.
     """
     import tilelang.cuda.language as TC
     import tilelang.language as T
@@ -593,17 +595,6 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
 
     def is_half(mi, Meta):  # (half_tiles) the tile's real rows are its first HALF_ROWS
         return Meta[T.min(mi, plan.m_tiles - 1)] >= HALF_TILE_FLAG
-
-    def takes_unit(mi, Meta, wg, h):  # whether consumer warpgroup wg MMAs N slice h of this tile
-        return T.Or(T.Not(is_half(mi, Meta)), wg == h) if half_tiles else True
-
-    def promotes_in_turn(mi, Meta, wg, h):
-        """Whether warpgroup wg promotes unit (s, h) right after its turn. Ping-pong half tiles: no -- each
-        warpgroup passes the turn of the other's slice before waiting for its own MMA, so the two MMAs are issued
-        back to back, and promotes after the sub-block's last turn (`deferred`)."""
-        if half_tiles and cfg.pingpong:
-            return T.Not(is_half(mi, Meta))
-        return takes_unit(mi, Meta, wg, h)
 
     HR = HALF_ROWS
     # a unit's MMA without overlap: issued async between the ping-pong turns, else T.gemm (issue and wait)
@@ -721,7 +712,39 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                     T.named_barrier_arrive(PP_BAR, 256)
                 for w in T.serial(waves):
                     valid, mi, ni = plan.tile_of(w, bid, T.min)
-                    if runs(valid, mi, Meta):
+                    if T.And(runs(valid, mi, Meta), is_half(mi, Meta)) if half_tiles else False:
+                        # a half tile: warpgroup wg MMAs N slice wg of the 64 rows (both halves of A hold them),
+                        # chosen by the B descriptor's offset -- not by a branch: a wgmma under a thread-dependent
+                        # branch makes ptxas serialise every wgmma of the kernel (C7518) -- into its acc0
+                        T.clear(acc0)
+                        for k in T.serial(kb):
+                            it = done * kb + k
+                            st = it % S
+                            T.mbarrier_wait_parity(full[st], (it // S) & 1)
+                            for s in range(bK // sub):
+                                if cfg.pingpong:
+                                    if wg == 0:
+                                        T.sync_threads(PP_BAR, 256)
+                                    else:
+                                        T.sync_threads(PP_BAR + 1, 256)
+                                unit_mma(A_s[st, :, s * sub : (s + 1) * sub],
+                                         B_s[st, wg * bNs : wg * bNs + bNs, s * sub : (s + 1) * sub], p0,
+                                         transpose_B=True, clear_accum=True, policy=policy)  # fmt: skip
+                                if cfg.pingpong:
+                                    if wg == 0:
+                                        T.named_barrier_arrive(PP_BAR + 1, 256)
+                                    else:
+                                        T.named_barrier_arrive(PP_BAR, 256)
+                                    T.wait_wgmma(0)
+                                ra = plan.sa_at(s)
+                                for i, j in T.Parallel(bM, bNs):
+                                    rb, cb = plan.sb_at(wg, j, s)
+                                    acc0[i, j] += p0[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
+                            T.mbarrier_arrive(empty[st])
+                        # fragment rows [64 wg, 64 wg + 64) of warpgroup wg hold the 64 real rows' slice wg
+                        T.copy(acc0, C[mi * bM - wg * HR, ni * bN + wg * bNs])
+                        done = done + 1
+                    elif runs(valid, mi, Meta):
                         for a in accs[:ns]:
                             T.clear(a)
                         if cfg.overlap:  # the tile's first unit, issued ahead of the K loop
@@ -777,37 +800,25 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                                 T.sync_threads(PP_BAR, 256)
                                             else:
                                                 T.sync_threads(PP_BAR + 1, 256)
-                                        if takes_unit(mi, Meta, wg, h):  # (half tiles: the turns still alternate)
-                                            unit_mma(
-                                                A_s[st, :, s * sub : (s + 1) * sub],
-                                                B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
-                                                p0,
-                                                transpose_B=True,
-                                                clear_accum=True,
-                                                policy=policy,
-                                            )
+                                        unit_mma(
+                                            A_s[st, :, s * sub : (s + 1) * sub],
+                                            B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
+                                            p0,
+                                            transpose_B=True,
+                                            clear_accum=True,
+                                            policy=policy,
+                                        )
                                         if cfg.pingpong:
                                             if wg == 0:
                                                 T.named_barrier_arrive(PP_BAR + 1, 256)
                                             else:
                                                 T.named_barrier_arrive(PP_BAR, 256)
-                                            if promotes_in_turn(mi, Meta, wg, h):
-                                                T.wait_wgmma(0)
+                                            T.wait_wgmma(0)
                                         part = p0
                                     ra = plan.sa_at(s)
-                                    if promotes_in_turn(mi, Meta, wg, h):
-                                        for i, j in T.Parallel(bM, bNs):
-                                            rb, cb = plan.sb_at(h, j, s)
-                                            accs[h][i, j] += part[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
-                                    if half_tiles and cfg.pingpong and h == ns - 1:  # deferred: my slice's MMA
-                                        if is_half(mi, Meta):
-                                            T.wait_wgmma(0)
-                                            for hh in slices:
-                                                if wg == hh:
-                                                    for i, j in T.Parallel(bM, bNs):
-                                                        rb, cb = plan.sb_at(hh, j, s)
-                                                        accs[hh][i, j] += p0[i, j] * (
-                                                            SA_s[st, ra, i] * SB_s[st, rb, cb])  # fmt: skip
+                                    for i, j in T.Parallel(bM, bNs):
+                                        rb, cb = plan.sb_at(h, j, s)
+                                        accs[h][i, j] += part[i, j] * (SA_s[st, ra, i] * SB_s[st, rb, cb])
                                 if cl == 1:
                                     T.mbarrier_arrive(empty[st])
                                 else:  # lane r of every warp releases the slot in cluster CTA r
@@ -817,13 +828,6 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                         if cfg.direct_store:  # bf16 pairs straight from the fragments
                             for h in slices:
                                 T.copy(accs[h], C[mi * bM, ni * bN + h * bNs])
-                        elif half_tiles and is_half(mi, Meta):
-                            # warpgroup h holds the 64 real rows' slice h in its fragment rows [64h, 64h + 64): each
-                            # warpgroup stores them from registers (a 64-row box of the swizzled smem tile is not
-                            # one TMA box), shifted up by 64h rows
-                            for h in slices:
-                                if wg == h:
-                                    T.copy(accs[h], C[mi * bM - h * HR, ni * bN + h * bNs])
                         else:
                             for h in slices:
                                 T.copy(accs[h], outs[h])

@@ -70,17 +70,19 @@ Measured, and SLOWER (H200, session 8 call 3, kernels_h200 --only "moe halftiles
 of the computed rows 67.5% -> 80.6%; every pair's output row equal to the default's), default program vs half tiles
 vs bm64, us: w1|w3 w128a128 3666 / 4725 (0.78x) / 4075 (0.90x); w1|w3 w128a32 5784 / 6445 (0.90x) / 6527 (0.89x); w2
 w128a128 1956 / 2187 (0.89x) / 2095 (0.93x); w2 w128a32 3029 / 3261 (0.93x) / 3328 (0.91x). Layer 2's MoE part
-(bench_slice, g128): 7.716 ms = 41.2% of the FP8 peak without, 9.169 ms = 35.2% with. Why: (1) in the half-tile
-program each warpgroup's wgmma sits in a branch on its thread index (and the tile's flag), and ptxas then
-serialises EVERY wgmma of the kernel ("C7518: wgmma.mma_async instructions are serialized due to program dependence
-on compiler-inserted WG.DP in divergent path"; tests/codegen/test_moe_half_tiles.py checks it), so full tiles lose
-their MMA / promotion overlap too; (2) at this shape the weights are the stream: all 384 experts' w1|w3 (9.06 GB) take
+(bench_slice, g128): 7.716 ms = 41.2% of the FP8 peak without, 9.169 ms = 35.2% with. Why: (1) in that program
+(the option's first version, commit f7c3bbb) each warpgroup's wgmma sat in a branch on its thread index (and the
+tile's flag), and ptxas then serialises EVERY wgmma of the kernel ("C7518: wgmma.mma_async instructions are
+serialized due to program dependence on compiler-inserted WG.DP in divergent path"), so full tiles lost their MMA /
+promotion overlap too; (2) at this shape the weights are the stream: all 384 experts' w1|w3 (9.06 GB) take
 2.12 ms at 4.27 TB/s against the default's 3.67 ms (633 TFLOPS on the real rows, 51% of the peak), and a half tile
 reads the same B tiles as a full one, so the MMA it saves is only partly time saved; 64-row tiles throughout keep
 (2) and add a single consumer warpgroup per CTA, whose promotion no second warpgroup's MMA hides. The option stays
-off (runtime DEEPINFER_MOE_HALF_TILES). A version without (1) needs the half tiles' K loop as its own branch-free
-pipeline (both warpgroups issue every wgmma, the N slice chosen by the descriptor offset from the warpgroup index,
-each promoting into its own first accumulator and storing it with a warpgroup-dependent row / column offset).
+off (runtime DEEPINFER_MOE_HALF_TILES). The program now runs half tiles through a pipeline of their own without
+(1) -- both warpgroups issue every wgmma, the N slice chosen by the descriptor offset from the warpgroup index, each
+promoting into its first accumulator and storing it at a warpgroup-dependent row / column offset -- and ptxas keeps
+its wgmmas pipelined (tests/codegen/test_moe_half_tiles.py builds it with ptxas -v); not timed on the H200 yet (the
+'moe halftiles' rows), and (2) stays.
 
 Limits (sm90, exact per-32 promotion). V4.1's scales are per 32 K (activations 1x32, weights 32x32 or per-row
 1x32), and wgmma has no per-K-block scale, so every 32 K each accumulator element takes one FFMA: at 128 FP32
