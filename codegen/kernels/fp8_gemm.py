@@ -601,6 +601,20 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
     unit_mma = TC.wgmma_gemm if cfg.pingpong else T.gemm
 
     @T.macro
+    def wait_turn():  # ping-pong: until the other consumer warpgroup has issued its MMA
+        if T.get_thread_binding() // 128 == 0:
+            T.sync_threads(PP_BAR, 256)
+        else:
+            T.sync_threads(PP_BAR + 1, 256)
+
+    @T.macro
+    def pass_turn():  # ping-pong: my MMA is issued, the other warpgroup's turn
+        if T.get_thread_binding() // 128 == 0:
+            T.named_barrier_arrive(PP_BAR + 1, 256)
+        else:
+            T.named_barrier_arrive(PP_BAR, 256)
+
+    @T.macro
     def body(A, SA, B, SB, Meta, C):
         with kernel_frame() as bid:
             A_s = T.alloc_shared((S, bM, bK), fp8)
@@ -723,18 +737,12 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                             T.mbarrier_wait_parity(full[st], (it // S) & 1)
                             for s in range(bK // sub):
                                 if cfg.pingpong:
-                                    if wg == 0:
-                                        T.sync_threads(PP_BAR, 256)
-                                    else:
-                                        T.sync_threads(PP_BAR + 1, 256)
+                                    wait_turn()
                                 unit_mma(A_s[st, :, s * sub : (s + 1) * sub],
                                          B_s[st, wg * bNs : wg * bNs + bNs, s * sub : (s + 1) * sub], p0,
                                          transpose_B=True, clear_accum=True, policy=policy)  # fmt: skip
                                 if cfg.pingpong:
-                                    if wg == 0:
-                                        T.named_barrier_arrive(PP_BAR + 1, 256)
-                                    else:
-                                        T.named_barrier_arrive(PP_BAR, 256)
+                                    pass_turn()
                                     T.wait_wgmma(0)
                                 ra = plan.sa_at(s)
                                 for i, j in T.Parallel(bM, bNs):
@@ -796,10 +804,7 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                         part = parts[g % 2]
                                     else:  # ping-pong: wait for my turn, issue, pass the turn, then wait
                                         if cfg.pingpong:
-                                            if wg == 0:
-                                                T.sync_threads(PP_BAR, 256)
-                                            else:
-                                                T.sync_threads(PP_BAR + 1, 256)
+                                            wait_turn()
                                         unit_mma(
                                             A_s[st, :, s * sub : (s + 1) * sub],
                                             B_s[st, h * bNs : (h + 1) * bNs, s * sub : (s + 1) * sub],
@@ -809,10 +814,7 @@ def _program_sm90_ws(M: int, N: int, K: int, *, act_group: int, weight_block: in
                                             policy=policy,
                                         )
                                         if cfg.pingpong:
-                                            if wg == 0:
-                                                T.named_barrier_arrive(PP_BAR + 1, 256)
-                                            else:
-                                                T.named_barrier_arrive(PP_BAR, 256)
+                                            pass_turn()
                                             T.wait_wgmma(0)
                                         part = p0
                                     ra = plan.sa_at(s)
