@@ -112,7 +112,7 @@ def _spec_for(b: dict, attrs: dict, target: str, db, versions) -> KernelSpec | N
         n_pad = -(-shape["N"] // c["block_n"]) * c["block_n"]
         kw = {"act_group": group, "weight_block": attrs["block"]}
         return KernelSpec(fam, prog, (rows, n_pad, shape["K"]), kw, c, "tuned" if tuned else "rule")
-    if fam == "moe_grouped_gemm":
+    if fam == "moe_grouped_gemm" and prog == "program":  # (not the decode swab_program: its own config fields)
         tshape = {"M": shape["M"], "N": shape["N"], "K": shape["K"], "g": attrs["block"]}
         tuned = _tuned(fam, tshape, target, db, versions)
         c = _gemm_fields(tuned or cfg)

@@ -44,13 +44,23 @@ def _compile(root, name, **kw):
     return write_plan(res.plan, root / name), res, dt
 
 
+FAMILIES = ("fp8_gemm", "moe_grouped_gemm", "rmsnorm_quant", "hyper_connection", "rope", "engram", "topk_select",
+            "moe_routing")
+
+
+def _family_hashes() -> dict:
+    return {f: plan_kernels._family_hash(f) for f in FAMILIES}
+
+
 @pytest.fixture(scope="module")
 def cold(env):
-    return _compile(env, "cold")
+    before = _family_hashes()
+    out = _compile(env, "cold")
+    return (*out, before, _family_hashes())
 
 
 def test_manifest_entries_exist_and_gemms_use_fp8_wgmma(cold):
-    out, res, _ = cold
+    out, res = cold[:2]
     manifest = json.loads((out / "kernels" / "manifest.json").read_text())
     ents = manifest["kernels"]
     assert ents and all("error" not in e for e in ents), [e.get("error") for e in ents]
@@ -67,7 +77,10 @@ def test_manifest_entries_exist_and_gemms_use_fp8_wgmma(cold):
 
 
 def test_second_compile_is_cached_and_never_tunes(env, cold, monkeypatch):
-    _, _, cold_s = cold
+    """Every kernel of a family whose source files did not change meanwhile is a cache hit (the lowering cache is
+    keyed by the family's source: an edit elsewhere in the checkout -- other engineers share it -- relowers that
+    family, by design)."""
+    _, _, cold_s, before, after = cold
 
     def no_tuning(*a, **k):
         raise AssertionError("compile must not tune")
@@ -75,9 +88,14 @@ def test_second_compile_is_cached_and_never_tunes(env, cold, monkeypatch):
     monkeypatch.setattr(tuner, "tune", no_tuning)
     monkeypatch.setattr(tuner, "tune_target", no_tuning)
     out, res, warm_s = _compile(env, "warm")
+    now = _family_hashes()
+    stable = {f for f in FAMILIES if before[f] == after[f] == now[f]}
     ents = res.plan.kernels["kernels"]
-    assert all(e["lower_cached"] for e in ents)
-    assert warm_s < cold_s, (warm_s, cold_s)
+    assert stable & {e["family"] for e in ents}, "every family's source changed during the test: nothing to check"
+    assert all(e["lower_cached"] for e in ents if e["family"] in stable), [e["name"] for e in ents
+                                                                           if not e["lower_cached"]]  # fmt: skip
+    if stable >= {e["family"] for e in ents}:
+        assert warm_s < cold_s, (warm_s, cold_s)
     print(f"kernels: cold compile {cold_s:.1f} s, warm {warm_s:.1f} s")
 
 
