@@ -140,6 +140,9 @@ def _spec_for(b: dict, attrs: dict, target: str, db, versions) -> KernelSpec | N
 ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len: min(the model's max positions, 4096) (engine.py)
 ENGINE_BATCH_SIZES = None  # the batched decode step's buckets (None: the engine's, runtime/cuda_graphs.BUCKETS)
 TRITON_REASON = "Triton kernel (no TileLang program): compiled by Triton's JIT at its first launch"
+# seconds the last sm90 kernel_specs spent deriving keys: the compiler calls build_kernels right after, whose
+# manifest and summary line report it next to the lowering and nvcc times (what a cold compile's time is made of)
+LAST_DERIVE_S = [0.0]
 
 
 def _meta_tensor(v, env: dict):
@@ -347,7 +350,10 @@ def kernel_specs(graph, target: str, mode: str = "bound", *, db=None,
     if not meta:
         raise ConfigError(f"the graph has no kernel bindings for {target} (select_kernels did not run)")
     if target == "sm90":
-        return _engine_specs(graph, mode, max_model_len)
+        t0 = time.perf_counter()
+        out = _engine_specs(graph, mode, max_model_len)
+        LAST_DERIVE_S[0] = time.perf_counter() - t0
+        return out
     if mode == "all":
         from deepinfer.passes.select_kernels import select_kernels
 
@@ -488,7 +494,8 @@ def build_one(spec: KernelSpec, target: str) -> dict:
             text = tb.lower(_make_program(spec, target), tgt)
             src.parent.mkdir(parents=True, exist_ok=True)
             tb._atomic_write(src, text.encode())
-        out = {"name": spec.name, "source": str(src), "lower_cached": hit}
+        lower_s = round(time.perf_counter() - t0, 3)
+        out = {"name": spec.name, "source": str(src), "lower_cached": hit, "lower_s": lower_s}
         if tgt.is_cuda:
             cubin = tb.compile_cubin(src, tgt)
             counts = cubin.with_suffix(".mma.json")
@@ -554,11 +561,22 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
         "mode": mode,
         "jobs": jobs,
         "build_s": round(time.perf_counter() - t0, 3),
+        "phases_s": _phases(target, built),
         "kernels": entries,
         "not_built": skipped or {},
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _phases(target: str, built: list) -> dict:
+    """Seconds by phase: key derivation (sm90), and over the kernels built in this call (summed over the
+    processes) lowering and nvcc + SASS counts."""
+    ok = [r for r in built if "error" not in r]
+    lower = sum(r["lower_s"] for r in ok)
+    derive, LAST_DERIVE_S[0] = LAST_DERIVE_S[0], 0.0  # read once: a later build_kernels call derived nothing
+    return {"derive": round(derive, 3) if target == "sm90" else 0.0, "lower": round(lower, 3),
+            "nvcc": round(sum(r["seconds"] for r in ok) - lower, 3), "built": len(built)}  # fmt: skip
 
 
 def format_manifest(manifest: dict) -> str:
@@ -572,6 +590,10 @@ def format_manifest(manifest: dict) -> str:
         f"{manifest['build_s']:.1f} s on {manifest['jobs']} processes ({cached} lowerings cached; "
         f"configs: {', '.join(f'{n} {src}' for src, n in sorted(sources.items())) or 'none'})"
     ]
+    ph = manifest.get("phases_s")
+    if ph:
+        lines.append(f"  phases: keys derived in {ph['derive']:.1f} s; {ph['built']} kernels not on disk: lowering "
+                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s (summed over the processes)")  # fmt: skip
     lines += [f"  failed: {e['name']}: {e['error']}" for e in ents if "error" in e]
     lines += [f"  not built: {k}: {v}" for k, v in manifest.get("not_built", {}).items()]
     return "\n".join(lines)

@@ -74,6 +74,9 @@ def test_manifest_entries_exist_and_gemms_use_fp8_wgmma(cold):
             assert e["sass_mma"].get("QGMMA", 0) > 0, e  # FP8 wgmma on sm90
     plan = load_plan(out)
     assert plan.kernels["target"] == "sm90" and len(plan.kernels["kernels"]) == len(ents)
+    ph = manifest["phases_s"]  # what the cold compile's time is made of (printed on the summary line)
+    assert ph["derive"] > 0 and ph["built"] == len(ents) and ph["lower"] > 0 and ph["nvcc"] > 0, ph
+    assert "keys derived in" in res.kernels_summary
 
 
 def test_second_compile_is_cached_and_never_tunes(env, cold, monkeypatch):
