@@ -177,6 +177,17 @@ class _KeyWalk:
     why: dict = field(default_factory=dict)  # "family.op" -> reason (reported where no call of it gave a key)
     keyed: set = field(default_factory=set)  # "family.op" that gave at least one key
     missed: dict = field(default_factory=dict)  # "family.op at T=t" -> why its keys were not derived (always shown)
+    input_types: dict = field(default_factory=dict)  # id(node) -> an int naming its inputs' types (hashed once)
+    _interned: dict = field(default_factory=dict)
+
+    def types_of(self, node) -> int:
+        """The node's input types as one small int (a 40-layer MoE node has ~2300 inputs: hashing their types in
+        every walk was ~0.5 s of a warm compile)."""
+        key = id(node)
+        if key not in self.input_types:
+            types = tuple(None if v is None else v.type for v in node.inputs)
+            self.input_types[key] = self._interned.setdefault(types, len(self._interned))
+        return self.input_types[key]
 
     def add(self, where: str, keys: list, node: str) -> None:
         self.keyed.add(where)
@@ -216,7 +227,7 @@ def _walk(ex, feeds: dict, walk: _KeyWalk) -> None:
             continue
         attrs = ex._attrs(step.node, env)
         alike = (step.node.op, b["family"], repr(b.get("config")), repr(sorted(attrs.items())),
-                 tuple(None if v is None else v.type for v in step.node.inputs), step.rows)  # fmt: skip
+                 walk.types_of(step.node), step.rows)  # fmt: skip
         if alike in seen:
             continue
         seen.add(alike)
@@ -294,6 +305,7 @@ def engine_kernel_keys(graph, lengths, *, max_model_len: int = ENGINE_MAX_MODEL_
     from deepinfer.runtime.cuda_executor import GraphExecutor
 
     walk = _KeyWalk()
+    graph = _without_bulk_meta(graph)
     params = _MetaParams(graph)
     saved, ka.EMULATE = ka.EMULATE, True  # the adapters' "CUDA tensors only" check: meta tensors stand in
     try:
@@ -308,6 +320,17 @@ def engine_kernel_keys(graph, lengths, *, max_model_len: int = ENGINE_MAX_MODEL_
     if with_nodes:
         return walk.keys, walk.unkeyed(), walk.nodes
     return walk.keys, walk.unkeyed()
+
+
+BULK_META = ("param_conversions", "memory")  # graph.meta records no executor or adapter reads
+
+
+def _without_bulk_meta(graph):
+    """A shallow copy of graph without BULK_META: rows_graph and batch_decode deep-copy the graph, meta included,
+    and a 40-layer model's param_conversions alone is ~3.6 MB of lists (~0.4 s a copy)."""
+    light = copy.copy(graph)
+    light.meta = {k: v for k, v in graph.meta.items() if k not in BULK_META}
+    return light
 
 
 def _walk_batched(graph, params: _MetaParams, batch_sizes: list, max_model_len: int, walk: _KeyWalk) -> None:
