@@ -3032,6 +3032,50 @@ def _topk_s8b_rows():
     ]  # fmt: skip
 
 
+def _topk_split_rows():
+    """(T, C, cfg) rows "indexer_topk_select split" (helper B, session 8; unmeasured): T4096 C65536 in 3960 one-CTA
+    rows + 136 rows of 2 segments (topk_select.tail_split) for call 2's best (lean + compact without the L2
+    prefetch) and with wscan + rsel; compare with the same configs' one-launch rows of "indexer_topk_select s8b"."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    best = dataclasses.replace(ts.default_config(4096, 65536, IDX_TOPK), l2_ahead=0, lean=True, compact=2048)
+    return [(4096, 65536, best), (4096, 65536, dataclasses.replace(best, wscan=True, rsel=True))]
+
+
+def case_topk_tail_split(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
+    """topk_select.tail_split: the whole waves of one-CTA rows in one launch, the last wave's rows split into
+    segments in a second (no idle slots in the last wave); checked exact (heavy ties, then real scores, twice)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    launches = ts.tail_split(T_, C, cfg)
+    row.kernel += " " + "+".join(f"{n}x{c.tag}" for _, n, c in launches)
+    kerns = [build(ts.program(n, C, k=IDX_TOPK, ratio=2, cfg=c, target="sm90")) for _, n, c in launches]
+    pos = _idx_positions(T_, C)
+    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
+    row.peak = "fp8"
+    if dry:
+        return
+    q, w, k, ks, pos = _idx_inputs(T_, C)
+    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
+    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    scratch = [ts.make_scratch(n, C, IDX_TOPK, c, "cuda") for _, n, c in launches]
+
+    def run_on(x):
+        for kern, (r0, n, _), scr in zip(kerns, launches, scratch):
+            kern(x[r0 : r0 + n], pos[r0 : r0 + n], out[r0 : r0 + n], *scr)
+
+    ties = torch.randint(-3, 4, s.shape, device="cuda").float()
+    ties[:, ::5] = torch.where(ties[:, ::5] == 0, -0.0, ties[:, ::5])
+    run_on(ties)
+    _idx_topk_exact(out, ties, pos)
+    del ties
+    for _ in range(2):
+        run_on(s)
+        row.check = _idx_topk_exact(out, s, pos)
+    row.ms = bench(lambda: run_on(s), quick)
+
+
 TOPK_S8_TEST_SHAPES = [(264, 16384), (64, 65536), (1, 65536)]  # tests/codegen/test_topk_select.py's gpu lean test
 
 
@@ -3130,6 +3174,9 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg, var in _topk_s8b_rows():
             out.append(("indexer_topk_select s8b", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, v=var: case_indexer_topk_select(r, T_, C, q, d, v, c)))
+        for T_, C, cfg in _topk_split_rows():
+            out.append(("indexer_topk_select split", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_tail_split(r, T_, C, c, q, d)))
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
                         lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))

@@ -50,7 +50,7 @@ Triton interpreter) is kept for comparison.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -187,20 +187,43 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     557.5 us = 44.5% of HBM vs 757.4 us = 32.7%; the grid's streaming ceiling, diag read, 306.8 us = 80.8%).
     Both prefill widths take the fused loop with `fast` chunks (session 6, H200, same run, exact on heavy ties and
     real scores: T4096 C65536 541.0 us = 45.8% vs 559.3 us fused; C16384 at 128 threads 217.2 us = 27.9% vs
-    257.7 us non-fused). DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused
-    without fast.
+    257.7 us non-fused). Session 8: the fast chunks `lean`, the final selection `compact`, no L2 prefetch (H200,
+    same run, exact on heavy ties and real scores: T4096 C65536 478.6 us = 51.8% vs 541.8 us).
+    DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
+    DEEPINFER_TOPK_LEAN=0: session 7's fast default (2 chunks prefetched into L2, neither lean nor compact).
     Few rows: 128-thread segments of >= 8192 columns (128 registers: 4 CTAs an SM) while the grid stays within
     one wave and the last CTA merges <= MERGE_ALL_MAX."""
     if T_ >= 2 * sms:
         nt = 256 if C > 16384 else 128
         if os.environ.get("DEEPINFER_TOPK_FUSED", "") != "0":
-            return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
-                              ffs=True, fast=os.environ.get("DEEPINFER_TOPK_FAST", "") != "0")  # fmt: skip
+            fast = os.environ.get("DEEPINFER_TOPK_FAST", "") != "0"
+            cfg = HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
+                             ffs=True, fast=fast)  # fmt: skip
+            if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":
+                cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048)
+            return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
     while seg >= 16384 and T_ * -(-C // (seg // 2)) <= 2 * sms and -(-C // (seg // 2)) * k <= MERGE_ALL_MAX:
         seg //= 2
     return HistConfig(128, 16, seg, l2_ahead=2)
+
+
+def tail_split(T_: int, C: int, cfg: HistConfig, sms: int = 132) -> list[tuple[int, int, HistConfig]]:
+    """Launches (first row, rows, config) covering T_ one-CTA rows of `cfg` (min_blocks CTAs an SM) without the
+    last wave's idle slots: the whole waves as they are, the rest's rows split into segments (the last CTA of a
+    row merges them) so that they fill about one wave. At T4096 and 3 CTAs an SM: 3960 rows, then 136 rows of 2
+    segments (272 CTAs half a row long) -- 10.5 row times instead of 11."""
+    slots = cfg.min_blocks * sms  # (min_blocks 0: the occupancy is not known, no split)
+    full = T_ // slots * slots if slots else 0
+    rest = T_ - full
+    if rest == 0 or full == 0 or n_segments(C, cfg) > 1:
+        return [(0, T_, cfg)]
+    nseg = max(slots // rest, 1)
+    seg = _round_up(-(-C // nseg), cfg.chunk)
+    if nseg == 1 or seg >= cfg.seg:
+        return [(0, T_, cfg)]
+    return [(0, full, cfg), (full, rest, replace(cfg, seg=seg))]
 
 
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | HistConfig:
@@ -579,6 +602,29 @@ def _taken(key, idx, st, st2):
     return T.And(T.And(st[3] > 0, key != NONE), T.Or(key > st[0], T.And(key == st[0], tie_ok)))
 
 
+def _pass_key(keyf, idf, st, ps):
+    """The key a selection pass ranks: pass 0 the keys; pass 1 (after pass 0 found its k-th key tied) -id of the
+    keys equal to it (the lowest ids rank first), NONE for the rest."""
+    import tilelang.language as T
+
+    return lambda i, q: T.if_then_else(ps == 0, keyf(i, q), T.if_then_else(keyf(i, q) == st[0], -idf(i, q), NONE))
+
+
+def _make_store_pass():
+    """Macro store_pass(ps, stw, st, st2): a pass's results to st (pass 0, the keys) or st2 (pass 1, the ties)."""
+    import tilelang.language as T
+
+    @T.macro
+    def store_pass(ps, stw, st, st2):
+        for u in T.serial(4):
+            if ps == 0:
+                st[u] = stw[u]
+            else:
+                st2[u] = stw[u]
+
+    return store_pass
+
+
 def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: bool = True):
     """Macro: the kk = min(kk_req, members) largest keys of a per-thread set (keyf, idf callables), ties to the
     LOWER id (ids unique); `_taken(key, id, st, st2)` then tells the selected ones. Pass 0 runs the radix select
@@ -587,6 +633,7 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
     import tilelang.language as T
 
     radix = _make_radix(ops, NT, Q, warp_reduce, unroll)
+    store_pass = _make_store_pass()
 
     @T.macro
     def select(keyf, idf, kk_req, st, st2, hist, cum, bc, ra, rb, rc, r1, nq=None):
@@ -594,20 +641,31 @@ def _make_select(ops: _Ops, NT: int, Q: int, warp_reduce: bool = False, unroll: 
         st2[0] = NONE
         st[1] = 1
         for ps in T.serial(2):
-            if T.Or(ps == 0, st[1] == 0):
-                radix(
-                    lambda i, q, ps=ps: T.if_then_else(  # ps: this pass (the radix expands right here)
-                        ps == 0, keyf(i, q), T.if_then_else(keyf(i, q) == st[0], -idf(i, q), NONE)
-                    ),
-                    T.if_then_else(ps == 0, kk_req, st[2]), stw, hist, cum, bc, ra, rb, rc, r1, nq,
-                )  # fmt: skip
-                for u in T.serial(4):
-                    if ps == 0:
-                        st[u] = stw[u]
-                    else:
-                        st2[u] = stw[u]
+            if T.Or(ps == 0, st[1] == 0):  # (the radix expands right here, once for both passes)
+                radix(_pass_key(keyf, idf, st, ps), T.if_then_else(ps == 0, kk_req, st[2]), stw, hist, cum, bc, ra,
+                      rb, rc, r1, nq)  # fmt: skip
+                store_pass(ps, stw, st, st2)
 
     return select
+
+
+def _make_volatile(ops: _Ops):
+    """(ld, st): a shared word read / written through volatile helpers (GPU; plain accesses on the `c` target),
+    opaque to TileLang's sync planner -- for words other warps write without a barrier between (the fused loop),
+    or phases whose barriers are all explicit (the register selection)."""
+    import tilelang.language as T
+
+    def ld(buf, j):
+        return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
+
+    @T.macro
+    def st(buf, j, v):
+        if ops.cpu:
+            buf[j] = v
+        else:
+            T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(buf[j]), v))
+
+    return ld, st
 
 
 def _make_reg_select(ops: _Ops, NT: int, QR: int):
@@ -622,16 +680,8 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
     NWARP = max(NT // 32, 1)
     BPT = max(NB // NT, 1)  # bins a thread owns (contiguous)
     full = T.uint32(0xFFFFFFFF)
-
-    def ld(buf, j):
-        return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
-
-    @T.macro
-    def st_(buf, j, v):
-        if ops.cpu:
-            buf[j] = v
-        else:
-            T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(buf[j]), v))
+    ld, st_ = _make_volatile(ops)
+    store_pass = _make_store_pass()
 
     @T.macro
     def reduce3(cnt, mn, mx, red, res):
@@ -778,17 +828,9 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
         for ps in T.serial(2):
             if T.Or(ps == 0, st[1] == 0):
                 ops.barrier()  # (the previous pass's reads of h2, red, bc are done)
-                radix(
-                    lambda i, q, ps=ps: T.if_then_else(
-                        ps == 0, keyf(i, q), T.if_then_else(keyf(i, q) == st[0], -idf(i, q), NONE)
-                    ),
-                    T.if_then_else(ps == 0, kk_req, st[2]), stw, h2, red, bc, own, sfx, rc, res,
-                )  # fmt: skip
-                for u in T.serial(4):
-                    if ps == 0:
-                        st[u] = stw[u]
-                    else:
-                        st2[u] = stw[u]
+                radix(_pass_key(keyf, idf, st, ps), T.if_then_else(ps == 0, kk_req, st[2]), stw, h2, red, bc, own,
+                      sfx, rc, res)  # fmt: skip
+                store_pass(ps, stw, st, st2)
 
     return reg_select
 
@@ -1328,16 +1370,7 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
     full = T.uint32(0xFFFFFFFF)
     CPL = NB // 32  # coarse bins a lane
     count_key = _make_count_key(ops)
-
-    def ld(buf, j):
-        return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
-
-    @T.macro
-    def st(buf, j, v):
-        if ops.cpu:
-            buf[j] = v
-        else:
-            T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(buf[j]), v))
+    ld, st = _make_volatile(ops)
 
     @T.macro
     def put(buf, j, v):  # a plain store the sync planner does not see (int32 offset from the buffer's start)
@@ -1528,7 +1561,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused) and not ops.cpu else None
+    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused or cfg.rsel) and not ops.cpu else None
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)

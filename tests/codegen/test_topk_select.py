@@ -306,9 +306,16 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.delenv("DEEPINFER_TOPK_HIST")
     # the fused chunk loop with fast chunks: both measured prefill widths (256 threads at 64k, 128 at 16k); decode
     # keeps the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0 fused without fast, DEEPINFER_TOPK_FUSED=0 neither
+    # (session 8: lean fast chunks, the compact final selection, no L2 prefetch; DEEPINFER_TOPK_LEAN=0: session 7's)
+    s8 = dict(lean=True, compact=2048)
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
-    assert ts.default_config(4096, 65536) == fast64
-    assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
+    fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
+    assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
+                                                           **s8)  # fmt: skip
+    assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, **s8)
+    monkeypatch.setenv("DEEPINFER_TOPK_LEAN", "0")
+    assert ts.default_config(4096, 65536) == fast64 and ts.default_config(4096, 16384) == fast16
+    monkeypatch.delenv("DEEPINFER_TOPK_LEAN")
     assert not ts.default_config(64, 65536).fused
     monkeypatch.setenv("DEEPINFER_TOPK_FAST", "0")
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
@@ -425,6 +432,19 @@ def test_triton_variant_compiles_for_hopper():
     proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ".target sm_90a" in proc.stdout and "atom.global.gpu.acq_rel.add" in proc.stdout
+
+
+def test_tail_split():
+    """T4096 at 3 CTAs an SM: 10 whole waves of one-CTA rows, then the 136 last rows in 2 segments (one wave of
+    half-rows); nothing to split without a known occupancy, with whole waves only, or for segmented rows."""
+    cfg = ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, fast=True, lean=True)
+    (r0, n0, c0), (r1, n1, c1) = ts.tail_split(4096, 65536, cfg)
+    assert (r0, n0, c0) == (0, 3960, cfg) and (r1, n1) == (3960, 136)
+    assert ts.n_segments(65536, c1) == 2 and c1 == ts.HistConfig(**{**vars(cfg), "seg": 32768})
+    assert n1 * ts.n_segments(65536, c1) <= 3 * 132
+    assert ts.tail_split(4096, 65536, ts.HistConfig(256, 16, 65536)) == [(0, 4096, ts.HistConfig(256, 16, 65536))]
+    assert len(ts.tail_split(396 * 4, 65536, cfg)) == 1 and len(ts.tail_split(300, 65536, cfg)) == 1
+    assert len(ts.tail_split(4096, 65536, ts.HistConfig(256, 16, 16384, min_blocks=3))) == 1
 
 
 def test_configs_and_roofline():
