@@ -17,6 +17,8 @@ gives back those values exactly (power-of-two scales), so the fp32 copy (4 bytes
 
 from __future__ import annotations
 
+import os
+
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph
 from deepinfer.ir.ops import fused  # noqa: F401  (registers the fused ops)
@@ -80,8 +82,12 @@ def rewrite(m):
     return "grouped_out_proj", [x, m["wa"], m["wb"], m["sa"], m.values.get("sb"), xs], attrs
 
 
+CODES_ENV = "DEEPINFER_OUT_PROJ_CODES"  # "0": keep x dequantised (the A/B of the codes-in form)
+
+
 @register_pass("fuse_out_proj")
 def fuse_out_proj(g: Graph) -> Graph:
     """(dequant_fp8 +) grouped_linear (wo_a) + reshape (+ quant/dequant) + linear (wo_b) -> grouped_out_proj."""
-    rewrite_patterns(g, PATTERNS, rewrite, where=check)
+    codes_in = os.environ.get(CODES_ENV) != "0"
+    rewrite_patterns(g, PATTERNS if codes_in else PATTERNS[len(PATTERNS) // 2 :], rewrite, where=check)
     return g

@@ -142,7 +142,7 @@ def test_hyper_connection_post_pre_not_when_the_new_streams_are_read_before_the_
     assert g.op_counts()["hc_post_pre"] == 6
 
 
-def _out_proj_after_fp8_epilogue(code_group: int):
+def _out_proj_after_fp8_epilogue(code_group: int, codes_env: str | None = None):
     """x = dequant_fp8(quant_fp8(a)) per code_group feeding wo_a (block 32, FP8) and wo_b (FP8): the attention's
     FP8 epilogue in front of the output projection."""
     b = GraphBuilder("g")
@@ -152,7 +152,11 @@ def _out_proj_after_fp8_epilogue(code_group: int):
     wb, sb = b.param("wb", "f8e4m3", [32, 64]), b.param("sb", "e8m0", [1, 2])
     u = b.reshape(b.grouped_linear(x, wa, sa, block=32), shape=["T", 64])
     b.output(b.linear_fp8(u, wb, sb, block=32))
-    return run_pass(b.build(), "fuse_out_proj")
+    if codes_env is None:
+        return run_pass(b.build(), "fuse_out_proj")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_OUT_PROJ_CODES", codes_env)
+        return run_pass(b.build(), "fuse_out_proj")
 
 
 def test_out_proj_takes_the_epilogue_codes_when_their_groups_are_wo_as_blocks():
@@ -160,8 +164,8 @@ def test_out_proj_takes_the_epilogue_codes_when_their_groups_are_wo_as_blocks():
     node = next(n for n in g.nodes if n.op == "grouped_out_proj")
     assert [n.op for n in g.nodes].count("dequant_fp8") == 0
     assert node.inputs[0].type.dtype.name == "f8e4m3" and node.inputs[5] is not None
-    # 64-groups are not wo_a's 32-blocks: x stays the dequantised fp32 operand
-    g = _out_proj_after_fp8_epilogue(64)
-    node = next(n for n in g.nodes if n.op == "grouped_out_proj")
-    assert [n.op for n in g.nodes].count("dequant_fp8") == 1
-    assert node.inputs[0].type.dtype.name == "f32" and (len(node.inputs) < 6 or node.inputs[5] is None)
+    # 64-groups are not wo_a's 32-blocks, or the switch is off: x stays the dequantised fp32 operand
+    for g in (_out_proj_after_fp8_epilogue(64), _out_proj_after_fp8_epilogue(32, codes_env="0")):
+        node = next(n for n in g.nodes if n.op == "grouped_out_proj")
+        assert [n.op for n in g.nodes].count("dequant_fp8") == 1
+        assert node.inputs[0].type.dtype.name == "f32" and (len(node.inputs) < 6 or node.inputs[5] is None)
