@@ -187,25 +187,31 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     557.5 us = 44.5% of HBM vs 757.4 us = 32.7%; the grid's streaming ceiling, diag read, 306.8 us = 80.8%).
     Both prefill widths take the fused loop with `fast` chunks (session 6, H200, same run, exact on heavy ties and
     real scores: T4096 C65536 541.0 us = 45.8% vs 559.3 us fused; C16384 at 128 threads 217.2 us = 27.9% vs
-    257.7 us non-fused). Session 8: the fast chunks `lean`, the final selection `compact`, no L2 prefetch (H200,
-    same run, exact on heavy ties and real scores: T4096 C65536 478.6 us = 51.8% vs 541.8 us).
+    257.7 us non-fused). Session 8 (H200 call 4, same run, every row exact on heavy ties and real scores): `lean`
+    fast chunks, the `compact` final selection, `wscan` output offsets, no L2 prefetch, and at 256 threads `rsel`
+    (the staged members selected in registers): T4096 C65536 460.8 us = 53.8% vs 543.6 us; C16384 (no rsel)
+    208.3 us vs 229.1 us.
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
-    DEEPINFER_TOPK_LEAN=0: session 7's fast default (2 chunks prefetched into L2, neither lean nor compact).
+    DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
+    barrier-per-phase).
     Few rows: 128-thread segments of >= 8192 columns (128 registers: 4 CTAs an SM) while the grid stays within
-    one wave and the last CTA merges <= MERGE_ALL_MAX."""
+    one wave and the last CTA merges <= MERGE_ALL_MAX; since session 8 in the fused loop with lean fast chunks and
+    wscan, no L2 prefetch (call 4: T64 C65536 58.6 us vs 63.0, T64 C16384 36.7 vs 39.6)."""
     if T_ >= 2 * sms:
         nt = 256 if C > 16384 else 128
         if os.environ.get("DEEPINFER_TOPK_FUSED", "") != "0":
             fast = os.environ.get("DEEPINFER_TOPK_FAST", "") != "0"
             cfg = HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
                              ffs=True, fast=fast)  # fmt: skip
-            if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":
-                cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048)
+            if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":  # (rsel measured at 256 threads only)
+                cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
     while seg >= 16384 and T_ * -(-C // (seg // 2)) <= 2 * sms and -(-C // (seg // 2)) * k <= MERGE_ALL_MAX:
         seg //= 2
+    if os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":
+        return HistConfig(128, 16, seg, fused=2, ffs=True, fast=True, lean=True, wscan=True)
     return HistConfig(128, 16, seg, l2_ahead=2)
 
 

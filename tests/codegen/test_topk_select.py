@@ -307,16 +307,20 @@ def test_hist_default_configs(monkeypatch):
     # the fused chunk loop with fast chunks: both measured prefill widths (256 threads at 64k, 128 at 16k); decode
     # keeps the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0 fused without fast, DEEPINFER_TOPK_FUSED=0 neither
     # (session 8: lean fast chunks, the compact final selection, no L2 prefetch; DEEPINFER_TOPK_LEAN=0: session 7's)
-    s8 = dict(lean=True, compact=2048)
+    s8 = dict(lean=True, compact=2048, wscan=True)
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
-                                                           **s8)  # fmt: skip
+                                                           rsel=True, **s8)  # fmt: skip
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, **s8)
+    # decode (session 8): the fused loop with lean fast chunks and wscan, no L2 prefetch, the same segments
+    dec = dict(fused=2, ffs=True, fast=True, lean=True, wscan=True)
+    assert ts.default_config(64, 65536) == ts.HistConfig(128, 16, 16384, **dec)
+    assert ts.default_config(64, 16384) == ts.HistConfig(128, 16, 8192, **dec)
     monkeypatch.setenv("DEEPINFER_TOPK_LEAN", "0")
     assert ts.default_config(4096, 65536) == fast64 and ts.default_config(4096, 16384) == fast16
-    monkeypatch.delenv("DEEPINFER_TOPK_LEAN")
     assert not ts.default_config(64, 65536).fused
+    monkeypatch.delenv("DEEPINFER_TOPK_LEAN")
     monkeypatch.setenv("DEEPINFER_TOPK_FAST", "0")
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True)
     monkeypatch.setenv("DEEPINFER_TOPK_FUSED", "0")
@@ -364,14 +368,14 @@ def test_sm90_lowers_decode_hist(tilelang_required):
 
 
 def test_sm90_lowers_decode_c32768(tilelang_required):
-    """Regression (H200 session 8: batched decode with caches for max_model_len 65536, ratio 2): the default config
-    at T64 C32768 (4 segments of 8192, 2 chunks prefetched into L2) failed to lower in TileLang's layout inference
-    ("Can't fetch the lanes of a scalable vector at a compile time") on the prefetch's `address_of(S[t, 0])`; the
-    prefetch now takes the scores' base and an int64 offset."""
+    """Regression (H200 session 8: batched decode with caches for max_model_len 65536, ratio 2): the then default
+    config at T64 C32768 (4 segments of 8192, 2 chunks prefetched into L2) failed to lower in TileLang's layout
+    inference ("Can't fetch the lanes of a scalable vector at a compile time") on the prefetch's
+    `address_of(S[t, 0])`; thread 0 now prefetches from the scores' base, row and offset."""
     from deepinfer.codegen import tilelang_backend as tb
 
-    cfg = ts.default_config(64, 32768)
-    assert isinstance(cfg, ts.HistConfig) and cfg.l2_ahead > 0 and ts.n_segments(32768, cfg) > 1
+    cfg = ts.HistConfig(128, 16, 8192, l2_ahead=2)  # (the default there until session 8's lean decode form)
+    assert ts.n_segments(32768, cfg) == 4
     src = tb.lower(ts.program(64, 32768, k=512, ratio=1, cfg=cfg, target="sm90", has_pos=False), tb.get_target("sm90"))
     assert "tl_topk_prefetch_l2(" in src
 
@@ -394,7 +398,8 @@ def test_sm90_build_hist_prefill(codegen_cache, nvcc_required, fused):
     occupancy the streaming needs; the T64 regression of the other program was 137 registers = 1 CTA/SM), with
     a barrier between the histogram atomics and the bin search, and the bulk L2 prefetch. The fused chunk loop (the
     default here) needs min_blocks=3 for it (85 registers without: 2 CTAs/SM; an earlier form spilled a
-    just-loaded float4, which stalls on the load)."""
+    just-loaded float4, which stalls on the load). Since session 8 the default is lean + compact + wscan + rsel
+    without the prefetch: the same limits."""
     from deepinfer.codegen import tilelang_backend as tb
 
     cfg = ts.default_config(4096, 65536) if fused else ts.HistConfig(256, 16, 65536, l2_ahead=2)
