@@ -21,6 +21,15 @@ TRITON_OPS = {"act_quant.dequant_fp8", "act_quant.fake_quant_fp8", "cache_rows.s
               "indexer_topk.batched_index_scores"}  # fmt: skip
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_cache(tmp_path_factory):
+    """kernel_specs caches the derived keys in the codegen cache: this module's own, fresh."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DEEPINFER_CODEGEN_CACHE", str(tmp_path_factory.mktemp("codegen")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def plans():
     """(plan, params) per preset: compiled for sm90 (no kernels built), seeded weights, experts restacked as the
@@ -149,3 +158,29 @@ def test_all_mode_adds_lengths_under_the_plan_bindings(plans, specs):
     bound, _ = specs["deepseek-v4.1-flash:tiny"]
     every, _ = pk.kernel_specs(plan.graph, "sm90", "all", max_model_len=MAX_LEN)
     assert {s.ident() for s in bound} < {s.ident() for s in every}
+
+
+def test_derived_keys_are_cached_and_a_changed_graph_or_switch_misses(plans, specs, monkeypatch):
+    """A warm compile reads the derived keys back (same specs, nodes and reasons, keys equal to the runtime's
+    KernelKeys after the JSON round trip); another graph, max_model_len or adapter switch derives them again."""
+    import copy
+
+    plan, _ = plans["deepseek-v4.1-flash:tiny"]
+    first, why = specs["deepseek-v4.1-flash:tiny"]
+    derived = []
+    real = pk.engine_kernel_keys
+    monkeypatch.setattr(pk, "engine_kernel_keys", lambda *a, **k: derived.append(1) or real(*a, **k))
+    again, why2 = pk.kernel_specs(plan.graph, "sm90", max_model_len=MAX_LEN)
+    assert not derived, "the second derivation of the same graph must come from the cache"
+    assert [(s.ident(), s.key, s.nodes) for s in again] == [(s.ident(), s.key, s.nodes) for s in first]
+    assert why2 == why
+    pk.kernel_specs(plan.graph, "sm90", max_model_len=2 * MAX_LEN)
+    assert len(derived) == 1
+    changed = copy.deepcopy(plan.graph)
+    node = next(n for n in changed.nodes if n.op == "rmsnorm")
+    node.attrs = {**node.attrs, "eps": node.attrs["eps"] * 2}
+    pk.kernel_specs(changed, "sm90", max_model_len=MAX_LEN)
+    assert len(derived) == 2
+    monkeypatch.setenv(ka.DENSE_SWAB_ENV, "0")
+    pk.kernel_specs(plan.graph, "sm90", max_model_len=MAX_LEN)
+    assert len(derived) == 3
