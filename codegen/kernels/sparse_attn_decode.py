@@ -28,6 +28,24 @@ runs a persistent grid (one CTA an SM walking the requests, its KV ring and the 
 the per-CTA fixed cost is then paid once per SM, not once per token.
 Not yet here: q's RoPE inside the kernel (`triton_q_operand` does it in one launch before it) and the inverse
 RoPE of o's last 64 dims.
+
+Where the decode time goes (H200, session 8: `Config.trace` stamps, kernels_h200 'sparse_attn s8 trace', the runtime's
+4k operands, B128 k640, 39.3 us after a read flush; 70% of the HBM roofline would be 33.9 us):
+- ~7 us outside the CTAs (read-flush time 41.2 us of the traced build vs 34.0 us from the first CTA's start to the
+  last one's end: launch, drain, events); the skeleton build (no loads but Q, no MMAs) shows the same ~6.5 us.
+- ~6 us from a CTA's start to its first block's rows: Q (landed at 2.6 us) and blocks 0 and 1 (192 KB a CTA) are
+  requested together; ids_first (row ids before Q) did not move it.
+- steady blocks: WG0's period ~1.95 us = data wait ~0.25 | QK^T ~1.2 (0.78 alone; PV(j - 1) shares the tensor
+  cores) | softmax + P ~0.41 | P hand-off ~0.1; PV (both halves) ~0.77. The tensor work is ~1.55 us a block, the
+  block's HBM share ~1.96 us (bf16), so the chain (QK^T + softmax in series on WG0) and HBM coincide at B128/B256;
+  shortening the chain pays where HBM does not bind (B64, L2-hot rows, FP8 KV: 1.05 us of bytes a block).
+- ~6.7 us from the last PV to the O stores issued (4.5 us with no KV loads, 1.1 us in the skeleton): not explained.
+Next steps, in that order: the tail (stamps around the fin wait and the stores; O through the free KV ring and
+16-B / bulk stores); block 0 gathered before Q (the first QK^T needs both; Q + two blocks at once delay block 0); the
+chain -- QK^T of block j + 1 under softmax(j) needs a third 64-row stage (with two, `lookahead` waits for block
+j + 1's rows before softmax(j): the ring's latency enters the chain), i.e. Q out of shared memory: Q halves in the PV
+warpgroups' registers (RS wgmma; setmaxnreg ~208 for them, ~96 for a softmax-only WG0) or QK^T split over two
+warpgroups. early_p / lazy_rescale shorten the chain by ~0.1 us a block (B128 read flush 38.6 vs 39.7 us).
 """
 
 import dataclasses
@@ -236,9 +254,10 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
 UNSPLIT_MIN_B = 0
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
-# Session 8: every bf16 ws decode config takes Config.early_p / lazy_rescale / ids_first (1) or not (0). H200 (call 2,
-# kernels_h200 --only "sparse_attn s8", runtime operands): early_p + lazy_rescale within ~1% under do_bench at B64 /
-# 128 / 256; after a read flush B128 38.6 vs 39.7 us, B64 unsplit 32.6 vs 34.0 us; ids_first measured in call 4.
+# Session 8: every bf16 ws decode config takes Config.early_p / lazy_rescale / ids_first (1) or not (0). H200 (calls 2
+# and 4, kernels_h200 --only "sparse_attn s8", runtime operands): early_p + lazy_rescale within ~1% under do_bench at
+# B64 / 128 / 256; after a read flush B128 38.6 vs 39.7 us, B64 unsplit 32.6 vs 34.0 us. ids_first: no gain (B128
+# 44.3 vs 44.4 us, read flush 39.2 vs 39.3; B64 split 33.5 vs 32.8; B256 persistent 75.1 vs 74.6). All stay off.
 DECODE_EARLY_P = 0
 DECODE_LAZY_RESCALE = 0
 DECODE_IDS_FIRST = 0
