@@ -39,11 +39,22 @@ default for long rows of 32+ queries (`default_config`, H200 figures there). `Hi
 barrier a chunk instead of ~17; with `min_blocks`=3 and the `ffs` output the default for the 256-thread prefill
 rows: H200 T4096 C65536 557.5 us = 44.5% of HBM vs 757.4 us); `HistConfig.fast` (fused chunks compared with the
 bound as raw floats, whole warps below it skipping their pass: ~3 instructions a score instead of ~20; the default
-for the prefill rows: 541.0 us = 45.8%); `HistConfig.trim` (selections over the buffer's entries only) is opt-in
-and unmeasured; `HistConfig.diag` cuts a chunk's work down to a stage (H200 stage costs; not a top-k).
+for the prefill rows: 541.0 us = 45.8%); `HistConfig.trim` (selections over the buffer's entries only; session 7:
+561.8 us, slower) is opt-in; `HistConfig.diag` cuts a chunk's work down to a stage (H200 stage costs; not a top-k).
 Measured and removed (session 6, T4096 C65536, same run as fast's 541.0 us): the first chunk's coarse bins summed
 from the fine ones instead of counted with atomics (544.0 us), a CTA prefetching the row that takes its slot next
 into L2 at its final selection (548.2 us).
+Session 8 (H200 call 4, T4096 C65536, same run, every row exact; the defaults since): the chunk loop is issue-bound
+(a fused chunk ~420 SASS instructions a warp for 16 scores a thread), so `HistConfig.lean` cuts it to ~250: no
+per-score column checks (the chunk that straddles the limit gets -inf when its bits are copied; a wholly visible
+next chunk loads unpredicated), the count as a bit mask's popcount, each pushed key converted once (480.3 us vs
+543.6); the L2 prefetch off (the grid's read stage alone: 259.7 us without it, 306.7 with); `compact` (the final
+selection on the members >= the bound staged in the free fine histogram, after the chunk loop; 471.5 us), `wscan`
+(the output offsets by warp scans; 471.2) and `rsel` (the staged members selected in registers, 3 barriers a radix
+round: the final selection cost ~60 us whatever its size -- barriers, not passes): 460.8 us = 53.8%. Stage probes of
+that run: lean chunks without the final selection 373.2 us, with the selection but no output 423.9 us. fused=1
+(no lagging bound) 483.7 us. `tail_split` (the last wave's rows as 2-segment rows in a second launch, ~4.5% by
+the wave count) is unmeasured.
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
