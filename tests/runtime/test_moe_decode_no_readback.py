@@ -21,9 +21,9 @@ def test_layout_read_back_only_at_prefill_on_the_non_persistent_program(monkeypa
     seen = []
     real = ka._moe_layout_rows
 
-    def spy(idx, n_experts, block_m, read_back=True):
+    def spy(idx, n_experts, block_m, read_back=True, **kw):
         seen.append(read_back)
-        return real(idx, n_experts, block_m, read_back=read_back)
+        return real(idx, n_experts, block_m, read_back=read_back, **kw)
 
     monkeypatch.setattr(ka, "_moe_layout_rows", spy)
     adapter = ka.MoEGroupedAdapter()
