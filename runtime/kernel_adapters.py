@@ -118,22 +118,33 @@ ACT_QUANT_KERNEL_ON_CPU = False  # tests: the kernel under the Triton interprete
 _ACT_QUANT_BROKEN: list = []  # the reason the kernel could not run (then every call takes the torch ops)
 
 
+def _on_act_quant_kernels(x: torch.Tensor, launch):
+    """launch(act_quant module, x with unit stride along its last dim) where act_quant's Triton kernels run (CUDA, or
+    the interpreter when ACT_QUANT_KERNEL_ON_CPU; not with DEEPINFER_ACT_QUANT=torch), else None. A failure to build
+    or launch (no triton, ...) turns them off for the process, said once; the callers' torch paths give the same
+    numbers."""
+    if not (x.is_cuda or ACT_QUANT_KERNEL_ON_CPU) or os.environ.get(ACT_QUANT_ENV) == "torch" or _ACT_QUANT_BROKEN:
+        return None
+    try:
+        from deepinfer.codegen.kernels import act_quant
+
+        return launch(act_quant, x if x.stride(-1) == 1 else x.contiguous())
+    except Exception as e:
+        _ACT_QUANT_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
+        print(f"act_quant kernels off, torch quantisation instead: {_ACT_QUANT_BROKEN[0]}", flush=True)
+        return None
+
+
 def quant_rows(x2d: torch.Tensor, group: int, rows: int, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """quant_act of x [M, K] as the GEMMs read it: (e4m3 codes [rows, K], MN-major fp32 scales [K/group, rows]),
     rows >= M padded. On CUDA one act_quant launch (codegen/kernels/act_quant.py: the same codes and scales bit for
     bit) instead of ~12 torch launches; padding rows hold zero codes (their scales differ: never read).
     chunks > 1: K in `chunks` column chunks laid out chunk-major ([chunks * rows, K / chunks] codes, row j * rows + t
     = chunk j of token t: the masked layout of a GEMM whose experts are K chunks), the same codes."""
-    if (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch" and not _ACT_QUANT_BROKEN:
-        try:
-            from deepinfer.codegen.kernels import act_quant
-
-            xc = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-            q, s = act_quant.triton_act_quant(xc, group, rows, chunks=chunks)
-            return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
-        except Exception as e:  # no triton, or it cannot build here: the torch ops (same numbers), said once
-            _ACT_QUANT_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
-            print(f"act_quant kernel off, torch quantisation instead: {_ACT_QUANT_BROKEN[0]}", flush=True)
+    got = _on_act_quant_kernels(x2d, lambda aq, xc: aq.triton_act_quant(xc, group, rows, chunks=chunks))
+    if got is not None:
+        q, s = got
+        return (q if q.dtype == torch.float8_e4m3fn else q.to(torch.float8_e4m3fn)), s
     if chunks > 1:  # the chunk-major layout by a transposed copy, then the one-chunk path
         m, k = x2d.shape
         xg = x2d.new_zeros(chunks, rows, k // chunks)
@@ -547,11 +558,9 @@ def _codes_chunk_major(xc: torch.Tensor, xs: torch.Tensor, rows: int) -> tuple[t
     pick a code twice as large at half the scale where rounding brought a group's maximum down to 448 x the
     smaller scale: the same products, scaled exactly by powers of two); bytes moved, nothing computed. On CUDA one
     Triton launch (act_quant.triton_codes_chunk_major); these torch copies are its CPU reference."""
-    if xc.is_cuda or ACT_QUANT_KERNEL_ON_CPU:
-        from deepinfer.codegen.kernels import act_quant
-
-        a, sa = act_quant.triton_codes_chunk_major(xc, xs, rows)
-        return a.view(torch.float8_e4m3fn), sa
+    got = _on_act_quant_kernels(xc, lambda aq, c: aq.triton_codes_chunk_major(c, xs, rows))
+    if got is not None:
+        return got[0].view(torch.float8_e4m3fn), got[1]
     t, g, k = xc.shape
     kb = xs.shape[-1]
     a = torch.empty(g, rows, k, dtype=xc.dtype, device=xc.device)
@@ -608,16 +617,9 @@ class FakeQuantAdapter:
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         x, g = call.args[0], call.attrs["group"]
         x2d = x.reshape(-1, x.shape[-1])
-        kernel_on = (x2d.is_cuda or ACT_QUANT_KERNEL_ON_CPU) and os.environ.get(ACT_QUANT_ENV) != "torch"
-        if kernel_on and not _ACT_QUANT_BROKEN:
-            try:  # quant_rows' gate and fallback
-                from deepinfer.codegen.kernels import act_quant
-
-                xc = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-                return [act_quant.triton_fake_quant(xc, g).view(x.shape)]
-            except Exception as e:  # no triton, or it cannot build here: the path below (same numbers), said once
-                _ACT_QUANT_BROKEN.append(f"{type(e).__name__}: {str(e)[:200]}")
-                print(f"act_quant kernels off, torch quantisation instead: {_ACT_QUANT_BROKEN[0]}", flush=True)
+        y = _on_act_quant_kernels(x2d, lambda aq, xc: aq.triton_fake_quant(xc, g))
+        if y is not None:
+            return [y.view(x.shape)]
         q, s_t = quant_rows(x2d, g, x2d.shape[0])
         y = (q.float().unflatten(-1, (-1, g)) * s_t.T.unsqueeze(-1)).flatten(-2)
         return [y.view(x.shape)]
