@@ -46,12 +46,16 @@ def _x(fp8_in: bool):
     return Op("dequant_fp8", Any("xc"), Any("xs"), capture="xdq", single_use=True)
 
 
-PATTERNS = [
-    Op(op, _u(quantised, fp8_in), Any("wb"), tail, capture="gb")
-    for fp8_in in (True, False)  # the codes-in form first: where its check fails, the plain form still matches
-    for quantised in (True, False)
-    for op, tail in (("linear_fp8", Any("sb")), ("linear", Absent()))
-]
+def _patterns(fp8_in: bool) -> list[Op]:
+    return [
+        Op(op, _u(quantised, fp8_in), Any("wb"), tail, capture="gb")
+        for quantised in (True, False)
+        for op, tail in (("linear_fp8", Any("sb")), ("linear", Absent()))
+    ]
+
+
+PLAIN = _patterns(False)
+PATTERNS = _patterns(True) + PLAIN  # the codes-in form first: where its check fails, the plain form still matches
 
 
 def check(m) -> bool:
@@ -89,5 +93,5 @@ CODES_ENV = "DEEPINFER_OUT_PROJ_CODES"  # "0": keep x dequantised (the A/B of th
 def fuse_out_proj(g: Graph) -> Graph:
     """(dequant_fp8 +) grouped_linear (wo_a) + reshape (+ quant/dequant) + linear (wo_b) -> grouped_out_proj."""
     codes_in = os.environ.get(CODES_ENV) != "0"
-    rewrite_patterns(g, PATTERNS if codes_in else PATTERNS[len(PATTERNS) // 2 :], rewrite, where=check)
+    rewrite_patterns(g, PATTERNS if codes_in else PLAIN, rewrite, where=check)
     return g
