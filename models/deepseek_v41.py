@@ -384,10 +384,13 @@ def _select(b, w, cfg: V41Config, st: _State, x, qr, pos, *, layer: int, qat: bo
     weights = b.scale(w.plain_linear(x, f"{p}.weights_proj.weight", hi, cfg.hidden_size), factor=hi**-0.5)
     scores = b.index_scores(q, weights, st.idx_k[r], pos, ratio=r, scale=di**-0.5)
     cs = cfg.candidate_source
+    # the positions bound the columns the top-k reads (scores past (p+1)//r are -inf): a decode step's top-k then
+    # follows the sequence's length, not the cache's max_model_len / r columns
     if 0 <= cs < layer:
-        st.sel[r] = b.topk_entries(scores, st.cand, topk=cfg.index_topk, block=cfg.candidate_block_size)
+        st.sel[r] = b.topk_entries(scores, st.cand, pos, topk=cfg.index_topk, block=cfg.candidate_block_size,
+                                   ratio=r)  # fmt: skip
     else:
-        st.sel[r] = b.topk_entries(scores, topk=cfg.index_topk)
+        st.sel[r] = b.topk_entries(scores, None, pos, topk=cfg.index_topk, ratio=r)
         if layer == cs:
             st.cand = b.candidate_blocks(
                 scores, pos, ratio=r, topk_blocks=cfg.candidate_topk_blocks, block=cfg.candidate_block_size

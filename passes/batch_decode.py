@@ -21,9 +21,10 @@ the head -- are unchanged: B sequences' tokens are T = B rows. What depends on t
                     which over the flat caches would be every sequence's whole compressed cache (0.5 GB for a
                     V4.1 ratio-1 layer at 64 x 4k) instead of the T*K rows attended
 
-Ops that read the positions row by row (rope, fused_attention's RoPE, candidate_blocks, compressor_keys) and
-topk_entries (per-row scores) stay as they are. Any other op that reads the positions or a cache has no batched
-form yet: the pass raises, naming it (never a silently wrong graph).
+Ops that read the positions row by row (rope, fused_attention's RoPE, candidate_blocks, compressor_keys,
+topk_entries: per-row scores, each row's position bounding the columns its top-k reads) stay as they are. Any
+other op that reads the positions or a cache has no batched form yet: the pass raises, naming it (never a
+silently wrong graph).
 
 The input is the plan graph, symbolic in T (its row dims are written for any T, which is what lets T count
 sequences; a graph specialised to T=1 has lost that); the output is symbolic in T too (specialise it per batch).

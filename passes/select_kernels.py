@@ -335,10 +335,12 @@ def bind_linear(c: _Ctx):
 
 
 def bind_topk_entries(c: _Ctx):
-    """One-level topk_entries -> topk_select's exact program (the runtime puts its set back in score order)."""
+    """One-level topk_entries -> topk_select's exact program (the runtime puts its set back in score order). With
+    the op's positions the program reads each row's visible columns only (has_pos: the step's work follows the
+    sequence's length, not the cache's columns); without them every column (-inf marks the invisible ones)."""
     from deepinfer.codegen.kernels import topk_select
 
-    scores, blocks = c.node.inputs
+    scores, blocks, positions = _topk_inputs(c.node)
     if blocks is not None or c.node.attrs["block"] != 1:
         raise Fallback("two-level topk_entries (candidate blocks): no kernel; topk_select takes one level")
     t, cols = c.shape(scores)
@@ -349,7 +351,41 @@ def bind_topk_entries(c: _Ctx):
         topk_select.check_config(cols, k, cfg)
     except AssertionError as e:
         raise Fallback(f"topk_select does not take C={cols}, k={k}: {e}") from None
-    return "topk_select", "program", {"T": t, "C": cols, "k": k}, asdict(cfg), ()  # exact: nothing to pin
+    shape = {"T": t, "C": cols, "k": k}
+    if positions is not None:
+        shape |= {"has_pos": True, "ratio": int(c.node.attrs.get("ratio", 1))}
+    return "topk_select", "program", shape, asdict(cfg), ()  # exact: nothing to pin
+
+
+def _topk_inputs(node: Node) -> tuple[Value, Value | None, Value | None]:
+    """(scores, blocks, positions) of a topk_entries node (graphs written before positions have two inputs)."""
+    ins = [*node.inputs, None, None]
+    return ins[0], ins[1], ins[2]
+
+
+SCORE_OPS = ("index_scores", "batched_index_scores")
+
+
+def _positions_aware(reader: Node) -> bool:
+    """A reader of index scores that never looks past a row's visible columns: a topk_entries with positions."""
+    return reader.op == "topk_entries" and _topk_inputs(reader)[2] is not None
+
+
+def _scores_fill(g: Graph, nodes: dict) -> None:
+    """Index scores whose every reader is positions-aware need no -inf past the visible columns: their kernel
+    bindings get fill False (the scores kernel's balanced forms then leave those columns unwritten). Any other
+    reader (candidate_blocks' block maxima at the candidate source, a graph output) keeps the op's -inf."""
+    users, outputs = g.users(), {v.name for v in g.outputs}
+    for node in g.nodes:
+        name = node.outputs[0].name
+        if node.op not in SCORE_OPS or name in outputs:
+            continue
+        readers = users.get(name, [])
+        if not readers or not all(_positions_aware(r) for r in readers):
+            continue
+        for b in nodes[name]["buckets"].values():
+            if b["family"] == "indexer_topk":
+                b["config"]["fill"] = False
 
 
 def bind_hc_pre(c: _Ctx):
@@ -507,6 +543,7 @@ def select_kernels(
         for b in per.values():
             if b["family"] == "torch_ref":
                 fallback.setdefault(node.op, b["reason"])
+    _scores_fill(g, nodes)
     g.meta["kernels"] = {
         "target": target,
         "buckets": {n: dict(b) for n, b in buckets.items()},

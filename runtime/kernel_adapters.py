@@ -2072,23 +2072,31 @@ class SparseAttnAdapter:
 
 
 class TopKEntriesAdapter:
-    """topk_entries (one level: no candidate blocks) through topk_select's exact program: f32 scores in (the
-    -inf entries are the invisible ones, so no positions), the top-k SET out in ascending column order; the set
-    is put back in the op's order (score descending, ties to the lower column: a stable sort of the set's
-    scores, which is already in ascending column order) -- the reference's indices exactly. Rows are padded to a
-    power of two with -inf rows (no entry: all -1), columns to topk_cols(C) (a few kernels for every C; a multiple
-    of 4 for the kernel's float4 rows: the indexer's C = compressed count + 1 is odd) with -inf columns (never
-    taken); the scratch (arrival counters the
-    kernel leaves zeroed) is made once per kernel and reused."""
+    """topk_entries (one level: no candidate blocks) through topk_select's exact program: f32 scores in, the top-k
+    SET out in ascending column order; the set is put back in the op's order (score descending, ties to the lower
+    column: a stable sort of the set's scores, which is already in ascending column order) -- the reference's
+    indices exactly. With the op's positions the program reads a row's columns j < (p+1)//ratio only (has_pos: a
+    decode step's top-k follows the sequence's length, not max_model_len / ratio columns; the scores past that
+    limit need not even be written); without them -inf marks the invisible entries and every column is read.
+    Rows are padded to a power of two (-inf rows, position -1: no entry, all -1), columns to topk_cols(C) (a few
+    kernels for every C; a multiple of 4 for the kernel's float4 rows: the indexer's C = compressed count + 1 is
+    odd) with -inf columns (never taken); the scratch (arrival counters the kernel leaves zeroed) is made once per
+    kernel and reused."""
 
     family = "topk_select"
     ops = ("topk_entries",)
+
+    @staticmethod
+    def _operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(scores, blocks, positions); a call of a graph written before the positions input has two args."""
+        args = [*call.args, None, None]
+        return args[0], args[1], args[2]
 
     def _plan(self, call: Call):
         from deepinfer.codegen.kernels import topk_select as ts
 
         _cuda_only(call)
-        scores, blocks = call.args
+        scores, blocks, pos = self._operands(call)
         if blocks is not None or call.attrs["block"] != 1:
             raise Decline("topk_select takes the one-level top-k (no candidate blocks)")
         t, c = scores.shape
@@ -2103,7 +2111,8 @@ class TopKEntriesAdapter:
         except AssertionError as e:
             raise Decline(f"topk_select config for C={cp}: {e}") from None
         prog = "hist_program" if isinstance(cfg, ts.HistConfig) else "program"
-        return _key("topk_select", prog, (rows, cp), cfg, k=k, ratio=1, has_pos=False), rows, cfg
+        ratio = int(call.attrs.get("ratio", 1)) if pos is not None else 1
+        return _key("topk_select", prog, (rows, cp), cfg, k=k, ratio=ratio, has_pos=pos is not None), rows, cfg
 
     def keys(self, call: Call) -> list[KernelKey]:
         return [self._plan(call)[0]]
@@ -2112,7 +2121,8 @@ class TopKEntriesAdapter:
         from deepinfer.codegen.kernels import topk_select as ts
 
         key, rows, cfg = self._plan(call)
-        scores = call.args[0].float()
+        scores, _, pos = self._operands(call)
+        scores = scores.float()
         t, c = scores.shape
         cp = key.args[1]
         k = int(call.attrs["topk"])
@@ -2120,13 +2130,20 @@ class TopKEntriesAdapter:
         sk = ("topk_scratch", key)
         if sk not in call.cache:
             call.cache[sk] = (torch.zeros(rows, dtype=torch.int32, device=dev), *ts.make_scratch(rows, cp, k, cfg, dev))
-        pos, *scratch = call.cache[sk]
+        no_pos, *scratch = call.cache[sk]
         s = scores  # padded with -inf (never taken) to rows x cp: the set is the same, every index < c
         if (rows, cp) != (t, c):
             s = torch.nn.functional.pad(scores, (0, cp - c, 0, rows - t), value=float("-inf"))
         idx = torch.empty(rows, k, dtype=torch.int32, device=dev)
-        kernels[0](s.contiguous(), pos, idx, *scratch)
+        kernels[0](s.contiguous(), no_pos if pos is None else _row_positions(pos, rows), idx, *scratch)
         return [_score_order(scores, idx[:t].long())]
+
+
+def _row_positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """The kernel's int32 positions [rows]: padding rows at -1 (no visible column: (p+1)//ratio = 0)."""
+    out = torch.full((rows,), -1, dtype=torch.int32, device=pos.device)
+    out[: pos.shape[0]] = pos
+    return out
 
 
 TOPK_COLS_POW2_MAX = 8192  # up to here the programs hold a row as one power-of-two chunk whatever C is
@@ -2684,7 +2701,8 @@ def emulated_kernel(key: KernelKey) -> Callable:
 
         def select(s, pos, idx, *scratch):
             _check_abi(key, (s, key.args), (pos, key.args[:1]), (idx, (key.args[0], kw["k"])))
-            idx.copy_(topk_select.reference(s, kw["k"]))
+            positions = pos if kw.get("has_pos", True) else None  # (the program's default: has_pos=True)
+            idx.copy_(topk_select.reference(s, kw["k"], positions, kw.get("ratio", 1)))
 
         return select
     if key.family == "moe_routing":

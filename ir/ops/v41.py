@@ -196,25 +196,45 @@ def _block_mask(scores: torch.Tensor, blocks: torch.Tensor, block: int) -> torch
     return chosen[:, col_block]
 
 
-@register_op("topk_entries", "scores, blocks?", {"topk": Attr("int"), "block": Attr("int", 1)}, level="model")
+@register_op(
+    "topk_entries",
+    "scores, blocks?, positions?",
+    {"topk": Attr("int"), "block": Attr("int", 1), "ratio": Attr("int", 1)},
+    level="model",
+)
 class TopKEntries:
     """Top-k compressed entries per query (MODEL_SPEC §2.13), ties to the lower entry index.
 
     scores [T, C] (-inf = not visible) -> i64 [T, topk], -1 for padding / invisible picks. With blocks
     [T, nb] (candidate block ids from ``candidate_blocks``, -1 = none) only entries inside those blocks of
-    ``block`` consecutive entries can be chosen: the second level of the two-level indexer.
+    ``block`` consecutive entries can be chosen: the second level of the two-level indexer. With positions [T]
+    (the queries' token positions) only the entries j < (p+1)//ratio are candidates: the same set as without
+    them on ``index_scores``' output (-inf there already), but a kernel need not read -- and the scores kernel
+    need not write -- the columns past that limit, so a decode step follows the sequence's length, not the
+    cache's.
     """
 
-    def infer(scores, blocks, *, topk, block):
+    # (positions and ratio default: a call or a stored graph from before the positions input has two inputs)
+    def infer(scores, blocks, positions=None, *, topk, block, ratio=1):
         if scores.rank != 2 or (blocks is not None and (blocks.rank != 2 or blocks.shape[0] != scores.shape[0])):
             raise shape_fail("topk_entries", "needs scores [T, C] and blocks [T, nb]", scores, blocks)
+        if positions is not None:
+            _check_positions("topk_entries", positions, scores.shape[0], scores)
         return TensorType(dt.i64, (scores.shape[0], topk))
 
-    def reference(scores, blocks, *, topk, block):
+    def reference(scores, blocks, positions=None, *, topk, block, ratio=1):
         s = scores.float()
+        if positions is not None:  # per row: the columns past the row's visible count are never candidates
+            s = s.masked_fill(~_visible_columns(s, positions, ratio), float("-inf"))
         if blocks is not None:
             s = s.masked_fill(~_block_mask(s, blocks, block), float("-inf"))
         return _masked_topk(s, topk)
+
+
+def _visible_columns(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[T, C] bools: column j is visible to row t when j < (p_t + 1) // ratio (no host read of the positions)."""
+    lim = (positions.long() + 1) // ratio
+    return torch.arange(scores.shape[-1], device=scores.device)[None, :] < lim.to(scores.device)[:, None]
 
 
 @register_op(

@@ -1,0 +1,73 @@
+"""The V4.1 graph's topk_entries take the queries' positions (issues 6/8), and what that lets the passes do:
+select_kernels binds topk_select with has_pos and the op's ratio, and the index scores whose only readers are such
+top-ks get "fill": False (their dead columns need not be written) -- but not the candidate source's scores, which
+candidate_blocks reads whole; batch_decode keeps the positions on the batched graph's top-k (row-wise)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.compiler import compile_model
+from deepinfer.models import deepseek_v41 as m41
+from deepinfer.models.presets import preset_config
+from deepinfer.passes.batch_decode import batch_decode
+from deepinfer.passes.pattern import clone_graph
+from deepinfer.passes.select_kernels import select_kernels
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return m41.build_graph(m41.parse_config(preset_config("deepseek-v4.1-flash", "tiny")))
+
+
+def _by_op(g, op):
+    return [n for n in g.nodes if n.op == op]
+
+
+def test_every_topk_entries_reads_the_positions_with_its_scores_ratio(v41):
+    tops = _by_op(v41, "topk_entries")
+    assert tops
+    for n in tops:
+        scores = n.inputs[0].producer
+        assert scores.op == "index_scores"
+        assert n.inputs[2].name == "positions" and n.attrs["ratio"] == scores.attrs["ratio"]
+
+
+def test_bindings_have_positions_and_fill_only_where_every_reader_is_positions_aware(v41):
+    g = select_kernels(clone_graph(v41), target="sm90")
+    bound = g.meta["kernels"]["nodes"]
+    users = g.users()
+    checked = {"off": 0, "on": 0}
+    for n in _by_op(g, "index_scores"):
+        name = n.outputs[0].name
+        readers = {u.op for u in users[name]}
+        fills = {b["config"].get("fill", True) for b in bound[name]["buckets"].values()}
+        want = readers != {"topk_entries"}  # the candidate source's scores also feed candidate_blocks
+        assert fills == {want}, (name, readers, fills)
+        checked["on" if want else "off"] += 1
+    assert checked["on"] >= 1 and checked["off"] >= 1
+    for n in _by_op(g, "topk_entries"):
+        b = bound[n.outputs[0].name]["buckets"]["decode"]
+        if n.inputs[1] is None:  # one level: the kernel with positions
+            assert b["family"] == "topk_select" and b["shape"]["has_pos"] and b["shape"]["ratio"] == n.attrs["ratio"]
+
+
+def test_a_topk_without_positions_keeps_the_fill(v41):
+    """A graph whose top-k has no positions (e.g. built before them): the scores keep the op's -inf."""
+    g = clone_graph(v41)
+    for n in _by_op(g, "topk_entries"):
+        n.inputs[2] = None
+    g = select_kernels(g, target="sm90")
+    bound = g.meta["kernels"]["nodes"]
+    for n in _by_op(g, "index_scores"):
+        assert all(b["config"].get("fill", True) for b in bound[n.outputs[0].name]["buckets"].values())
+    for n in _by_op(g, "topk_entries"):
+        assert "has_pos" not in (bound[n.outputs[0].name]["buckets"]["decode"].get("shape") or {})
+
+
+def test_the_batched_graph_keeps_the_positions_on_its_top_k():
+    g = batch_decode(compile_model("deepseek-v4.1-flash:tiny", "cpu").plan.graph)
+    assert _by_op(g, "topk_entries")
+    for n in _by_op(g, "topk_entries"):
+        assert n.inputs[0].producer.op == "batched_index_scores"
+        assert n.inputs[2].name == "positions"

@@ -1,0 +1,74 @@
+"""TopKEntriesAdapter with the op's positions (issues 6/8): topk_select built with has_pos and the op's ratio, so
+a row's columns past (p+1)//ratio are never read. The scores past that limit hold garbage here (the largest
+values: what a scores kernel that does not write them may leave); the oracle is the op's torch reference on the
+same call, and the comparison is exact (indices, order, -1 padding), emulated and on the c-target program."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.ir.registry import get_op
+from deepinfer.runtime import kernel_adapters as ka
+
+
+def positions_call(t: int, c: int, k: int, ratio: int, seed: int = 0) -> ka.Call:
+    """ReLU-like tied scores; positions from 'nothing visible yet' to the whole cache; garbage past each limit."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.relu(torch.randn(t, c, generator=g)).round(decimals=1)
+    pos = torch.randint(-1, c * ratio, (t,), generator=g)
+    pos[-1] = ratio - 2  # (p+1)//ratio = 0: no visible entry
+    pos[0] = c * ratio - 1  # every column visible
+    dead = torch.arange(c)[None, :] >= ((pos + 1) // ratio)[:, None]
+    s = s.masked_fill(dead, 1e30)
+    return ka.Call("topk_entries", {"topk": k, "block": 1, "ratio": ratio}, [s, None, pos],
+                   ["s", "blocks", "positions"], [False, False, False], {}, {})  # fmt: skip
+
+
+def reference(call: ka.Call) -> torch.Tensor:
+    return get_op("topk_entries").run(call.args, call.attrs)[0]
+
+
+def run_adapter(call: ka.Call, builder) -> torch.Tensor:
+    adapter = ka.adapter_for("topk_select", "topk_entries")
+    return adapter.run(call, [builder(key) for key in adapter.keys(call)])[0]
+
+
+@pytest.fixture(autouse=True)
+def _emulate(monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_the_kernel_is_keyed_with_positions_and_the_ratio(ratio):
+    key = ka.adapter_for("topk_select", "topk_entries").keys(positions_call(2, 64, 8, ratio))[0]
+    kw = dict(key.kwargs)
+    assert kw["has_pos"] is True and kw["ratio"] == ratio
+
+
+def test_without_positions_the_old_kernel():
+    call = positions_call(2, 64, 8, 2)
+    call.args = call.args[:2]  # a graph stored before the positions input
+    kw = dict(ka.adapter_for("topk_select", "topk_entries").keys(call)[0].kwargs)
+    assert kw["has_pos"] is False and kw["ratio"] == 1
+
+
+@pytest.mark.parametrize("t, c, ratio", [(1, 64, 1), (3, 100, 2), (8, 256, 4)])
+def test_emulated_select_gives_the_reference_indices(t, c, ratio):
+    """Rows padded to a power of two (t 3), columns to topk_cols(C) (C 100): padding rows see nothing."""
+    call = positions_call(t, c, 16, ratio, seed=t + c)
+    got, ref = run_adapter(call, ka.emulated_kernel), reference(call)
+    assert torch.equal(got, ref)
+    assert (ref[-1] == -1).all() if t > 1 else (ref[0] >= 0).all()
+
+
+def test_the_garbage_would_win_without_positions():
+    """Mutation check of the oracle: read without positions, the dead columns' values are taken."""
+    call = positions_call(3, 100, 16, 2, seed=5)
+    blind = get_op("topk_entries").run(call.args[:2], {"topk": 16, "block": 1})[0]
+    assert not torch.equal(blind, reference(call))
+
+
+def test_on_the_c_target_program():
+    call = positions_call(3, 130, 16, 2, seed=9)
+    assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
