@@ -39,7 +39,7 @@ def default_pipeline(target: str, moe_format: str = "g32"):
     quantize = [("quantize_activations", {"enabled": True}), ("convert_fp4_to_fp8", convert)]
     # after the fusions (which match the Q/DQ form): the pairs left fold into their readers (passes/fold_qdq.py)
     fuse = [*pipe.phases["fuse"], ("fold_qdq", {})]
-    select = [("select_kernels", {"target": target}), "check_batch_invariance"]
+    select = [("select_kernels", {"target": target}), "cache_storage", "check_batch_invariance"]
     return pipe.with_phase("quantize", quantize).with_phase("fuse", fuse).with_phase("select_kernels", select)
 
 

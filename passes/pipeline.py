@@ -105,6 +105,7 @@ def _ensure_loaded() -> None:
     if not _LOADED:
         _LOADED = True
         from deepinfer.passes import (  # noqa: F401
+            cache_storage,
             check_batch_invariance,
             context_parallel,
             convert_fp4_to_fp8,
