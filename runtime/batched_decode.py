@@ -75,16 +75,39 @@ def _one_row_per_sequence(args: list, t: int) -> bool:
     return index.dim() == 1 and index.shape[0] == t and pool.shape[0] % t == 0
 
 
+def pools_read_in_place(g: Graph) -> bool:
+    """Whether the attention reads its compressed pools where they are: every attention node's compressed pool is a
+    cache stored in bf16 (passes/cache_storage.py) and bound to the ws program in every bucket (its pool sizes are
+    symbolic on sm90). Then batch_decode's compact gather would only copy the rows the kernel reads anyway."""
+    from deepinfer.codegen.kernels import sparse_attn_decode as sad
+    from deepinfer.ir import dtypes as dt
+
+    bindings = (g.meta.get("kernels") or {}).get("nodes", {})
+    pools = {"fused_attention": 5, "sparse_attention": 4}
+    readers = [n for n in g.nodes if n.op in pools and len(n.inputs) > pools[n.op] and n.inputs[pools[n.op]]]
+    for node in readers:
+        rec = bindings.get(node.outputs[0].name)
+        if node.inputs[pools[node.op]].dtype != dt.bf16 or rec is None:
+            return False
+        for b in rec["buckets"].values():
+            shape = b.get("shape") or {}
+            if not (b.get("config") or {}).get("ws") or not sad.ws_supported(shape.get("H"), shape.get("D"), "sm90"):
+                return False
+    return bool(readers)
+
+
 class BatchedDecoder:
     """The batched decode step of a plan graph on ``device`` (see the module doc). ``compiled=False`` runs every
-    node's torch reference (the eager baseline of the same batched graph); ``compact=False`` keeps the attention
-    on the flat compressed pools (batch_decode's option, for A/B runs)."""
+    node's torch reference (the eager baseline of the same batched graph); ``compact``: batch_decode's option --
+    True gathers the attended compressed rows into a compact pool first, False keeps the attention on the flat
+    pools; None (default): False where the kernel reads bf16 cache pools in place (pools_read_in_place), else True."""
 
     def __init__(self, g: Graph, params: Mapping[str, torch.Tensor], device: str | torch.device = "cuda", *,
-                 max_model_len: int, compiled: bool = True, donate_caches: bool = True, compact: bool = True,
+                 max_model_len: int, compiled: bool = True, donate_caches: bool = True, compact: bool | None = None,
                  kernels: KernelCache | None = None, verify: bool = True):  # fmt: skip
         self.single = g
-        self.graph = batch_decode(g, compact=compact)
+        self.compact = not pools_read_in_place(g) if compact is None else compact
+        self.graph = batch_decode(g, compact=self.compact)
         self.device = torch.device(device)
         self.max_len = max_model_len
         self.cache_names = [e["name"] for e in g.meta.get("caches", [])]

@@ -1859,14 +1859,23 @@ def _ws_pools(cfg, h: int, d: int) -> bool:
     return cfg.ws and sad.ws_supported(h, d, "sm90")
 
 
+def _bf16_pool(kv: torch.Tensor) -> torch.Tensor:
+    """The kernel's bf16 pool: a cache stored in bf16 (passes/cache_storage.py) as it is, no copy; else converted."""
+    return kv.to(torch.bfloat16).contiguous()
+
+
 def _selected_rows(kv: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bf16 pool, indices) for the kernel from an f32 pool: the pool converted whole, or -- where the queries select
-    fewer rows than it holds (the compressed cache of many requests at decode: converting all of it every step costs
-    more than the attention) -- only the selected rows, in the queries' entry order, with indices 0 .. T*K - 1 (-1
-    kept). The same rows in the same order: the same result."""
+    """(bf16 pool, indices) for the ws program's compressed pool: a bf16 pool read in place where the program's pool
+    size is symbolic (its sm90 build; the CPU mirror is built for the key's S_cmp) and its int32 offsets reach every
+    row; else the pool converted whole, or -- where the queries select fewer rows than it holds (the compressed cache
+    of many requests at decode: converting all of it every step costs more than the attention) -- only the selected
+    rows, in the queries' entry order, with indices 0 .. T*K - 1 (-1 kept). The same rows in the same order: the
+    same result."""
     n = idx.numel()
+    if kv.dtype == torch.bfloat16 and kv.is_cuda and kv.numel() < 2**31:
+        return kv.contiguous(), idx
     if n >= kv.shape[0]:
-        return kv.to(torch.bfloat16).contiguous(), idx
+        return _bf16_pool(kv), idx
     rows = kv.index_select(0, idx.reshape(-1).clamp_min(0).long()).to(torch.bfloat16)
     local = torch.arange(n, device=idx.device, dtype=torch.int32).view(idx.shape)
     return rows, torch.where(idx >= 0, local, torch.full_like(local, -1))
@@ -1982,15 +1991,15 @@ class SparseAttnAdapter:
         if two:
             # the ws program's pools are symbolic: it can read the selected rows alone (_selected_rows)
             cmp_pool, cmp_sel = _selected_rows(cmp_kv, cmp_idx) if _ws_pools(cfg, h, d) else (
-                cmp_kv.to(torch.bfloat16).contiguous(), cmp_idx)
-            kv = (win_kv.to(torch.bfloat16).contiguous(), cmp_pool)
+                _bf16_pool(cmp_kv), cmp_idx)
+            kv = (_bf16_pool(win_kv), cmp_pool)
             idx = (_pad_idx(win_idx, b), _pad_idx(cmp_sel, b))
         elif cmp_kv is not None:
             kv = (torch.cat([win_kv, cmp_kv]).to(torch.bfloat16),)
             off = torch.where(cmp_idx >= 0, cmp_idx + win_kv.shape[0], torch.full_like(cmp_idx, -1))
             idx = (_pad_idx(torch.cat([win_idx, off], dim=1), b),)
         else:
-            kv, idx = (win_kv.to(torch.bfloat16).contiguous(),), (_pad_idx(win_idx, b),)
+            kv, idx = (_bf16_pool(win_kv),), (_pad_idx(win_idx, b),)
         sink = sink.float().contiguous()
         o = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
         if cfg.num_split == 1:

@@ -1,0 +1,134 @@
+"""Caches stored in bf16 (passes/cache_storage.py) through the runtime: the attention adapter on bf16 pools gives the
+outputs of the same pools in f32 bit for bit (the kernel rounds its pools to bf16 either way; CPU stand-ins of the
+kernels and the ws program on TileLang's `c` target), the small V4.1 sm90 plan runs a prefill and a decode step with
+bf16 caches to the f32-cache plan's logits exactly (its caches: the f32 ones rounded), and the engine's KV cache
+holds half the bytes for the rings and compressed rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.passes.cache_storage import ENV
+from deepinfer.runtime import kernel_adapters as ka
+
+from .test_attention_adapter import attn_args, fused_call, run, sparse_call
+
+
+def as_bf16_pools(args):
+    """The same operands with the two KV pools stored in bf16 (what the attention sees from bf16 caches)."""
+    q, sink, win_kv, win_idx, cmp_kv, cmp_idx = args
+    return q, sink, win_kv.to(torch.bfloat16), win_idx, cmp_kv.to(torch.bfloat16), cmp_idx
+
+
+@pytest.fixture
+def _emulate(monkeypatch):
+    monkeypatch.setattr(ka, "EMULATE", True)
+
+
+@pytest.mark.parametrize("num_split", [1, 4])
+def test_bf16_pools_give_the_f32_pools_outputs_exactly(_emulate, num_split):
+    args = attn_args(3, 4, 32, 40, 70, 32, 96, seed=4)
+    cfg = {"block_n": 32, "num_split": num_split, "stages": 2}
+    assert torch.equal(run(sparse_call(as_bf16_pools(args), cfg))[0], run(sparse_call(args, cfg))[0])
+    codes, scales = run(fused_call(as_bf16_pools(args), cfg))  # the FP8 epilogue: every code the same
+    want_codes, want_scales = run(fused_call(args, cfg))
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
+
+
+def test_ws_program_on_bf16_pools_on_the_c_target(_emulate):
+    """The ws program's CPU mirror (H 64, D 128; a compressed pool larger than the selection: the CPU mirror is built
+    for the selected rows, so the adapter still selects them) on bf16 pools == on f32 pools."""
+    pytest.importorskip("tilelang")
+    args = attn_args(2, 64, 128, 50, 200, 36, 92, seed=5)
+    cfg = {"block_n": 32, "threads": 384, "num_split": 1, "stages": 2, "ws": True}
+    got = run(sparse_call(as_bf16_pools(args), cfg), ka.c_target_kernel)[0]
+    assert torch.equal(got, run(sparse_call(args, cfg), ka.c_target_kernel)[0])
+
+
+def test_selected_rows_of_a_bf16_pool_on_the_cpu_are_the_rows_selected():
+    """Off CUDA (the c-target mirror's pool size is the key's) a bf16 pool is still narrowed to the selected rows --
+    the same rows the f32 pool gives, without a conversion."""
+    g = torch.Generator().manual_seed(6)
+    kv = torch.randn(50, 16, generator=g)
+    idx = torch.tensor([[3, 7, -1], [49, 0, 3]])
+    rows, sel = ka._selected_rows(kv.to(torch.bfloat16), idx)
+    want_rows, want_sel = ka._selected_rows(kv, idx)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, want_rows) and torch.equal(sel, want_sel)
+
+
+@pytest.mark.gpu
+def test_gpu_selected_rows_reads_a_bf16_cache_in_place():
+    """On the GPU (the ws program's pool size is symbolic) a bf16 pool goes to the kernel as it is: no copy."""
+    kv = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, 4096, (4, 64), device="cuda")
+    rows, sel = ka._selected_rows(kv, idx)
+    assert rows.data_ptr() == kv.data_ptr() and sel is idx
+    assert ka._bf16_pool(kv).data_ptr() == kv.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------- the small plan
+
+
+@pytest.fixture(scope="module")
+def small_plans():
+    """The small V4.1 sm90 plan with bf16 caches (the default) and with f32 caches (the pass off), one weight set."""
+    import os
+
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime.cuda_executor import restack_experts
+    from deepinfer.runtime.plan import bind_weights
+
+    plans = {}
+    for on in ("1", "0"):
+        os.environ[ENV] = on
+        try:
+            plans[on] = compile_model("deepseek-v4.1-flash:small", "sm90").plan
+        finally:
+            os.environ.pop(ENV)
+    params, _ = bind_weights(plans["1"])
+    restack_experts(plans["1"].graph, params)
+    return plans["1"].graph, plans["0"].graph, params
+
+
+def _steps(g, params, prompt: list[int], max_len: int) -> tuple[list[torch.Tensor], dict]:
+    """A prefill of the prompt then one decode step through the executor with the kernels' CPU stand-ins: (logits of
+    both calls, the caches after them)."""
+    from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache
+    from deepinfer.runtime.session import allocate_caches
+
+    names = [e["name"] for e in g.meta["caches"]]
+    ex = GraphExecutor(g, params, kernels=KernelCache(builder=ka.emulated_kernel))
+    caches = allocate_caches(g, max_len)
+    logits = []
+    for tokens, start in ((prompt, 0), ([11], len(prompt))):
+        outs = ex.run({"tokens": torch.tensor(tokens), "positions": torch.arange(start, start + len(tokens)), **caches})
+        logits.append(outs[0])
+        caches = dict(zip(names, outs[1:]))
+    assert ex.stats.compiled["sparse_attn_decode"] > 0 and not ex.kernels.failed, ex.report()
+    return logits, caches
+
+
+def test_small_plan_with_bf16_caches_computes_the_f32_cache_plans_logits(small_plans, _emulate):
+    bf16_g, f32_g, params = small_plans
+    torch.set_num_threads(1)
+    got, got_caches = _steps(bf16_g, params, [3, 5, 7, 11, 13, 2, 9], 12)
+    want, want_caches = _steps(f32_g, params, [3, 5, 7, 11, 13, 2, 9], 12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    stored = {e["name"]: e["dtype"] for e in bf16_g.meta["caches"]}
+    assert "bf16" in stored.values()
+    for name, dtype in stored.items():  # a bf16 cache holds the f32 cache's values rounded, the others the same
+        want_c = want_caches[name].to(torch.bfloat16) if dtype == "bf16" else want_caches[name]
+        assert got_caches[name].dtype == want_c.dtype and torch.equal(got_caches[name], want_c), name
+
+
+def test_engine_kv_cache_holds_half_the_ring_and_compressed_bytes(small_plans):
+    from deepinfer.runtime.kv_cache import KVCacheManager
+
+    bf16_g, f32_g, _ = small_plans
+    usage = {k: KVCacheManager(g, num_blocks=8, max_seqs=2).usage() for k, g in (("bf16", bf16_g), ("f32", f32_g))}
+    for kind in ("window", "compressed"):
+        assert 2 * usage["bf16"][kind]["bytes_total"] == usage["f32"][kind]["bytes_total"] > 0
+    for kind in ("index_keys", "compressor_state", "engram_history"):
+        assert usage["bf16"][kind] == usage["f32"][kind]
