@@ -3801,6 +3801,121 @@ def skip_tiles_cases(quick: bool):
     return out
 
 
+# ---------------------------------------------------------------------------------------------- cache bf16 s9
+# `--only "cache bf16 s9"` (session 9, E): one layer's decode attention as the batched decode step runs it -- the
+# window pool concat(rings, new rows), the compact gather of the selected compressed rows (batch_decode's default),
+# the fused_attention adapter (its bf16 pool conversions, the kernel, the FP8 epilogue) -- with the caches in f32
+# (before passes/cache_storage.py) and in bf16 (after: no conversion; "flat": the kernel reads the flat compressed
+# pool in place, no gather). V4.1 layer 2 (ratio 2) at 4k context: rings of 128 rows, 2049 compressed rows a
+# sequence, 512 selected. %limit is against the kernel's own roofline (what the node costs beyond the kernel shows);
+# the eager column is the f32 row's time / this row's; every bf16 row must give the f32 row's output bit for bit.
+
+CACHE_S9_CTX, CACHE_S9_WIN, CACHE_S9_TOPK = 4096, 128, 512
+CACHE_S9_ROWS = (CACHE_S9_CTX + 1 + 1) // 2  # C2 of max_model_len 4097
+CACHE_S9_BASE: dict = {}  # B -> (f32 row's ms, its output codes, its scales)
+
+
+def _cache_s9_call(args: list, max_pos: int):
+    """A V4.1 fused_attention call (layer 2's attributes) on args = (q, positions, sink, win, win_idx, cmp, cmp_idx)."""
+    from deepinfer.models import deepseek_v41 as m41
+    from deepinfer.models.presets import real_config
+    from deepinfer.runtime import kernel_adapters as ka
+
+    cfg = m41.parse_config(real_config("deepseek-v4.1-flash"))
+    attrs = {"q_norm": False, "eps": 1e-6, **cfg.rope_attrs(2), "scale": HEAD_DIM**-0.5, "out_groups": cfg.o_groups,
+             "quant_group": 32}  # fmt: skip
+    return ka.Call("fused_attention", attrs, list(args), [f"a{i}" for i in range(7)], [False] * 7, {},
+                   {ka.MAX_POSITIONS: max_pos})  # fmt: skip
+
+
+def _cache_s9_operands(B: int, device: str):
+    """(q, positions, sink, rings [B*W, D], new rows [B, D], win_idx, flat compressed pool [B*N, D], flat ids [B, K])
+    in f32, seeded (every row of one B sees the same values); the ids as the batched graph's ops make them."""
+    from deepinfer.ir.registry import get_op
+
+    g = torch.Generator(device=device).manual_seed(B)
+    pos = torch.full((B,), CACHE_S9_CTX, device=device)
+    q = torch.randn(B, HEADS, HEAD_DIM, device=device, generator=g)
+    sink = torch.randn(HEADS, device=device, generator=g)
+    rings = torch.randn(B * CACHE_S9_WIN, HEAD_DIM, device=device, generator=g)
+    new = torch.randn(B, HEAD_DIM, device=device, generator=g)
+    pool = torch.randn(B * CACHE_S9_ROWS, HEAD_DIM, device=device, generator=g)
+    visible = (CACHE_S9_CTX + 1) // 2
+    ids = torch.argsort(torch.rand(B, visible, device=device, generator=g), dim=1)[:, :CACHE_S9_TOPK]
+    win_idx = get_op("batched_window_indices").run([pos], {"window": CACHE_S9_WIN})[0]
+    flat_ids = get_op("batched_rows").run([ids, pool], {})[0]
+    return q, pos, sink, rings, new, win_idx, pool, flat_ids
+
+
+def _cache_s9_node(mode: str, ops: tuple):
+    """The step's work for one mode, as a callable: (cast) + concat + (gather) + the adapter's run."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    q, pos, sink, rings, new, win_idx, pool, flat_ids = ops
+    if mode != "f32":
+        rings, pool = rings.to(torch.bfloat16), pool.to(torch.bfloat16)
+    gather = get_op("batched_gather_rows")
+    adapter = ka.adapter_for("sparse_attn_decode", "fused_attention")
+
+    def step(kernels):
+        rows = new if mode == "f32" else new.to(torch.bfloat16)  # the cache_storage cast of the new rows
+        win = torch.cat([rings, rows])
+        cmp, cmp_idx = (pool, flat_ids) if mode == "bf16 flat" else gather.run([pool, flat_ids], {})
+        return adapter.run(_cache_s9_call([q, pos, sink, win, win_idx, cmp, cmp_idx], CACHE_S9_CTX + 1), kernels)
+
+    return step
+
+
+def _cache_s9_keys(B: int):
+    """The adapter's kernel keys for the node at B (shapes only: meta tensors; the same for every mode)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    args = [meta(B, HEADS, HEAD_DIM), meta(B, dtype=torch.long), meta(HEADS), meta(B * (CACHE_S9_WIN + 1), HEAD_DIM),
+            meta(B, CACHE_S9_WIN, dtype=torch.long), meta(B * CACHE_S9_TOPK, HEAD_DIM),
+            meta(B, CACHE_S9_TOPK, dtype=torch.long)]  # fmt: skip
+    with _emulate_plan():
+        return ka.adapter_for("sparse_attn_decode", "fused_attention").keys(_cache_s9_call(args, CACHE_S9_CTX + 1))
+
+
+def case_cache_bf16(row: Row, B: int, mode: str, quick: bool, dry: bool):
+    """mode "f32" (caches as before the pass), "bf16" (stored bf16, compact gather), "bf16 flat" (stored bf16, the
+    kernel reads the flat pool in place). Timed as a CUDA graph of the whole node (bench_device)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    kernels = [build(ka._factory(k)) for k in _cache_s9_keys(B)]
+    row.bytes_, row.flops = sparse_attn_decode.roofline(B, HEADS, HEAD_DIM, CACHE_S9_WIN + CACHE_S9_TOPK)
+    row.peak = "bf16"
+    if dry:
+        return
+    step = _cache_s9_node(mode, _cache_s9_operands(B, "cuda"))
+    codes, scales = (t.view(torch.uint8).clone() for t in step(kernels))
+    row.ms = bench_device(lambda: step(kernels), quick)
+    if mode == "f32":
+        CACHE_S9_BASE[B] = (row.ms, codes, scales)
+        row.check = "f32 caches (before)"
+        return
+    base = CACHE_S9_BASE.get(B)
+    if base is None:
+        row.check = "no f32 row this run"
+        return
+    row.eager_ms = base[0]
+    diff = int((codes != base[1]).sum()) + int((scales != base[2]).sum())
+    row.check = "identical to f32" if diff == 0 else f"DIFFERS from f32 in {diff} bytes"
+    if diff:
+        raise AssertionError(row.check)
+
+
+def cache_bf16_cases():
+    """Rows "cache bf16 s9 ...": at B 64 and 256 (4k), the f32-cache node first, then bf16 and bf16 flat."""
+    return [(f"cache bf16 s9 attn node {mode}", f"B{B} 4k k640",
+             lambda r, q, d, B=B, m=mode: case_cache_bf16(r, B, m, q, d))
+            for B in (64, 256) for mode in ("f32", "bf16", "bf16 flat")]  # fmt: skip
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -3867,6 +3982,7 @@ def cases(quick: bool):
     out += moe_halftiles_cases()
     out += grouped_out_proj_prefill_cases(quick)
     out += skip_tiles_cases(quick)
+    out += [] if quick else cache_bf16_cases()
     return out
 
 
