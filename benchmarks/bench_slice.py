@@ -116,8 +116,9 @@ def slice_pipeline(experts: str = "fp8", moe_format: str = "g32"):
     fuse = [(n, {**o, "masked_max_t": DECODE_MAX_T}) if n == "fuse_moe_experts" else (n, o)
             for n, o in pipe.phases["fuse"]]  # fmt: skip
     pipe = pipe.with_phase("fuse", fuse)
+    # the slice's buckets; the phase's later passes as the compiler runs them (cache_storage, the invariance check)
     pipe = pipe.with_phase("select_kernels", [("select_kernels", {"target": "sm90", "buckets": SLICE_BUCKETS}),
-                                              "check_batch_invariance"])  # fmt: skip
+                                              *pipe.phases["select_kernels"][1:]])  # fmt: skip
     if experts == "fp4":
         pipe = pipe.with_phase("quantize", [("quantize_activations", {"enabled": True})])
     return pipe
