@@ -2330,30 +2330,31 @@ def case_attn_s8_readflush(row: Row, B: int, topk: int, cfg, quick: bool, dry: b
         _s7_record(row, B, f"readflush k{topk}")
 
 
-def _s8_rows(B: int | None = None, what: str | None = None) -> list[dict]:
-    return [r for r in S7_RESULTS if r["row"].startswith("sparse_attn s8") and (B is None or r["B"] == B)
+def _s8_rows(B: int | None = None, what: str | None = None, prefix: str = "sparse_attn s8") -> list[dict]:
+    return [r for r in S7_RESULTS if r["row"].startswith(prefix) and (B is None or r["B"] == B)
             and (what is None or r["what"] == what)]  # fmt: skip
 
 
-def case_attn_s8_summary(row: Row, quick: bool, dry: bool):
+def case_attn_s8_summary(row: Row, quick: bool, dry: bool, prefix: str = "sparse_attn s8"):
     """Per batch: the 4k-operand rows fastest first (% of the HBM copy bandwidth measured now, do_bench and after a
     read flush) and each variant against the batch's default; then the per-block fits (time = fixed + slope x
-    64-entry blocks by least squares) of the read-flush and compute-only probes."""
+    64-entry blocks by least squares) of the read-flush and compute-only probes. prefix: the rows' group."""
     if dry:
         return
-    hbm = _summary_bandwidth(quick, "sparse_attn s8 summary", "do_bench, then after a read flush")
+    hbm = _summary_bandwidth(quick, f"{prefix} summary", "do_bench, then after a read flush")
     for B in S7_BATCHES:
-        rows = _s8_rows(B, "4k")
+        rows = _s8_rows(B, "4k", prefix)
         base = next((r for r in rows if r["row"].endswith(" default")), None)
         for i, r in enumerate(sorted(rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)):
             vs = f"{base['ms'] / r['ms']:5.3f}x" if base and r["ms"] == r["ms"] else "    -"
             print(f"  B{B:<4} {'BEST ' if i == 0 else '     '}{r['row']:<40} {r['ms'] * 1e3:7.1f} us "
                   f"{_s7_pct(r['bytes'], r['ms'], hbm)} {vs} vs default  read-flush {r['read_ms'] * 1e3:6.1f} us "
                   f"{_s7_pct(r['bytes'], r['read_ms'], hbm)}  err {r['check']}")  # fmt: skip
-        for r in _s8_rows(B, "L2-hot k640"):
+        for r in _s8_rows(B, "L2-hot k640", prefix):
             print(f"  B{B:<4} L2-hot {r['row']:<40} {r['ms'] * 1e3:7.1f} us {_s7_pct(r['bytes'], r['ms'], hbm)}")
-    for tag in sorted({r["row"].rsplit(" k", 1)[0] for r in _s8_rows() if r["what"].startswith("readflush")}):
-        pts = [(int(r["what"].split("k")[1]) / 64, r["ms"] * 1e3) for r in _s8_rows()
+    probes = [r for r in _s8_rows(prefix=prefix) if r["what"].startswith("readflush")]
+    for tag in sorted({r["row"].rsplit(" k", 1)[0] for r in probes}):
+        pts = [(int(r["what"].split("k")[1]) / 64, r["ms"] * 1e3) for r in probes
                if r["row"].rsplit(" k", 1)[0] == tag and r["ms"] == r["ms"]]  # fmt: skip
         if len(pts) >= 2:
             _print_block_fit(f"fit {tag}", pts)
@@ -2413,6 +2414,12 @@ def _trace_report(trace: torch.Tensor, nb: int) -> None:
     last_pv = t[:, sad.TRACE_BLOCK0 + sad.TRACE_PER_BLOCK * (nb - 1) + 5]
     print(f"  first block ready {med(us(t[:, sad.TRACE_BLOCK0] - t[:, sad.TRACE_CLK0])):.2f} us after the start; "
           f"last PV -> O stored {med(us(t[:, sad.TRACE_END] - last_pv)):.2f} us")  # fmt: skip
+    if bool((t[:, sad.TRACE_END2] != 0).all()):  # session 9's tail stamps (WG1 after fin, WG2 after its stores)
+        print(f"  tail (from WG1's last PV): fin waited {med(us(t[:, sad.TRACE_FIN_WAITED] - last_pv)):.2f} | "
+              f"WG1 stores issued {med(us(t[:, sad.TRACE_END] - last_pv)):.2f} | WG2 stores issued "
+              f"{med(us(t[:, sad.TRACE_END2] - last_pv)):.2f} us; WG0 fin arrived "
+              f"{med(us(t[:, sad.TRACE_FIN] - last_pv)):.2f} us; CTA end -> kernel end (globaltimer) "
+              f"{float((t[:, sad.TRACE_GT_END].max() - t[:, sad.TRACE_GT_END]).median()) / 1e3:.2f} us")  # fmt: skip
 
 
 def case_attn_s8_trace(row: Row, B: int, cfg, quick: bool, dry: bool, topk: int = 640):
@@ -2520,6 +2527,49 @@ def attn_s8_trace_cases():
         out.append((f"sparse_attn s8 trace-free B256 {cfg.tag} readflush k640", "B256 H64 k640 rnd",
                     lambda r, q, d, cfg=cfg: case_attn_s8_readflush(r, 256, 640, cfg, q, d)))  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------- sparse_attn s9
+# `--only "sparse_attn s9"` (session 9, helper A): the O epilogue through shared memory (Config.o_smem, tag "o": 16-B
+# stores of whole head rows) next to the defaults on the runtime's operands, then `sparse_attn s9 trace`: the tail
+# from the last PV to the CTA's end split by the new stamps (fin waited, WG1 / WG2 stores issued), with and without
+# o_smem and with no O stores at all (skip "ostore"). Rows append to S7_RESULTS (names start "sparse_attn s9").
+
+
+def attn_s9_cases():
+    """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
+    default next to o_smem: B128 single pass; B64 split 2 (default) vs unsplit with and without o_smem (o_smem has
+    no split form); B256 persistent (default) vs the single pass (two waves) with and without o_smem. Then the
+    summary and the trace rows."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+    out = []
+
+    def add(B, cfg, what=""):
+        out.append((f"sparse_attn s9 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
+                    lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
+
+    for B in S7_BATCHES:
+        add(B, sad.sm90_config(B, 640), "default")
+    add(128, rep(ws64, o_smem=True))
+    add(64, ws64, "no split")
+    add(64, rep(ws64, o_smem=True), "no split")
+    add(256, ws64, "single pass")
+    add(256, rep(ws64, o_smem=True), "single pass")
+    out.append(("sparse_attn s9 summary", "-", lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s9")))
+    return out + attn_s9_trace_cases()
+
+
+def attn_s9_trace_cases():
+    """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, and
+    the default without its O stores (skip "ostore": what the tail is without them); o_smem at B64 unsplit."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    ws = rep(sad.Config(64, sad.WS_THREADS, 1, 2, True), trace=True)
+    cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (64, rep(ws, o_smem=True))]
+    return [(f"sparse_attn s9 trace B{B} {cfg.tag} k640", f"B{B} H64 k640 4k",
+             lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d, 640)) for B, cfg in cfgs]  # fmt: skip
 
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
@@ -3976,6 +4026,7 @@ def cases(quick: bool):
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()
     out += [] if quick else attn_s8_cases()
+    out += [] if quick else attn_s9_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)

@@ -74,7 +74,8 @@ class Config:
     # arms the ring), "qk" (the QK^T wgmmas), "softmax" (max / exp / sum: P = S, alpha = 1), "pv" (the PV
     # wgmmas), "pvfence" (the PV warpgroups' proxy fence after their waits: it compiles to MEMBAR.ALL.CTA,
     # which may hold them until their own outstanding global loads land) -- so that one H200 run shows which
-    # part bounds the CTA's time (BENCHMARKS.md, session 4).
+    # part bounds the CTA's time (BENCHMARKS.md, session 4). "ostore" (session 9): the O / partial stores of the
+    # epilogue (the time from the last PV to the CTA's end without them).
     skip: str = ""
     # ws, bf16 KV, diagnostic (wrong layout: needs skip "qk,pv"): "bulk" copies each gathered half-row with one
     # 1-D bulk copy (cp.async.bulk, the TMA engine: 512 B, one thread a row, complete_tx on the ring barrier)
@@ -121,6 +122,13 @@ class Config:
     # Why: the first gathers wait on those ids, and behind 64 KB of Q copies per CTA (8 MB machine-wide at B128) they
     # return ~2 us late; the first QK^T needs both Q and block 0, so Q loses nothing by going second. Same results.
     ids_first: bool = False
+    # ws, bf16 KV, single pass, 64-row blocks (session 9, not yet measured): the O epilogue goes through shared memory.
+    # Each PV warpgroup writes its normalised bf16 half of O (64 x 256) into its KV stage 0 (free once its last PV is
+    # done: WG0 published the last P, so every QK^T is done too), then stores it with 16-B vector stores, a warp
+    # writing 512 contiguous bytes of one head (16 stores a thread) instead of 64 4-byte stores a thread, each warp's
+    # touching 8 heads' rows (16 B of each): the trace put ~6.7 us between the last PV and the O stores issued
+    # (1.1 us with no loads or math). Same values: bit-identical output.
+    o_smem: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -136,6 +144,8 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
+        assert not self.o_smem or (self.ws and self.num_split == 1 and not self.persist and self.block_n == WS_HEADS
+                                   and self.copy == "cp"), "o_smem: the ws single pass, 64-row blocks"  # fmt: skip
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -157,11 +167,12 @@ class Config:
         head += "e" if self.early_p else ""
         head += "z" if self.lazy_rescale else ""
         head += "i" if self.ids_first else ""
+        head += "o" if self.o_smem else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
-SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv", "pvfence")
+SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv", "pvfence", "ostore")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -492,6 +503,8 @@ __device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) 
 # max / sum; per block j, from TRACE_BLOCK0 + TRACE_PER_BLOCK * j: WG0 ready for block j (before its data wait), its
 # rows landed, QK^T done, P published (p_full), then WG1 given P (after its waits) and WG1's PV done.
 TRACE_GT0, TRACE_CLK0, TRACE_Q, TRACE_END, TRACE_GT_END, TRACE_FIN = range(6)
+# session 9: WG1's clock once fin has completed (before its stores) and WG2's clock after its own stores
+TRACE_FIN_WAITED, TRACE_END2 = 6, 7
 TRACE_BLOCK0, TRACE_PER_BLOCK = 8, 6
 TRACE_EVENTS = ("ready", "landed", "qk_done", "p_published", "pv_given_p", "pv_done")
 TRACE_PRELUDE = """
@@ -879,6 +892,32 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf)
 
     @T.macro
+    def store_o_smem(O, b, hf: int, t, o, kvh, fin_s):
+        """Config.o_smem: this warpgroup's normalised bf16 half of O through its free KV stage 0 (the H x D2 tile in
+        Q's 16-B pieces, `_WsGeom.q_row / q_col`: a warp stores 512 contiguous bytes of one head at a time)."""
+        for h, d in T.Parallel(H, D2):
+            kvh[0, h, d] = T.cast(o[h, d] * fin_s[h], bf)
+        T.sync_threads(1 + hf, 128)  # the tile is written by all four warps of the warpgroup
+        for k in T.unroll(g.QC, explicit=True):
+            for v in T.vectorized(8):
+                O[b, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v] = kvh[0, g.q_row(k, t), g.q_col(k, t) + v]
+
+    @T.macro
+    def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s):
+        """The epilogue's stores of this warpgroup's D half: the split pass's partial, or the normalised O."""
+        if split and cfg.partial_bf16:
+            for h, d in T.Parallel(H, D2):
+                Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], bf)
+        elif split:
+            for h, d in T.Parallel(H, D2):
+                Op[b, sp, h, hf * D2 + d] = o[h, d]
+        elif cfg.o_smem:
+            store_o_smem(O, b, hf, t, o, kvh, fin_s)
+        else:
+            for h, d in T.Parallel(H, D2):
+                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+
+    @T.macro
     def pv_role(
         Q,
         src,
@@ -969,18 +1008,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             else:
                 pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds, hf)
         T.barrier_wait(fin, 0)
-        if split and cfg.partial_bf16:
-            for h, d in T.Parallel(H, D2):
-                Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], bf)
-        elif split:
-            for h, d in T.Parallel(H, D2):
-                Op[b, sp, h, hf * D2 + d] = o[h, d]
-        else:
-            for h, d in T.Parallel(H, D2):
-                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+        if hf == 0:
+            stamp(Trace, tr_row, TRACE_FIN_WAITED, t)
+        if "ostore" not in skip:
+            store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
         if hf == 0:
             stamp(Trace, tr_row, TRACE_END, t)
             stamp(Trace, tr_row, TRACE_GT_END, t, False)
+        else:
+            stamp(Trace, tr_row, TRACE_END2, t)
 
     @T.macro
     def wg0_block_traced(q_l, q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full,
@@ -1095,7 +1131,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     tr_row)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
-                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf)  # fmt: skip
+                    idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, Trace,
+                    tr_row)  # fmt: skip
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
@@ -1566,7 +1603,17 @@ def _program_ws_cpu(
                 acc[0] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
                 for hf in T.serial(2):
                     for d in T.serial(D2):
-                        O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
+                        if cfg.o_smem:  # staged in the half's KV stage 0 (bn == H), stored below
+                            kv[hf, 0, h, d] = o[hf, h, d] * acc[0]
+                        else:
+                            O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
+        if cfg.o_smem:  # each PV warpgroup's 16-B pieces of its half (store_o_smem's mapping)
+            for hf in T.serial(2):
+                for t in T.serial(128):
+                    for k in T.serial(g.QC):
+                        for v in T.serial(8):
+                            row, col = g.q_row(k, t), g.q_col(k, t) + v
+                            O[b, row, hf * D2 + col] = kv[hf, 0, row, col]
 
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,

@@ -1,0 +1,115 @@
+"""Session 9's options of the warp-specialised sparse-attention decode (sparse_attn_decode._program_ws):
+
+- Config.o_smem: the O epilogue through the PV warpgroup's free KV stage 0 and 16-B stores. The CPU mirror stages O
+  in the same place and stores it with the same per-thread pieces (`_WsGeom.q_row / q_col`); out starts as NaN, so
+  a piece the mapping missed fails the oracle check. The sm90 build: 16 STG.128 a PV thread instead of 64 STG.32;
+- Config.skip "ostore" (diagnostic) and the trace's tail stamps (fin waited, WG2's stores issued).
+On the H200: o_smem's output equals the default's bit for bit (the same values stored another way).
+"""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+WS64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+
+
+def _build_ws(name, func):
+    import tvm
+
+    from deepinfer.codegen import tilelang_backend as tb
+
+    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):
+        return tb.build(name, func, "sm90")
+
+
+def _sass_ops(art) -> list[str]:
+    return re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\d\s+)?([A-Z][A-Z0-9_.]*)", art.sass)
+
+
+def test_o_smem_config_names_and_validates():
+    assert dataclasses.replace(WS64, o_smem=True).tag == "wsn64s2o"
+    assert dataclasses.replace(WS64, skip="ostore").tag == "wsn64s2-noostore"
+    for bad in (dict(num_split=2), dict(persist=132), dict(block_n=32, stages=4), dict(ws=False, threads=256)):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(WS64, o_smem=True, **bad)
+    assert not any(sad.sm90_config(b, 640).o_smem for b in (1, 64, 128, 256))  # off until measured
+
+
+def test_o_smem_pieces_cover_the_half_tile_once():
+    """The store pieces (Q's copy mapping): 128 threads x QC pieces of 8 columns cover H x D2 once."""
+    g = sad._WsGeom(64, 512, 640, dataclasses.replace(WS64, o_smem=True), False)
+    seen = torch.zeros(64, g.D2, dtype=torch.int32)
+    for t in range(128):
+        for k in range(g.QC):
+            seen[g.q_row(k, t), g.q_col(k, t) : g.q_col(k, t) + 8] += 1
+    assert bool((seen == 1).all())
+    # one warp's piece k: 32 threads x 16 B = one head's 512 contiguous bytes of the half
+    assert {g.q_row(0, t) for t in range(32)} == {0} and sorted(g.q_col(0, t) for t in range(32)) == list(
+        range(0, g.D2, 8)
+    )
+
+
+@pytest.mark.parametrize("n_win", [0, 64])
+def test_o_smem_cpu_mirror_matches_the_oracle_and_the_default(tilelang_required, n_win):
+    """64-row blocks, 3 of them (a ring round + a tail block), one pool and two; o_smem equals the default mirror
+    exactly (the same values through stage 0) and the float64 oracle to 1e-5."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, S, K = 2, 64, 128, 500, 192
+    torch.manual_seed(31)
+    q, kv, sink = torch.randn(B, H, D), torch.randn(S, D), torch.randn(H) * 2
+    idx = torch.randint(0, S, (B, K), dtype=torch.int32)
+    idx[:, -5:] = -1
+    f64 = sad.reference_f64_loops(q, kv, idx, sink)
+    args = (kv, kv, idx[:, :n_win].contiguous(), idx[:, n_win:].contiguous()) if n_win else (kv, idx)
+    outs = {}
+    for o_smem in (False, True):
+        cfg = dataclasses.replace(WS64, o_smem=o_smem)
+        kernel = compile_cpu(sad.program(B, H, D, S, K, target="cpu", cfg=cfg, n_win=n_win, S_cmp=S))
+        outs[o_smem] = torch.full((B, H, D), float("nan"))
+        kernel(q, *args, sink, outs[o_smem])
+    assert (outs[True] - f64).abs().max() < 1e-5
+    assert torch.equal(outs[True], outs[False])
+
+
+def test_o_smem_sm90_build(codegen_cache, nvcc_required):
+    """Two pools, the B128 blocking: no spills; O leaves in 16-B stores (16 a PV thread, 32 in the code) and no
+    4-B ones; the tile's writes are ordered by the warpgroups' own named barriers (ids 1, 2) only."""
+    cfg = dataclasses.replace(WS64, o_smem=True)
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
+                                                                n_win=128))  # fmt: skip
+    ops = _sass_ops(art)
+    assert art.opcodes["LDL"] + art.opcodes["STL"] == 0 and art.opcodes["HGMMA"] > 0
+    stores = [o for o in ops if o.startswith("STG")]
+    assert len(stores) == 2 * 16 and all(o.endswith(".128") for o in stores), stores
+    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
+
+
+def test_ostore_skip_and_tail_stamps_build(codegen_cache, nvcc_required):
+    """Config.trace writes the session-9 tail stamps (WG1 after fin, WG2 after its stores); skip "ostore" leaves
+    every O store out (the only global stores left are the trace's)."""
+    cfg = dataclasses.replace(WS64, trace=True, skip="ostore")
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
+                                                                n_win=128))  # fmt: skip
+    stamped = {int(m) for m in re.findall(r"\+ \(int64_t\)(\d+)\)\] = di_clock\(\)", art.source)}
+    assert {sad.TRACE_FIN_WAITED, sad.TRACE_END2} <= stamped
+    assert "O[" not in art.source and "(O +" not in art.source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [128, 64])
+def test_o_smem_on_the_h200(kb, B):
+    """The runtime's 4k operands (two pools): o_smem's output equals the single pass's bit for bit, and the
+    reference to 2e-2 (B64: the unsplit single pass, o_smem has no split form)."""
+    q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(B)
+    outs = []
+    for cfg in (WS64, dataclasses.replace(WS64, o_smem=True)):
+        outs.append(torch.full_like(q, float("nan")))
+        kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
+    assert torch.equal(outs[0], outs[1])
+    assert kb.rel_err(outs[1], sad.reference(q, kv_cat, idx_cat, sink)) < 2e-2
