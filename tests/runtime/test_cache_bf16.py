@@ -132,3 +132,52 @@ def test_engine_kv_cache_holds_half_the_ring_and_compressed_bytes(small_plans):
         assert 2 * usage["bf16"][kind]["bytes_total"] == usage["f32"][kind]["bytes_total"] > 0
     for kind in ("index_keys", "compressor_state", "engram_history"):
         assert usage["bf16"][kind] == usage["f32"][kind]
+
+
+# ---------------------------------------------------------------------------------------------- batched decode
+
+
+def _batched_step(g, params, caches: dict, *, ring_first: bool) -> tuple[torch.Tensor, dict]:
+    """One batched decode step (kernels' CPU stand-ins) from copies of ``caches``: (logits, new caches)."""
+    from deepinfer.runtime.batched_decode import BatchedDecoder
+    from deepinfer.runtime.cuda_executor import KernelCache
+
+    dec = BatchedDecoder(g, params, "cpu", max_model_len=12, ring_first=ring_first,
+                         kernels=KernelCache(builder=ka.emulated_kernel))  # fmt: skip
+    logits, new = dec.step([3, 9, 4], [7, 4, 11], {k: v.clone() for k, v in caches.items()})
+    assert dec.exec.stats.compiled["sparse_attn_decode"] > 0 and not dec.exec.kernels.failed, dec.report()
+    return logits, new
+
+
+def _random_caches(g, n: int) -> dict:
+    """[n, *shape] caches of random values (f32; the engram history at its initial -1)."""
+    from deepinfer.runtime.session import allocate_caches
+
+    gen = torch.Generator().manual_seed(7)
+    one = allocate_caches(g, 12)
+    return {k: (torch.randn(n, *v.shape, generator=gen) if v.is_floating_point() else v.expand(n, *v.shape).clone())
+            for k, v in one.items()}  # fmt: skip
+
+
+def test_batched_step_on_bf16_caches_and_from_the_written_rings(small_plans, _emulate):
+    """The batched decode step: bf16 caches give the f32 caches' logits bit for bit (caches holding the same values,
+    rounded), and reading each window from the ring as the step writes it (read_rings_after_write: no concat of the
+    rings) gives the concat's logits and caches bit for bit."""
+    from deepinfer.runtime.batched_decode import decode_graph
+
+    bf16_g, f32_g, params = small_plans
+    torch.set_num_threads(1)
+    f32 = _random_caches(f32_g, 3)
+    stored = {e["name"]: e["dtype"] for e in bf16_g.meta["caches"]}
+    bf16 = {k: v.to(torch.bfloat16) if stored[k] == "bf16" else v for k, v in f32.items()}
+    want, want_caches = _batched_step(f32_g, params, f32, ring_first=False)
+    got, got_caches = _batched_step(bf16_g, params, bf16, ring_first=True)
+    assert torch.equal(got, want)
+    for name, dtype in stored.items():
+        rounded = want_caches[name].to(torch.bfloat16) if dtype == "bf16" else want_caches[name]
+        assert torch.equal(got_caches[name], rounded), name
+    ring_first = decode_graph(bf16_g, ring_first=True)
+    concats = [n for n in ring_first.nodes if n.op == "concat"]
+    assert len(concats) == 1 and concats[0].attrs["axis"] == 1  # the shared window ids; no window pool
+    attn = [n for n in ring_first.nodes if n.op == "fused_attention"]
+    assert attn and all(n.inputs[3].producer.op == "scatter_rows" for n in attn)
