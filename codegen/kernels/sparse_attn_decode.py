@@ -127,7 +127,8 @@ class Config:
     # done: WG0 published the last P, so every QK^T is done too), then stores it with 16-B vector stores, a warp
     # writing 512 contiguous bytes of one head (16 stores a thread) instead of 64 4-byte stores a thread, each warp's
     # touching 8 heads' rows (16 B of each): the trace put ~6.7 us between the last PV and the O stores issued
-    # (1.1 us with no loads or math). Same values: bit-identical output.
+    # (1.1 us with no loads or math). Same values: bit-identical output. Persistent grid: the stage of the request's
+    # last block, whose refill with the next request's block (the ring runs on across requests) waits for the stores.
     o_smem: bool = False
 
     def __post_init__(self):
@@ -144,7 +145,7 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
-        assert not self.o_smem or (self.ws and self.num_split == 1 and not self.persist and self.block_n == WS_HEADS
+        assert not self.o_smem or (self.ws and self.num_split == 1 and self.block_n == WS_HEADS
                                    and self.copy == "cp"), "o_smem: the ws single pass, 64-row blocks"  # fmt: skip
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
@@ -892,15 +893,18 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf)
 
     @T.macro
-    def store_o_smem(O, b, hf: int, t, o, kvh, fin_s):
-        """Config.o_smem: this warpgroup's normalised bf16 half of O through its free KV stage 0 (the H x D2 tile in
-        Q's 16-B pieces, `_WsGeom.q_row / q_col`: a warp stores 512 contiguous bytes of one head at a time)."""
+    def store_o_smem(O, b, hf: int, t, o, kvh, fin_s, st: int = 0, refilled: bool = False):
+        """Config.o_smem: this warpgroup's normalised bf16 half of O through its free KV stage st (the H x D2 tile in
+        Q's 16-B pieces, `_WsGeom.q_row / q_col`: a warp stores 512 contiguous bytes of one head at a time).
+        refilled: the stage is gathered into next (persistent grid), so every warp's reads must be done first."""
         for h, d in T.Parallel(H, D2):
-            kvh[0, h, d] = T.cast(o[h, d] * fin_s[h], bf)
+            kvh[st, h, d] = T.cast(o[h, d] * fin_s[h], bf)
         T.sync_threads(1 + hf, 128)  # the tile is written by all four warps of the warpgroup
         for k in T.unroll(g.QC, explicit=True):
             for v in T.vectorized(8):
-                O[b, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v] = kvh[0, g.q_row(k, t), g.q_col(k, t) + v]
+                O[b, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v] = kvh[st, g.q_row(k, t), g.q_col(k, t) + v]
+        if refilled:
+            T.sync_threads(1 + hf, 128)
 
     @T.macro
     def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s):
@@ -1165,6 +1169,13 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             load_rid(src, b + P, 0, 0, t, rid, 0)
 
     @T.macro
+    def next_first_blocks(src, kvh, idx_s, full, nb_req, st: int, hf: int, t, rid):
+        """Persistent grid, the last round of a request: gather block st of the CTA's next request nb_req into the
+        stage just freed, then load the row ids of its block st + 1."""
+        gather(src, kvh, None, None, idx_s, full, nb_req, 0, st, st, hf, t, rid, 0)
+        load_rid(src, nb_req, 0, st + 1, t, rid, 0)
+
+    @T.macro
     def pv_role_p(Q, src, O, c, ntok, hf: int, t, o, q_h, kvh, idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty,
                   bar_q, fin, rid):  # fmt: skip
         """The PV warpgroups of the persistent grid. Block i of the CTA's k-th request is global block
@@ -1194,12 +1205,17 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     if b + P < Bd:  # WG0 is past its last QK^T of request b (it armed p_full of this block)
                         load_q(Q, b + P, hf, t, q_h, bar_q)
                 pv_math(o, p_s, alpha_s, kvh, p_empty, st, k * rounds + rounds - 1, hf)
-                if b + P < Bd:
-                    gather(src, kvh, None, None, idx_s, full, b + P, 0, st, st, hf, t, rid, 0)
-                    load_rid(src, b + P, 0, st + 1, t, rid, 0)
+                if not (cfg.o_smem and st == NS - 1):
+                    if b + P < Bd:
+                        next_first_blocks(src, kvh, idx_s, full, b + P, st, hf, t, rid)
             T.barrier_wait(fin, k & 1)  # WG0's fin_s of request b (it cannot be a request ahead: see body_p)
-            for h, d in T.Parallel(H, D2):
-                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+            if cfg.o_smem:  # O through the last block's stage; the next request's block NS - 1 is gathered after
+                store_o_smem(O, b, hf, t, o, kvh, fin_s, NS - 1, True)
+                if b + P < Bd:
+                    next_first_blocks(src, kvh, idx_s, full, b + P, NS - 1, hf, t, rid)
+            else:
+                for h, d in T.Parallel(H, D2):
+                    O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
             T.fill(o, 0.0)
 
     @T.macro

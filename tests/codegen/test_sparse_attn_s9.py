@@ -34,7 +34,8 @@ def _sass_ops(art) -> list[str]:
 def test_o_smem_config_names_and_validates():
     assert dataclasses.replace(WS64, o_smem=True).tag == "wsn64s2o"
     assert dataclasses.replace(WS64, skip="ostore").tag == "wsn64s2-noostore"
-    for bad in (dict(num_split=2), dict(persist=132), dict(block_n=32, stages=4), dict(ws=False, threads=256)):
+    assert dataclasses.replace(WS64, o_smem=True, persist=132).tag == "wsn64s2p132o"
+    for bad in (dict(num_split=2), dict(block_n=32, stages=4), dict(ws=False, threads=256)):
         with pytest.raises(AssertionError):
             dataclasses.replace(WS64, o_smem=True, **bad)
     assert not any(sad.sm90_config(b, 640).o_smem for b in (1, 64, 128, 256))  # off until measured
@@ -90,6 +91,22 @@ def test_o_smem_sm90_build(codegen_cache, nvcc_required):
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", art.source)) == {("1", "128"), ("2", "128")}
 
 
+def test_o_smem_persistent_sm90_build(codegen_cache, nvcc_required):
+    """The persistent grid with o_smem: only STG.128 stores; the next request's gather into the last stage
+    follows the stores (after a named barrier), its other gathers stay in the last round."""
+    cfg = dataclasses.replace(WS64, o_smem=True, persist=132)
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(256, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
+                                                                n_win=128))  # fmt: skip
+    stores = [o for o in _sass_ops(art) if o.startswith("STG")]
+    # 16 a warpgroup; ptxas may share one copy of the two warpgroups' identical store tails
+    assert len(stores) in (16, 2 * 16) and all(o.endswith(".128") for o in stores), stores
+    assert art.opcodes["LDL"] + art.opcodes["STL"] <= 6  # the persistent default's own 3 + 3
+    # each PV warpgroup: its last 16-B store of O, then its named barrier, before the refill's copies
+    after = re.findall(r"\*\(uint4\*\)\(O \+[^;]*;\s*tl::__sync_thread_partial\((\d), 128\);\s*if[^{]*\{\s*"
+                       r"(?:int row_\d+ = rid\[\d\];\s*)?tl::cp_async_gs", art.source)  # fmt: skip
+    assert sorted(after) == ["1", "2"], after
+
+
 def test_ostore_skip_and_tail_stamps_build(codegen_cache, nvcc_required):
     """Config.trace writes the session-9 tail stamps (WG1 after fin, WG2 after its stores); skip "ostore" leaves
     every O store out (the only global stores left are the trace's)."""
@@ -102,13 +119,15 @@ def test_ostore_skip_and_tail_stamps_build(codegen_cache, nvcc_required):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [128, 64])
-def test_o_smem_on_the_h200(kb, B):
-    """The runtime's 4k operands (two pools): o_smem's output equals the single pass's bit for bit, and the
-    reference to 2e-2 (B64: the unsplit single pass, o_smem has no split form)."""
+@pytest.mark.parametrize("B,persist", [(128, 0), (64, 0), (256, 132)])
+def test_o_smem_on_the_h200(kb, B, persist):
+    """The runtime's 4k operands (two pools): o_smem's output equals the program's without it bit for bit, and the
+    reference to 2e-2 (B64: the unsplit single pass, o_smem has no split form; B256: the persistent grid, where the
+    next request's block waits for the stores)."""
     q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(B)
     outs = []
-    for cfg in (WS64, dataclasses.replace(WS64, o_smem=True)):
+    base = dataclasses.replace(WS64, persist=persist)
+    for cfg in (base, dataclasses.replace(base, o_smem=True)):
         outs.append(torch.full_like(q, float("nan")))
         kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
     assert torch.equal(outs[0], outs[1])
