@@ -3853,16 +3853,19 @@ def skip_tiles_cases(quick: bool):
 
 
 # ---------------------------------------------------------------------------------------------- cache bf16 s9
-# `--only "cache bf16 s9"` (session 9, E): one layer's decode attention as the batched decode step runs it -- the
-# window pool concat(rings, new rows), the compact gather of the selected compressed rows (batch_decode's default),
-# the fused_attention adapter (its bf16 pool conversions, the kernel, the FP8 epilogue) -- with the caches in f32
-# (before passes/cache_storage.py) and in bf16 (after: no conversion; "flat": the kernel reads the flat compressed
-# pool in place, no gather). V4.1 layer 2 (ratio 2) at 4k context: rings of 128 rows, 2049 compressed rows a
-# sequence, 512 selected. %limit is against the kernel's own roofline (what the node costs beyond the kernel shows);
-# the eager column is the f32 row's time / this row's; every bf16 row must give the f32 row's output bit for bit.
+# `--only "cache bf16 s9"` (session 9, E): one layer's decode attention as the batched decode step runs it -- this
+# step's ring write, the window pool concat(rings, new rows), the compact gather of the selected compressed rows
+# (batch_decode's default), the fused_attention adapter (its bf16 pool conversions, the kernel, the FP8 epilogue) --
+# with the caches in f32 (before passes/cache_storage.py) and in bf16 (after: no conversion). "flat": the kernel reads
+# the flat compressed pool in place (no gather); "ring": also the window from the ring as written (runtime/
+# batched_decode.read_rings_after_write: no concat) -- the runtime's default now. V4.1 layer 2 (ratio 2) at 4k
+# context: rings of 128 rows, 2049 compressed rows a sequence, 512 selected. %limit is against the kernel's own
+# roofline (what the node costs beyond the kernel shows); the eager column is the f32 row's time / this row's; every
+# bf16 row must give the f32 row's output bit for bit.
 
 CACHE_S9_CTX, CACHE_S9_WIN, CACHE_S9_TOPK = 4096, 128, 512
 CACHE_S9_ROWS = (CACHE_S9_CTX + 1 + 1) // 2  # C2 of max_model_len 4097
+CACHE_S9_MODES = ("f32", "bf16", "bf16 flat", "bf16 ring")
 CACHE_S9_BASE: dict = {}  # B -> (f32 row's ms, its output codes, its scales)
 
 
@@ -3880,8 +3883,9 @@ def _cache_s9_call(args: list, max_pos: int):
 
 
 def _cache_s9_operands(B: int, device: str):
-    """(q, positions, sink, rings [B*W, D], new rows [B, D], win_idx, flat compressed pool [B*N, D], flat ids [B, K])
-    in f32, seeded (every row of one B sees the same values); the ids as the batched graph's ops make them."""
+    """(q, positions, sink, rings [B*W, D], new rows [B, D], win_idx, ring slots [B], flat compressed pool [B*N, D],
+    flat ids [B, K]) in f32, seeded (every row of one B sees the same values); the ids as the batched graph's ops
+    make them."""
     from deepinfer.ir.registry import get_op
 
     g = torch.Generator(device=device).manual_seed(B)
@@ -3894,38 +3898,44 @@ def _cache_s9_operands(B: int, device: str):
     visible = (CACHE_S9_CTX + 1) // 2
     ids = torch.argsort(torch.rand(B, visible, device=device, generator=g), dim=1)[:, :CACHE_S9_TOPK]
     win_idx = get_op("batched_window_indices").run([pos], {"window": CACHE_S9_WIN})[0]
+    slots = get_op("batched_ring_slots").run([pos], {"size": CACHE_S9_WIN})[0]
     flat_ids = get_op("batched_rows").run([ids, pool], {})[0]
-    return q, pos, sink, rings, new, win_idx, pool, flat_ids
+    return q, pos, sink, rings, new, win_idx, slots, pool, flat_ids
 
 
 def _cache_s9_node(mode: str, ops: tuple):
-    """The step's work for one mode, as a callable: (cast) + concat + (gather) + the adapter's run."""
+    """The step's work for one mode, as a callable of the kernels: (cast) + ring write + (concat) + (gather) + the
+    adapter's run."""
     from deepinfer.ir.registry import get_op
     from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.batched_decode import scatter_rows_in_place
 
-    q, pos, sink, rings, new, win_idx, pool, flat_ids = ops
+    q, pos, sink, rings, new, win_idx, slots, pool, flat_ids = ops
     if mode != "f32":
         rings, pool = rings.to(torch.bfloat16), pool.to(torch.bfloat16)
+    ring_ids = torch.cat([win_idx[:, :-1], slots.view(-1, 1)], dim=1)  # read_rings_after_write's window ids
     gather = get_op("batched_gather_rows")
     adapter = ka.adapter_for("sparse_attn_decode", "fused_attention")
 
     def step(kernels):
         rows = new if mode == "f32" else new.to(torch.bfloat16)  # the cache_storage cast of the new rows
-        win = torch.cat([rings, rows])
-        cmp, cmp_idx = (pool, flat_ids) if mode == "bf16 flat" else gather.run([pool, flat_ids], {})
-        return adapter.run(_cache_s9_call([q, pos, sink, win, win_idx, cmp, cmp_idx], CACHE_S9_CTX + 1), kernels)
+        scatter_rows_in_place(rings, slots, rows)  # the ring write (in place, as the batched executor does it)
+        win, w_idx = (rings, ring_ids) if mode == "bf16 ring" else (torch.cat([rings, rows]), win_idx)
+        cmp, cmp_idx = (pool, flat_ids) if mode in ("bf16 flat", "bf16 ring") else gather.run([pool, flat_ids], {})
+        return adapter.run(_cache_s9_call([q, pos, sink, win, w_idx, cmp, cmp_idx], CACHE_S9_CTX + 1), kernels)
 
     return step
 
 
-def _cache_s9_keys(B: int):
-    """The adapter's kernel keys for the node at B (shapes only: meta tensors; the same for every mode)."""
+def _cache_s9_keys(B: int, mode: str):
+    """The adapter's kernel keys for the node at B (shapes only: meta tensors); "ring" has B fewer window rows."""
     from deepinfer.runtime import kernel_adapters as ka
 
     def meta(*shape, dtype=torch.float32):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    args = [meta(B, HEADS, HEAD_DIM), meta(B, dtype=torch.long), meta(HEADS), meta(B * (CACHE_S9_WIN + 1), HEAD_DIM),
+    win_rows = B * CACHE_S9_WIN + (0 if mode == "bf16 ring" else B)
+    args = [meta(B, HEADS, HEAD_DIM), meta(B, dtype=torch.long), meta(HEADS), meta(win_rows, HEAD_DIM),
             meta(B, CACHE_S9_WIN, dtype=torch.long), meta(B * CACHE_S9_TOPK, HEAD_DIM),
             meta(B, CACHE_S9_TOPK, dtype=torch.long)]  # fmt: skip
     with _emulate_plan():
@@ -3933,11 +3943,10 @@ def _cache_s9_keys(B: int):
 
 
 def case_cache_bf16(row: Row, B: int, mode: str, quick: bool, dry: bool):
-    """mode "f32" (caches as before the pass), "bf16" (stored bf16, compact gather), "bf16 flat" (stored bf16, the
-    kernel reads the flat pool in place). Timed as a CUDA graph of the whole node (bench_device)."""
+    """One of CACHE_S9_MODES (see the section's comment). Timed as a CUDA graph of the whole node (bench_device)."""
     from deepinfer.runtime import kernel_adapters as ka
 
-    kernels = [build(ka._factory(k)) for k in _cache_s9_keys(B)]
+    kernels = [build(ka._factory(k)) for k in _cache_s9_keys(B, mode)]
     row.bytes_, row.flops = sparse_attn_decode.roofline(B, HEADS, HEAD_DIM, CACHE_S9_WIN + CACHE_S9_TOPK)
     row.peak = "bf16"
     if dry:
@@ -3961,10 +3970,10 @@ def case_cache_bf16(row: Row, B: int, mode: str, quick: bool, dry: bool):
 
 
 def cache_bf16_cases():
-    """Rows "cache bf16 s9 ...": at B 64 and 256 (4k), the f32-cache node first, then bf16 and bf16 flat."""
+    """Rows "cache bf16 s9 ...": at B 64 and 256 (4k), the f32-cache node first, then the bf16 modes."""
     return [(f"cache bf16 s9 attn node {mode}", f"B{B} 4k k640",
              lambda r, q, d, B=B, m=mode: case_cache_bf16(r, B, m, q, d))
-            for B in (64, 256) for mode in ("f32", "bf16", "bf16 flat")]  # fmt: skip
+            for B in (64, 256) for mode in CACHE_S9_MODES]  # fmt: skip
 
 
 def cases(quick: bool):
