@@ -1020,6 +1020,145 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
     case(row, B, mml, ratio, form, quick, dry)
 
 
+# ---------------------------------------------------------------------------------------------- indexer pos s9
+# `--only "indexer pos s9"` (helper D, session 9): topk_entries takes the queries' positions, so the runtime's top-k
+# (TopKEntriesAdapter) builds topk_select with has_pos -- a row's columns past (p+1)//ratio are never read -- and the
+# index scores read only by such top-ks are bound with fill False. The decode step's scores + top-512 through the
+# runtime's own adapters (index_scores / batched_index_scores, then topk_entries) at a 4k context with caches for
+# max_model_len (mml) 4096 and 65536: "old" (scores with fill, the top-k without positions: every column read, the
+# runtime before), "pos" (the runtime now: the same scores kernel -- DECODE_CTAS_PER_SM 0, the first form, writes
+# every tile anyway -- and the top-k with positions), "pos row<n>" (the scores' per-row balanced form, n CTAs an SM,
+# without fill: what DECODE_CTAS_PER_SM = n would run). Every row's order and set equal the op's reference on the
+# same (filled) scores; "pos" also equals "old" exactly. %limit: the visible entries' bytes. Then the candidate
+# level's torch ops (no kernel) as the runtime runs them now (two-level with positions).
+
+IPOS_FORMS = ("old", "pos", "pos row16", "pos row32")
+
+
+def _ipos_call(op: str, attrs: dict, args: list, config: dict, cache: dict):
+    from deepinfer.runtime import kernel_adapters as ka
+
+    names = [f"a{i}" for i in range(len(args))]
+    return ka.Call(op, attrs, args, names, [False] * len(args), config, cache)
+
+
+def _ipos_scores_fn(B: int, ratio: int, form: str, fill: bool, cache: dict):
+    """The step's index scores through the runtime's adapter, the form's DECODE_CTAS_PER_SM set around the call."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.runtime import kernel_adapters as ka
+
+    op = "batched_index_scores" if B > 1 else "index_scores"
+    adapter = ka.adapter_for("indexer_topk", op)
+    ctas = int(form.split("row")[1]) if "row" in form else 0
+
+    def scores(q, w, keys, pos):
+        saved = it.DECODE_CTAS_PER_SM, it.DECODE_PER_ROW
+        it.DECODE_CTAS_PER_SM, it.DECODE_PER_ROW = ctas, True
+        try:
+            call = _ipos_call(op, {"ratio": ratio, "scale": IDX_DIM**-0.5}, [q, w, keys, pos], {"fill": fill}, cache)
+            return adapter.run(call, [])[0]
+        finally:
+            it.DECODE_CTAS_PER_SM, it.DECODE_PER_ROW = saved
+
+    return scores
+
+
+def _ipos_topk_call(s, pos, ratio: int, with_pos: bool, cache: dict):
+    attrs = {"topk": IDX_TOPK, "block": 1, "ratio": ratio}
+    return _ipos_call("topk_entries", attrs, [s, None, pos] if with_pos else [s, None], {}, cache)
+
+
+def _ipos_topk_kernel(B: int, C: int, ratio: int, with_pos: bool):
+    """The top-k kernel the runtime's adapter asks for (its key from meta tensors), built for the H200."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    s, pos = torch.empty(B, C, device="meta"), torch.empty(B, dtype=torch.long, device="meta")
+    saved, ka.EMULATE = ka.EMULATE, True  # (keys on meta tensors, as the compiler's engine_kernel_keys)
+    try:
+        key = ka.adapter_for("topk_select", "topk_entries").keys(_ipos_topk_call(s, pos, ratio, with_pos, {}))[0]
+    finally:
+        ka.EMULATE = saved
+    return key, ka.build_kernel(key)
+
+
+def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
+    """Scores + top-512 of a decode step through the runtime's adapters (see the section's comment)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+    from deepinfer.ir.ops.v41 import TopKEntries
+    from deepinfer.runtime import kernel_adapters as ka
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    with_pos = form != "old"
+    fb, ff = it.f32_batched_scores_roofline(B, vis) if B > 1 else it.f32_scores_roofline(B, vis)
+    tb, tf = ts.roofline(B, vis, IDX_TOPK, visible=B * vis)
+    row.bytes_, row.flops, row.peak = fb + tb, ff + tf, "bf16"
+    key, kern = _ipos_topk_kernel(B, C, ratio, with_pos)
+    row.kernel += f" {'h' if key.program == 'hist_program' else 'p'}{key.args[1]}"
+    if dry:
+        return
+    q, w, keys, pos = _idxlen_inputs(B, C, B > 1)
+    cache: dict = {}
+    scores = _ipos_scores_fn(B, ratio, form, not with_pos, cache)
+    topk = ka.adapter_for("topk_select", "topk_entries")
+
+    def step():
+        return topk.run(_ipos_topk_call(scores(q, w, keys, pos), pos, ratio, with_pos, cache), [kern])[0]
+
+    got = step()
+    filled = _ipos_scores_fn(B, ratio, form, True, {})(q, w, keys, pos)  # the same bits on the visible columns
+    want = TopKEntries.reference(filled, None, pos if with_pos else None, topk=IDX_TOPK, block=1, ratio=ratio)
+    if not torch.equal(got, want):
+        raise AssertionError("top-k differs from topk_entries' reference on the form's (filled) scores")
+    row.check = "top-k exact"
+    if form == "pos":  # the runtime now against the runtime before, on the same scores kernel
+        old = topk.run(_ipos_topk_call(filled, pos, ratio, False, {}), [_ipos_topk_kernel(B, C, ratio, False)[1]])[0]
+        if not torch.equal(got, old):
+            raise AssertionError("the top-k with positions differs from the one without")
+        row.check += ", = old"
+    row.ms = bench_device(step, quick)
+
+
+def case_ipos_two_level(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
+    """The two-level topk_entries (layers 24..36 of V4.1) as the runtime runs it now: its torch reference with the
+    positions (a [B, C] visibility mask and block mask, a sort of all C columns). Timed eagerly."""
+    from deepinfer.ir.ops.v41 import CandidateBlocks, TopKEntries
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    row.bytes_, row.peak = 4.0 * B * vis, "bf16"
+    if dry:
+        return
+    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
+    s = torch.randn(B, C, device="cuda")  # past the limit: what a scores kernel without fill leaves (anything)
+    blocks = CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)  # (layer 20's: filled scores)
+
+    def run():
+        return TopKEntries.reference(s, blocks, pos, topk=IDX_TOPK, block=8, ratio=ratio)
+
+    got = run()
+    lim = (pos + 1) // ratio
+    assert int((got >= lim[:, None]).sum()) == 0, "an invisible entry was taken"
+    row.check = "torch reference (eager)"
+    row.ms = bench(run, quick)
+
+
+def indexer_pos_s9_cases():
+    """Rows "indexer pos s9 step <form>" (B1 / B64, mml 4096 / 65536, ratio 1 / 2) and the two-level torch op."""
+    out = []
+    for B in (1, 64):
+        for mml in (4096, 65536):
+            for ratio in (2, 1):
+                for form in IPOS_FORMS:
+                    run = functools.partial(_idxlen_row, case_ipos_step, B, mml, ratio, form)
+                    out.append((f"indexer pos s9 step {form}", f"B{B} mml{mml} r{ratio}", run))
+    for mml in (4096, 65536):
+        run = functools.partial(_idxlen_row, case_ipos_two_level, 64, mml, 1, "")
+        out.append(("indexer pos s9 two-level (torch)", f"B64 mml{mml} r1", run))
+        run = functools.partial(_idxlen_row, case_idxlen_candidates, 64, mml, 1, "candidate_blocks")
+        out.append(("indexer pos s9 candidate_blocks (torch)", f"B64 mml{mml} r1", run))
+    return out
+
+
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     """linear (f32 x, bf16 weight) on linear_bf16's kernel; check vs the op's reference (fp32 copy of the weight,
     the eager column) to 1e-5 of the output's maximum: both are fp32 sums of K exact products in different orders,
@@ -4032,6 +4171,7 @@ def cases(quick: bool):
     out += decode_small_cases()
     out += batched_index_scores_cases()
     out += indexer_length_cases()
+    out += indexer_pos_s9_cases()
     out += moe_layout_cases()
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()
