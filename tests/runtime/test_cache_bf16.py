@@ -181,3 +181,48 @@ def test_batched_step_on_bf16_caches_and_from_the_written_rings(small_plans, _em
     assert len(concats) == 1 and concats[0].attrs["axis"] == 1  # the shared window ids; no window pool
     attn = [n for n in ring_first.nodes if n.op == "fused_attention"]
     assert attn and all(n.inputs[3].producer.op == "scatter_rows" for n in attn)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def test_engine_on_bf16_caches_generates_the_f32_engines_rows(small_plans, _emulate):
+    """The whole engine (paged KV cache, prefix reuse with state snapshots, the batched decode graphs with emulated
+    CUDA graphs, kernels' CPU stand-ins) on the bf16-cache plan against the f32-cache plan: the same greedy tokens
+    and every sampled logits row bit for bit; the second request reuses the first one's prefix blocks (bf16 pools
+    and snapshots) and everything is released at the end."""
+    from unittest import mock
+
+    from deepinfer.runtime import cuda_graphs as cg
+    from deepinfer.runtime import engine
+    from deepinfer.runtime.cuda_executor import CudaRunner, KernelCache
+
+    from .test_batched_decode import _greedy_rows, _stand_in
+
+    bf16_g, f32_g, params = small_plans
+    torch.set_num_threads(1)
+    shared = [5, 17, 300, 42, 9000, 12, 77, 5, 6, 7, 1000, 2, 100, 101, 102, 103]  # one 16-token block
+    prompts = [shared + [7, 8], shared + [9]]
+    out = {}
+    for name, g in (("bf16", bf16_g), ("f32", f32_g)):
+
+        def runner(plan_, params_, config, max_model_len, g=g):
+            return CudaRunner(g, params, device="cpu", kernels=KernelCache(builder=_stand_in), buckets=(1, 2),
+                              max_model_len=max_model_len, graph_backend=cg.EmulatedGraphBackend())  # fmt: skip
+
+        plan = mock.Mock(graph=g, config={}, target="sm90")
+        with mock.patch.object(engine, "_runner", runner), mock.patch.object(engine, "_resolve_plan", lambda *a: a[2]):
+            llm = engine.LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=32,
+                             max_num_seqs=4, overlap=False)  # fmt: skip
+            first = _greedy_rows(llm, prompts[:1], 3)
+            reused, admit = [], llm.kv.admit
+            llm.kv.admit = lambda ids, admit=admit, reused=reused: reused.append(admit(ids)) or reused[-1]
+            second = _greedy_rows(llm, prompts[1:], 3)
+        pools = {k: v.dtype for k, v in llm.kv.pools.items()}
+        out[name] = (first, second, pools, llm.kv.num_used_blocks, [a.num_reused_tokens for a in reused])
+    (got1, got2, pools, used, hits), (want1, want2, want_pools, _, _) = out["bf16"], out["f32"]
+    for got, want in ((got1, want1), (got2, want2)):
+        assert got[0] == want[0] and got[1].keys() == want[1].keys()
+        assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    assert torch.bfloat16 in pools.values() and torch.bfloat16 not in want_pools.values()
+    assert used == 0 and hits == [16]
