@@ -25,6 +25,11 @@ static buffers of a CUDA-graph decode slot) and ``scatter`` writes the step's up
 and snapshots live on ``device`` (the runner's: cuda for sm90 plans, cpu by default), so these copies never
 cross the host-device boundary; a paged attention kernel would read the pools through the block table instead.
 
+Dtypes. Each cache is held in its entry's dtype -- f32 as the model declares it, or bf16 where the compiler stores it
+for the attention kernel (passes/cache_storage.py: the SWA rings and compressed KV of an sm90 plan) -- in its pools,
+slots, snapshots and the dense copies alike, so gather, scatter and snapshots are same-dtype copies, and a block
+costs the bytes of its dtype (CacheSpec.row_bytes: the engine's default block count follows it).
+
 Rows and slots are initialised when read, not when allocated: ``gather`` resets every row the request has not
 computed yet and takes the state from its initial value or snapshot on a request's first step. So a block or
 slot handed over while the step that used it last is still running can never leak old values (asynchronous
