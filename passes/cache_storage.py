@@ -12,11 +12,13 @@ every bucket (select_kernels' bindings; so this pass runs after it). The check: 
 scores reading index keys, a compressor reading its state, a bucket whose attention falls back to the torch
 reference -- keeps the cache f32, with the reason. The rewrite: the cache input and its entry's "dtype" become bf16,
 every write's rows and the ring's new rows go through one `cast` to bf16 (bound to the torch reference, reason
-recorded; the rows of one step, not the pool), and the derived values' types are inferred again. The runtime
+recorded; the rows of one step, not the pool), and the derived values take the cache's dtype. The runtime
 allocates, copies and snapshots caches in the entry's dtype (runtime/kv_cache.py, session.allocate_caches).
 
 graph.meta["cache_storage"] records, per cache, its dtype and why (format_cache_storage prints it). Nothing changes
-for the cpu target (no bindings) or with DEEPINFER_CACHE_BF16=0.
+for the cpu target (no bindings) or with DEEPINFER_CACHE_BF16=0. What the bindings cannot promise: an attention node
+whose adapter declines at run time (a shape the binding did not foresee) runs its torch reference on the stored,
+already rounded, values -- the kernel's numbers, not the f32 cache's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import os
 
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph, Node, Value
-from deepinfer.ir.registry import get_op
 from deepinfer.passes.pattern import fresh_name, make_node
 from deepinfer.passes.pipeline import register_pass
 
@@ -135,7 +136,7 @@ def _store_as(g: Graph, entry: dict, cache: Value, store, users: dict, casts: di
         node = v.producer
         k = 2 if node.op == "scatter_rows" else 1
         node.inputs[k] = _cast(g, node.inputs[k], store, casts)
-        _reinfer(node)
+        v.type = v.type.with_dtype(store)  # a write returns its cache, the window pool its ring: the cache's dtype
 
 
 def _cast(g: Graph, x: Value, store, casts: dict) -> Value:
@@ -150,14 +151,6 @@ def _cast(g: Graph, x: Value, store, casts: dict) -> Value:
         g.nodes.insert(at, node)
         casts[x.name] = node.outputs[0]
     return casts[x.name]
-
-
-def _reinfer(node: Node) -> None:
-    opdef = get_op(node.op)
-    types = opdef.infer([None if v is None else v.type for v in opdef.bind_inputs(list(node.inputs))],
-                        opdef.bind_attrs(node.attrs))  # fmt: skip
-    for v, ty in zip(node.outputs, types):
-        v.type = ty
 
 
 def _bind_casts(kernels: dict, casts: dict) -> None:
