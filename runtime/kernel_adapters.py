@@ -2223,6 +2223,17 @@ class LinearBF16Adapter:
 # ---------------------------------------------------------------------------------------------- indexer scores
 
 
+def scores_check_view(call: Call, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a first-call check compares of an index scores call: its output as is, or -- bound with "fill": False,
+    the columns past a row's live key tiles left unwritten (whatever the buffer held; only positions-aware top-ks
+    read them) -- a copy with the op's -inf there (j >= (p+1)//ratio), so the check sees the visible columns."""
+    if call.config.get("fill", True):
+        return outs
+    s, pos = outs[0], call.args[3]
+    dead = torch.arange(s.shape[1], device=s.device)[None, :] >= ((pos.long() + 1) // int(call.attrs["ratio"]))[:, None]
+    return [s.masked_fill(dead, float("-inf")), *outs[1:]]
+
+
 class IndexScoresAdapter:
     """index_scores (f32 q [T, Hi, di] and keys [C, di]) at decode: one Triton launch (indexer_topk.triton_scores:
     each dot as three TF32 products, ~fp32 accuracy; ReLU, scale, head weights, head sum and the causal mask in
@@ -2234,6 +2245,7 @@ class IndexScoresAdapter:
 
     family = "indexer_topk"
     ops = ("index_scores",)
+    check_view = staticmethod(scores_check_view)
 
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)
@@ -2277,6 +2289,7 @@ class BatchedIndexScoresAdapter:
 
     family = "indexer_topk"
     ops = ("batched_index_scores",)
+    check_view = staticmethod(scores_check_view)
 
     def keys(self, call: Call) -> list[KernelKey]:
         _cuda_only(call)

@@ -72,3 +72,22 @@ def test_the_garbage_would_win_without_positions():
 def test_on_the_c_target_program():
     call = positions_call(3, 130, 16, 2, seed=9)
     assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
+
+
+@pytest.mark.parametrize("op", ["index_scores", "batched_index_scores"])
+def test_scores_check_view_without_fill_compares_the_visible_columns(op):
+    """The scores adapters' check_view (what a first-call check compares): bound with "fill": False the dead columns
+    hold garbage, and the view puts the op's -inf back there -- the reference's values exactly; with fill, as is."""
+    g = torch.Generator().manual_seed(2)
+    b, h, di, c, ratio = 3, 4, 16, 40, 2
+    q, w = torch.randn(b, h, di, generator=g), torch.randn(b, h, generator=g)
+    keys = torch.randn(b * c if op.startswith("batched") else c, di, generator=g)
+    pos = torch.tensor([0, 17, 79])
+    args, attrs = [q, w, keys, pos], {"ratio": ratio, "scale": di**-0.5}
+    ref = get_op(op).run(args, attrs)[0]
+    garbage = ref.masked_fill(ref == float("-inf"), 7.0)
+    adapter = ka.adapter_for("indexer_topk", op)
+    nofill = ka.Call(op, attrs, args, ["q", "w", "k", "p"], [False] * 4, {"fill": False}, {})
+    assert torch.equal(adapter.check_view(nofill, [garbage])[0], ref)
+    filled = ka.Call(op, attrs, args, ["q", "w", "k", "p"], [False] * 4, {}, {})
+    assert adapter.check_view(filled, [garbage])[0] is garbage
