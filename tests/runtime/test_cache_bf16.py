@@ -68,6 +68,38 @@ def test_gpu_selected_rows_reads_a_bf16_cache_in_place():
     assert ka._bf16_pool(kv).data_ptr() == kv.data_ptr()
 
 
+def _decode_operands(device: str, b: int = 4, w: int = 128, c: int = 1024, k: int = 512):
+    """A batched decode step's attention operands at V4.1's dims (H 64, D 512): q, sink, the window pool
+    concat(rings, new rows) with its ids, and the compressed rows both ways -- the flat pool with flat ids and the
+    compact pool batch_decode gathers (f32, seeded)."""
+    from deepinfer.ir.registry import get_op
+
+    gen = torch.Generator().manual_seed(8)
+    pos = torch.tensor([w + 3, 2 * w + 7, 40, 3 * w][:b])
+    q, sink = torch.randn(b, 64, 512, generator=gen), torch.randn(64, generator=gen)
+    win = torch.randn(b * w + b, 512, generator=gen)
+    flat = torch.randn(b * c, 512, generator=gen)
+    ids = torch.stack([torch.randperm(c, generator=gen)[:k] for _ in range(b)])
+    ids[:, -37:] = -1
+    rows = get_op("batched_rows").run([ids, flat], {})[0]
+    win_idx = get_op("batched_window_indices").run([pos], {"window": w})[0]
+    compact = get_op("batched_gather_rows").run([flat, rows], {})
+    return [x.to(device) for x in (q, sink, win, win_idx, flat, rows, *compact)]
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_on_bf16_flat_pools_equals_f32_compact_pools():
+    """The H200 kernels (the ws program, split + combine at B 4) on the batched step's bf16 pools read in place (the
+    flat compressed pool, no gather, no conversion) give the f32 compact pools' output bit for bit."""
+    import functools
+
+    q, sink, win, win_idx, flat, rows, cmp, cmp_ids = _decode_operands("cuda")
+    before = sparse_call((q, sink, win, win_idx, cmp, cmp_ids))
+    after = sparse_call((q, sink, win.to(torch.bfloat16), win_idx, flat.to(torch.bfloat16), rows))
+    build = functools.cache(ka.build_kernel)
+    assert torch.equal(run(after, build)[0], run(before, build)[0])
+
+
 # ---------------------------------------------------------------------------------------------- the small plan
 
 
