@@ -2702,12 +2702,14 @@ def attn_s9_cases():
 
 
 def attn_s9_trace_cases():
-    """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, and
-    the default without its O stores (skip "ostore": what the tail is without them); o_smem at B64 unsplit."""
+    """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, the
+    default without its O stores (skip "ostore": the tail without them) and with zeros stored at the same addresses
+    from a rolled loop (skip "ovals": the stores' traffic without their unrolled code); o_smem at B64 unsplit."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws = rep(sad.Config(64, sad.WS_THREADS, 1, 2, True), trace=True)
-    cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (64, rep(ws, o_smem=True))]
+    cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (128, rep(ws, skip="ovals")),
+            (64, rep(ws, o_smem=True))]  # fmt: skip
     return [(f"sparse_attn s9 trace B{B} {cfg.tag} k640", f"B{B} H64 k640 4k",
              lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d, 640)) for B, cfg in cfgs]  # fmt: skip
 

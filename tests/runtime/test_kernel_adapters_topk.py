@@ -1,5 +1,6 @@
 """TopKEntriesAdapter (issue 8): topk_entries through topk_select's exact program, its set put back in the op's
-order. The oracle is the op's torch reference; the comparison is exact (indices, order and -1 padding)."""
+order, with and without the op's positions (has_pos); the index scores adapters' check_view. The oracle is the op's
+torch reference; the comparison is exact (indices, order and -1 padding)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,76 @@ def test_padded_columns_never_taken_at_a_power_of_two():
     call = topk_call(2, 70, 64, seed=3)
     assert ka.adapter_for("topk_select", "topk_entries").keys(call)[0].args[1] == 128
     assert torch.equal(run_adapter(call, ka.emulated_kernel), reference(call))
+
+
+# ---------------------------------------------------------------------------------------------- with positions
+# topk_entries with the op's positions (issues 6/8): topk_select built with has_pos and the op's ratio, so a row's
+# columns past (p+1)//ratio are never read. The scores past that limit hold garbage here (the largest values: what
+# a scores kernel that does not write them may leave); the oracle is the op's reference on the same call.
+
+
+def positions_call(t: int, c: int, k: int, ratio: int, seed: int = 0) -> ka.Call:
+    """ReLU-like tied scores; positions from 'nothing visible yet' to the whole cache; garbage past each limit."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.relu(torch.randn(t, c, generator=g)).round(decimals=1)
+    pos = torch.randint(-1, c * ratio, (t,), generator=g)
+    pos[-1] = ratio - 2  # (p+1)//ratio = 0: no visible entry
+    pos[0] = c * ratio - 1  # every column visible
+    dead = torch.arange(c)[None, :] >= ((pos + 1) // ratio)[:, None]
+    s = s.masked_fill(dead, 1e30)
+    return ka.Call("topk_entries", {"topk": k, "block": 1, "ratio": ratio}, [s, None, pos],
+                   ["s", "blocks", "positions"], [False, False, False], {}, {})  # fmt: skip
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_the_kernel_is_keyed_with_positions_and_the_ratio(ratio):
+    key = ka.adapter_for("topk_select", "topk_entries").keys(positions_call(2, 64, 8, ratio))[0]
+    kw = dict(key.kwargs)
+    assert kw["has_pos"] is True and kw["ratio"] == ratio
+
+
+def test_without_positions_the_old_kernel():
+    call = positions_call(2, 64, 8, 2)
+    call.args = call.args[:2]  # a graph stored before the positions input
+    kw = dict(ka.adapter_for("topk_select", "topk_entries").keys(call)[0].kwargs)
+    assert kw["has_pos"] is False and kw["ratio"] == 1
+
+
+@pytest.mark.parametrize("t, c, ratio", [(1, 64, 1), (3, 100, 2), (8, 256, 4)])
+def test_emulated_select_with_positions_gives_the_reference_indices(t, c, ratio):
+    """Rows padded to a power of two (t 3), columns to topk_cols(C) (C 100): padding rows see nothing."""
+    call = positions_call(t, c, 16, ratio, seed=t + c)
+    got, ref = run_adapter(call, ka.emulated_kernel), reference(call)
+    assert torch.equal(got, ref)
+    assert (ref[-1] == -1).all() if t > 1 else (ref[0] >= 0).all()
+
+
+def test_the_garbage_would_win_without_positions():
+    """Mutation check of the oracle: read without positions, the dead columns' values are taken."""
+    call = positions_call(3, 100, 16, 2, seed=5)
+    blind = get_op("topk_entries").run(call.args[:2], {"topk": 16, "block": 1})[0]
+    assert not torch.equal(blind, reference(call))
+
+
+def test_with_positions_on_the_c_target_program():
+    call = positions_call(3, 130, 16, 2, seed=9)
+    assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
+
+
+@pytest.mark.parametrize("op", ["index_scores", "batched_index_scores"])
+def test_scores_check_view_without_fill_compares_the_visible_columns(op):
+    """The scores adapters' check_view (what a first-call check compares): bound with "fill": False the dead columns
+    hold garbage, and the view puts the op's -inf back there -- the reference's values exactly; with fill, as is."""
+    g = torch.Generator().manual_seed(2)
+    b, h, di, c, ratio = 3, 4, 16, 40, 2
+    q, w = torch.randn(b, h, di, generator=g), torch.randn(b, h, generator=g)
+    keys = torch.randn(b * c if op.startswith("batched") else c, di, generator=g)
+    pos = torch.tensor([0, 17, 79])
+    args, attrs = [q, w, keys, pos], {"ratio": ratio, "scale": di**-0.5}
+    ref = get_op(op).run(args, attrs)[0]
+    garbage = ref.masked_fill(ref == float("-inf"), 7.0)
+    adapter = ka.adapter_for("indexer_topk", op)
+    nofill = ka.Call(op, attrs, args, ["q", "w", "k", "p"], [False] * 4, {"fill": False}, {})
+    assert torch.equal(adapter.check_view(nofill, [garbage])[0], ref)
+    filled = ka.Call(op, attrs, args, ["q", "w", "k", "p"], [False] * 4, {}, {})
+    assert adapter.check_view(filled, [garbage])[0] is garbage
