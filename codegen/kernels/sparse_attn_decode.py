@@ -75,7 +75,8 @@ class Config:
     # wgmmas), "pvfence" (the PV warpgroups' proxy fence after their waits: it compiles to MEMBAR.ALL.CTA,
     # which may hold them until their own outstanding global loads land) -- so that one H200 run shows which
     # part bounds the CTA's time (BENCHMARKS.md, session 4). "ostore" (session 9): the O / partial stores of the
-    # epilogue (the time from the last PV to the CTA's end without them).
+    # epilogue (the time from the last PV to the CTA's end without them); "ovals": the single pass's O stores keep
+    # their addresses but store zeros from a rolled loop (the same traffic without the unrolled register code).
     skip: str = ""
     # ws, bf16 KV, diagnostic (wrong layout: needs skip "qk,pv"): "bulk" copies each gathered half-row with one
     # 1-D bulk copy (cp.async.bulk, the TMA engine: 512 B, one thread a row, complete_tx on the ring barrier)
@@ -136,6 +137,7 @@ class Config:
             object.__setattr__(self, "threads", WS_THREADS)
         assert not self.skip or self.ws, "component skipping is a diagnostic of the ws program"
         assert set(self.skipped) <= set(SKIPPABLE), self.skip
+        assert not {"ostore", "ovals"} & set(self.skipped) or self.num_split == 1, "ostore / ovals: the single pass"
         assert self.copy in ("cp", "bulk"), self.copy
         assert self.l2_prefetch >= 0 and (not self.l2_prefetch or (self.ws and self.copy == "cp")), "l2_prefetch"
         if self.persist:
@@ -173,7 +175,7 @@ class Config:
         return head + "".join(f"-no{p}" for p in self.skipped)
 
 
-SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv", "pvfence", "ostore")
+SKIPPABLE = ("gather", "ids", "qk", "softmax", "pv", "pvfence", "ostore", "ovals")
 
 
 WS_THREADS = 384  # QK/softmax warpgroup + two PV warpgroups (each also gathers its half of the KV rows)
@@ -907,6 +909,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             T.sync_threads(1 + hf, 128)
 
     @T.macro
+    def store_zeros_rolled(O, b, hf: int, t):
+        """Config.skip "ovals" (diagnostic): the single pass's O stores at their addresses (the wgmma accumulator's:
+        thread t holds rows t // 32 * 16 + t % 32 // 4 (+ 8), column pairs i * 8 + t % 4 * 2) but zeros, from a rolled
+        loop: the epilogue's traffic without its 64 unrolled register stores a thread (its code)."""
+        for i in T.unroll(D2 // 4, annotations={"pragma_unroll_factor": 1}):  # a rolled loop: #pragma unroll 1
+            for v in T.vectorized(2):
+                O[b, t // 32 * 16 + i % 2 * 8 + t % 32 // 4, hf * D2 + i // 2 * 8 + t % 4 * 2 + v] = T.cast(0, bf)
+
+    @T.macro
     def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s):
         """The epilogue's stores of this warpgroup's D half: the split pass's partial, or the normalised O."""
         if split and cfg.partial_bf16:
@@ -1014,7 +1025,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         T.barrier_wait(fin, 0)
         if hf == 0:
             stamp(Trace, tr_row, TRACE_FIN_WAITED, t)
-        if "ostore" not in skip:
+        if "ovals" in skip:
+            store_zeros_rolled(O, b, hf, t)
+        if "ostore" in skip or "ovals" in skip:
+            if fin_s[0] < 0:  # never (fin_s > 0): keeps O, hence every PV, live without running the stores' code
+                store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
+        else:
             store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
         if hf == 0:
             stamp(Trace, tr_row, TRACE_END, t)

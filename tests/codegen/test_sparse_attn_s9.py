@@ -3,7 +3,8 @@
 - Config.o_smem: the O epilogue through the PV warpgroup's free KV stage 0 and 16-B stores. The CPU mirror stages O
   in the same place and stores it with the same per-thread pieces (`_WsGeom.q_row / q_col`); out starts as NaN, so
   a piece the mapping missed fails the oracle check. The sm90 build: 16 STG.128 a PV thread instead of 64 STG.32;
-- Config.skip "ostore" (diagnostic) and the trace's tail stamps (fin waited, WG2's stores issued).
+- Config.skip "ostore" / "ovals" (diagnostics: no O stores / zeros from a rolled loop) and the trace's tail stamps
+  (fin waited, WG2's stores issued).
 On the H200: o_smem's output equals the default's bit for bit (the same values stored another way).
 """
 
@@ -107,15 +108,32 @@ def test_o_smem_persistent_sm90_build(codegen_cache, nvcc_required):
     assert sorted(after) == ["1", "2"], after
 
 
-def test_ostore_skip_and_tail_stamps_build(codegen_cache, nvcc_required):
-    """Config.trace writes the session-9 tail stamps (WG1 after fin, WG2 after its stores); skip "ostore" leaves
-    every O store out (the only global stores left are the trace's)."""
-    cfg = dataclasses.replace(WS64, trace=True, skip="ostore")
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
-                                                                n_win=128))  # fmt: skip
-    stamped = {int(m) for m in re.findall(r"\+ \(int64_t\)(\d+)\)\] = di_clock\(\)", art.source)}
-    assert {sad.TRACE_FIN_WAITED, sad.TRACE_END2} <= stamped
-    assert "O[" not in art.source and "(O +" not in art.source
+def _o_stores(source: str) -> list[str]:
+    """The O stores of a ws build's CUDA source, each with the code between the previous one (or the fin wait)."""
+    return re.findall(r"(?s)fin\[0\]\.wait\(0\);(.*?)\*\(uint1\*\)\(O \+", source)
+
+
+def test_ostore_ovals_skips_and_tail_stamps_build(codegen_cache, nvcc_required):
+    """Config.trace writes the session-9 tail stamps (WG1 after fin, WG2 after its stores). skip "ostore": the O
+    stores only under a branch never taken (fin_s > 0), which keeps every PV wgmma (the default's HGMMA count);
+    "ovals": zeros stored from a rolled loop first (#pragma unroll 1), the same guard after."""
+    counts = {}
+    for skip in ("", "ostore", "ovals"):
+        cfg = dataclasses.replace(WS64, trace=True, skip=skip)
+        art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90",
+                                                                    cfg=cfg, n_win=128))  # fmt: skip
+        counts[skip] = art.opcodes["HGMMA"]
+        assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
+        stamped = {int(m) for m in re.findall(r"\+ \(int64_t\)(\d+)\)\] = di_clock\(\)", art.source)}
+        assert {sad.TRACE_FIN_WAITED, sad.TRACE_END2} <= stamped
+        first = _o_stores(art.source)
+        assert len(first) == 2, "one O store sequence a PV warpgroup"
+        guarded = ["((float*)fin_s)[0] < 0" in gap for gap in first]
+        rolled = ["#pragma unroll 1" in gap for gap in first]
+        assert guarded == [bool(skip) and skip == "ostore"] * 2 and rolled == [skip == "ovals"] * 2, (skip, first)
+    assert counts["ostore"] == counts["ovals"] == counts[""]
+    with pytest.raises(AssertionError):
+        dataclasses.replace(WS64, num_split=2, skip="ostore")
 
 
 @pytest.mark.gpu
