@@ -1111,6 +1111,12 @@ def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: boo
     if not torch.equal(got, want):
         raise AssertionError("top-k differs from topk_entries' reference on the form's (filled) scores")
     row.check = "top-k exact"
+    if with_pos:  # the columns past the limit are not read: the largest values there change nothing
+        dead = torch.arange(C, device="cuda")[None, :] >= ((pos + 1) // ratio)[:, None]
+        poisoned = topk.run(_ipos_topk_call(filled.masked_fill(dead, 1e30), pos, ratio, True, {}), [kern])[0]
+        if not torch.equal(poisoned, want):
+            raise AssertionError("a column past the visible limit was read")
+        row.check += ", dead cols unread"
     if form == "pos":  # the runtime now against the runtime before, on the same scores kernel
         old = topk.run(_ipos_topk_call(filled, pos, ratio, False, {}), [_ipos_topk_kernel(B, C, ratio, False)[1]])[0]
         if not torch.equal(got, old):
