@@ -2681,11 +2681,31 @@ def attn_s8_trace_cases():
 # o_smem and with no O stores at all (skip "ostore"). Rows append to S7_RESULTS (names start "sparse_attn s9").
 
 
+def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
+    """case_attn_s7 (checked against the reference, do_bench and read flush); an o_smem config's output is also
+    compared bit for bit with the same config without o_smem on the same operands (the same values stored another
+    way: anything else is a bug)."""
+    case_attn_s7(row, B, cfg, quick, dry)
+    if not cfg.o_smem:
+        return
+    kernels = [_attn_kernel(B, 640, c, False, dry, n_win=S7_WIN) for c in (dataclasses.replace(cfg, o_smem=False), cfg)]
+    if dry:
+        return
+    q, kv, idx, sink, _, _ = s7_operands(B)
+    outs = [torch.full_like(q, float("nan")) for _ in kernels]
+    for kernel, out in zip(kernels, outs):
+        kernel(q, kv, idx, sink, out)
+    if not torch.equal(*outs):
+        raise AssertionError(f"o_smem output differs from {dataclasses.replace(cfg, o_smem=False).tag}'s")
+    row.check += " bit-equal"
+
+
 def attn_s9_cases():
     """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
-    default next to o_smem: B128 single pass; B64 split 2 (default) vs unsplit with and without o_smem (o_smem has
-    no split form); B256 persistent (default) with o_smem, and the single pass (two waves) with and without it. Then
-    the summary and the trace rows."""
+    default next to o_smem (each o_smem row also bit-equal to its config without it): B128 single pass; B256
+    persistent (default) with o_smem; the B128 trace rows; B64 split 2 (default) vs unsplit with and without o_smem
+    (o_smem has no split form); B256 single pass (two waves) with and without it; the B64 trace row; the summary.
+    The most telling rows first (a timeout keeps them)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
