@@ -3294,6 +3294,67 @@ def case_topk_tail_split(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool)
     row.ms = bench(lambda: run_on(s), quick)
 
 
+def _topk_s9_rows():
+    """(T, C, cfg, visible, split) rows "indexer topk s9" (helper B, session 9, issue 6: top-k >= 60% of HBM; all
+    unmeasured). T4096 C65536 k512: the default (session 8: 460.8 us = 53.8%, do_bench's flush) next to `persist`
+    (3 x 132 persistent CTAs; the next row's first chunk fetched before this row's output, or with next_early before
+    its final selection) and the default with tail_split (the last wave's rows as 2-segment rows in a second launch).
+    T4096 C16384: the default (128 threads, no rsel) and with rsel. T64 C65536 / C16384: the defaults. Decode with
+    positions (dead segments exit at once, the live ones merge only the live slots): T1 and T64 at C65536 with 2048
+    visible columns next to the same rows fully visible."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    rep = dataclasses.replace
+    d64, d16 = ts.default_config(4096, 65536, IDX_TOPK), ts.default_config(4096, 16384, IDX_TOPK)
+    return [
+        (4096, 65536, d64, None, False), (4096, 65536, rep(d64, persist=396), None, False),
+        (4096, 65536, rep(d64, persist=396, next_early=True), None, False), (4096, 65536, d64, None, True),
+        (4096, 16384, d16, None, False), (4096, 16384, rep(d16, rsel=True), None, False),
+        (64, 65536, None, None, False), (64, 16384, None, None, False),
+        (1, 65536, None, 2048, False), (1, 65536, None, None, False),
+        (64, 65536, None, 2048, False),
+    ]  # fmt: skip
+
+
+def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bool, dry: bool):
+    """One "indexer topk s9" row: topk_select (cfg or the default; split: topk_select.tail_split's launches) on the
+    fp32 reference scores of real-shaped FP8 inputs, every row checked exact against topk_entries (heavy ties, then
+    the real scores twice: the arrival counters reset); `visible` columns a row (positions) or _idx_positions'.
+    Timed after a read-only L2 flush (the % of HBM); do_bench's zeroing flush in the check column."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = cfg or ts.default_config(T_, C, IDX_TOPK)
+    launches = ts.tail_split(T_, C, cfg) if split else [(0, T_, cfg)]
+    row.kernel += " " + "+".join(f"{n}x{c.tag}" if split else c.tag for _, n, c in launches)
+    kerns = [build(ts.program(n, C, k=IDX_TOPK, ratio=2, cfg=c, target="sm90")) for _, n, c in launches]
+    pos = _idx_positions(T_, C) if visible is None else torch.full((T_,), 2 * visible - 1, dtype=torch.int32)
+    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
+    row.peak = "fp8"
+    if dry:
+        return
+    q, w, k, ks, _ = _idx_inputs(T_, C)
+    pos = pos.cuda()
+    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
+    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    scratch = [ts.make_scratch(n, C, IDX_TOPK, c, "cuda") for _, n, c in launches]
+
+    def run_on(x):
+        for kern, (r0, n, _), scr in zip(kerns, launches, scratch):
+            kern(x[r0 : r0 + n], pos[r0 : r0 + n], out[r0 : r0 + n], *scr)
+
+    ties = torch.randint(-3, 4, s.shape, device="cuda").float()
+    ties[:, ::5] = torch.where(ties[:, ::5] == 0, -0.0, ties[:, ::5])
+    run_on(ties)
+    _idx_topk_exact(out, ties, pos)
+    del ties
+    for _ in range(2):
+        run_on(s)
+        check = _idx_topk_exact(out, s, pos)
+    row.ms = _bench_read_flush(lambda: run_on(s), quick)
+    row.check = f"{check}; do_bench {bench(lambda: run_on(s), quick) * 1e3:.1f} us"
+
+
 TOPK_S8_TEST_SHAPES = [(264, 16384), (64, 65536), (1, 65536)]  # tests/codegen/test_topk_select.py's gpu lean test
 
 
@@ -3395,6 +3456,9 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in _topk_split_rows():
             out.append(("indexer_topk_select split", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_tail_split(r, T_, C, c, q, d)))
+        for T_, C, cfg, vis, split in _topk_s9_rows():
+            out.append(("indexer topk s9", f"T{T_} C{C} k{IDX_TOPK}" + (f" vis{vis}" if vis else ""),
+                        lambda r, q, d, T_=T_, C=C, c=cfg, v=vis, sp=split: case_topk_s9(r, T_, C, c, v, sp, q, d)))
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
                         lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))

@@ -134,6 +134,11 @@ class HistConfig:
     wscan: bool = False  # the output offsets by warp shuffle scans (one barrier), not T.cumsum (one warp, serial)
     # (compact) the staged members' selection in registers with few barriers (`_make_reg_select`), not select_b
     rsel: bool = False
+    # (one segment a row) a persistent grid of `persist` CTAs, each taking rows bt, bt + persist, ...: the next row's
+    # first chunk is fetched into registers before this row's output (next_early: before its final selection), so
+    # its loads fly while this row finishes (no CTA start and no first-chunk latency between rows)
+    persist: int = 0
+    next_early: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -148,7 +153,8 @@ class HistConfig:
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
                 + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
-                + ("r" if self.rsel else "")
+                + ("r" if self.rsel else "") + (f"g{self.persist}" if self.persist else "")
+                + ("n" if self.next_early else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -184,6 +190,8 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
         assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST, HIST_DIAG_SELECT), cfg
         assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
+        assert not cfg.persist or (n_segments(C, cfg) == 1 and not cfg.diag), "persist: one segment a row, no diag"
+        assert cfg.persist or not cfg.next_early, cfg
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
@@ -1177,109 +1185,114 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                 lower = T.alloc_var("int32", init=NONE)  # running lower bound of the segment's k-th key
                 fb = T.alloc_var("int32", init=0)  # 1: the chunk hands on its exact top-k
                 m = T.alloc_var("int32", init=0)  # candidates of this iteration's source
-                last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
-                for _z in ops.par(1):
-                    ctl[0] = 0
-                ops.sync()
-                if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
-                    fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
-                # iterations: this segment's chunks, then (the last CTA of the row) the segments' top-k sets
-                for it in T.serial(NCH + (0 if NSEG == 1 else (1 if MERGE_ALL else NSEG))):
-                    m = 0
-                    if it < NCH:
-                        if c0_of(sg, it) < lim:
-                            chunk_keys(c0_of(sg, it), lim, xr, kc)
-                            if NCH > 1:  # the next chunk's loads fly while this one is filtered and pushed
-                                if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
-                                    fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
-                            fb = 1
-                            if FILTER:  # candidates: at least the running bound (tightened first if too many)
-                                fb = 0
-                                for ps in T.serial(2):
-                                    if T.Or(ps == 0, m > cfg.cap):
-                                        if ps == 1:  # the k-th largest group maximum bounds the chunk's k-th
+                # live segments: those with a visible column (at least one: it writes a row without any);
+                # the others exit at once, the live ones merge only the live slots
+                nlive = T.alloc_var("int32", init=T.max(T.min((lim + SEG - 1) // SEG, NSEG), 1))
+                last = T.alloc_var("int32", init=T.if_then_else(nlive == 1, 1, 0))  # the CTA that finishes the row
+                if sg < nlive:
+                    for _z in ops.par(1):
+                        ctl[0] = 0
+                    ops.sync()
+                    if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
+                        fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
+                    # iterations: this segment's chunks, then (the last CTA of the row) the segments' top-k sets
+                    for it in T.serial(NCH + (0 if NSEG == 1 else (1 if MERGE_ALL else NSEG))):
+                        m = 0
+                        if it < NCH:
+                            if c0_of(sg, it) < lim:
+                                chunk_keys(c0_of(sg, it), lim, xr, kc)
+                                if NCH > 1:  # the next chunk's loads fly while this one is filtered and pushed
+                                    if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                                        fetch_chunk(S, t, c0_of(sg, it + 1), lim, xr)
+                                fb = 1
+                                if FILTER:  # candidates: at least the running bound (tightened first if too many)
+                                    fb = 0
+                                    for ps in T.serial(2):
+                                        if T.Or(ps == 0, m > cfg.cap):
+                                            if ps == 1:  # the k-th largest group maximum bounds the chunk's k-th
+                                                for i in ops.par(NT):
+                                                    for g in ops.unroll(EG):
+                                                        gm = T.alloc_var("int32", init=NONE)
+                                                        for u in ops.unroll(G):
+                                                            gm = T.max(gm, kc[i, g * G + u])
+                                                        gk[i, g] = gm
+                                                radix_g(lambda i, g: gk[i, g], k, stb, hist, cum, bc, ra, rb, rc, r1)
+                                                if stb[3] == k:
+                                                    lower = T.max(lower, stb[0])
                                             for i in ops.par(NT):
-                                                for g in ops.unroll(EG):
-                                                    gm = T.alloc_var("int32", init=NONE)
-                                                    for u in ops.unroll(G):
-                                                        gm = T.max(gm, kc[i, g * G + u])
-                                                    gk[i, g] = gm
-                                            radix_g(lambda i, g: gk[i, g], k, stb, hist, cum, bc, ra, rb, rc, r1)
-                                            if stb[3] == k:
-                                                lower = T.max(lower, stb[0])
-                                        for i in ops.par(NT):
-                                            rc[i] = 0
-                                            for j in ops.unroll(E):
-                                                is_c = cand(kc, c0_of(sg, it), lower, fb, stc, stc2)(i, j)
-                                                rc[i] = rc[i] + T.if_then_else(is_c, 1, 0)
-                                        if ops.cpu:
-                                            T.reduce_sum(rc, r1, dim=0)
-                                            m = r1[0]
-                                        else:
-                                            block_sum(cum, lambda i: rc[i])
-                                            m = red_total(cum)
-                                if m > cfg.cap:  # still too many (heavy ties): the chunk's exact top-k instead
-                                    fb = 1
-                            if fb == 1:
-                                select_c(key_c(kc), id_c(c0_of(sg, it)), k, stc, stc2,
-                                         hist, cum, bc, ra, rb, rc, r1)  # fmt: skip
-                                m = stc[3]
-                                if stc[3] == k:  # k scores >= the chunk's k-th: it bounds the segment's k-th
-                                    lower = T.max(lower, stc[0])
-                    elif T.And(it > NCH, last == 1):
-                        m = ld_cg(CCnt, t * NSEG + it - NCH)
-                    if T.Or(ctl[0] + m > BUF, it == NCH):  # full, or the segment is done: cut to the top-k
-                        load_buffer(bufk, bufi, ctl[0], bk, bi)
-                        select_b(key_b(bk), id_b(bi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
-                        ops.sync()
-                        for _z in ops.par(1):
-                            ctl[0] = 0
-                        push(bufk, bufi, 0, ctl, 0, key_b(bk), id_b(bi), take_b(bk, bi, stb, stb2), EB, rc, tmp)
-                        if stb[3] == k:  # the buffer's k-th key: a (much) tighter bound from now on
-                            lower = T.max(lower, stb[0])
-                    if it == NCH:  # (several segments) hand the segment's top-k on; the last CTA goes on
-                        nb = ctl[0]
-                        for e in ops.par(BUF):
-                            if e < nb:
-                                CKey[(t * NSEG + sg) * k + e] = bufk[e]
-                                CIdx[(t * NSEG + sg) * k + e] = bufi[e]
-                        arrive(CCnt, Arrive, bc, t * NSEG + sg, t, nb)
-                        if bc[2] == NSEG - 1:
-                            last = 1
+                                                rc[i] = 0
+                                                for j in ops.unroll(E):
+                                                    is_c = cand(kc, c0_of(sg, it), lower, fb, stc, stc2)(i, j)
+                                                    rc[i] = rc[i] + T.if_then_else(is_c, 1, 0)
+                                            if ops.cpu:
+                                                T.reduce_sum(rc, r1, dim=0)
+                                                m = r1[0]
+                                            else:
+                                                block_sum(cum, lambda i: rc[i])
+                                                m = red_total(cum)
+                                    if m > cfg.cap:  # still too many (heavy ties): the chunk's exact top-k instead
+                                        fb = 1
+                                if fb == 1:
+                                    select_c(key_c(kc), id_c(c0_of(sg, it)), k, stc, stc2,
+                                             hist, cum, bc, ra, rb, rc, r1)  # fmt: skip
+                                    m = stc[3]
+                                    if stc[3] == k:  # k scores >= the chunk's k-th: it bounds the segment's k-th
+                                        lower = T.max(lower, stc[0])
+                        elif T.And(T.And(it > NCH, last == 1), it - NCH < nlive):
+                            m = ld_cg(CCnt, t * NSEG + it - NCH)
+                        # full, or the segment is done (several live segments): cut to the top-k
+                        if T.Or(ctl[0] + m > BUF, T.And(it == NCH, nlive > 1)):
+                            load_buffer(bufk, bufi, ctl[0], bk, bi)
+                            select_b(key_b(bk), id_b(bi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                            ops.sync()
                             for _z in ops.par(1):
                                 ctl[0] = 0
-                                Arrive[t] = 0  # ready for the next call
+                            push(bufk, bufi, 0, ctl, 0, key_b(bk), id_b(bi), take_b(bk, bi, stb, stb2), EB, rc, tmp)
+                            if stb[3] == k:  # the buffer's k-th key: a (much) tighter bound from now on
+                                lower = T.max(lower, stb[0])
+                        if T.And(it == NCH, nlive > 1):  # (several live segments) the segment's top-k handed on;
+                            nb = ctl[0]
+                            for e in ops.par(BUF):
+                                if e < nb:
+                                    CKey[(t * NSEG + sg) * k + e] = bufk[e]
+                                    CIdx[(t * NSEG + sg) * k + e] = bufi[e]
+                            arrive(CCnt, Arrive, bc, t * NSEG + sg, t, nb)
+                            if bc[2] == nlive - 1:  # the last CTA goes on
+                                last = 1
+                                for _z in ops.par(1):
+                                    ctl[0] = 0
+                                    Arrive[t] = 0  # ready for the next call
+                                ops.sync()
+                                m = ld_cg(CCnt, t * NSEG)
+                        if it < NCH:
+                            if m > 0:
+                                push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                                     cand(kc, c0_of(sg, it), lower, fb, stc, stc2), E, rc, tmp)  # fmt: skip
+                        elif T.And(T.And(last == 1, nlive > 1), MERGE_ALL):  # every live segment's set at once,
+                            for e in ops.par(NSEG * k):  # NONE-padded to k each
+                                ok = T.And(e // k < nlive, (e % k) < ld_cg(CCnt, t * NSEG + T.min(e // k, nlive - 1)))
+                                bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
+                                bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
                             ops.sync()
-                            m = ld_cg(CCnt, t * NSEG)
-                    if it < NCH:
-                        if m > 0:
-                            push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
-                                 cand(kc, c0_of(sg, it), lower, fb, stc, stc2), E, rc, tmp)  # fmt: skip
-                    elif T.And(last == 1, MERGE_ALL):  # every segment's set at once, NONE-padded to k each
-                        for e in ops.par(NSEG * k):
-                            ok = (e % k) < ld_cg(CCnt, t * NSEG + e // k)
-                            bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
-                            bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
-                        ops.sync()
-                        for _z in ops.par(1):
-                            ctl[0] = NSEG * k
-                        ops.sync()
-                    elif last == 1:  # the segments' sets: L2 reads (other CTAs wrote them during this kernel)
-                        nb = ctl[0]
-                        src = (t * NSEG + it - NCH) * k
-                        for e in ops.par(k):
-                            if e < m:
-                                bufk[nb + e] = ld_cg(CKey, src + e)
-                                bufi[nb + e] = ld_cg(CIdx, src + e)
-                        ops.sync()
-                        for _z in ops.par(1):
-                            ctl[0] = nb + m
-                        ops.sync()
-                if last == 1:
-                    load_buffer(bufk, bufi, ctl[0], bk, bi)
-                    select_b(key_b(bk), id_b(bi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
-                    mark(bitmap, id_b(bi), take_b(bk, bi, stb, stb2), EB)
-                    emit(bitmap, wcnt, wbase, Idx, t, stb[3])
+                            for _z in ops.par(1):
+                                ctl[0] = NSEG * k
+                            ops.sync()
+                        elif T.And(last == 1, nlive > 1):  # the segments' sets: L2 reads (other CTAs wrote them)
+                            nb = ctl[0]
+                            src = (t * NSEG + it - NCH) * k
+                            for e in ops.par(k):
+                                if e < m:
+                                    bufk[nb + e] = ld_cg(CKey, src + e)
+                                    bufi[nb + e] = ld_cg(CIdx, src + e)
+                            ops.sync()
+                            for _z in ops.par(1):
+                                ctl[0] = nb + m
+                            ops.sync()
+                    if last == 1:
+                        load_buffer(bufk, bufi, ctl[0], bk, bi)
+                        select_b(key_b(bk), id_b(bi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                        mark(bitmap, id_b(bi), take_b(bk, bi, stb, stb2), EB)
+                        emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select
 
@@ -1578,7 +1591,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    prelude = _L2_PREFETCH_PRELUDE if (cfg.l2_ahead > 0 or cfg.fused or cfg.rsel) and not ops.cpu else None
+    helpers = cfg.l2_ahead > 0 or cfg.fused or cfg.rsel or cfg.persist
+    prelude = _L2_PREFETCH_PRELUDE if helpers and not ops.cpu else None
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
@@ -1591,6 +1605,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     QR = STAGE // NT  # (rsel) staged members a thread holds in registers
     reg_select = _make_reg_select(ops, NT, QR) if RSEL else None
     block_sum, red_total = _make_block_sum(NT)
+    PERSIST = cfg.persist > 0  # (one segment a row: check_config) CTAs that each take every GRID-th row
+    GRID = min(cfg.persist, T_) if PERSIST else T_
+    ROWS = 1  # (without persist: one row a CTA)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
@@ -1789,20 +1806,32 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         arrive(CCnt, Arrive, bc, t * NSEG + sg, t, nb)
 
     @T.macro
-    def load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t):
-        """(the row's last CTA) every segment's set into the buffer, NONE-padded to k each (L2 reads: other CTAs
-        wrote them during this kernel); the arrival counter reset for the next call."""
+    def load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive):
+        """(the row's last CTA) every live segment's set into the buffer, NONE-padded to k each (L2 reads: other
+        CTAs wrote them during this kernel; the dead segments' slots are stale); the arrival counter reset."""
         for i in ops.par(NT):
             for q in T.serial(-(-NSEG * k // NT)):
                 e = q * NT + i
                 if e < NSEG * k:
-                    ok = (e % k) < ld_cg(CCnt, t * NSEG + e // k)
+                    ok = T.And(e // k < nlive, (e % k) < ld_cg(CCnt, t * NSEG + T.min(e // k, nlive - 1)))
                     bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
                     bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
         for _z in ops.par(1):
             ctl[0] = NSEG * k
             Arrive[t] = 0
         ops.barrier()
+
+    def row_limit(Pos, t):  # row t's visible columns
+        return T.min((Pos[t] + 1) // ratio, C) if has_pos else C
+
+    @T.macro
+    def fetch_next_row(S, Pos, t, nlim, xr):
+        """(persist) the first chunk of this CTA's next row into registers: its loads fly during the rest of this
+        row (the output; next_early: also the final selection)."""
+        if t + GRID < T_:
+            nlim = row_limit(Pos, t + GRID)
+            if 0 < nlim:
+                fetch_chunk(S, t + GRID, 0, nlim, xr)
 
     @T.prim_func
     def topk_select_hist(
@@ -1814,7 +1843,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         CCnt: T.Tensor(sh["CCnt"], "int32"),
         Arrive: T.Tensor(sh["Arrive"], "int32"),
     ):
-        with T.Kernel(NSEG, T_, threads=NT, prelude=prelude) as (sg, t):
+        with T.Kernel(NSEG, GRID, threads=NT, prelude=prelude) as (sg, bt):
             if cfg.min_blocks > 0 and not ops.cpu:
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
             hist_f = ops.sh((HB,), "int32")
@@ -1830,8 +1859,6 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             tk = ops.sh((KT,), "int32")
             ti = ops.sh((KT,), "int32")
             lim = T.alloc_var("int32", init=C)
-            if has_pos:
-                lim = T.min((Pos[t] + 1) // ratio, C)
             beta = T.alloc_var("int32", init=NONE)  # the histogram's bound: keys below it are not in the top-k
             floor = T.alloc_var("int32", init=NONE)  # the last cut's k-th key + 1: later columns need at least it
             cut = T.alloc_var("int32", init=0)
@@ -1839,189 +1866,216 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
             staged = T.alloc_var("int32", init=0)  # (compact) 1: the final selection's members are in hist_f
             nsel = T.alloc_var("int32", init=EB)  # (compact) the q's the final selection visits
-            for u in T.serial(4):
-                stb[u] = 0
-                stb2[u] = NONE
-            for b in ops.par(HB):
-                hist_f[b] = 0
-            for b in ops.par(NB):
-                hist_c[b] = 0
             fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
             if RSEL:  # (rsel) the staged members in registers
                 rk = ops.fr((NT, QR), "int32")
                 ri = ops.fr((NT, QR), "int32")
-            for _z in ops.par(1):
-                ctl[0] = 0
-                for u in T.serial(3):
-                    fz[FZ_FLAG + u] = 0
-                    fz[FZ_MINF + u] = INT_MAX
-                fz[FZ_BETA] = NONE
-            for i in ops.par(NT):
-                fl[i] = 0
-                if DIAG in ("read", HIST_DIAG_FIRST):
-                    rc[i] = NONE
-            ops.barrier()  # (shared atomics next)
-            if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
-                fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
-            if cfg.l2_ahead > 0 and NCH > 1:
-                for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
-                    prefetch_l2(S, t, sg, a + 1, lim)
-            # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
-            # row's last CTA) the merge
-            for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
-                cut = 0
-                mode = 1
-                if it < NCH:
-                    if c0_of(sg, it) < lim:
-                        if not FAST:
-                            chunk_keys(c0_of(sg, it), lim, xr, kc)
-                        elif it < OLD_CHUNKS:
-                            chunk_keys(c0_of(sg, it), lim, xr, kc)
-                        else:  # (fast) no key conversion: the bits, compared as floats
-                            raw_bits(xr, kc, c0_of(sg, it), lim)
-                        if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
-                            prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
-                        if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
-                            if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
-                                fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
-                        if DIAG == "read":  # (diagnostics) the keys' per-thread max only
-                            for i in ops.par(NT):
-                                for j in ops.unroll(E):
-                                    rc[i] = T.max(rc[i], kc[i, j])
-                        else:
-                            if it < OLD_CHUNKS:
-                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                                ops.barrier()
-                                threshold(hist_f, hist_c, cum, bc, k, ra, rb)
-                                if bc[2] >= 0:
-                                    beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))  # the bin's lowest key
-                                # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
-                                if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
-                                    cut = 1
-                            if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
-                                if it >= OLD_CHUNKS:
-                                    if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
-                                        if it >= OLD_CHUNKS + 1:
-                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
-                                    beta = T.max(beta, fused.ld(fz, FZ_BETA))
-                                    for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
-                                        fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
-                                        fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
-                                    if DIAG == "count":
-                                        count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                                    elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
-                                        for i in ops.par(NT):
-                                            for j in ops.unroll(E):
-                                                rc[i] = T.max(rc[i], kc[i, j])
-                                    elif FAST:
-                                        c0, bnd = c0_of(sg, it), T.max(beta, floor)
-                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
-                                                           raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
-                                                           None if LEAN else raw_hit(kc, bnd),
-                                                           fm if LEAN else None)  # fmt: skip
-                                    else:  # (the keys without room are not counted: a looser bound, rare)
-                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc), id_c(c0_of(sg, it)),
-                                                           at_least(kc, T.max(beta, floor)), fl, tmp,
-                                                           hist_f, hist_c)  # fmt: skip
+            if PERSIST:
+                nlim = T.alloc_var("int32", init=C)  # the next row's limit
+            # (several segments a row) the live ones: those with a visible column (at least one: it writes a row
+            # without any); the others exit at once, the live ones merge only the live slots
+            nlive = 1 if NSEG == 1 else T.max(T.min((row_limit(Pos, bt) + SEG - 1) // SEG, NSEG), 1)
+            # rows: this CTA's one (a dead segment: none; persist: bt, bt + GRID, ... -- the next one's first chunk
+            # fetched before this one's output / final selection)
+            for r in T.serial((T_ - bt + GRID - 1) // GRID if PERSIST
+                              else ROWS if NSEG == 1 else T.if_then_else(sg < nlive, 1, 0)):  # fmt: skip
+                # (persist, GPU: the row through an opaque move -- nvcc otherwise strength-reduces every address of
+                # the row into an induction variable of its own: 111 registers instead of 90, spills at 80)
+                t = bt + r * GRID if not PERSIST or ops.cpu else T.call_extern("int32", "tl_topk_opaque", bt + r * GRID)
+                lim = row_limit(Pos, t)
+                beta = NONE
+                floor = NONE
+                last = T.if_then_else(nlive == 1, 1, 0)
+                staged = 0
+                nsel = EB
+                for u in T.serial(4):
+                    stb[u] = 0
+                    stb2[u] = NONE
+                for b in ops.par(HB):
+                    hist_f[b] = 0
+                for b in ops.par(NB):
+                    hist_c[b] = 0
+                for _z in ops.par(1):
+                    ctl[0] = 0
+                    for u in T.serial(3):
+                        fz[FZ_FLAG + u] = 0
+                        fz[FZ_MINF + u] = INT_MAX
+                    fz[FZ_BETA] = NONE
+                for i in ops.par(NT):
+                    fl[i] = 0
+                    if DIAG in ("read", HIST_DIAG_FIRST):
+                        rc[i] = NONE
+                ops.barrier()  # (shared atomics next)
+                if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
+                    if not PERSIST:
+                        fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
+                    elif r == 0:  # (persist: a later row's was fetched during the row before)
+                        fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
+                if cfg.l2_ahead > 0 and NCH > 1:
+                    for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
+                        prefetch_l2(S, t, sg, a + 1, lim)
+                # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
+                # row's last CTA) the merge
+                for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
+                    cut = 0
+                    mode = 1
+                    if it < NCH:
+                        if c0_of(sg, it) < lim:
+                            if not FAST:
+                                chunk_keys(c0_of(sg, it), lim, xr, kc)
+                            elif it < OLD_CHUNKS:
+                                chunk_keys(c0_of(sg, it), lim, xr, kc)
+                            else:  # (fast) no key conversion: the bits, compared as floats
+                                raw_bits(xr, kc, c0_of(sg, it), lim)
+                            if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
+                                prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
+                            if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
+                                if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                                    fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
+                            if DIAG == "read":  # (diagnostics) the keys' per-thread max only
+                                for i in ops.par(NT):
+                                    for j in ops.unroll(E):
+                                        rc[i] = T.max(rc[i], kc[i, j])
+                            else:
+                                if it < OLD_CHUNKS:
+                                    count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
                                     ops.barrier()
-                                    if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
-                                        # the buffer's complete part (below the lowest failed start) is cut below,
-                                        # then the keys without room pushed (mode 2)
-                                        for _z in ops.par(1):
-                                            ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
+                                    threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                                    if bc[2] >= 0:
+                                        # the bin's lowest key
+                                        beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
+                                    # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
+                                    if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
                                         cut = 1
-                                        mode = 2
-                                    elif FUSED == 1:
-                                        bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
-                elif it == NCH:
-                    cut = 1 if DIAG in ("", HIST_DIAG_SELECT) else 0
-                if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
-                    if T.And(it == NCH + 1, last == 1):
-                        load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t)
-                        beta = NONE
-                        floor = NONE
-                        cut = 1
-                if cut == 1:  # the exact top-k of the buffer's members
-                    if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
-                        ops.barrier()
-                    # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
-                    nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
-                    members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
-                    select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
-                             nqv if cfg.trim else None)  # fmt: skip
-                    if T.Or(it < NCH, T.And(NSEG > 1, it == NCH)):  # kept: the buffer cut to it
-                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
-                        if stb[3] == k:  # later columns tied with the k-th key lose to it
-                            floor = stb[0] + 1
-                    if NSEG > 1:
-                        if it == NCH:
-                            hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
-                            if bc[2] == NSEG - 1:
-                                last = 1
-                if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
-                    if not FAST:
-                        if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                                if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
+                                    if it >= OLD_CHUNKS:
+                                        if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
+                                            if it >= OLD_CHUNKS + 1:
+                                                bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
+                                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                                        for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
+                                            fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
+                                            fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
+                                        if DIAG == "count":
+                                            count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                        elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
+                                            for i in ops.par(NT):
+                                                for j in ops.unroll(E):
+                                                    rc[i] = T.max(rc[i], kc[i, j])
+                                        elif FAST:
+                                            c0, bnd = c0_of(sg, it), T.max(beta, floor)
+                                            fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
+                                                               raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
+                                                               None if LEAN else raw_hit(kc, bnd),
+                                                               fm if LEAN else None)  # fmt: skip
+                                        else:  # (the keys without room are not counted: a looser bound, rare)
+                                            fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc),
+                                                               id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
+                                                               fl, tmp,
+                                                               hist_f, hist_c)  # fmt: skip
+                                        ops.barrier()
+                                        if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
+                                            # the buffer's complete part (below the lowest failed start) is cut below,
+                                            # then the keys without room pushed (mode 2)
+                                            for _z in ops.par(1):
+                                                ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
+                                            cut = 1
+                                            mode = 2
+                                        elif FUSED == 1:
+                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
+                    elif it == NCH:
+                        cut = 1 if DIAG in ("", HIST_DIAG_SELECT) else 0
+                    if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
+                        if T.And(it == NCH + 1, T.And(last == 1, nlive > 1)):
+                            load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive)
+                            beta = NONE
+                            floor = NONE
+                            cut = 1
+                    if cut == 1:  # the exact top-k of the buffer's members
+                        if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
+                            ops.barrier()
+                        # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
+                        nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
+                        members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
+                        select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
+                                 nqv if cfg.trim else None)  # fmt: skip
+                        if T.Or(it < NCH, T.And(nlive > 1, it == NCH)):  # kept: the buffer cut to it
+                            keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
+                            if stb[3] == k:  # later columns tied with the k-th key lose to it
+                                floor = stb[0] + 1
+                        if NSEG > 1:
+                            if T.And(it == NCH, nlive > 1):
+                                hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
+                                if bc[2] == nlive - 1:
+                                    last = 1
+                    if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
+                        if not FAST:
+                            if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                                push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                                     pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
+                        elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
                             push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
                                  pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
-                    elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
-                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)), pushed(kc, fl, mode, beta, floor),
-                             E, rc, tmp)  # fmt: skip
-                    elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
-                        push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
-                             raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
-            if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
-                stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
-                if ctl[2] <= STAGE:
-                    staged = 1
-                    nsel = (ctl[2] + NT - 1) // NT
-                    if RSEL:  # the members into registers; hist_f is then the selection's two histograms
-                        for i in ops.par(NT):
-                            for q in ops.unroll(QR):
-                                rk[i, q] = T.if_then_else(q * NT + i < ctl[2], hist_f[q * NT + i], NONE)
-                                ri[i, q] = hist_f[STAGE + q * NT + i]
-                        ops.barrier()
-                        reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc)
-                else:  # (heavy ties) in the buffer as before
-                    nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
-                    members(bufk, ctl[0], beta, nsel)
-                if not RSEL:
-                    select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
-                             bc, ra, rb, rc, r1, nsel)  # fmt: skip
-                elif staged == 0:
-                    select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
-                             bc, ra, rb, rc, r1, nsel)  # fmt: skip
-            if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
-                for i in ops.par(NT):
-                    if i < k:
-                        Idx[t, i] = rc[i]
-            elif DIAG == HIST_DIAG_SELECT:  # the selection's results only
-                for i in ops.par(NT):
-                    if i < k:
-                        Idx[t, i] = T.if_then_else(i == 0, stb[0], T.if_then_else(i == 1, stb[3], stb2[0]))
-            elif DIAG == HIST_DIAG_FIRST:
-                for i in ops.par(NT):
-                    if i < k:
-                        Idx[t, i] = T.if_then_else(i == 0, ctl[0], T.max(rc[i], beta))
-            elif DIAG != "":
-                for i in ops.par(NT):
-                    if i < k:
-                        Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
-            elif last == 1:
-                if RSEL:
-                    if staged == 1:
-                        mark(bitmap, id_r(ri), lambda i, q: _taken(rk[i, q], ri[i, q], stb, stb2), QR)
-                    else:
+                        elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
+                            push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
+                                 raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
+                if PERSIST and cfg.next_early:  # (xr is free: the last chunk's bits are in kc)
+                    fetch_next_row(S, Pos, t, nlim, xr)
+                if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
+                    stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
+                    if ctl[2] <= STAGE:
+                        staged = 1
+                        nsel = (ctl[2] + NT - 1) // NT
+                        if RSEL:  # the members into registers; hist_f is then the selection's two histograms
+                            for i in ops.par(NT):
+                                for q in ops.unroll(QR):
+                                    rk[i, q] = T.if_then_else(q * NT + i < ctl[2], hist_f[q * NT + i], NONE)
+                                    ri[i, q] = hist_f[STAGE + q * NT + i]
+                            ops.barrier()
+                            reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc)
+                    else:  # (heavy ties) in the buffer as before
+                        nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
+                        members(bufk, ctl[0], beta, nsel)
+                    if not RSEL:
+                        select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
+                                 bc, ra, rb, rc, r1, nsel)  # fmt: skip
+                    elif staged == 0:
+                        select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
+                                 bc, ra, rb, rc, r1, nsel)  # fmt: skip
+                if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
+                    for i in ops.par(NT):
+                        if i < k:
+                            Idx[t, i] = rc[i]
+                elif DIAG == HIST_DIAG_SELECT:  # the selection's results only
+                    for i in ops.par(NT):
+                        if i < k:
+                            Idx[t, i] = T.if_then_else(i == 0, stb[0], T.if_then_else(i == 1, stb[3], stb2[0]))
+                elif DIAG == HIST_DIAG_FIRST:
+                    for i in ops.par(NT):
+                        if i < k:
+                            Idx[t, i] = T.if_then_else(i == 0, ctl[0], T.max(rc[i], beta))
+                elif DIAG != "":
+                    for i in ops.par(NT):
+                        if i < k:
+                            Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
+                elif last == 1:
+                    if RSEL:
+                        if staged == 1:
+                            mark(bitmap, id_r(ri), lambda i, q: _taken(rk[i, q], ri[i, q], stb, stb2), QR)
+                        else:
+                            mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2),
+                                 nsel, unroll=False)  # fmt: skip
+                    elif COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
                         mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2),
                              nsel, unroll=False)  # fmt: skip
-                elif COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
-                    mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2), nsel,
-                         unroll=False)  # fmt: skip
-                else:
-                    nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
-                    mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
-                emit(bitmap, wcnt, wbase, Idx, t, stb[3])
+                    else:
+                        nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
+                        mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
+                    if PERSIST and not cfg.next_early:  # (the marks were the last use of the selection's registers)
+                        fetch_next_row(S, Pos, t, nlim, xr)
+                    emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select_hist
 

@@ -104,6 +104,33 @@ def test_c_target_filter_and_multi_cta_rows(c_kernels, kind, which):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
+@pytest.mark.parametrize("which", ["multi", "merge", "hist_two"])
+def test_c_target_dead_segments_exit(request, which):
+    """With positions, the segments past a row's limit exit at once and the live ones merge only the live slots: a
+    run over whole rows first leaves every slot's count and (large) keys in the scratch, which the short rows after
+    must not see (1, 2 and 3 live segments; a row of one visible column). Both programs (hist_two: the histogram
+    program's 2 segments a row)."""
+    if which == "hist_two":
+        kernel, cfg = request.getfixturevalue("c_hist_kernels")["two"][:2]
+    else:
+        kernel, cfg = request.getfixturevalue("c_kernels")[which]
+    T_, C, k = 3, 1024, 16
+    scratch = ts.make_scratch(T_, C, k, cfg, "cpu")
+
+    def run(s, pos):
+        out = torch.full((T_, k), 7, dtype=torch.int32)
+        kernel(s.contiguous(), pos.int(), out, *scratch)
+        assert int(scratch[-1].abs().sum()) == 0, "the arrival counters must be left at zero"
+        return out.long()
+
+    big, full = _scores("rand", T_, C, seed=7) + 100.0, torch.tensor([5000] * T_)
+    assert torch.equal(run(big, full), ts.reference(big, k, full, 1))
+    s, pos = _scores("ints", T_, C, seed=8), torch.tensor([0, 300, 700])  # 1 / 301 / 701 columns (ratio 1)
+    live = [min(max(-(-(int(p) + 1) // cfg.seg), 1), ts.n_segments(C, cfg)) for p in pos]
+    assert live == ([1, 2, 3] if which == "merge" else [1, 1, 2])
+    assert torch.equal(run(s, pos), ts.reference(s, k, pos, 1))
+
+
 @pytest.fixture(scope="module")
 def c_hist_kernels(tilelang_required):
     """The histogram-bound program: one CTA streaming 4 chunks of a row, and 2 segments of 2 chunks (merge)."""
@@ -200,6 +227,32 @@ def test_c_target_hist_lean_compact(request, which, kind):
     s = _scores(kind, 4, 1024, seed=5)
     s[:, 701:704] = 1e30
     pos = torch.tensor([0, 40, 1402, 5000])  # ratio 2: 0, 20, 701 and 1024 visible
+    want = ts.reference(s, 16, pos, 2)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+    assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
+
+
+@pytest.fixture(scope="module")
+def c_persist_kernel(tilelang_required):
+    """The rsel program (lean + compact + wscan + rsel) on a persistent grid of 3 CTAs for 7 rows (3, 2 and 2 rows a
+    CTA), each fetching its next row's first chunk before its final selection (next_early; the GPU also measures
+    the fetch after the marks)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, wscan=True, rsel=True, persist=3,
+                        next_early=True)  # fmt: skip
+    return compile_cpu(ts.program(7, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
+
+
+@pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
+def test_c_target_hist_persist(c_persist_kernel, kind):
+    """persist: rows of every length (none, one, 20, 300, 701 -- the limit mid-float4 before columns holding the
+    largest scores --, all) in an order where a CTA's next row is shorter or longer than its current one; exact,
+    ties included, twice."""
+    kernel, cfg = c_persist_kernel
+    s = _scores(kind, 7, 1024, seed=6)
+    s[:, 701:704] = 1e30
+    pos = torch.tensor([5000, 1402, 0, 40, 1, 2047, 600])  # ratio 2: 1024, 701, 0, 20, 1, 1024, 300 visible
     want = ts.reference(s, 16, pos, 2)
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
