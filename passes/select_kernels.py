@@ -335,25 +335,31 @@ def bind_linear(c: _Ctx):
 
 
 def bind_topk_entries(c: _Ctx):
-    """One-level topk_entries -> topk_select's exact program (the runtime puts its set back in score order). With
-    the op's positions the program reads each row's visible columns only (has_pos: the step's work follows the
-    sequence's length, not the cache's columns); without them every column (-inf marks the invisible ones)."""
+    """topk_entries -> topk_select's exact program (the runtime puts its set back in score order). With the op's
+    positions the program reads each row's visible columns only (has_pos: the step's work follows the sequence's
+    length, not the cache's columns); without them every column (-inf marks the invisible ones). Two-level
+    (candidate blocks): the program selects from the blocks' gathered columns when they are fewer than the row's,
+    else from the row with the other columns -inf (runtime/kernel_adapters.TopKEntriesAdapter)."""
     from deepinfer.codegen.kernels import topk_select
 
     scores, blocks, positions = _topk_inputs(c.node)
-    if blocks is not None or c.node.attrs["block"] != 1:
-        raise Fallback("two-level topk_entries (candidate blocks): no kernel; topk_select takes one level")
     t, cols = c.shape(scores)
-    k = c.node.attrs["topk"]
+    shape: dict = {"T": t, "C": cols, "k": c.node.attrs["topk"]}
+    if blocks is not None:
+        candidates = c.shape(blocks)[1] * c.node.attrs["block"]
+        shape["candidates"] = candidates
+        cols = min(cols, candidates)
+    elif c.node.attrs["block"] != 1:
+        raise Fallback("topk_entries with a block size but no candidate blocks")
+    if positions is not None and cols == shape["C"]:  # (gathered candidates: their invisible columns are -inf)
+        shape |= {"has_pos": True, "ratio": int(c.node.attrs.get("ratio", 1))}
+    k = shape["k"]
     cfg = topk_select.default_config(t, cols, k)
     try:
         assert cols >= k, f"C={cols} < k={k}"
         topk_select.check_config(cols, k, cfg)
     except AssertionError as e:
         raise Fallback(f"topk_select does not take C={cols}, k={k}: {e}") from None
-    shape = {"T": t, "C": cols, "k": k}
-    if positions is not None:
-        shape |= {"has_pos": True, "ratio": int(c.node.attrs.get("ratio", 1))}
     return "topk_select", "program", shape, asdict(cfg), ()  # exact: nothing to pin
 
 

@@ -2081,12 +2081,15 @@ class SparseAttnAdapter:
 
 
 class TopKEntriesAdapter:
-    """topk_entries (one level: no candidate blocks) through topk_select's exact program: f32 scores in, the top-k
-    SET out in ascending column order; the set is put back in the op's order (score descending, ties to the lower
-    column: a stable sort of the set's scores, which is already in ascending column order) -- the reference's
-    indices exactly. With the op's positions the program reads a row's columns j < (p+1)//ratio only (has_pos: a
-    decode step's top-k follows the sequence's length, not max_model_len / ratio columns; the scores past that
-    limit need not even be written); without them -inf marks the invisible entries and every column is read.
+    """topk_entries through topk_select's exact program: f32 scores in, the top-k SET out in ascending column order;
+    the set is put back in the op's order (score descending, ties to the lower column: a stable sort of the set's
+    scores, which is already in ascending column order) -- the reference's indices exactly. With the op's positions
+    the program reads a row's columns j < (p+1)//ratio only (has_pos: a decode step's top-k follows the sequence's
+    length, not max_model_len / ratio columns; the scores past that limit need not even be written); without them
+    -inf marks the invisible entries and every column is read. Two-level (candidate blocks): when the blocks hold
+    fewer columns than the row (V4.1: 2048 blocks of 8 = 16384 of max_model_len / ratio), the program selects from
+    the blocks' columns gathered in ascending order (_candidate_columns; the invisible and padding ones -inf) and
+    the set is mapped back; else from the whole row with the columns outside the blocks -inf.
     Rows are padded to a power of two (-inf rows, position -1: no entry, all -1), columns to topk_cols(C) (a few
     kernels for every C; a multiple of 4 for the kernel's float4 rows: the indexer's C = compressed count + 1 is
     odd) with -inf columns (never taken); the scratch (arrival counters the kernel leaves zeroed) is made once per
@@ -2101,14 +2104,22 @@ class TopKEntriesAdapter:
         args = [*call.args, None, None]
         return args[0], args[1], args[2]
 
+    @staticmethod
+    def _gathers(call: Call) -> bool:
+        """Two-level with fewer candidate columns than the row: select from the gathered candidate columns."""
+        scores, blocks, _ = TopKEntriesAdapter._operands(call)
+        return blocks is not None and blocks.shape[1] * int(call.attrs["block"]) < scores.shape[1]
+
     def _plan(self, call: Call):
         from deepinfer.codegen.kernels import topk_select as ts
 
         _cuda_only(call)
         scores, blocks, pos = self._operands(call)
-        if blocks is not None or call.attrs["block"] != 1:
-            raise Decline("topk_select takes the one-level top-k (no candidate blocks)")
+        if blocks is None and call.attrs["block"] != 1:
+            raise Decline("topk_entries with a block size but no candidate blocks")
         t, c = scores.shape
+        gathers = self._gathers(call)
+        c = blocks.shape[1] * int(call.attrs["block"]) if gathers else c
         k = int(call.attrs["topk"])
         if c < k:
             raise Decline(f"topk_select needs C >= k (C={c}, k={k})")
@@ -2120,19 +2131,28 @@ class TopKEntriesAdapter:
         except AssertionError as e:
             raise Decline(f"topk_select config for C={cp}: {e}") from None
         prog = "hist_program" if isinstance(cfg, ts.HistConfig) else "program"
-        ratio = int(call.attrs.get("ratio", 1)) if pos is not None else 1
-        return _key("topk_select", prog, (rows, cp), cfg, k=k, ratio=ratio, has_pos=pos is not None), rows, cfg
+        has_pos = pos is not None and not gathers  # (gathered: the invisible columns are -inf already)
+        ratio = int(call.attrs.get("ratio", 1)) if has_pos else 1
+        return _key("topk_select", prog, (rows, cp), cfg, k=k, ratio=ratio, has_pos=has_pos), rows, cfg
 
     def keys(self, call: Call) -> list[KernelKey]:
         return [self._plan(call)[0]]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         from deepinfer.codegen.kernels import topk_select as ts
+        from deepinfer.ir.ops.v41 import block_mask
 
         key, rows, cfg = self._plan(call)
-        scores, _, pos = self._operands(call)
-        scores = scores.float()
-        t, c = scores.shape
+        scores, blocks, pos = self._operands(call)
+        scores, block = scores.float(), int(call.attrs["block"])
+        cols = None  # gathered: the score columns of the program's columns (-1: none)
+        if self._gathers(call):
+            s, cols = _candidate_columns(scores, blocks, block, pos, int(call.attrs.get("ratio", 1)))
+        elif blocks is not None:
+            s = scores.masked_fill(~block_mask(scores, blocks, block), float("-inf"))
+        else:
+            s = scores
+        t, c = s.shape
         cp = key.args[1]
         k = int(call.attrs["topk"])
         dev = scores.device
@@ -2140,12 +2160,35 @@ class TopKEntriesAdapter:
         if sk not in call.cache:
             call.cache[sk] = (torch.zeros(rows, dtype=torch.int32, device=dev), *ts.make_scratch(rows, cp, k, cfg, dev))
         no_pos, *scratch = call.cache[sk]
-        s = scores  # padded with -inf (never taken) to rows x cp: the set is the same, every index < c
-        if (rows, cp) != (t, c):
-            s = torch.nn.functional.pad(scores, (0, cp - c, 0, rows - t), value=float("-inf"))
+        if (rows, cp) != (t, c):  # padded with -inf (never taken) to rows x cp: the set is the same, every index < c
+            s = torch.nn.functional.pad(s, (0, cp - c, 0, rows - t), value=float("-inf"))
         idx = torch.empty(rows, k, dtype=torch.int32, device=dev)
-        kernels[0](s.contiguous(), no_pos if pos is None else _row_positions(pos, rows), idx, *scratch)
-        return [_score_order(scores, idx[:t].long())]
+        has_pos = dict(key.kwargs)["has_pos"]
+        kernels[0](s.contiguous(), _row_positions(pos, rows) if has_pos else no_pos, idx, *scratch)
+        picked = idx[:t].long()
+        if cols is not None:  # still ascending: the candidate columns are gathered in ascending order
+            picked = torch.where(picked >= 0, torch.gather(cols, 1, picked.clamp(min=0)), -1)
+        return [_score_order(scores, picked)]
+
+
+def _candidate_columns(scores: torch.Tensor, blocks: torch.Tensor, block: int, pos: torch.Tensor | None,
+                       ratio: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The columns of a row's candidate blocks in ascending order and their scores: ([T, nb*block] f32 scores,
+    -inf where a column is no candidate; [T, nb*block] i64 columns, -1 there). No candidate: a block id -1, out of
+    range or repeated, a column past C or (with positions) j >= (p+1)//ratio. All on the device (no host read)."""
+    t, c = scores.shape
+    n = -(-c // block)
+    b = blocks.long()
+    b = torch.where((b >= 0) & (b < n), b, n).sort(dim=-1).values  # none -> n, sorted last
+    repeat = torch.zeros_like(b, dtype=torch.bool)
+    repeat[:, 1:] = b[:, 1:] == b[:, :-1]
+    b = torch.where(repeat, n, b)  # (a repeated block's columns once: the valid ids stay ascending)
+    cols = (b[:, :, None] * block + torch.arange(block, device=b.device)).reshape(t, -1)
+    ok = (cols < c) & (b < n).repeat_interleave(block, dim=1)
+    if pos is not None:
+        ok &= cols < ((pos.long() + 1) // ratio)[:, None]
+    vals = torch.gather(scores, 1, cols.clamp(max=c - 1)).masked_fill(~ok, float("-inf"))
+    return vals, torch.where(ok, cols, -1)
 
 
 def _row_positions(pos: torch.Tensor, rows: int) -> torch.Tensor:

@@ -182,7 +182,7 @@ def _masked_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(idx, (0, k - kk), value=-1)
 
 
-def _block_mask(scores: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
+def block_mask(scores: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
     """True at the columns lying in one of the row's blocks (block id -1 = none).
 
     Memory-lean: a [T, n_blocks] table of chosen blocks, gathered per column ([T, C] bools), instead of the
@@ -227,7 +227,7 @@ class TopKEntries:
         if positions is not None:  # per row: the columns past the row's visible count are never candidates
             s = s.masked_fill(~_visible_columns(s, positions, ratio), float("-inf"))
         if blocks is not None:
-            s = s.masked_fill(~_block_mask(s, blocks, block), float("-inf"))
+            s = s.masked_fill(~block_mask(s, blocks, block), float("-inf"))
         return _masked_topk(s, topk)
 
 

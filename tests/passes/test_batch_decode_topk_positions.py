@@ -48,8 +48,11 @@ def test_bindings_have_positions_and_fill_only_where_every_reader_is_positions_a
     assert checked["on"] >= 1 and checked["off"] >= 1
     for n in _by_op(g, "topk_entries"):
         b = bound[n.outputs[0].name]["buckets"]["decode"]
+        assert b["family"] == "topk_select"
         if n.inputs[1] is None:  # one level: the kernel with positions
-            assert b["family"] == "topk_select" and b["shape"]["has_pos"] and b["shape"]["ratio"] == n.attrs["ratio"]
+            assert b["shape"]["has_pos"] and b["shape"]["ratio"] == n.attrs["ratio"]
+        else:  # two-level: the candidate blocks' columns (fewer than the row's here)
+            assert b["shape"]["candidates"] < b["shape"]["C"] and "has_pos" not in b["shape"]
 
 
 def test_a_topk_without_positions_keeps_the_fill(v41):

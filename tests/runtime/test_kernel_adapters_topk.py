@@ -54,13 +54,6 @@ def test_on_the_c_target_program():
     assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
 
 
-def test_two_level_topk_declines():
-    call = topk_call(2, 256, 16)
-    call.args[1] = torch.zeros(2, 4, dtype=torch.long)
-    with pytest.raises(ka.Decline, match="candidate blocks"):
-        ka.adapter_for("topk_select", "topk_entries").keys(call)
-
-
 @pytest.mark.parametrize("c", [257, 258, 259])
 def test_columns_not_a_multiple_of_4(c):
     """The indexer's C is its compressed count + 1 (2049 / 4097 at 4096 tokens: declined before): the adapter pads
@@ -171,3 +164,42 @@ def test_scores_check_view_without_fill_compares_the_visible_columns(op):
     assert torch.equal(adapter.check_view(nofill, [garbage])[0], ref)
     filled = ka.Call(op, attrs, args, ["q", "w", "k", "p"], [False] * 4, {}, {})
     assert adapter.check_view(filled, [garbage])[0] is garbage
+
+
+def two_level_call(t: int, c: int, k: int, nb: int, block: int, ratio: int = 1, seed: int = 0) -> ka.Call:
+    """positions_call's scores with candidate blocks: real ids in random order, -1 padding, an out-of-range id and
+    a repeated one (neither is a candidate: the op's block mask)."""
+    call = positions_call(t, c, k, ratio, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = -(-c // block)
+    blocks = torch.stack([torch.randperm(n, generator=g)[:nb] for _ in range(t)])
+    blocks[:, -1] = -1
+    blocks[0, -2] = n + 3
+    blocks[-1, 1] = blocks[-1, 0]
+    call.args[1] = blocks
+    call.attrs["block"] = block
+    return call
+
+
+@pytest.mark.parametrize("t, c, nb, block", [(3, 256, 6, 8), (4, 130, 5, 4), (1, 64, 4, 4)])
+def test_two_level_gathers_the_candidate_columns(t, c, nb, block):
+    """Fewer candidate columns than the row: the program runs on the nb*block gathered columns (has_pos off: the
+    invisible ones are -inf there) and the set is mapped back -- the op's indices exactly, emulated."""
+    call = two_level_call(t, c, 8, nb, block, ratio=2, seed=c + nb)
+    key = ka.adapter_for("topk_select", "topk_entries").keys(call)[0]
+    assert key.args[1] == ka.topk_cols(nb * block) and dict(key.kwargs)["has_pos"] is False
+    ref = reference(call)
+    assert torch.equal(run_adapter(call, ka.emulated_kernel), ref) and (ref >= 0).any()
+
+
+def test_two_level_with_more_candidate_columns_than_the_row_masks_it():
+    """nb*block >= C (a short cache): the whole row with the columns outside the blocks -inf, read with positions."""
+    call = two_level_call(3, 64, 8, 20, 4, ratio=1, seed=4)
+    key = ka.adapter_for("topk_select", "topk_entries").keys(call)[0]
+    assert key.args[1] == 64 and dict(key.kwargs)["has_pos"] is True
+    assert torch.equal(run_adapter(call, ka.emulated_kernel), reference(call))
+
+
+def test_two_level_on_the_c_target_program():
+    for call in (two_level_call(2, 256, 8, 6, 8, ratio=2, seed=1), two_level_call(2, 64, 8, 20, 4, seed=2)):
+        assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
