@@ -105,6 +105,7 @@ def pools_read_in_place(g: Graph) -> bool:
 
 RING_FIRST_ENV = "DEEPINFER_RING_FIRST"  # "0": the window pools stay concat(rings, new rows)
 ATTENTION_WINDOW = {"fused_attention": (3, 4), "sparse_attention": (2, 3)}  # (window pool, window ids) inputs
+RING_IDS_REASON = "the written rings' window ids (read_rings_after_write; [B, W] ids, no kernel)"
 
 
 def decode_graph(g: Graph, *, compact: bool | None = None, ring_first: bool | None = None) -> Graph:
@@ -174,9 +175,14 @@ def _ring_ids(bg: Graph, before: Node, win_ids: Value, slots: Value) -> Value:
     col = make_node(bg, "reshape", [slots], {"shape": [t, 1]})
     both = make_node(bg, "concat", [head.outputs[0], col.outputs[0]], {"axis": 1})
     base = before.outputs[0].name
+    kernels = bg.meta.get("kernels") or {}
     for node, part in ((head, "older"), (col, "newest"), (both, "ring_ids")):
         node.outputs[0].name = fresh_name(bg, f"{base}.{part}")
         bg.nodes.insert(bg.nodes.index(before), node)
+        bind = {"family": "view"} if node.op != "concat" else {"family": "torch_ref", "reason": RING_IDS_REASON}
+        if "nodes" in kernels:  # the executor's report then says what these nodes are
+            buckets = {b: dict(bind) for b in kernels["buckets"]}
+            kernels["nodes"][node.outputs[0].name] = {"op": node.op, "buckets": buckets}
     return both.outputs[0]
 
 
