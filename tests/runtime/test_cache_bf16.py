@@ -258,3 +258,30 @@ def test_engine_on_bf16_caches_generates_the_f32_engines_rows(small_plans, _emul
         assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
     assert torch.bfloat16 in pools.values() and torch.bfloat16 not in want_pools.values()
     assert used == 0 and hits == [16]
+
+
+def test_flat_pools_where_the_ws_program_reads_bf16_caches(small_plans):
+    """pools_read_in_place: at V4.1's real dims (a one-layer slice: H 64, D 512, the ws program) with bf16 caches the
+    decoder keeps the flat compressed pools (no gather); with f32 caches (the pass off) or the small preset's H 8
+    (the portable program: its pool size is the key's) it gathers them."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    from deepinfer.runtime.batched_decode import decode_graph, pools_read_in_place
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_slice.py"
+    spec = importlib.util.spec_from_file_location("bench_slice_for_cache_tests", path)
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    real = bs.slice_graph((2,), "fp8", "real")
+    os.environ[ENV] = "0"
+    try:
+        real_f32 = bs.slice_graph((2,), "fp8", "real")
+    finally:
+        os.environ.pop(ENV)
+    bf16_small, f32_small, _ = small_plans
+    assert pools_read_in_place(real) and not pools_read_in_place(real_f32)
+    assert not pools_read_in_place(bf16_small) and not pools_read_in_place(f32_small)
+    assert "batched_gather_rows" not in decode_graph(real).op_counts()
+    assert "batched_gather_rows" in decode_graph(real_f32).op_counts()
