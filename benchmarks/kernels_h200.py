@@ -1030,7 +1030,8 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
 # every tile anyway -- and the top-k with positions), "pos row<n>" (the scores' per-row balanced form, n CTAs an SM,
 # without fill: what DECODE_CTAS_PER_SM = n would run). Every row's order and set equal the op's reference on the
 # same (filled) scores; "pos" also equals "old" exactly. %limit: the visible entries' bytes. Then the candidate
-# level's torch ops (no kernel) as the runtime runs them now (two-level with positions).
+# level: the two-level top-k as its torch reference (the runtime before) and through the adapter's topk_select on
+# the gathered candidate columns (now), and candidate_blocks (torch: no kernel).
 
 IPOS_FORMS = ("old", "pos", "pos row16", "pos row32")
 
@@ -1125,27 +1126,58 @@ def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: boo
     row.ms = bench_device(step, quick)
 
 
+def _ipos_two_level_inputs(B: int, C: int, ratio: int):
+    """positions at the 4k context, scores (past the limit: anything, as a scores kernel without fill leaves them)
+    and layer 20's candidate blocks (2048 of 8) of them."""
+    from deepinfer.ir.ops.v41 import CandidateBlocks
+
+    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
+    s = torch.randn(B, C, device="cuda")
+    return s, CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8), pos
+
+
 def case_ipos_two_level(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
-    """The two-level topk_entries (layers 24..36 of V4.1) as the runtime runs it now: its torch reference with the
-    positions (a [B, C] visibility mask and block mask, a sort of all C columns). Timed eagerly."""
-    from deepinfer.ir.ops.v41 import CandidateBlocks, TopKEntries
+    """The two-level topk_entries (V4.1's layers after the candidate source), form "torch": its reference with the
+    positions (a [B, C] visibility mask and block mask, a sort of all C columns; timed eagerly) -- the runtime before
+    -- or "kernel": the runtime's adapter now (topk_select on the 16384 gathered candidate columns, or on the row
+    with positions when C <= 16384), the same indices exactly."""
+    from deepinfer.ir.ops.v41 import TopKEntries
+    from deepinfer.runtime import kernel_adapters as ka
 
     C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
     row.bytes_, row.peak = 4.0 * B * vis, "bf16"
+    attrs = {"topk": IDX_TOPK, "block": 8, "ratio": ratio}
+    if form == "kernel":
+        meta = [torch.empty(B, C, device="meta"), torch.empty(B, 2048, dtype=torch.long, device="meta"),
+                torch.empty(B, dtype=torch.long, device="meta")]  # fmt: skip
+        saved, ka.EMULATE = ka.EMULATE, True
+        try:
+            key = ka.adapter_for("topk_select", "topk_entries").keys(_ipos_call("topk_entries", attrs, meta, {}, {}))[0]
+        finally:
+            ka.EMULATE = saved
+        row.kernel += f" {'h' if key.program == 'hist_program' else 'p'}{key.args[1]}"
+        kern = ka.build_kernel(key)
     if dry:
         return
-    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
-    s = torch.randn(B, C, device="cuda")  # past the limit: what a scores kernel without fill leaves (anything)
-    blocks = CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)  # (layer 20's: filled scores)
+    s, blocks, pos = _ipos_two_level_inputs(B, C, ratio)
 
-    def run():
+    def reference():
         return TopKEntries.reference(s, blocks, pos, topk=IDX_TOPK, block=8, ratio=ratio)
 
-    got = run()
-    lim = (pos + 1) // ratio
-    assert int((got >= lim[:, None]).sum()) == 0, "an invisible entry was taken"
-    row.check = "torch reference (eager)"
-    row.ms = bench(run, quick)
+    want = reference()
+    if form == "torch":
+        row.check = "torch reference (eager)"
+        row.ms = bench(reference, quick)
+        return
+    adapter, cache = ka.adapter_for("topk_select", "topk_entries"), {}
+
+    def run():
+        return adapter.run(_ipos_call("topk_entries", attrs, [s, blocks, pos], {}, cache), [kern])[0]
+
+    if not torch.equal(run(), want):
+        raise AssertionError("the two-level top-k differs from topk_entries' reference")
+    row.check = "= reference"
+    row.ms = bench_device(run, quick)
 
 
 def indexer_pos_s9_cases():
@@ -1158,8 +1190,10 @@ def indexer_pos_s9_cases():
                     run = functools.partial(_idxlen_row, case_ipos_step, B, mml, ratio, form)
                     out.append((f"indexer pos s9 step {form}", f"B{B} mml{mml} r{ratio}", run))
     for mml in (4096, 65536):
-        run = functools.partial(_idxlen_row, case_ipos_two_level, 64, mml, 1, "")
-        out.append(("indexer pos s9 two-level (torch)", f"B64 mml{mml} r1", run))
+        for B in (1, 64):
+            for form in ("torch", "kernel"):
+                run = functools.partial(_idxlen_row, case_ipos_two_level, B, mml, 1, form)
+                out.append((f"indexer pos s9 two-level {form}", f"B{B} mml{mml} r1", run))
         run = functools.partial(_idxlen_row, case_idxlen_candidates, 64, mml, 1, "candidate_blocks")
         out.append(("indexer pos s9 candidate_blocks (torch)", f"B64 mml{mml} r1", run))
     return out
