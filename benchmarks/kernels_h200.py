@@ -2366,13 +2366,14 @@ def _s7_record(row: Row, B: int, what: str, read_ms: float = float("nan")) -> No
                        "bytes": row.bytes_, "check": row.check})  # fmt: skip
 
 
-def case_attn_s7(row: Row, B: int, cfg, quick: bool, dry: bool):
+def case_attn_s7(row: Row, B: int, cfg, quick: bool, dry: bool, make_kernel=None):
     """One decode variant on the runtime's operands (s7_operands), checked against the op's reference, timed with
     do_bench's flush (the protocol of every earlier attention row) and after a read-only flush (_bench_read_flush:
-    no dirty L2 lines for the kernel's misses to write back)."""
+    no dirty L2 lines for the kernel's misses to write back). make_kernel(B, cfg, dry): another launcher (same
+    call) than _attn_kernel's."""
     sad = sparse_attn_decode
     _ATTN_PREBUILT[0] = True  # main's -j prebuilds these rows; never the whole attention table
-    kernel = _attn_kernel(B, 640, cfg, False, dry, n_win=S7_WIN)
+    kernel = (make_kernel or _s7_kernel)(B, cfg, dry)
     row.bytes_, row.flops = sad.roofline(B, HEADS, HEAD_DIM, 640)
     row.peak = "bf16"
     if dry:
@@ -2383,6 +2384,10 @@ def case_attn_s7(row: Row, B: int, cfg, quick: bool, dry: bool):
     row.check = expect(rel_err(out, sad.reference(q, kv_cat, idx_cat, sink)), 2e-2)
     row.ms = bench(lambda: kernel(q, kv, idx, sink, out), quick)
     _s7_record(row, B, "4k", _bench_read_flush(lambda: kernel(q, kv, idx, sink, out), quick))
+
+
+def _s7_kernel(B: int, cfg, dry: bool):
+    return _attn_kernel(B, 640, cfg, False, dry, n_win=S7_WIN)
 
 
 def case_attn_s7_random(row: Row, B: int, topk: int, cfg, quick: bool, dry: bool, n_win: int, hot_rows: int = 0):
@@ -2715,29 +2720,57 @@ def attn_s8_trace_cases():
 # o_smem and with no O stores at all (skip "ostore"). Rows append to S7_RESULTS (names start "sparse_attn s9").
 
 
+def _fused_kernel(B: int, cfg, dry: bool):
+    """Config.fuse_combine's one launch on the runtime's two pools: launch(q, kv, idx, sink, out) as _attn_kernel's;
+    its partials and its Cnt (zeros: each launch's last CTAs reset it) allocated once."""
+    sad = sparse_attn_decode
+    k = build(sad.program(B, HEADS, HEAD_DIM, ATTN_WIN_POOL, 640, target="sm90", cfg=cfg, n_win=S7_WIN,
+                          S_cmp=ATTN_POOL - ATTN_WIN_POOL))  # fmt: skip
+    if dry:
+        return None
+    ns = cfg.num_split
+    op = torch.empty(B, ns, HEADS, HEAD_DIM, device="cuda")
+    mp, lp = (torch.empty(B, ns, HEADS, device="cuda") for _ in range(2))
+    cnt = torch.zeros(B, device="cuda", dtype=torch.int32)
+
+    def launch(q, kv, idx, sink, out):
+        k(q, *kv, *idx, sink, out, op, mp, lp, cnt)
+
+    launch.cnt = cnt
+    return launch
+
+
 def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
-    """case_attn_s7 (checked against the reference, do_bench and read flush); an o_smem config's output is also
-    compared bit for bit with the same config without o_smem on the same operands (the same values stored another
-    way: anything else is a bug)."""
-    case_attn_s7(row, B, cfg, quick, dry)
-    if not cfg.o_smem:
+    """case_attn_s7 (checked against the reference, do_bench and read flush; fuse_combine through _fused_kernel);
+    an o_smem config's output is also compared bit for bit with the same config without o_smem on the same operands
+    (the same values stored another way: anything else is a bug); a fuse_combine config's with the split pass +
+    combine kernel (within 1e-2; "bit-equal" when it is) and its Cnt must be all zero after the timing loops."""
+    rep = dataclasses.replace
+    fused = cfg.fuse_combine
+    case_attn_s7(row, B, cfg, quick, dry, _fused_kernel if fused else None)
+    if not (cfg.o_smem or fused):
         return
-    kernels = [_attn_kernel(B, 640, c, False, dry, n_win=S7_WIN) for c in (dataclasses.replace(cfg, o_smem=False), cfg)]
+    plain = rep(cfg, fuse_combine=False) if fused else rep(cfg, o_smem=False)
+    kernels = [_s7_kernel(B, plain, dry), (_fused_kernel if fused else _s7_kernel)(B, cfg, dry)]
     if dry:
         return
     q, kv, idx, sink, _, _ = s7_operands(B)
     outs = [torch.full_like(q, float("nan")) for _ in kernels]
     for kernel, out in zip(kernels, outs):
         kernel(q, kv, idx, sink, out)
-    if not torch.equal(*outs):
-        raise AssertionError(f"o_smem output differs from {dataclasses.replace(cfg, o_smem=False).tag}'s")
-    row.check += " bit-equal"
+    same = torch.equal(*outs)
+    if fused:
+        row.check += f" vs {plain.tag}+combine {expect(rel_err(outs[1], outs[0]), 1e-2)}"
+        assert int(kernels[1].cnt.abs().sum()) == 0, "fuse_combine left Cnt non-zero"
+    elif not same:
+        raise AssertionError(f"o_smem output differs from {plain.tag}'s")
+    row.check += " bit-equal" if same else ""
 
 
 def attn_s9_cases():
     """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
     default next to o_smem (each o_smem row also bit-equal to its config without it): B128 single pass; B256
-    persistent (default) with o_smem; the B128 trace rows; B64 split 2 (default) vs unsplit with and without o_smem
+    persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine); the B128 trace rows; B64 split 2 (default) vs unsplit with and without o_smem
     (o_smem has no split form); B256 single pass (two waves) with and without it; the B64 trace row; the summary.
     The most telling rows first (a timeout keeps them)."""
     sad = sparse_attn_decode
@@ -2747,18 +2780,46 @@ def attn_s9_cases():
 
     def add(B, cfg, what=""):
         out.append((f"sparse_attn s9 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
-                    lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
+                    lambda r, q, d, B=B, cfg=cfg: case_attn_s9(r, B, cfg, q, d)))  # fmt: skip
 
     for B in S7_BATCHES:
         add(B, sad.sm90_config(B, 640), "default")
     add(128, rep(ws64, o_smem=True))
+    add(256, rep(sad.sm90_config(256, 640), o_smem=True))
+    add(64, rep(sad.sm90_config(64, 640), fuse_combine=True))
+    traces = attn_s9_trace_cases()
+    out += traces[:-1]
     add(64, ws64, "no split")
     add(64, rep(ws64, o_smem=True), "no split")
-    add(256, rep(sad.sm90_config(256, 640), o_smem=True))
     add(256, ws64, "single pass")
     add(256, rep(ws64, o_smem=True), "single pass")
+    out += traces[-1:]
     out.append(("sparse_attn s9 summary", "-", lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s9")))
-    return out + attn_s9_trace_cases()
+    return out
+
+
+def attn_gputest_cases():
+    """`--only "sparse_attn gputest"` (build only, every row): the kernels of the sparse-attention gpu tests
+    (test_sparse_attn_ws.py's early_p / lazy_rescale / ids_first at B256 / 128 / 64, test_sparse_attn_s9.py's
+    o_smem), built by main's -j workers into TileLang's cache, so that pytest run right after with the same
+    TILELANG_CACHE_DIR loads them instead of compiling ~20 kernels one at a time (they outran its timeout)."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    cfgs = []
+    for B in (256, 128, 64):
+        base = sad.sm90_config(B, 640)
+        cfgs += [(B, base), (B, rep(base, ids_first=True))]
+        cfgs += [(B, rep(base, early_p=e, lazy_rescale=z)) for e, z in ((1, 0), (0, 1), (1, 1))]
+    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+    cfgs += [(128, rep(ws64, o_smem=True)), (256, rep(ws64, persist=132, o_smem=True))]  # (ws64: B128's base)
+
+    def only_build(row, B, cfg):
+        _ATTN_PREBUILT[0] = True
+        _attn_kernel(B, 640, cfg, False, True, n_win=S7_WIN)
+        row.check = "built (for the gpu tests)"
+
+    return [(f"sparse_attn gputest B{B} {cfg.tag}", f"B{B} H64 k640",
+             lambda r, q, d, B=B, cfg=cfg: only_build(r, B, cfg)) for B, cfg in cfgs]  # fmt: skip
 
 
 def attn_s9_trace_cases():
@@ -4303,6 +4364,7 @@ def cases(quick: bool):
     out += [] if quick else attn_s7_cases()
     out += [] if quick else attn_s8_cases()
     out += [] if quick else attn_s9_cases()
+    out += [] if quick else attn_gputest_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)

@@ -131,6 +131,12 @@ class Config:
     # (1.1 us with no loads or math). Same values: bit-identical output. Persistent grid: the stage of the request's
     # last block, whose refill with the next request's block (the ring runs on across requests) waits for the stores.
     o_smem: bool = False
+    # ws split pass, bf16 KV, two pools (session 9, not yet measured): no combine kernel. Each CTA writes its partial
+    # (Op, Mp, Lp) as before, then counts itself in Cnt[b] (an int32 per request, zero between launches: the last
+    # CTA resets it); the CTA that arrives last folds the request's chunks and the sink into O itself, reading the
+    # partials from L2 (just written). Why: at B64 (split 2) the combine kernel took ~10 us of the pair's ~33 (its
+    # launch plus 21 MB, the partials read back from HBM); folded here it runs on 64 CTAs as they finish.
+    fuse_combine: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -147,6 +153,8 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
+        assert not self.fuse_combine or (self.ws and self.num_split > 1 and not self.partial_bf16 and not self.trace
+                                         and self.copy == "cp"), "fuse_combine: the ws split pass"  # fmt: skip
         assert not self.o_smem or (self.ws and self.num_split == 1 and self.block_n == WS_HEADS
                                    and self.copy == "cp"), "o_smem: the ws single pass, 64-row blocks"  # fmt: skip
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
@@ -171,6 +179,7 @@ class Config:
         head += "z" if self.lazy_rescale else ""
         head += "i" if self.ids_first else ""
         head += "o" if self.o_smem else ""
+        head += "c" if self.fuse_combine else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
@@ -565,6 +574,41 @@ class _WsGeom:
         return (k * 128 + t) % (self.D2 // 8) * 8
 
 
+FUSED_THREADS = 256  # Config.fuse_combine: the PV warpgroups' threads fold the chunks
+
+
+def _fused_combine(H: int, D: int, ns: int, act: str):
+    """Config.fuse_combine's fold, one thread's share (t < FUSED_THREADS) of request b: O[b] from every chunk's
+    partial with combine_program_wide's formula and order, in 16-B pieces: head u // (D / 8), columns u % (D / 8) * 8
+    of unit u = k * FUSED_THREADS + t (a warp reads and writes 32 contiguous pieces). Shared by the sm90 program and
+    its CPU mirror."""
+    import tilelang.language as T
+
+    chunks = list(range(ns))  # unrolled at trace time
+    assert H * D % (8 * FUSED_THREADS) == 0
+
+    @T.macro
+    def piece(Op, Mp, Lp, Sink, O, b, t, acc8):
+        for k in T.serial(H * D // 8 // FUSED_THREADS):
+            h = (k * FUSED_THREADS + t) // (D // 8)
+            c8 = (k * FUSED_THREADS + t) % (D // 8) * 8
+            top = Sink[h]  # the max counts the sink: every exponent <= 0, an all-invalid chunk weighs 0
+            for c in chunks:
+                top = T.max(top, Mp[b, c, h])
+            den = T.exp(Sink[h] - top)
+            for c in chunks:
+                den = den + Lp[b, c, h] * T.exp(Mp[b, c, h] - top)
+            for v in T.vectorized(8):
+                acc8[v] = Op[b, 0, h, c8 + v] * (T.exp(Mp[b, 0, h] - top) / den)
+            for c in chunks[1:]:
+                for v in T.vectorized(8):
+                    acc8[v] = acc8[v] + Op[b, c, h, c8 + v] * (T.exp(Mp[b, c, h] - top) / den)
+            for v in T.vectorized(8):
+                O[b, h, c8 + v] = T.cast(acc8[v], act)
+
+    return piece
+
+
 class _Src(NamedTuple):
     """Where a program's entries come from: one pool (kv, kvs, idx) or two (`n_win` > 0: entry e < n_win is
     row idx[b, e] of kv, entry e >= n_win row idx2[b, e - n_win] of kv2). kvs / kvs2: the FP8 exponents
@@ -620,8 +664,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
-    early_p, lazy, trace = cfg.early_p, cfg.lazy_rescale, cfg.trace
+    early_p, lazy, trace, fused = cfg.early_p, cfg.lazy_rescale, cfg.trace, cfg.fuse_combine
     assert not trace or (n_win and not kv_fp8), "trace: the two-pool bf16 program"
+    assert not fused or (n_win and not kv_fp8), "fuse_combine: the two-pool bf16 program"
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
     assert not (bulk and kv_fp8), "bulk copies: bf16 KV"
@@ -633,6 +678,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     if kv_fp8:
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
+    combine_piece = _fused_combine(H, D, ns, "bfloat16") if fused else None
     rounds, tail = divmod(nb, NS)
     bf, f32, i32 = "bfloat16", "float32", "int32"
     scale = D**-0.5
@@ -1052,7 +1098,24 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         stamp(Trace, tr_row, slot + 3, tx)
 
     @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None):
+    def last_cta_combines(Op, Mp, Lp, Sink, O, Cnt, b, tx, flag_s, acc8):
+        """Config.fuse_combine: after every thread's partial stores, count this CTA in Cnt[b] (release: the CTA's
+        stores are ordered before the count by the barrier and thread 0's fence); the last one to count (acquire)
+        combines and resets Cnt[b] for the next launch."""
+        T.sync_threads()
+        if tx == 0:
+            T.call_extern("handle", "__threadfence")
+            flag_s[0] = T.atomic_add(Cnt[b], 1, memory_order="acq_rel", return_prev=True)
+            T.call_extern("handle", "__threadfence")
+        T.sync_threads()
+        if flag_s[0] == ns - 1:
+            if tx >= 128:
+                combine_piece(Op, Mp, Lp, Sink, O, b, tx - 128, acc8)
+            if tx == 0:
+                Cnt[b] = 0
+
+    @T.macro
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None, Cnt=None):
         q_l = T.alloc_shared((H, D2), bf)
         q_r = T.alloc_shared((H, D2), bf)
         kv_l = T.alloc_shared((NS, bn, D2), bf)
@@ -1083,6 +1146,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         p_full = T.alloc_barrier([128] * NS)
         p_empty = T.alloc_barrier([256] * NS)
         fin = T.alloc_barrier(128)
+        flag_s = T.alloc_shared((1,), i32) if fused else None  # Config.fuse_combine: this CTA's count in Cnt[b]
+        acc8 = T.alloc_local((8,), f32) if fused else None
         base = sp * chunk
         tr_row = b * ns + sp  # Config.trace's row
         tx = T.get_thread_binding()
@@ -1153,6 +1218,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, Trace,
                     tr_row)  # fmt: skip
+        if fused:
+            last_cta_combines(Op, Mp, Lp, Sink, O, Cnt, b, tx, flag_s, acc8)
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
@@ -1330,7 +1397,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     if n_win:
         return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
                                   fp8=kv_fp8, split=split, prelude=prelude, persist=P, op_dtype=opt,
-                                  trace_slots=trace_slots(nb) if trace else 0)  # fmt: skip
+                                  trace_slots=trace_slots(nb) if trace else 0, fused=fused)  # fmt: skip
     if P:
 
         @T.prim_func
@@ -1408,15 +1475,37 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
                        act="bfloat16", prelude=None, persist: int = 0, op_dtype="float32",
-                       trace_slots: int = 0):  # fmt: skip
+                       trace_slots: int = 0, fused: bool = False):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
     is the CTA index (the persistent ws body walks the requests itself). trace_slots (Config.trace, bf16 ws): one
     prim_func for the single and the split pass, (Q, KVw, KVc, IdxW, IdxC, Sink, O, Op, Mp, Lp, Trace) with Trace
-    [B * ns, trace_slots] int64, passed to body as Trace."""
+    [B * ns, trace_slots] int64, passed to body as Trace. fused (Config.fuse_combine): the split pass with the
+    combine folded in, (Q, KVw, KVc, IdxW, IdxC, Sink, O, Op, Mp, Lp, Cnt) with Cnt [B] int32 (zeros), passed to
+    body as Cnt."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
+    if fused:
+
+        @T.prim_func
+        def sparse_attn_decode_ws2_fused(
+            Q: T.Tensor((B, H, D), act),
+            KVw: T.Tensor((Sw, D), kvt),
+            KVc: T.Tensor((Sc, D), kvt),
+            IdxW: T.Tensor((B, nw), i32),
+            IdxC: T.Tensor((B, nc), i32),
+            Sink: T.Tensor((H,), f32),
+            O: T.Tensor((B, H, D), act),
+            Op: T.Tensor((B, ns, H, D), op_dtype),
+            Mp: T.Tensor((B, ns, H), f32),
+            Lp: T.Tensor((B, ns, H), f32),
+            Cnt: T.Tensor((B,), i32),
+        ):
+            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
+                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, None, Cnt)
+
+        return sparse_attn_decode_ws2_fused
     if trace_slots:  # one entry for both passes: the pass's unused outputs (Op, Mp, Lp or Sink, O) are left alone
 
         @T.prim_func
@@ -1546,8 +1635,11 @@ def _program_ws_cpu(
     NEG = -1.0e30
     split = ns > 1
 
+    fused = cfg.fuse_combine
+    combine_piece = _fused_combine(H, D, ns, f32) if fused else None
+
     @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None, Cnt=None):
         q = T.alloc_local((2, H, D2), f32)
         kv = T.alloc_local((2, NS, bn, D2), f32)  # [half, stage, row, column]
         raw = T.alloc_local((2, NS, bn, D2), f32)
@@ -1561,6 +1653,7 @@ def _program_ws_cpu(
         m_prev = T.alloc_local((H,), f32)
         l = T.alloc_local((H,), f32)
         acc = T.alloc_local((1,), f32)
+        acc8 = T.alloc_local((8,), f32)
         rid = T.alloc_local((R,), i32)
         base = sp * chunk
         for hf in T.serial(2):
@@ -1639,6 +1732,12 @@ def _program_ws_cpu(
                             kv[hf, 0, h, d] = o[hf, h, d] * acc[0]
                         else:
                             O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
+        if fused:  # Config.fuse_combine: CTAs run one after another here; the last of request b folds its chunks
+            Cnt[b] = Cnt[b] + 1
+            if Cnt[b] == ns:
+                for t in T.serial(FUSED_THREADS):
+                    combine_piece(Op, Mp, Lp, Sink, O, b, t, acc8)
+                Cnt[b] = 0
         if cfg.o_smem:  # each PV warpgroup's 16-B pieces of its half (store_o_smem's mapping)
             for hf in T.serial(2):
                 for t in T.serial(128):
@@ -1649,7 +1748,7 @@ def _program_ws_cpu(
 
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,
-                                  kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32)  # fmt: skip
+                                  kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32, fused=fused)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -1818,7 +1917,7 @@ def combine_name(B: int) -> str:
 def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False,
                    n_win: int = 0, S_cmp: int = 0):  # fmt: skip
     """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
-    assert cfg.num_split > 1
+    assert cfg.num_split > 1 and not cfg.fuse_combine, "fuse_combine: one program (its own signature)"
     return (
         program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
         globals()[combine_name(B)](B, H, D, cfg.num_split, target=target, **combine_kwargs(cfg, H, D)),
