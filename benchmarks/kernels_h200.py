@@ -2770,9 +2770,10 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
 def attn_s9_cases():
     """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
     default next to o_smem (each o_smem row also bit-equal to its config without it): B128 single pass; B256
-    persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine); the B128 trace rows; B64 split 2 (default) vs unsplit with and without o_smem
-    (o_smem has no split form); B256 single pass (two waves) with and without it; the B64 trace row; the summary.
-    The most telling rows first (a timeout keeps them)."""
+    persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine); the B128 trace rows;
+    B64 split 2 (default) vs unsplit with and without o_smem (o_smem has no split form); B256 single pass (two
+    waves) with and without it; the B64 trace row; the summary. The most telling rows first (a timeout keeps
+    them)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
@@ -2801,8 +2802,9 @@ def attn_s9_cases():
 def attn_gputest_cases():
     """`--only "sparse_attn gputest"` (build only, every row): the kernels of the sparse-attention gpu tests
     (test_sparse_attn_ws.py's early_p / lazy_rescale / ids_first at B256 / 128 / 64, test_sparse_attn_s9.py's
-    o_smem), built by main's -j workers into TileLang's cache, so that pytest run right after with the same
-    TILELANG_CACHE_DIR loads them instead of compiling ~20 kernels one at a time (they outran its timeout)."""
+    o_smem and fuse_combine), built by main's -j workers into TileLang's cache, so that pytest run right after
+    with the same TILELANG_CACHE_DIR loads them instead of compiling ~20 kernels one at a time (they outran its
+    timeout)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     cfgs = []
@@ -2813,9 +2815,11 @@ def attn_gputest_cases():
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
     cfgs += [(128, rep(ws64, o_smem=True)), (256, rep(ws64, persist=132, o_smem=True))]  # (ws64: B128's base)
 
+    cfgs.append((64, rep(sad.sm90_config(64, 640), fuse_combine=True)))
+
     def only_build(row, B, cfg):
         _ATTN_PREBUILT[0] = True
-        _attn_kernel(B, 640, cfg, False, True, n_win=S7_WIN)
+        (_fused_kernel if cfg.fuse_combine else _s7_kernel)(B, cfg, True)
         row.check = "built (for the gpu tests)"
 
     return [(f"sparse_attn gputest B{B} {cfg.tag}", f"B{B} H64 k640",
