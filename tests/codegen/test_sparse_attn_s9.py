@@ -202,3 +202,19 @@ def test_o_smem_on_the_h200(kb, B, persist):
         kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
     assert torch.equal(outs[0], outs[1])
     assert kb.rel_err(outs[1], sad.reference(q, kv_cat, idx_cat, sink)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_fuse_combine_on_the_h200(kb):
+    """B64 split 2 on the runtime's 4k operands, three launches: the fused pass equals split + combine to 1e-2 (the
+    same formula: usually bit for bit) and the reference to 2e-2 every time, and leaves Cnt at zero."""
+    q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(64)
+    cfg = sad.sm90_config(64, 640)
+    plain, fused = torch.empty_like(q), torch.full_like(q, float("nan"))
+    kb._attn_kernel(64, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, plain)
+    launch = kb._fused_kernel(64, dataclasses.replace(cfg, fuse_combine=True), False)
+    ref = sad.reference(q, kv_cat, idx_cat, sink)
+    for _ in range(3):
+        launch(q, kv, idx, sink, fused)
+        assert kb.rel_err(fused, plain) < 1e-2 and kb.rel_err(fused, ref) < 2e-2
+        assert int(launch.cnt.abs().sum()) == 0
