@@ -4199,17 +4199,24 @@ CACHE_S9_MODES = ("f32", "bf16", "bf16 flat", "bf16 ring")
 CACHE_S9_BASE: dict = {}  # B -> (f32 row's ms, its output codes, its scales)
 
 
-def _cache_s9_call(args: list, max_pos: int):
-    """A V4.1 fused_attention call (layer 2's attributes) on args = (q, positions, sink, win, win_idx, cmp, cmp_idx)."""
-    from deepinfer.models import deepseek_v41 as m41
-    from deepinfer.models.presets import real_config
+def _cache_s9_call(args: list, cache: dict):
+    """A V4.1 fused_attention call (layer 2's attributes) on args = (q, positions, sink, win, win_idx, cmp, cmp_idx);
+    ``cache``: the runner's per-run dict (the executor's prep_cache: MAX_POSITIONS and the rope tables made in it
+    once -- a fresh dict per call would rebuild the tables on the host every call)."""
     from deepinfer.runtime import kernel_adapters as ka
 
+    return ka.Call("fused_attention", _cache_s9_attrs(), list(args), [f"a{i}" for i in range(7)], [False] * 7, {},
+                   cache)  # fmt: skip
+
+
+@functools.cache
+def _cache_s9_attrs() -> dict:
+    from deepinfer.models import deepseek_v41 as m41
+    from deepinfer.models.presets import real_config
+
     cfg = m41.parse_config(real_config("deepseek-v4.1-flash"))
-    attrs = {"q_norm": False, "eps": 1e-6, **cfg.rope_attrs(2), "scale": HEAD_DIM**-0.5, "out_groups": cfg.o_groups,
-             "quant_group": 32}  # fmt: skip
-    return ka.Call("fused_attention", attrs, list(args), [f"a{i}" for i in range(7)], [False] * 7, {},
-                   {ka.MAX_POSITIONS: max_pos})  # fmt: skip
+    return {"q_norm": False, "eps": 1e-6, **cfg.rope_attrs(2), "scale": HEAD_DIM**-0.5, "out_groups": cfg.o_groups,
+            "quant_group": 32}  # fmt: skip
 
 
 def _cache_s9_operands(B: int, device: str):
@@ -4246,13 +4253,14 @@ def _cache_s9_node(mode: str, ops: tuple):
     ring_ids = torch.cat([win_idx[:, :-1], slots.view(-1, 1)], dim=1)  # read_rings_after_write's window ids
     gather = get_op("batched_gather_rows")
     adapter = ka.adapter_for("sparse_attn_decode", "fused_attention")
+    cache = {ka.MAX_POSITIONS: CACHE_S9_CTX + 1}  # the runner's prep_cache: kept across calls
 
     def step(kernels):
         rows = new if mode == "f32" else new.to(torch.bfloat16)  # the cache_storage cast of the new rows
         scatter_rows_in_place(rings, slots, rows)  # the ring write (in place, as the batched executor does it)
         win, w_idx = (rings, ring_ids) if mode == "bf16 ring" else (torch.cat([rings, rows]), win_idx)
         cmp, cmp_idx = (pool, flat_ids) if mode in ("bf16 flat", "bf16 ring") else gather.run([pool, flat_ids], {})
-        return adapter.run(_cache_s9_call([q, pos, sink, win, w_idx, cmp, cmp_idx], CACHE_S9_CTX + 1), kernels)
+        return adapter.run(_cache_s9_call([q, pos, sink, win, w_idx, cmp, cmp_idx], cache), kernels)
 
     return step
 
@@ -4269,7 +4277,8 @@ def _cache_s9_keys(B: int, mode: str):
             meta(B, CACHE_S9_WIN, dtype=torch.long), meta(B * CACHE_S9_TOPK, HEAD_DIM),
             meta(B, CACHE_S9_TOPK, dtype=torch.long)]  # fmt: skip
     with _emulate_plan():
-        return ka.adapter_for("sparse_attn_decode", "fused_attention").keys(_cache_s9_call(args, CACHE_S9_CTX + 1))
+        return ka.adapter_for("sparse_attn_decode", "fused_attention").keys(
+            _cache_s9_call(args, {ka.MAX_POSITIONS: CACHE_S9_CTX + 1}))
 
 
 def case_cache_bf16(row: Row, B: int, mode: str, quick: bool, dry: bool):
