@@ -222,7 +222,8 @@ def test_engine_on_bf16_caches_generates_the_f32_engines_rows(small_plans, _emul
     """The whole engine (paged KV cache, prefix reuse with state snapshots, the batched decode graphs with emulated
     CUDA graphs, kernels' CPU stand-ins) on the bf16-cache plan against the f32-cache plan: the same greedy tokens
     and every sampled logits row bit for bit; the second request reuses the first one's prefix blocks (bf16 pools
-    and snapshots) and everything is released at the end."""
+    and snapshots) and everything is released at the end. Also the one-sequence decode path (batched_decode=False:
+    cuda_graphs.DecodeGraphs' static bf16 slots): one request at a time, the batched step's bits at B = 1."""
     from unittest import mock
 
     from deepinfer.runtime import cuda_graphs as cg
@@ -236,11 +237,12 @@ def test_engine_on_bf16_caches_generates_the_f32_engines_rows(small_plans, _emul
     shared = [5, 17, 300, 42, 9000, 12, 77, 5, 6, 7, 1000, 2, 100, 101, 102, 103]  # one 16-token block
     prompts = [shared + [7, 8], shared + [9]]
     out = {}
-    for name, g in (("bf16", bf16_g), ("f32", f32_g)):
+    for name, g, batched in (("bf16", bf16_g, True), ("f32", f32_g, True), ("bf16 one-sequence", bf16_g, False)):
 
-        def runner(plan_, params_, config, max_model_len, g=g):
+        def runner(plan_, params_, config, max_model_len, g=g, batched=batched):
             return CudaRunner(g, params, device="cpu", kernels=KernelCache(builder=_stand_in), buckets=(1, 2),
-                              max_model_len=max_model_len, graph_backend=cg.EmulatedGraphBackend())  # fmt: skip
+                              max_model_len=max_model_len, graph_backend=cg.EmulatedGraphBackend(),
+                              batched_decode=batched)  # fmt: skip
 
         plan = mock.Mock(graph=g, config={}, target="sm90")
         with mock.patch.object(engine, "_runner", runner), mock.patch.object(engine, "_resolve_plan", lambda *a: a[2]):
@@ -252,12 +254,14 @@ def test_engine_on_bf16_caches_generates_the_f32_engines_rows(small_plans, _emul
             second = _greedy_rows(llm, prompts[1:], 3)
         pools = {k: v.dtype for k, v in llm.kv.pools.items()}
         out[name] = (first, second, pools, llm.kv.num_used_blocks, [a.num_reused_tokens for a in reused])
-    (got1, got2, pools, used, hits), (want1, want2, want_pools, _, _) = out["bf16"], out["f32"]
-    for got, want in ((got1, want1), (got2, want2)):
-        assert got[0] == want[0] and got[1].keys() == want[1].keys()
-        assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
-    assert torch.bfloat16 in pools.values() and torch.bfloat16 not in want_pools.values()
-    assert used == 0 and hits == [16]
+    want1, want2, want_pools, _, _ = out["f32"]
+    for name in ("bf16", "bf16 one-sequence"):
+        got1, got2, pools, used, hits = out[name]
+        for got, want in ((got1, want1), (got2, want2)):
+            assert got[0] == want[0] and got[1].keys() == want[1].keys(), name
+            assert all(torch.equal(got[1][k], want[1][k]) for k in want[1]), name
+        assert torch.bfloat16 in pools.values() and used == 0 and hits == [16], name
+    assert torch.bfloat16 not in want_pools.values()
 
 
 def test_flat_pools_where_the_ws_program_reads_bf16_caches(small_plans):
