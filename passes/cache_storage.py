@@ -8,8 +8,10 @@ on the way in instead gives the kernel the same bf16 values (round to nearest, e
 What it matches: a floating cache (graph.meta["caches"]) whose every reader -- of the cache input and of the values
 derived from it: its new versions (scatter_rows into it) and the ring's window pool (concat(ring, rows) along rows) --
 is a KV-pool operand (win_kv / cmp_kv) of sparse_attention / fused_attention bound to a bf16-reading kernel family in
-every bucket (select_kernels' bindings; so this pass runs after it). The check: one foreign reader -- the index
-scores reading index keys, a compressor reading its state, a bucket whose attention falls back to the torch
+every bucket (select_kernels' bindings; so this pass runs after it); readers of its row count alone (HCA visibility,
+compressed_indices) have no say, but an attention whose top-k is that row count (HCA) keeps what it reads f32: its
+kernel declines at run time wherever the engine's cache length does not chunk. The check: one foreign reader -- the
+index scores reading index keys, a compressor reading its state, a bucket whose attention falls back to the torch
 reference -- keeps the cache f32, with the reason. The rewrite: the cache input and its entry's "dtype" become bf16,
 every write's rows and the ring's new rows go through one `cast` to bf16 (bound to the torch reference, reason
 recorded; the rows of one step, not the pool), and the derived values take the cache's dtype. The runtime
@@ -35,6 +37,8 @@ ENV = "DEEPINFER_CACHE_BF16"
 POOL_DTYPE = {"sparse_attn_decode": dt.bf16}
 # attention op -> input positions of its KV pools (win_kv, cmp_kv)
 POOL_INPUTS = {"sparse_attention": (2, 4), "fused_attention": (3, 5)}
+# op -> inputs it reads the row count of only (HCA visibility: V4's ratio-128 layers): no say in the dtype
+SHAPE_ONLY = {"compressed_indices": (1,), "batched_compressed_indices": (1,)}
 CAST_REASON = "cache write: rows rounded to the cache's storage dtype (passes/cache_storage.py)"
 
 
@@ -73,8 +77,12 @@ def _storage(cache: Value, users: dict, bindings: dict) -> tuple[str, object]:
     if not cache.dtype.is_float or cache.dtype.bits <= 16:
         return f"{cache.dtype.name} cache: kept", None
     values, reads = _derived(cache, users)
+    reads = [(node, k) for node, k in reads if k not in SHAPE_ONLY.get(node.op, ())]
     wants = set()
     for node, k in reads:
+        if node.op in POOL_INPUTS and _topk_at_run_time(node):
+            return (f"read by {node.label}, whose top-k is the compressed rows' count at run time (HCA): where it does "
+                    f"not chunk the kernel declines and the reference reads the cache: kept {cache.dtype.name}"), None
         store = _pool_dtype(node, k, bindings)
         if store is None:
             how = ", ".join(sorted(_families(node, bindings))) or "unbound"
@@ -85,6 +93,15 @@ def _storage(cache: Value, users: dict, bindings: dict) -> tuple[str, object]:
     store = wants.pop()
     ops = "/".join(sorted({n.op for n, _ in reads}))
     return f"{len(reads)} reads, all KV pools of {ops} on {store.name} kernels ({len(values)} values)", store
+
+
+def _topk_at_run_time(node: Node) -> bool:
+    """The attention's compressed entries are every visible row (compressed_indices: V4's ratio-128 layers), so its
+    top-k -- what the kernel's chunking must divide -- follows the cache length the engine runs with, not the one
+    the binding saw."""
+    i = POOL_INPUTS[node.op][1] + 1
+    idx = node.inputs[i] if i < len(node.inputs) else None
+    return idx is not None and idx.producer is not None and idx.producer.op in SHAPE_ONLY
 
 
 def _pool_dtype(node: Node, k: int, bindings: dict):

@@ -114,3 +114,19 @@ def test_tiny_attention_on_the_reference_keeps_every_cache():
     g = compile_model("deepseek-v4.1-flash:tiny", "sm90").plan.graph
     assert "bf16" not in dtypes(g).values()
     assert all("torch_ref" in r["why"] for n, r in g.meta["cache_storage"].items() if n.endswith((".swa", ".ckv")))
+
+
+def test_v4_hca_layers_keep_f32_the_others_go():
+    """V4 (small): a ratio-128 (HCA) attention's top-k is its compressed rows' count at run time -- at a cache length
+    that does not chunk its kernel declines and the reference reads the caches -- so the caches it reads (its ring,
+    its compressed KV) stay f32, with that reason; the other layers' rings and compressed KV go bf16 (the HCA
+    visibility reading a cache's row count alone has no say); the indexer's caches and compressor states stay f32."""
+    g = compile_model("deepseek-v4-flash:small", "sm90").plan.graph
+    verify(g)
+    stored, why = dtypes(g), g.meta["cache_storage"]
+    hca = [n for n in g.nodes if n.op == "fused_attention" and n.inputs[6] is not None
+           and n.inputs[6].producer.op == "compressed_indices"]  # fmt: skip
+    kept = {_cache_of(n.inputs[5]) for n in hca} | {n.inputs[3].producer.inputs[0].name for n in hca}
+    assert hca and all(stored[c] == "f32" and "HCA" in why[c]["why"] for c in kept)
+    assert {n for n, d in stored.items() if d == "bf16"} == {n for n in stored if n.endswith((".swa", ".ckv"))} - kept
+    assert all(".idx_" not in n and "cmp_" not in n for n, d in stored.items() if d == "bf16")
