@@ -2165,10 +2165,17 @@ class TopKEntriesAdapter:
         idx = torch.empty(rows, k, dtype=torch.int32, device=dev)
         has_pos = dict(key.kwargs)["has_pos"]
         kernels[0](s.contiguous(), _row_positions(pos, rows) if has_pos else no_pos, idx, *scratch)
+        if _triton_on(scores) and os.environ.get(TOPK_ORDER_ENV) != "torch":
+            from deepinfer.codegen.kernels import indexer_topk as it
+
+            return [it.triton_set_order(scores if scores.stride(1) == 1 else scores.contiguous(), idx, t, cols)]
         picked = idx[:t].long()
         if cols is not None:  # still ascending: the candidate columns are gathered in ascending order
             picked = torch.where(picked >= 0, torch.gather(cols, 1, picked.clamp(min=0)), -1)
         return [_score_order(scores, picked)]
+
+
+TOPK_ORDER_ENV = "DEEPINFER_TOPK_ORDER"  # "torch": the set put in the op's order by torch ops, not one Triton launch
 
 
 def _candidate_columns(scores: torch.Tensor, blocks: torch.Tensor, block: int, pos: torch.Tensor | None,
@@ -2193,6 +2200,8 @@ def _candidate_columns(scores: torch.Tensor, blocks: torch.Tensor, block: int, p
 
 def _row_positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
     """The kernel's int32 positions [rows]: padding rows at -1 (no visible column: (p+1)//ratio = 0)."""
+    if pos.shape[0] == rows:
+        return pos.to(torch.int32)
     out = torch.full((rows,), -1, dtype=torch.int32, device=pos.device)
     out[: pos.shape[0]] = pos
     return out

@@ -719,3 +719,63 @@ def f32_batched_scores_roofline(B: int, C: int, *, H: int = 32, di: int = 128) -
     """(bytes, flops) of `triton_batched_scores`: every sequence's keys read once (no two queries share them), q and
     w once, S written once; 2*H*di per (sequence, entry)."""
     return float(4 * B * C * di + 4 * B * (H * di + H + 1) + 4 * B * C), float(B * C * (2 * H * di + 3 * H))
+
+
+# ---------------------------------------------------------------------------------------------- top-k set -> op order
+# topk_select returns the top-k SET in ascending column order; `topk_entries` lists it by score (descending, ties to
+# the lower column). The runtime put it in that order with torch (the picked scores gathered, a stable sort of
+# [T, k], a gather of the ids: ~10 small launches -- most of a decode step's top-k glue). `triton_set_order` is one
+# launch: a row per CTA, each member's rank = the members before it in (score desc, position asc) order counted by
+# comparing it with every other member (k x k compares, BJ members at a time), then the column stored at its rank.
+# The set being in ascending column order, position order is column order: exactly the stable sort's result. -1
+# padding (no member) counts as -inf and stays last. `cols` (optional) maps the set's ids to score columns (the
+# two-level top-k selects among gathered candidate columns).
+
+ORDER_BJ = 32  # members compared with the whole set per step
+
+
+@functools.lru_cache(maxsize=2)
+def _set_order_kernel(interpret: bool):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def set_order_kernel(s_ptr, s_stride, idx_ptr, idx_stride, cols_ptr, cols_stride, out_ptr, K: tl.constexpr,
+                         KP: tl.constexpr, BJ: tl.constexpr, MAP: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        s_row, idx_row, cols_row = s_ptr + row * s_stride, idx_ptr + row * idx_stride, cols_ptr + row * cols_stride
+        i = tl.arange(0, KP)
+        ids_i = tl.load(idx_row + i, mask=i < K, other=-1)  # members i (-1 ids and i >= K: none)
+        col_i = ids_i.to(tl.int64)
+        if MAP:
+            col_i = tl.load(cols_row + col_i, mask=ids_i >= 0, other=-1)
+        v_i = tl.load(s_row + col_i, mask=ids_i >= 0, other=float("-inf"))
+        rank = tl.zeros((KP,), dtype=tl.int32)
+        for j0 in tl.static_range(0, KP, BJ):  # (members j loaded as members i are: registers are not indexable)
+            j = j0 + tl.arange(0, BJ)
+            ids_j = tl.load(idx_row + j, mask=j < K, other=-1)
+            col_j = ids_j.to(tl.int64)
+            if MAP:
+                col_j = tl.load(cols_row + col_j, mask=ids_j >= 0, other=-1)
+            v_j = tl.load(s_row + col_j, mask=ids_j >= 0, other=float("-inf"))
+            before = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        tl.store(out_ptr + row * K + rank, tl.where(ids_i >= 0, col_i, -1), mask=i < K)
+
+    return set_order_kernel
+
+
+def triton_set_order(scores: torch.Tensor, idx: torch.Tensor, rows: int, cols: torch.Tensor | None = None):
+    """The first `rows` rows of a top-k set (idx [>= rows, k] int32, ascending, -1 padding; with `cols`, ids into
+    cols [rows, G] (score columns, ascending)) as int64 [rows, k] score columns in `topk_entries`' order: score
+    descending, ties to the lower column, -1 last -- scores [rows, C] f32 with unit column stride."""
+    k = idx.shape[1]
+    out = torch.empty(rows, k, dtype=torch.int64, device=idx.device)
+    if rows and k:
+        assert scores.stride(1) == 1 and idx.stride(1) == 1 and (cols is None or cols.stride(1) == 1)
+        mapping = cols if cols is not None else idx  # (unused pointer when there is no map)
+        kp = max(1 << (k - 1).bit_length(), ORDER_BJ)
+        _set_order_kernel(_interpreted())[(rows,)](
+            scores, scores.stride(0), idx, idx.stride(0), mapping, mapping.stride(0), out, K=k, KP=kp,
+            BJ=ORDER_BJ, MAP=cols is not None, num_warps=8 if kp >= 512 else 4)  # fmt: skip
+    return out

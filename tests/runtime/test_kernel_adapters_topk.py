@@ -203,3 +203,30 @@ def test_two_level_with_more_candidate_columns_than_the_row_masks_it():
 def test_two_level_on_the_c_target_program():
     for call in (two_level_call(2, 256, 8, 6, 8, ratio=2, seed=1), two_level_call(2, 64, 8, 20, 4, seed=2)):
         assert torch.equal(run_adapter(call, ka.c_target_kernel), reference(call))
+
+
+_TRITON_ORDER = """
+import torch
+import test_kernel_adapters_topk as t
+from deepinfer.runtime import kernel_adapters as ka
+ka.EMULATE = True
+ka._score_order = None  # the torch order must not run
+for call in (t.positions_call(3, 100, 16, 2, seed=5), t.two_level_call(3, 256, 8, 6, 8, ratio=2, seed=6)):
+    assert torch.equal(t.run_adapter(call, ka.emulated_kernel), t.reference(call))
+print("ok")
+"""
+
+
+def test_the_set_put_in_order_by_the_triton_launch():
+    """On CUDA the adapter orders the set with indexer_topk.triton_set_order (here in Triton's interpreter, in a
+    process that starts with it on): the op's indices, one- and two-level."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", ka.ADAPTER_INTERPRET_ENV: "1",
+           "PYTHONPATH": os.path.dirname(__file__)}  # fmt: skip
+    env.pop(ka.TOPK_ORDER_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", _TRITON_ORDER], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
