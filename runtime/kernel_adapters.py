@@ -2083,7 +2083,8 @@ class SparseAttnAdapter:
 class TopKEntriesAdapter:
     """topk_entries through topk_select's exact program: f32 scores in, the top-k SET out in ascending column order;
     the set is put back in the op's order (score descending, ties to the lower column: a stable sort of the set's
-    scores, which is already in ascending column order) -- the reference's indices exactly. With the op's positions
+    scores, which is already in ascending column order; on CUDA one launch, indexer_topk.triton_set_order) -- the
+    reference's indices exactly. With the op's positions
     the program reads a row's columns j < (p+1)//ratio only (has_pos: a decode step's top-k follows the sequence's
     length, not max_model_len / ratio columns; the scores past that limit need not even be written); without them
     -inf marks the invisible entries and every column is read. Two-level (candidate blocks): when the blocks hold
