@@ -1025,15 +1025,36 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
 # (TopKEntriesAdapter) builds topk_select with has_pos -- a row's columns past (p+1)//ratio are never read -- and the
 # index scores read only by such top-ks are bound with fill False. The decode step's scores + top-512 through the
 # runtime's own adapters (index_scores / batched_index_scores, then topk_entries) at a 4k context with caches for
-# max_model_len (mml) 4096 and 65536: "old" (scores with fill, the top-k without positions: every column read, the
-# runtime before), "pos" (the runtime now: the same scores kernel -- DECODE_CTAS_PER_SM 0, the first form, writes
-# every tile anyway -- and the top-k with positions), "pos row<n>" (the scores' per-row balanced form, n CTAs an SM,
-# without fill: what DECODE_CTAS_PER_SM = n would run). Every row's order and set equal the op's reference on the
-# same (filled) scores; "pos" also equals "old" exactly. %limit: the visible entries' bytes. Then the candidate
-# level: the two-level top-k as its torch reference (the runtime before) and through the adapter's topk_select on
-# the gathered candidate columns (now), and candidate_blocks (torch: no kernel).
+# max_model_len (mml) 4096 and 65536, ratio 1: "old" (the top-k without positions -- every column read -- and its set
+# put in the op's order by ~10 torch launches: the runtime before this session), "order" (the same with the order in
+# one Triton launch, indexer_topk.triton_set_order), "pos" (+ the top-k with positions: the runtime now; the scores
+# kernel -- DECODE_CTAS_PER_SM 0, the first form -- writes every tile anyway), "pos row16" (the scores' per-row
+# balanced form, 16 CTAs an SM, without fill: what DECODE_CTAS_PER_SM = 16 would run). Every row's order and set
+# equal the op's reference on the same (filled) scores. "part" rows (B64): the step's pieces alone -- the scores
+# (first / per-row form), the bare top-k kernel (without / with positions), the order (torch / Triton). %limit: the
+# visible entries' bytes. Then the candidate level: the two-level top-k as its torch reference (the runtime before)
+# and through the adapter's topk_select on the gathered candidate columns (now), and candidate_blocks (torch).
+# H200, call 2 (016a159; the adapters' torch order in every row), us, old -> pos: B64 mml4096 r1 135.9 -> 138.2,
+# r2 105.2 -> 108.7; mml65536 r2 177.4 -> 178.3, r1 242.9 -> 241.8 (pos row16: 130.9 / 170.6); B1 58.9-78.4 ->
+# 61.3-82.2 -- no gain from the positions alone: the top-k with positions still visits dead segments (B's change)
+# and the steps sat ~40-45 us above the bare kernels (session 8: B64 mml4096 r2 58.7 us; the torch order? the parts say).
 
-IPOS_FORMS = ("old", "pos", "pos row16", "pos row32")
+IPOS_FORMS = ("old", "order", "pos", "pos row16")  # (see the section's comment)
+
+
+def _ipos_torch_order(on: bool, fn):
+    """fn() with the top-k set put in the op's order by torch ops (the runtime before 27b9ed0) when `on`."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    saved = os.environ.get(ka.TOPK_ORDER_ENV)
+    if on:
+        os.environ[ka.TOPK_ORDER_ENV] = "torch"
+    try:
+        return fn()
+    finally:
+        os.environ.pop(ka.TOPK_ORDER_ENV, None)
+        if saved is not None:
+            os.environ[ka.TOPK_ORDER_ENV] = saved
 
 
 def _ipos_call(op: str, attrs: dict, args: list, config: dict, cache: dict):
@@ -1090,7 +1111,7 @@ def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: boo
     from deepinfer.runtime import kernel_adapters as ka
 
     C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
-    with_pos = form != "old"
+    with_pos = form.startswith("pos")
     fb, ff = it.f32_batched_scores_roofline(B, vis) if B > 1 else it.f32_scores_roofline(B, vis)
     tb, tf = ts.roofline(B, vis, IDX_TOPK, visible=B * vis)
     row.bytes_, row.flops, row.peak = fb + tb, ff + tf, "bf16"
@@ -1104,7 +1125,8 @@ def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: boo
     topk = ka.adapter_for("topk_select", "topk_entries")
 
     def step():
-        return topk.run(_ipos_topk_call(scores(q, w, keys, pos), pos, ratio, with_pos, cache), [kern])[0]
+        call = _ipos_topk_call(scores(q, w, keys, pos), pos, ratio, with_pos, cache)
+        return _ipos_torch_order(form == "old", lambda: topk.run(call, [kern])[0])
 
     got = step()
     filled = _ipos_scores_fn(B, ratio, form, True, {})(q, w, keys, pos)  # the same bits on the visible columns
@@ -1118,12 +1140,58 @@ def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: boo
         if not torch.equal(poisoned, want):
             raise AssertionError("a column past the visible limit was read")
         row.check += ", dead cols unread"
-    if form == "pos":  # the runtime now against the runtime before, on the same scores kernel
-        old = topk.run(_ipos_topk_call(filled, pos, ratio, False, {}), [_ipos_topk_kernel(B, C, ratio, False)[1]])[0]
-        if not torch.equal(got, old):
-            raise AssertionError("the top-k with positions differs from the one without")
-        row.check += ", = old"
     row.ms = bench_device(step, quick)
+
+
+IPOS_PARTS = ("scores old", "scores row16", "topk nopos", "topk pos", "order torch", "order kernel")
+
+
+def case_ipos_part(row: Row, B: int, mml: int, ratio: int, part: str, quick: bool, dry: bool):
+    """One part of the step alone (its split): the scores adapter (first form / per-row form without fill), the
+    bare top-k kernel (without / with positions), or the set's order (torch ops / the Triton launch)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+    from deepinfer.ir.ops.v41 import TopKEntries
+    from deepinfer.runtime import kernel_adapters as ka
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    kind, form = part.split()
+    row.peak = "bf16"
+    row.bytes_ = (it.f32_batched_scores_roofline(B, vis) if B > 1 else it.f32_scores_roofline(B, vis))[0] if (
+        kind == "scores") else ts.roofline(B, vis, IDX_TOPK, visible=B * vis)[0]  # fmt: skip
+    with_pos = form != "nopos"
+    if kind == "topk":
+        key, kern = _ipos_topk_kernel(B, C, ratio, with_pos)
+        row.kernel += f" {'h' if key.program == 'hist_program' else 'p'}{key.args[1]}"
+    if dry:
+        return
+    q, w, keys, pos = _idxlen_inputs(B, C, B > 1)
+    s = _ipos_scores_fn(B, ratio, "pos row16" if form == "row16" else "old", True, {})(q, w, keys, pos)
+    want = TopKEntries.reference(s, None, pos, topk=IDX_TOPK, block=1, ratio=ratio)
+    if kind == "scores":
+        fn = _ipos_scores_fn(B, ratio, "pos row16" if form == "row16" else "old", form != "row16", {})
+        row.check = "as the step's"
+        row.ms = bench_device(lambda: fn(q, w, keys, pos), quick)
+        return
+    if kind == "topk":
+        scratch = ts.make_scratch(B, key.args[1], IDX_TOPK, ts.default_config(B, key.args[1], IDX_TOPK), "cuda")
+        p32 = pos.int() if with_pos else torch.zeros(B, dtype=torch.int32, device="cuda")
+        idx = torch.empty(B, IDX_TOPK, dtype=torch.int32, device="cuda")
+        kern(s, p32, idx, *scratch)
+        if not torch.equal(idx.long(), ts.reference(s, IDX_TOPK)):
+            raise AssertionError("the kernel's set differs from topk_select.reference")
+        row.check = "set exact"
+        row.ms = bench_device(lambda: kern(s, p32, idx, *scratch), quick)
+        return
+    idx = ts.reference(s, IDX_TOPK).int()  # the set, ascending
+    if form == "kernel":
+        fn = functools.partial(it.triton_set_order, s, idx, B)
+    else:
+        fn = functools.partial(ka._score_order, s, idx.long())
+    if not torch.equal(fn(), want):
+        raise AssertionError("the order differs from topk_entries'")
+    row.check = "= reference"
+    row.ms = bench_device(fn, quick)
 
 
 def _ipos_two_level_inputs(B: int, C: int, ratio: int):
@@ -1131,7 +1199,8 @@ def _ipos_two_level_inputs(B: int, C: int, ratio: int):
     and layer 20's candidate blocks (2048 of 8) of them."""
     from deepinfer.ir.ops.v41 import CandidateBlocks
 
-    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
+    pos = torch.tensor([IDXLEN_CONTEXT - 1 - (i % 2) for i in range(B)], device="cuda")  # (< max_model_len)
+    assert int(pos.max()) < C * ratio, "a position past the cache (candidate_blocks would index past its blocks)"
     s = torch.randn(B, C, device="cuda")
     return s, CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8), pos
 
@@ -1181,22 +1250,40 @@ def case_ipos_two_level(row: Row, B: int, mml: int, ratio: int, form: str, quick
 
 
 def indexer_pos_s9_cases():
-    """Rows "indexer pos s9 step <form>" (B1 / B64, mml 4096 / 65536, ratio 1 / 2) and the two-level torch op."""
+    """Rows "indexer pos s9 step <form>" (B1 / B64, mml 4096 / 65536, ratio 1), "... part <part>" (B64: the step's
+    split), the two-level top-k (torch / kernel) and candidate_blocks (torch)."""
     out = []
     for B in (1, 64):
         for mml in (4096, 65536):
-            for ratio in (2, 1):
-                for form in IPOS_FORMS:
-                    run = functools.partial(_idxlen_row, case_ipos_step, B, mml, ratio, form)
-                    out.append((f"indexer pos s9 step {form}", f"B{B} mml{mml} r{ratio}", run))
+            for form in IPOS_FORMS:
+                run = functools.partial(_idxlen_row, case_ipos_step, B, mml, 1, form)
+                out.append((f"indexer pos s9 step {form}", f"B{B} mml{mml} r1", run))
+    for mml in (4096, 65536):
+        for part in IPOS_PARTS:
+            run = functools.partial(_idxlen_row, case_ipos_part, 64, mml, 1, part)
+            out.append((f"indexer pos s9 part {part}", f"B64 mml{mml} r1", run))
     for mml in (4096, 65536):
         for B in (1, 64):
             for form in ("torch", "kernel"):
                 run = functools.partial(_idxlen_row, case_ipos_two_level, B, mml, 1, form)
                 out.append((f"indexer pos s9 two-level {form}", f"B{B} mml{mml} r1", run))
-        run = functools.partial(_idxlen_row, case_idxlen_candidates, 64, mml, 1, "candidate_blocks")
+        run = functools.partial(_idxlen_row, case_ipos_candidates, 64, mml, 1, "")
         out.append(("indexer pos s9 candidate_blocks (torch)", f"B64 mml{mml} r1", run))
     return out
+
+
+def case_ipos_candidates(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
+    """candidate_blocks (layer 20; torch: no kernel) on the two-level rows' inputs, timed eagerly."""
+    from deepinfer.ir.ops.v41 import CandidateBlocks
+
+    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
+    row.bytes_, row.peak = 4.0 * B * vis, "bf16"
+    if dry:
+        return
+    s, _, pos = _ipos_two_level_inputs(B, C, ratio)
+    CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)
+    row.check = "torch reference (eager)"
+    row.ms = bench(lambda: CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8), quick)
 
 
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
