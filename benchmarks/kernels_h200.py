@@ -847,7 +847,7 @@ def batched_index_scores_cases():
 # topk_select without positions (the runtime's topk_entries today: every column read), row32 + the same top-k, and
 # row32 nofill + topk_select WITH positions (columns past (p+1)//ratio never read: what an IR topk_entries with
 # positions would run). Flat in max_model_len = the step's work follows the context. %limit: the visible
-# entries' bytes (the 4k context's). The candidate level's torch ops close the list.
+# entries' bytes (the 4k context's).
 # H200, session 8 call 2 (work-list form before its 168-register cap, 2 CTAs an SM; us, mml 4096 -> 65536 r2 /
 # 65536 r1): B64 scores old 50.0 -> 101.2 / 156.1, bal8 82.3 -> 84.6 / 144.7, bal8 nofill 75.8 -> 76.2 / 126.6
 # (flat, but 1.6x the first form's live work at 4k: one CTA walking several tiles keeps fewer loads in flight);
@@ -966,39 +966,9 @@ def case_idxlen_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: b
     row.ms = bench_device(step, quick)
 
 
-def case_idxlen_candidates(row: Row, B: int, mml: int, ratio: int, op: str, quick: bool, dry: bool):
-    """The V4.1 candidate level's ops as the runtime runs them at decode (torch references: no kernel binds them):
-    op "candidate_blocks" (layer 20: block maxima over all C columns, a sort of C/8 blocks) or "two-level" (layers
-    24..36: topk_entries within 2048 candidate blocks of 8: a [B, C] block mask and a sort of C columns). Both
-    read every column of the max_model_len-sized scores. Timed eagerly (the references index with masks)."""
-    from deepinfer.ir.ops.v41 import CandidateBlocks, TopKEntries
-
-    C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
-    row.bytes_, row.peak = 4.0 * B * vis, "bf16"
-    if dry:
-        return
-    pos = torch.tensor([IDXLEN_CONTEXT - 1 + (i % 2) for i in range(B)], device="cuda")
-    lim = (pos + 1) // ratio
-    s = torch.randn(B, C, device="cuda").masked_fill(torch.arange(C, device="cuda")[None, :] >= lim[:, None],
-                                                     float("-inf"))  # fmt: skip
-    blocks = CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)
-    if op == "candidate_blocks":
-
-        def run():
-            return CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)
-    else:
-
-        def run():
-            return TopKEntries.reference(s, blocks, topk=IDX_TOPK, block=8)
-
-    run()
-    row.check = "torch reference (eager)"
-    row.ms = bench(run, quick)  # (eager: a host sync inside would fail a CUDA-graph capture)
-
-
 def indexer_length_cases():
-    """Rows "indexer length scores ..." and "indexer length step ..." (see the section's comment), and the
-    candidate level's torch ops at B64 ratio 1 ("indexer length candidate_blocks / two-level (torch)")."""
+    """Rows "indexer length scores ..." and "indexer length step ..." (see the section's comment; the candidate
+    level's rows are in "indexer pos s9")."""
     out = []
     for B in (1, 64):
         for mml, ratio in ((4096, 2), (65536, 2), (65536, 1)):
@@ -1009,10 +979,6 @@ def indexer_length_cases():
             for form in ("old", "row32", "row32 nofill+pos"):
                 run = functools.partial(_idxlen_row, case_idxlen_step, B, mml, ratio, form)
                 out.append((f"indexer length step {form}", shape, run))
-    for mml in (4096, 65536):
-        for op in ("candidate_blocks", "two-level"):
-            run = functools.partial(_idxlen_row, case_idxlen_candidates, 64, mml, 1, op)
-            out.append((f"indexer length {op} (torch)", f"B64 mml{mml} r1", run))
     return out
 
 
@@ -1037,7 +1003,7 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
 # H200, call 2 (016a159; the adapters' torch order in every row), us, old -> pos: B64 mml4096 r1 135.9 -> 138.2,
 # r2 105.2 -> 108.7; mml65536 r2 177.4 -> 178.3, r1 242.9 -> 241.8 (pos row16: 130.9 / 170.6); B1 58.9-78.4 ->
 # 61.3-82.2 -- no gain from the positions alone: the top-k with positions still visits dead segments (B's change)
-# and the steps sat ~40-45 us above the bare kernels (session 8: B64 mml4096 r2 58.7 us; the torch order? the parts say).
+# and the steps sat ~40-45 us above the bare kernels (session 8: B64 mml4096 r2 58.7 us; the order? see "part").
 
 IPOS_FORMS = ("old", "order", "pos", "pos row16")  # (see the section's comment)
 
