@@ -60,6 +60,9 @@ SKIP_FAMILIES = {"view", "collective", "torch_ref"}
 GEMM_DTYPE = "e4m3/ue8m0"  # the dtype the tuner records fp8 GEMMs under (tuner.TUNABLE)
 
 
+SYMBOLIC = "sym"  # a spec name's stand-in for a symbolic dim (None in the runtime key: one build for every size)
+
+
 @dataclass
 class KernelSpec:
     family: str
@@ -77,7 +80,7 @@ class KernelSpec:
     @property
     def name(self) -> str:
         h = hashlib.sha256(self.ident().encode()).hexdigest()[:10]
-        return f"{self.family}.{self.program}-{'x'.join(str(a) for a in self.args)}-{h}"
+        return f"{self.family}.{self.program}-{'x'.join(SYMBOLIC if a is None else str(a) for a in self.args)}-{h}"
 
 
 def _rows(m: int, multiple: int) -> int:
@@ -446,14 +449,21 @@ def _derived_keys_path(graph, lengths, max_model_len: int, batch) -> Path:
     from deepinfer.ir.serialize import graph_to_dict
 
     h = hashlib.sha256(json.dumps(graph_to_dict(graph), separators=(",", ":")).encode())
-    root = Path(__file__).resolve().parent.parent
-    for d in KEY_SOURCES:
-        for f in sorted((root / d).rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    h.update(_key_sources_digest())
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(KEY_ENV_PREFIXES) and k not in KEY_ENV_IGNORED)
     h.update(json.dumps([list(lengths), max_model_len, list(batch), env, torch.__version__,
                          _tilelang_version(), version("triton")]).encode())  # fmt: skip
     return tb.cache_dir() / "engine_keys" / f"{h.hexdigest()[:32]}.json"
+
+
+def _key_sources_digest() -> bytes:
+    """sha256 of the KEY_SOURCES' .py files (paths and contents): an edited adapter or pass derives again."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for d in KEY_SOURCES:
+        for f in sorted((root / d).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.digest()
 
 
 def _as_tuples(x):
@@ -543,7 +553,6 @@ def cached_build(spec: KernelSpec, target: str, tl_version: str | None = None) -
     calling process without importing tilelang, so a warm compile starts no worker processes (each would spend
     seconds importing torch and tilelang only to find its files cached). tl_version: _tilelang_version(), looked
     up once by the caller (a metadata lookup scans site-packages: 6 ms, 0.9 s over the 40-layer V4.1's kernels)."""
-    from deepinfer.codegen import tilelang_backend as tb
     from deepinfer.codegen.targets import get_target
 
     t0 = time.perf_counter()
@@ -551,52 +560,135 @@ def cached_build(spec: KernelSpec, target: str, tl_version: str | None = None) -
     if tl_version is None:
         return None
     tgt = get_target(target)
-    key = tb.content_hash(spec.ident(), target, tl_version, _family_hash(spec.family))
-    src = tb.cache_dir() / target / f"{spec.name}-{key}{'.cpp' if target == 'ascend950' else '.cu'}"
+    src = _spec_source_path(spec, target, tl_version)
     if not src.exists():
         return None
     out = {"name": spec.name, "source": str(src), "lower_cached": True}
     if tgt.is_cuda:
-        cubin = tb.cached_cubin(src, tgt)
-        counts = cubin.with_suffix(".mma.json") if cubin is not None else None
-        if counts is None or not counts.exists():
+        found = _cached_cubin_counts(src, tgt)
+        if found is None:
             return None
-        out.update(cubin=str(cubin), mma=json.loads(counts.read_text()))
+        out.update(cubin=str(found[0]), mma=json.loads(found[1].read_text()))
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 
 
+def _spec_source_path(spec: KernelSpec, target: str, tl_version: str) -> Path:
+    """Where the spec's lowered source is cached: keyed by the spec, the target, tilelang's version and the
+    family's source files."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    key = tb.content_hash(spec.ident(), target, tl_version, _family_hash(spec.family))
+    return tb.cache_dir() / target / f"{spec.name}-{key}{'.cpp' if target == 'ascend950' else '.cu'}"
+
+
+def _shared_source(text: str, target: str) -> Path:
+    """The lowered text under a name of its content alone: what nvcc compiles, so specs that lower to the same
+    source (the row count only in shapes that lowering drops, a table's size no index reaches: 57 of the 40-layer
+    V4.1's 139 kernels) share one cubin and one SASS count."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    path = tb.cache_dir() / target / "by_source" / f"src-{tb.content_hash(text)}.cu"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tb._atomic_write(path, text.encode())
+    return path
+
+
+def _cached_cubin_counts(src: Path, tgt) -> tuple[Path, Path] | None:
+    """(cubin, its SASS counts file) of the lowered source src if both are on disk (nothing is compiled)."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cubin = tb.cached_cubin(_shared_source(src.read_text(), tgt.name), tgt)
+    counts = cubin.with_suffix(".mma.json") if cubin is not None else None
+    return (cubin, counts) if counts is not None and counts.exists() else None
+
+
+class _CpuClock:
+    """CPU seconds of this process and of its finished children (nvcc, cuobjdump) since the last lap: on a
+    loaded machine the wall clock says little about what a build costs."""
+
+    def __init__(self):
+        self.last = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        import resource
+
+        ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time(), ch.ru_utime + ch.ru_stime
+
+    def lap(self) -> float:
+        now = self._now()
+        spent = (now[0] - self.last[0]) + (now[1] - self.last[1])
+        self.last = now
+        return round(spent, 3)
+
+
+def _lower_by_program(spec: KernelSpec, target: str, tgt, tl_version: str) -> str:
+    """The spec's lowered source, cached by the program's TIR text (+ target, tilelang): keys that differ only in
+    arguments the program does not read (a symbolic dim's bucket, the pools of sparse_attn_decode's ws program)
+    lower once."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    prog = _make_program(spec, target)
+    ext = ".cpp" if target == "ascend950" else ".cu"
+    path = tb.cache_dir() / target / "by_program" / f"tir-{tb.content_hash(prog.script(), target, tl_version)}{ext}"
+    if path.exists():
+        return path.read_text()
+    text = tb.lower(prog, tgt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tb._atomic_write(path, text.encode())
+    return text
+
+
 def build_one(spec: KernelSpec, target: str) -> dict:
-    """Worker: lower (cached by spec hash), write, nvcc (cached), SASS counts. Returns paths in the cache."""
+    """Worker: lower (cached by spec hash, then by program text), write, nvcc (cached by source text), SASS counts.
+    Returns paths in the cache, wall and CPU seconds by phase."""
     import tilelang
 
     from deepinfer.codegen import tilelang_backend as tb
     from deepinfer.codegen.targets import get_target
 
     t0 = time.perf_counter()
+    clock = _CpuClock()
     tgt = get_target(target)
     try:
-        key = tb.content_hash(spec.ident(), target, str(tilelang.__version__), _family_hash(spec.family))
-        ext = ".cpp" if target == "ascend950" else ".cu"
-        src = tb.cache_dir() / target / f"{spec.name}-{key}{ext}"
+        src = _spec_source_path(spec, target, str(tilelang.__version__))
         hit = src.exists()
         if not hit:
-            text = tb.lower(_make_program(spec, target), tgt)
+            text = _lower_by_program(spec, target, tgt, str(tilelang.__version__))
             src.parent.mkdir(parents=True, exist_ok=True)
             tb._atomic_write(src, text.encode())
         lower_s = round(time.perf_counter() - t0, 3)
-        out = {"name": spec.name, "source": str(src), "lower_cached": hit, "lower_s": lower_s}
+        out = {"name": spec.name, "source": str(src), "lower_cached": hit, "lower_s": lower_s,
+               "cpu": {"lower": clock.lap()}}  # fmt: skip
         if tgt.is_cuda:
-            cubin = tb.compile_cubin(src, tgt)
+            cubin = tb.compile_cubin(_shared_source(src.read_text(), target), tgt)
+            out["cpu"]["nvcc"] = clock.lap()
             counts = cubin.with_suffix(".mma.json")
             if not counts.exists():
                 tb._atomic_write(counts, json.dumps(_mma_counts(tb.count_opcodes(tb.dump_sass(cubin)))).encode())
+            out["cpu"]["sass"] = clock.lap()
             out.update(cubin=str(cubin), mma=json.loads(counts.read_text()))
     except Exception as e:  # recorded in the manifest; the node then runs its fallback at run time
         msg = str(e).strip().splitlines()
         return {"name": spec.name, "error": f"{type(e).__name__}: {msg[-1][:300] if msg else ''}"}
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def spread_families(items: list, key) -> list:
+    """items reordered so each family (key(item)) spreads evenly over the list: two workers seldom lower or nvcc
+    the same program at once (the caches above then answer the second), and a long family does not come last."""
+    counts = Counter(key(it) for it in items)
+    seen: Counter = Counter()
+    ranked = []
+    for n, it in enumerate(items):
+        fam = key(it)
+        ranked.append(((seen[fam] + 0.5) / counts[fam], fam, n, it))
+        seen[fam] += 1
+    return [r[-1] for r in sorted(ranked, key=lambda r: r[:3])]
 
 
 def sha256_file(path: Path) -> str:
@@ -615,7 +707,7 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
     t0 = time.perf_counter()
     tl_version = _tilelang_version()
     results = [cached_build(s, target, tl_version) for s in specs]
-    todo = [i for i, r in enumerate(results) if r is None]
+    todo = spread_families([i for i, r in enumerate(results) if r is None], key=lambda i: specs[i].family)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
     if jobs == 1 or len(todo) <= 1:
         built = [build_one(specs[i], target) for i in todo]
@@ -642,6 +734,8 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
                 shutil.copyfile(path, dest)
                 files[kind] = {"file": dest.name, "sha256": sha256_file(dest)}
             ent.update(files=files, lower_cached=res["lower_cached"], build_s=res["seconds"])
+            if "cpu" in res:
+                ent["cpu_s"] = res["cpu"]
             if "mma" in res:
                 ent["sass_mma"] = res["mma"]
         entries.append(ent)
@@ -662,13 +756,31 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
 
 def _phases(target: str, built: list) -> dict:
     """Seconds by phase: key derivation (sm90), and over the kernels built in this call (summed over the
-    processes) lowering and nvcc + SASS counts."""
+    processes) lowering and nvcc + SASS counts, wall and CPU (the CPU seconds of lowering, nvcc, SASS counts)."""
     ok = [r for r in built if "error" not in r]
     lower = sum(r["lower_s"] for r in ok)
     derive, LAST_DERIVE_S[0] = LAST_DERIVE_S[0], 0.0  # read once: a later build_kernels call derived nothing
+    cpu = Counter()
+    for r in ok:
+        cpu.update(r.get("cpu", {}))
     return {"derive": round(derive, 3) if target == "sm90" else 0.0, "derive_cached": bool(LAST_DERIVE_S[1]),
-            "lower": round(lower, 3),
-            "nvcc": round(sum(r["seconds"] for r in ok) - lower, 3), "built": len(built)}  # fmt: skip
+            "lower": round(lower, 3), "nvcc": round(sum(r["seconds"] for r in ok) - lower, 3), "built": len(built),
+            "cpu": {k: round(v, 3) for k, v in cpu.items()}}  # fmt: skip
+
+
+TOP_BUILDS = 10  # the summary names the costliest builds of a compile
+
+
+def _costliest(ents: list) -> list[str]:
+    """The TOP_BUILDS builds of this compile with the most CPU seconds (lowering + nvcc + SASS counts): where a
+    cold compile's time goes. Nothing for a warm compile."""
+    built = sorted((e for e in ents if "cpu_s" in e and not e.get("lower_cached")),
+                   key=lambda e: -sum(e["cpu_s"].values()))[:TOP_BUILDS]  # fmt: skip
+    if not built:
+        return []
+    rows = [f"    {sum(e['cpu_s'].values()):6.1f} s  {e['name']} ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in e["cpu_s"].items()) + ")" for e in built]  # fmt: skip
+    return ["  costliest builds (CPU seconds: lowering, nvcc, SASS counts; 0 where a cache answered):", *rows]
 
 
 def format_manifest(manifest: dict) -> str:
@@ -685,8 +797,11 @@ def format_manifest(manifest: dict) -> str:
     ph = manifest.get("phases_s")
     if ph:
         how = "read from the cache" if ph.get("derive_cached") else "derived"
+        cpu = ph.get("cpu") or {}
         lines.append(f"  phases: keys {how} in {ph['derive']:.1f} s; {ph['built']} kernels not on disk: lowering "
-                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s (summed over the processes)")  # fmt: skip
+                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s (summed over the processes); CPU "
+                     + ", ".join(f"{k} {v:.1f} s" for k, v in cpu.items()))  # fmt: skip
+    lines += _costliest(ents)
     lines += [f"  failed: {e['name']}: {e['error']}" for e in ents if "error" in e]
     lines += [f"  not built: {k}: {v}" for k, v in manifest.get("not_built", {}).items()]
     return "\n".join(lines)

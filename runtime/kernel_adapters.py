@@ -927,7 +927,8 @@ class HCPostPreCollapseAdapter:
 class MoERoutingAdapter:
     """moe_gate_route / moe_route with score routing (sqrtsoftplus, bias, normalised): the gate GEMM in torch
     (fp32 logits, as the op), then moe_routing's kernel (k rounds of row max over the E scores, ties to the
-    lowest expert id, the reference's rule). Hash routing is a table lookup and stays in torch."""
+    lowest expert id, the reference's rule). Hash routing is a table lookup and stays in torch. The kernel's token
+    count is symbolic: one build for every T (the key has no row count; no padding)."""
 
     family = "moe_routing"
     ops = ("moe_gate_route", "moe_route")
@@ -948,26 +949,25 @@ class MoERoutingAdapter:
         while threads > 32 and (cfg.block_m * e) % threads:  # the scores must split evenly over the threads
             threads //= 2
         cfg = moe_routing.Config(cfg.block_m, threads)
-        rows = bucket_rows(t, cfg.block_m)
-        key = _key("moe_routing", "program", (rows, e), cfg, topk=int(a["topk"]), route_scale=float(a["route_scale"]))
-        return key, rows
+        return _key("moe_routing", "program", (None, e), cfg, topk=int(a["topk"]), route_scale=float(a["route_scale"]))
 
     def keys(self, call: Call) -> list[KernelKey]:
-        return [self._plan(call)[0]]
+        return [self._plan(call)]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
         from deepinfer.ir.ops.core import Linear
 
-        _, rows = self._plan(call)
+        self._plan(call)  # the same checks as keys()
         if call.op == "moe_gate_route":
             logits, bias = Linear.reference(call.args[0], call.args[1], None).float(), call.args[2]
         else:
             logits, bias = call.args[0].float(), call.args[1]
         t, k = logits.shape[0], call.attrs["topk"]
-        idx = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
-        w = torch.empty(rows, k, device=logits.device)
-        kernels[0](pad_rows(logits, rows), bias.float().contiguous(), idx, w)
-        return [w[:t], idx[:t].long()]
+        idx = torch.empty(t, k, dtype=torch.int32, device=logits.device)
+        w = torch.empty(t, k, device=logits.device)
+        if t:  # no launch of an empty grid
+            kernels[0](logits.contiguous(), bias.float().contiguous(), idx, w)
+        return [w, idx.long()]
 
 
 # ---------------------------------------------------------------------------------------------- MoE
@@ -2379,7 +2379,8 @@ MAX_POSITIONS = "max_positions"  # Call.cache key: positions stay below this (se
 
 class RopeAdapter:
     """rope: x [T, ..., D] as [T, H, D] bf16; cos/sin from one fp32 table per (attrs, positions bucket), built
-    with the op's own frequencies (cached, so the kernel computes the reference's exact products)."""
+    with the op's own frequencies (cached, so the kernel computes the reference's exact products). The kernel's
+    token count is symbolic: one build for every T (the key has no row count; no padding)."""
 
     family = "rope"
     ops = ("rope",)
@@ -2396,24 +2397,24 @@ class RopeAdapter:
         bound = call.cache.get(MAX_POSITIONS)
         p = bucket_rows(bound or (int(pos.max()) + 1 if pos.numel() else 1), 1024)
         cfg = rope.Config(**{f: call.config[f] for f in ("block_t", "threads") if f in call.config})
-        rows = bucket_rows(t, cfg.block_t)
         io = {"io": "float32"} if x.dtype == torch.float32 else {}  # fp32 in memory, the bf16 kernel's numbers
-        key = _key("rope", "program", (rows, h, d, p), cfg, rope_dim=call.attrs["rope_dim"],
+        key = _key("rope", "program", (None, h, d, p), cfg, rope_dim=call.attrs["rope_dim"],
                    inverse=bool(call.attrs["inverse"]), **io)  # fmt: skip
-        return key, rows, h, p
+        return key, h, p
 
     def keys(self, call: Call) -> list[KernelKey]:
         return [self._plan(call)[0]]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        _, rows, h, p = self._plan(call)
+        _, h, p = self._plan(call)
         x, pos = call.args
         t, d = x.shape[0], x.shape[-1]
         x3 = x.reshape(t, h, d)
-        xb = pad_rows(x3 if x.dtype == torch.float32 else x3.to(torch.bfloat16), rows)  # (see _plan's io)
+        xb = (x3 if x.dtype == torch.float32 else x3.to(torch.bfloat16)).contiguous()  # (see _plan's io)
         y = torch.empty_like(xb)
-        kernels[0](xb, pad_rows(pos.to(torch.int32), rows), rope_table(call, call.attrs, x.device, p), y)
-        return [y[:t].to(x.dtype).reshape(x.shape)]
+        if t:  # no launch of an empty grid
+            kernels[0](xb, pos.to(torch.int32).contiguous(), rope_table(call, call.attrs, x.device, p), y)
+        return [y.to(x.dtype).reshape(x.shape)]
 
 
 COMPRESSOR_KEYS_ENV = "DEEPINFER_COMPRESSOR_KEYS"  # "kernels": the rmsnorm / rope TileLang kernels + torch pooling
@@ -2576,7 +2577,9 @@ class BatchedPairCompressorAdapter:
 
 
 class EngramEmbedAdapter:
-    """engram_embed: the FP8 table and its e8m0 scales as the kernel's exponent bytes (a view), int32 ids."""
+    """engram_embed: the FP8 table and its e8m0 scales as the kernel's exponent bytes (a view), int32 ids. The
+    token count and the table's rows are symbolic in the kernel: one build for every T and every table of the
+    model (the key has neither)."""
 
     family = "engram"
     ops = ("engram_embed",)
@@ -2588,26 +2591,26 @@ class EngramEmbedAdapter:
         table, scale, ids = call.args
         if scale is None or table.dtype != torch.float8_e4m3fn:
             raise Decline("the embed kernel reads an FP8 table with ue8m0 scales")
-        r, hd = table.shape
         cfg = engram.EmbedConfig(**{f: call.config[f] for f in ("block_t", "threads") if f in call.config})
-        rows = bucket_rows(ids.shape[0], cfg.block_t)
-        return _key("engram", "embed_program", (rows, ids.shape[1], r), cfg, hd=hd), rows
+        return _key("engram", "embed_program", (None, ids.shape[1], None), cfg, hd=table.shape[1])
 
     def keys(self, call: Call) -> list[KernelKey]:
-        return [self._plan(call)[0]]
+        return [self._plan(call)]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        _, rows = self._plan(call)
+        self._plan(call)  # the same checks as keys()
         table, scale, ids = call.args
         s = call.prep("engram_s", 1, lambda: scale.contiguous().view(torch.uint8))
         t, k = ids.shape
-        out = torch.empty(rows, k * table.shape[1], device=ids.device)
-        kernels[0](table, s, pad_rows(ids.to(torch.int32), rows), out)
-        return [out[:t]]
+        out = torch.empty(t, k * table.shape[1], device=ids.device)
+        if t:  # no launch of an empty grid
+            kernels[0](table, s, ids.to(torch.int32).contiguous(), out)
+        return [out]
 
 
 class EngramGateAdapter:
-    """engram_gate: X bf16 in the kernel, kv fp32, QK = q_weight * k_weight folded once (per parameter)."""
+    """engram_gate: X bf16 in the kernel, kv fp32, QK = q_weight * k_weight folded once (per parameter). The
+    kernel's token count is symbolic: one build for every T (the key has no row count; no padding)."""
 
     family = "engram"
     ops = ("engram_gate",)
@@ -2621,23 +2624,21 @@ class EngramGateAdapter:
         if d % min(cfg.block_d, d):
             raise Decline(f"D={d} is not a multiple of block_d {cfg.block_d}")
         a = call.attrs
-        rows = bucket_rows(t, 1)
-        key = _key("engram", "gate_program", (rows, n, d), cfg, eps=float(a["eps"]), clamp=float(a["clamp"]),
-                   image_token_id=int(a["image_token_id"]))  # fmt: skip
-        return key, rows
+        return _key("engram", "gate_program", (None, n, d), cfg, eps=float(a["eps"]), clamp=float(a["clamp"]),
+                    image_token_id=int(a["image_token_id"]))  # fmt: skip
 
     def keys(self, call: Call) -> list[KernelKey]:
-        return [self._plan(call)[0]]
+        return [self._plan(call)]
 
     def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
-        _, rows = self._plan(call)
+        self._plan(call)  # the same checks as keys()
         x, kv, qw, kw, tokens = call.args
-        t = x.shape[0]
         qk = call.prep("engram_qk", (2, 3), lambda: (qw.float() * kw.float()).contiguous())
-        xb = pad_rows(x.to(torch.bfloat16), rows)
+        xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty_like(xb)
-        kernels[0](xb, pad_rows(kv.float(), rows), qk, pad_rows(tokens.to(torch.int32), rows), y)
-        return [y[:t].to(x.dtype)]
+        if x.shape[0]:  # no launch of an empty grid
+            kernels[0](xb, kv.float().contiguous(), qk, tokens.to(torch.int32).contiguous(), y)
+        return [y.to(x.dtype)]
 
 
 BATCHED_PAIR_COMPRESSOR = BatchedPairCompressorAdapter()
@@ -3025,7 +3026,8 @@ def _emulated_swab(key: KernelKey) -> Callable:
 
 
 def _check_abi(key: KernelKey, *pairs) -> None:
-    """The compiled kernels reject operands of other shapes (TileLang's packed ABI check); so do the stand-ins."""
+    """The compiled kernels reject operands of other shapes (TileLang's packed ABI check); so do the stand-ins.
+    None in a key's shape: a symbolic dim (any size)."""
     for i, (t, shape) in enumerate(pairs):
-        if tuple(t.shape) != tuple(shape):
+        if len(t.shape) != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
             raise RuntimeError(f"kernel {key.describe()} operand {i}: shape {tuple(t.shape)}, expected {tuple(shape)}")

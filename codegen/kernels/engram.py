@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.codegen.kernels._common import Mem, ceil_div
+from deepinfer.codegen.kernels._common import Mem
 
 FAMILY = "engram"
 HEAD_DIM, SCALE_GROUP = 256, 32
@@ -47,12 +47,17 @@ def gate_config_space(D: int) -> list[GateConfig]:
     return [GateConfig(bd, th) for bd in (512, 1024, 2048) for th in (128, 256, 512) if D % bd == 0 and bd >= th]
 
 
-def embed_program(T_: int, K: int, R: int, *, hd: int = HEAD_DIM, target: str, cfg: EmbedConfig = EmbedConfig()):
+def embed_program(T_: int | None, K: int, R: int | None, *, hd: int = HEAD_DIM, target: str,
+                  cfg: EmbedConfig = EmbedConfig()):  # fmt: skip
     """prim_func(E [R, hd], S [R, hd/32] uint8, Ids [T, K] int32, M [T, K*hd] fp32).
 
-    E is float8_e4m3 on CUDA; on the `c` target (no fp8 type) it is fp32 holding fp8-representable values."""
+    E is float8_e4m3 on CUDA; on the `c` target (no fp8 type) it is fp32 holding fp8-representable values.
+    T_=None / R=None: the token count / the table's rows are symbolic (one build for every T and both tables;
+    TileLang indexes the buffers in int64, so a 384M-row table stays addressable)."""
     import tilelang.language as T
 
+    T_ = T.dynamic("T") if T_ is None else T_
+    R = T.dynamic("R") if R is None else R
     mem = Mem(target)
     tab_dt = "float32" if mem.cpu else "float8_e4m3"
     ng, bt = hd // SCALE_GROUP, cfg.block_t
@@ -64,7 +69,7 @@ def embed_program(T_: int, K: int, R: int, *, hd: int = HEAD_DIM, target: str, c
         Ids: T.Tensor((T_, K), "int32"),
         M: T.Tensor((T_, K * hd), "float32"),
     ):
-        with T.Kernel(ceil_div(T_, bt), threads=cfg.threads) as bx:
+        with T.Kernel(T.ceildiv(T_, bt), threads=cfg.threads) as bx:
             # tokens serially, (k, c) across the threads: a parallel nest over (bt, K, hd) fails TileLang 0.1.15's
             # layout inference for many (bt, threads) pairs at K*hd < 4096 (tiny/small presets)
             for t in T.serial(bt):
@@ -79,13 +84,15 @@ def embed_program(T_: int, K: int, R: int, *, hd: int = HEAD_DIM, target: str, c
     return engram_embed
 
 
-def gate_program(T_: int, n: int, D: int, *, eps: float, clamp: float, image_token_id: int, target: str,
+def gate_program(T_: int | None, n: int, D: int, *, eps: float, clamp: float, image_token_id: int, target: str,
                  cfg: GateConfig = GateConfig()):  # fmt: skip
     """prim_func(X [T, n, D], KV [T, (n+1)*D] f32, QK [n, D] f32, Tok [T] int32, Y [T, n, D]).
 
-    X/Y are bf16 on CUDA and fp32 on the `c` target; Y may alias X (each element is read before it is written)."""
+    X/Y are bf16 on CUDA and fp32 on the `c` target; Y may alias X (each element is read before it is written).
+    T_=None: the token count is symbolic (one CTA per token: one build for every T)."""
     import tilelang.language as T
 
+    T_ = T.dynamic("T") if T_ is None else T_
     mem = Mem(target)
     dt = "float32" if mem.cpu else "bfloat16"
     bd = min(cfg.block_d, D)

@@ -33,12 +33,16 @@ def config_space(T_: int, E: int) -> list[Config]:
     return [Config(bm, t) for bm in (1, 2, 4, 8) for t in (32, 64, 128, 256) if bm * E >= t]
 
 
-def program(T_: int, E: int, *, topk: int, route_scale: float, target: str, cfg: Config = Config()):
-    """prim_func(L [T, E] fp32, B [E] fp32, Idx [T, k] int32, Wt [T, k] fp32)."""
+def program(T_: int | None, E: int, *, topk: int, route_scale: float, target: str, cfg: Config = Config()):
+    """prim_func(L [T, E] fp32, B [E] fp32, Idx [T, k] int32, Wt [T, k] fp32).
+
+    T_=None: the token count is symbolic (one build for every T; rows of the last block past T read as 0 and
+    are not written)."""
     import tilelang.language as T
 
     from deepinfer.codegen.kernels._common import Mem
 
+    T_ = T.dynamic("T") if T_ is None else T_
     bm = cfg.block_m
     mem = Mem(target)
     NEG = -3.0e38
@@ -61,7 +65,7 @@ def program(T_: int, E: int, *, topk: int, route_scale: float, target: str, cfg:
             wsum = mem.fragment((bm,), "float32")
             T.clear(wsum)
             for i, e in mem.par(bm, E):
-                v = L[bx * bm + i, e]
+                v = T.if_then_else(bx * bm + i < T_, L[bx * bm + i, e], 0.0)
                 # stable softplus: max(v, 0) + log(1 + exp(-|v|)); min(v, -v) = -|v| also on the C target,
                 # whose codegen has no fabs/log1p (the absolute error of log(1+t) is ~1 ulp of 1)
                 score[i, e] = T.sqrt(T.max(v, 0.0) + T.log(1.0 + T.exp(T.min(v, -v))))
@@ -80,8 +84,9 @@ def program(T_: int, E: int, *, topk: int, route_scale: float, target: str, cfg:
                     wsum[i] += best[i]
                     isel[i, j] = T.cast(pick[i], "int32")
             for i, j in mem.par(bm, topk):
-                Wt[bx * bm + i, j] = wsel[i, j] / wsum[i] * route_scale
-                Idx[bx * bm + i, j] = isel[i, j]
+                if bx * bm + i < T_:
+                    Wt[bx * bm + i, j] = wsel[i, j] / wsum[i] * route_scale
+                    Idx[bx * bm + i, j] = isel[i, j]
 
     return moe_routing
 

@@ -5,7 +5,8 @@
     Y[t, h, D-r+2i+1]    = e * sin + o * cos                   cos/sin = CosSin[Pos[t], i], CosSin[Pos[t], r/2+i]
 
 X [T, H, D] bf16, Pos [T] int32, CosSin [P, r] fp32 (cos | sin halves), Y [T, H, D] bf16. `inverse` uses
-the conjugate rotation (sin -> -sin), which the attention output needs at the query position (§2.10).
+the conjugate rotation (sin -> -sin), which the attention output needs at the query position (§2.10). T may be
+symbolic (T_=None): one build then serves every token count (the runtime's key has no row count).
 
 The cos/sin come from a table (`cos_sin_table`) built once per model with the op's own frequency formula
 (ir.ops.attention.rope_inv_freq, YaRN included) in fp32, rather than from sin/cos in the kernel: positions
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.codegen.kernels._common import Mem, ceil_div
+from deepinfer.codegen.kernels._common import Mem
 
 FAMILY = "rope"
 
@@ -38,14 +39,16 @@ def cos_sin_table(max_pos: int, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.cat([angle.cos(), angle.sin()], dim=-1).contiguous()
 
 
-def program(T_: int, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, target: str, cfg: Config = Config(),
-            io: str = ""):  # fmt: skip
+def program(T_: int | None, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, target: str,
+            cfg: Config = Config(), io: str = ""):  # fmt: skip
     """prim_func(X [T, H, D], Pos [T] int32, CosSin [P, r] fp32, Y [T, H, D]) for cpu | sm90 | sm100.
 
+    T_=None: the token count is symbolic (any T, no padding; the grid is ceil(T / block_t) CTAs).
     io "float32": X and Y are fp32 in memory with the bf16 kernel's numbers (X rounded to bf16 on load, Y the
     bf16-rounded result widened): the graph's fp32 activations without a cast launch on either side."""
     import tilelang.language as T
 
+    T_ = T.dynamic("T") if T_ is None else T_
     r, half = rope_dim, rope_dim // 2
     assert r % 2 == 0 and r <= D
     bt, nope = cfg.block_t, D - rope_dim
@@ -65,7 +68,7 @@ def program(T_: int, H: int, D: int, P: int, *, rope_dim: int, inverse: bool, ta
         CosSin: T.Tensor((P, r), "float32"),
         Y: T.Tensor((T_, H, D), mdt),
     ):
-        with T.Kernel(ceil_div(T_, bt), threads=cfg.threads) as bx:
+        with T.Kernel(T.ceildiv(T_, bt), threads=cfg.threads) as bx:
             for t, h, i in mem.par(bt, H, half):
                 tok = bx * bt + t
                 if tok < T_:

@@ -73,15 +73,47 @@ def test_c_target_gate(tilelang_required):
     assert (y.double() - oracle).abs().max() < 1e-5
 
 
+def test_symbolic_rows_embed_one_build_two_token_counts_two_tables(tilelang_required):
+    """T_=None, R=None: ONE c-target build gathers 3 and 2 tokens (block_t 2: a partial tail block) from tables of
+    50 and 17 rows, each against the float64 oracle; rows past T are not written."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    K = 24
+    kernel = compile_cpu(eg.embed_program(None, K, None, target="cpu", cfg=eg.EmbedConfig(2, 128)))
+    for t, r in ((3, 50), (2, 17)):
+        q, s = _table(r, seed=t)
+        ids = torch.randint(0, r, (t, K), dtype=torch.int32)
+        m = torch.full((t + 2, K * eg.HEAD_DIM), float("nan"))  # a write past row t shows in the spare rows
+        kernel(q.float(), s, ids, m[:t])
+        assert torch.equal(m[:t].double(), eg.embed_reference_f64(q, s, ids)), (t, r)
+        assert m[t:].isnan().all(), "rows past T written"
+
+
+def test_symbolic_rows_gate_one_build_two_token_counts(tilelang_required):
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    n, D = 4, 256
+    kernel = compile_cpu(eg.gate_program(None, n, D, eps=EPS, clamp=CLAMP, image_token_id=IMG, target="cpu",
+                                         cfg=eg.GateConfig(128, 128)))  # fmt: skip
+    for t in (3, 2):
+        x, kv, qw, kw, tok = _gate_inputs(t, n, D, seed=t)
+        y = torch.full_like(x, float("nan"))
+        kernel(x, kv, (qw * kw).contiguous(), tok, y)
+        oracle = eg.gate_reference_f64(x, kv, qw, kw, tok, eps=EPS, clamp=CLAMP, image_token_id=IMG)
+        assert (y.double() - oracle).abs().max() < 1e-5, t
+
+
 @pytest.fixture(scope="module")
 def builds(codegen_cache, nvcc_required):
     from deepinfer.codegen import tilelang_backend as tb
 
     out = {}
-    for t in ("sm90", "sm100"):  # V4.1: 4096 tokens, 24 rows of 256 from a 384M-row table; 4 streams of 5120
-        out[t, "embed"] = tb.build(f"engram_embed_{t}", eg.embed_program(4096, 24, 384_016_682, target=t), t)
+    # V4.1 as the runtime builds it: any token count (symbolic), 24 rows of 256 from a table of any size (symbolic;
+    # 384M rows there); 4 streams of 5120
+    for t in ("sm90", "sm100"):
+        out[t, "embed"] = tb.build(f"engram_embed_{t}", eg.embed_program(None, 24, None, target=t), t)
         out[t, "gate"] = tb.build(f"engram_gate_{t}", eg.gate_program(
-            4096, 4, 5120, eps=EPS, clamp=CLAMP, image_token_id=IMG, target=t), t)  # fmt: skip
+            None, 4, 5120, eps=EPS, clamp=CLAMP, image_token_id=IMG, target=t), t)  # fmt: skip
     return out
 
 

@@ -44,12 +44,30 @@ def test_c_target(tilelang_required, inverse):
     assert (y - rope.reference(x, pos, table, r, inverse)).abs().max() < 1e-6
 
 
+def test_symbolic_rows_one_build_two_token_counts(tilelang_required):
+    """T_=None: ONE c-target build runs 5 and 2 tokens (block_t 4: a partial tail block each time, whose rows past T
+    are not written)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    H, D, r, P = 2, 96, 64, 300
+    table = rope.cos_sin_table(P, rope_inv_freq(r, 10000.0))
+    kernel = compile_cpu(rope.program(None, H, D, P, rope_dim=r, inverse=False, target="cpu", cfg=rope.Config(4, 128)))
+    torch.manual_seed(2)
+    for t in (5, 2):
+        x, pos = torch.randn(t, H, D), torch.randint(0, P, (t,), dtype=torch.int32)
+        y = torch.full((t + 4, H, D), float("nan"))  # a write past row t shows in the spare rows
+        kernel(x, pos, table, y[:t])
+        assert (y[:t] - rope.reference(x, pos, table, r)).abs().max() < 1e-6, t
+        assert y[t:].isnan().all(), "rows past T written"
+
+
 @pytest.mark.parametrize("target", ["sm90", "sm100"])
 def test_builds_for_cuda(codegen_cache, nvcc_required, target):
     from deepinfer.codegen import tilelang_backend as tb
 
-    # V4.1 decode/prefill query: 4096 tokens x 64 heads x 512, rope on the last 64, 1M-position table
-    art = tb.build(f"rope_{target}", rope.program(4096, 64, 512, 1 << 20, rope_dim=64, inverse=False, target=target),
+    # V4.1 decode/prefill query: any token count (symbolic, as the runtime builds it) x 64 heads x 512, rope on the
+    # last 64, 1M-position table
+    art = tb.build(f"rope_{target}", rope.program(None, 64, 512, 1 << 20, rope_dim=64, inverse=False, target=target),
                    target)  # fmt: skip
     assert art.opcodes["EXIT"] >= 1 and art.opcodes["LDG"] > 0 and art.opcodes["STG"] > 0
     assert art.opcodes["STL"] == 0 and art.opcodes["LDL"] == 0, "no local-memory spills"
