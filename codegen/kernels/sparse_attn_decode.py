@@ -579,34 +579,45 @@ FUSED_THREADS = 256  # Config.fuse_combine: the PV warpgroups' threads fold the 
 
 def _fused_combine(H: int, D: int, ns: int, act: str):
     """Config.fuse_combine's fold, one thread's share (t < FUSED_THREADS) of request b: O[b] from every chunk's
-    partial with combine_program_wide's formula and order, in 16-B pieces: head u // (D / 8), columns u % (D / 8) * 8
-    of unit u = k * FUSED_THREADS + t (a warp reads and writes 32 contiguous pieces). Shared by the sm90 program and
-    its CPU mirror."""
+    partial with combine_program_wide's formula and order. Warp w takes heads w * HW .. w * HW + HW - 1 (HW =
+    H / 8), lane l columns (j * 32 + l) * 4 .. + 3 of each (j < D / 128): a warp's load or store covers 512
+    contiguous bytes of one chunk's row. Two heads a step, their weights and all their partial loads independent
+    (16 x 16-B loads in flight a thread: the fold reads L2, latency-bound). Shared by the sm90 program and its CPU
+    mirror."""
     import tilelang.language as T
 
     chunks = list(range(ns))  # unrolled at trace time
-    assert H * D % (8 * FUSED_THREADS) == 0
+    HW, JN = H // (FUSED_THREADS // 32), D // 128
+    assert H % (FUSED_THREADS // 32) == 0 and HW % 2 == 0 and D % 128 == 0
 
     @T.macro
     def piece(Op, Mp, Lp, Sink, O, b, t, acc8):
-        for k in T.serial(H * D // 8 // FUSED_THREADS):
-            h = (k * FUSED_THREADS + t) // (D // 8)
-            c8 = (k * FUSED_THREADS + t) % (D // 8) * 8
-            top = Sink[h]  # the max counts the sink: every exponent <= 0, an all-invalid chunk weighs 0
-            for c in chunks:
-                top = T.max(top, Mp[b, c, h])
-            den = T.exp(Sink[h] - top)
-            for c in chunks:
-                den = den + Lp[b, c, h] * T.exp(Mp[b, c, h] - top)
-            for v in T.vectorized(8):
-                acc8[v] = Op[b, 0, h, c8 + v] * (T.exp(Mp[b, 0, h] - top) / den)
-            for c in chunks[1:]:
-                for v in T.vectorized(8):
-                    acc8[v] = acc8[v] + Op[b, c, h, c8 + v] * (T.exp(Mp[b, c, h] - top) / den)
-            for v in T.vectorized(8):
-                O[b, h, c8 + v] = T.cast(acc8[v], act)
+        for i2 in T.serial(HW // 2):
+            for i1 in T.unroll(2, explicit=True):
+                h = t // 32 * HW + i2 * 2 + i1
+                top = Sink[h]  # the max counts the sink: every exponent <= 0, an all-invalid chunk weighs 0
+                for c in chunks:
+                    top = T.max(top, Mp[b, c, h])
+                den = T.exp(Sink[h] - top)
+                for c in chunks:
+                    den = den + Lp[b, c, h] * T.exp(Mp[b, c, h] - top)
+                for j in T.unroll(JN, explicit=True):
+                    col = (j * 32 + t % 32) * 4
+                    for v in T.vectorized(4):
+                        acc8[(i1 * JN + j) * 4 + v] = Op[b, 0, h, col + v] * (T.exp(Mp[b, 0, h] - top) / den)
+                    for c in chunks[1:]:
+                        for v in T.vectorized(4):
+                            acc8[(i1 * JN + j) * 4 + v] = acc8[(i1 * JN + j) * 4 + v] + Op[b, c, h, col + v] * (
+                                T.exp(Mp[b, c, h] - top) / den)
+                    for v in T.vectorized(4):
+                        O[b, h, col + v] = T.cast(acc8[(i1 * JN + j) * 4 + v], act)
 
     return piece
+
+
+def fused_acc(D: int) -> int:
+    """Config.fuse_combine: the fold's fp32 accumulators a thread (two heads' columns)."""
+    return 2 * D // 128 * 4
 
 
 class _Src(NamedTuple):
@@ -1147,7 +1158,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         p_empty = T.alloc_barrier([256] * NS)
         fin = T.alloc_barrier(128)
         flag_s = T.alloc_shared((1,), i32) if fused else None  # Config.fuse_combine: this CTA's count in Cnt[b]
-        acc8 = T.alloc_local((8,), f32) if fused else None
+        acc8 = T.alloc_local((fused_acc(D),), f32) if fused else None
         base = sp * chunk
         tr_row = b * ns + sp  # Config.trace's row
         tx = T.get_thread_binding()
@@ -1653,7 +1664,7 @@ def _program_ws_cpu(
         m_prev = T.alloc_local((H,), f32)
         l = T.alloc_local((H,), f32)
         acc = T.alloc_local((1,), f32)
-        acc8 = T.alloc_local((8,), f32)
+        acc8 = T.alloc_local((fused_acc(D),), f32)
         rid = T.alloc_local((R,), i32)
         base = sp * chunk
         for hf in T.serial(2):

@@ -117,7 +117,7 @@ def test_fuse_combine_cpu_mirror_matches_the_oracle(tilelang_required, ns):
 
 def test_fuse_combine_sm90_build(codegen_cache, nvcc_required):
     """B64's blocking (split 2): no spills; one acq_rel atomic on Cnt between two CTA barriers, fenced; the fold
-    reads Op with 16-B loads and writes O with 16-B stores; Cnt reset by the last CTA."""
+    reads Op with 16-B loads and writes O with 8-B stores (4 columns a lane); Cnt reset by the last CTA."""
     cfg = sad.Config(64, 384, 2, 2, True, fuse_combine=True)
     func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128)
     assert [p.name.removesuffix("_handle") for p in func.params][-4:] == ["Op", "Mp", "Lp", "Cnt"]
@@ -128,7 +128,7 @@ def test_fuse_combine_sm90_build(codegen_cache, nvcc_required):
     assert art.opcodes["ATOM"] == 1  # (4: acq_rel)
     assert re.search(r"__syncthreads\(\);\s*if \(\(\(int\)threadIdx.x\) == 0\) \{\s*__threadfence\(\);\s*"
                      r"\(\(int\*\)flag_s\)\[0\] = AtomicAddRet", art.source)  # fmt: skip
-    assert "*(float4*)(Op +" in tail and "*(uint4*)(O +" in tail and "Cnt[" in tail.split("*(uint4*)(O +")[-1]
+    assert "*(float4*)(Op +" in tail and "*(uint2*)(O +" in tail and "Cnt[" in tail.split("*(uint2*)(O +")[-1]
 
 
 def test_o_smem_sm90_build(codegen_cache, nvcc_required):
