@@ -284,12 +284,16 @@ DECODE_L2_PREFETCH = 0
 DECODE_EARLY_P = 0
 DECODE_LAZY_RESCALE = 0
 DECODE_IDS_FIRST = 0
+# Session 9 (not yet measured, off): Config.o_smem on every bf16 ws decode config it fits (one pass, 64-row blocks:
+# the single pass and the persistent grid; the split passes keep their partial stores).
+DECODE_O_SMEM = 0
 
 
 def _chain_options(cfg: Config) -> Config:
-    """DECODE_EARLY_P / DECODE_LAZY_RESCALE / DECODE_IDS_FIRST applied to a bf16 ws decode config."""
+    """DECODE_EARLY_P / DECODE_LAZY_RESCALE / DECODE_IDS_FIRST / DECODE_O_SMEM applied to a bf16 ws decode config."""
+    o_smem = bool(DECODE_O_SMEM) and cfg.num_split == 1 and cfg.block_n == WS_HEADS
     return dataclasses.replace(cfg, early_p=bool(DECODE_EARLY_P), lazy_rescale=bool(DECODE_LAZY_RESCALE),
-                               ids_first=bool(DECODE_IDS_FIRST))  # fmt: skip
+                               ids_first=bool(DECODE_IDS_FIRST), o_smem=o_smem)  # fmt: skip
 
 
 def _decode_options(cfg: Config) -> Config:
@@ -310,7 +314,7 @@ def _decode_options(cfg: Config) -> Config:
 PERSIST_MIN_B = 256
 
 DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_EARLY_P",
-                   "DECODE_LAZY_RESCALE", "DECODE_IDS_FIRST")
+                   "DECODE_LAZY_RESCALE", "DECODE_IDS_FIRST", "DECODE_O_SMEM")
 # "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
 DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
 

@@ -73,3 +73,17 @@ def test_chain_option_switches_reach_every_bf16_ws_decode_config(monkeypatch, na
     for b in BATCHES:
         assert after[b] == dataclasses.replace(before[b], **{field: True}), (b, after[b].tag)
     assert _configs(fp8=True) == before8
+
+
+def test_o_smem_switch_reaches_the_one_pass_bf16_configs(monkeypatch):
+    """DECODE_O_SMEM (session 9, off): Config.o_smem on the single pass and the persistent grid (64-row blocks), not
+    on the split passes nor on FP8 KV."""
+    before, before8 = _configs(), _configs(fp8=True)
+    assert not any(c.o_smem for c in before.values())
+    monkeypatch.setattr(sad, "DECODE_O_SMEM", 1)
+    after = _configs()
+    for b in BATCHES:
+        fits = before[b].num_split == 1 and before[b].block_n == 64
+        assert after[b] == dataclasses.replace(before[b], o_smem=fits), (b, after[b].tag)
+    assert after[128].tag == "wsn64s2o" and after[256].tag == "wsn64s2p132o" and not after[64].o_smem
+    assert _configs(fp8=True) == before8
