@@ -72,7 +72,8 @@ def _compile(args: argparse.Namespace):
     from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
 
     kw = {"kernels": getattr(args, "kernels", "none"), "jobs": getattr(args, "jobs", None),
-          "moe_format": getattr(args, "moe_format", "g32")}  # fmt: skip
+          "moe_format": getattr(args, "moe_format", "g32"),
+          "max_model_len": getattr(args, "max_model_len", None)}  # fmt: skip
     res = compile_model(_default_model(args.model), args.target, seed=args.seed, dump_ir=args.dump_ir, **kw)
     g = res.plan.graph
     print(
@@ -196,14 +197,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         from deepinfer.runtime.plan import load_plan
 
         plan = load_plan(args.plan)  # a plan runs on the target it was compiled for
+        jobs = (os.cpu_count() or 1) if args.prebuild_jobs is None else args.prebuild_jobs
         llm = LLM(plan=plan, target=plan.target, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=not args.no_cuda_graphs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  cuda_graphs=not args.no_cuda_graphs, prebuild_jobs=jobs,
                   batched_decode=False if args.no_batched_decode else None)  # fmt: skip
     else:
         args.target, args.dump_ir = "cpu", None
         plan = _compile(args)
-        llm = LLM(plan=plan, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        llm = LLM(plan=plan, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len)  # fmt: skip
     print(f"\nmodel: {llm.plan.model} ({llm.weights_source})")
     print(summary(llm.plan.graph))
     t0 = time.perf_counter()
@@ -314,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel artifacts to build into the plan (GPU/NPU targets): none, the bound nodes' kernels "
                    "at the plan's buckets (default), or all runtime row buckets")  # fmt: skip
     c.add_argument("-j", "--jobs", type=int, default=None, help="kernel build processes (default: all cores)")
+    c.add_argument("--max-model-len", type=int, default=None,
+                   help="sm90: the engine's max_model_len the kernels are built for (cache sizes fix some kernel "
+                   "shapes; default: min(the model's max positions, 4096), the engine's default); the plan records "
+                   "it and `deepinfer run` uses it")  # fmt: skip
     c.add_argument("--moe-format", default="g32", choices=("g32", "w128", "g128"),
                    help="sm90: the FP4 experts as FP8 -- g32: 32x32 weight blocks, 1x32 activations (the model's "
                    "numbers, default); w128: 128x128 blocks (exactness checked at load), 1x32 activations (the same "
@@ -336,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-num-seqs", type=int, default=16, help="requests per step")
     r.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
+    r.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output); default: the plan's (compile --max-model-len), else "
+                   "min(the model's max positions, 4096)")  # fmt: skip
+    r.add_argument("--prebuild-jobs", type=int, default=None,
+                   help="sm90 plans: build the kernels the engine looks up in this many processes before the first "
+                   "request (default: all cores; 0: each at its first call)")  # fmt: skip
     r.add_argument("--no-cuda-graphs", action="store_true",
                    help="sm90 plans: run decode steps eagerly instead of replaying CUDA graphs")  # fmt: skip
     r.add_argument("--no-batched-decode", action="store_true",

@@ -76,12 +76,16 @@ def compile_model(
     jobs: int | None = None,
     kernels_dir: str | os.PathLike | None = None,
     moe_format: str = "g32",
+    max_model_len: int | None = None,
 ) -> CompileResult:
     """Build the model's graph, run the pass pipeline over it and (GPU/NPU targets) build its kernels.
 
     kernels: none | bound | all (codegen/plan_kernels.py); jobs: build processes (default: all cores);
     kernels_dir: where to stage the artifacts (default: a fresh temporary directory; write_plan copies it);
-    moe_format: default_pipeline's (sm90 only; with an explicit pipeline, put the convert pass's options there)."""
+    moe_format: default_pipeline's (sm90 only; with an explicit pipeline, put the convert pass's options there);
+    max_model_len: the engine's the sm90 kernels are derived for (its caches' sizes fix some kernels' shapes;
+    default: the engine's default, runtime/engine.default_max_model_len), recorded in the kernels' manifest, which
+    the engine then takes as its default."""
     from deepinfer.models import get_model
     from deepinfer.models.checkpoint import resolve_model
     from deepinfer.passes.pipeline import Pipeline, run_pipeline
@@ -108,20 +112,23 @@ def compile_model(
     plan = Plan(name, config, target, optimised, weights, pipe.to_config(), report.format())
     res = CompileResult(plan, build_s, passes_s, len(graph.nodes))
     if target != "cpu" and kernels != "none":
-        _build_kernels(res, kernels, jobs, kernels_dir)
+        _build_kernels(res, kernels, jobs, kernels_dir, max_model_len)
     return res
 
 
-def _build_kernels(res: CompileResult, mode: str, jobs: int | None, kernels_dir) -> None:
+def _build_kernels(res: CompileResult, mode: str, jobs: int | None, kernels_dir, max_model_len: int | None) -> None:
     import tempfile
 
     from deepinfer.codegen.plan_kernels import build_kernels, format_manifest, kernel_specs
+    from deepinfer.runtime.engine import default_max_model_len
 
     t0 = time.perf_counter()
     plan = res.plan
-    specs, skipped = kernel_specs(plan.graph, plan.target, mode)
+    mml = max_model_len or default_max_model_len(plan.config)
+    specs, skipped = kernel_specs(plan.graph, plan.target, mode, max_model_len=mml)
     out = kernels_dir if kernels_dir is not None else tempfile.mkdtemp(prefix="deepinfer-kernels-")
-    plan.kernels = build_kernels(specs, plan.target, out, jobs=jobs, mode=mode, skipped=skipped)
+    plan.kernels = build_kernels(specs, plan.target, out, jobs=jobs, mode=mode, skipped=skipped,
+                                 max_model_len=mml if plan.target == "sm90" else None)  # fmt: skip
     plan.kernels_dir = str(out)
     res.kernels_s = time.perf_counter() - t0
     res.kernels_summary = format_manifest(plan.kernels)

@@ -35,7 +35,8 @@ RUNTIME_TARGETS = ("cpu", "sm90")  # sm90: runtime/cuda_executor.py (needs a CUD
 class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # default: min(the model's max positions, 4096)
+    max_model_len: int | None = None  # default: the plan's kernels' (compile --max-model-len), else
+    #                                   min(the model's max positions, 4096)
     num_blocks: int | None = None  # default: enough for max_num_seqs sequences of max_model_len, within kv_cache_bytes
     kv_cache_bytes: int = 1 << 30  # the default num_blocks' memory cap for the block pools
     block_size: int | None = None  # default: kv_cache.default_block_size
@@ -48,6 +49,9 @@ class EngineConfig:
     # False: a chain of one-sequence steps (runtime/cuda_executor.py's CudaRunner)
     batched_decode: bool | None = None
     kv_cache_device: str | None = None  # None: the runner's device (cuda for sm90); "cpu": host-resident pools
+    # sm90: build the kernels this engine looks up in this many processes before the first request (TileLang's disk
+    # cache then serves every lookup; 0: each kernel builds at its first call, in the request's time)
+    prebuild_jobs: int = 0
 
 
 @dataclass
@@ -111,7 +115,9 @@ class LLM:
         graph = self.plan.graph
         self.vocab_size = int(graph.outputs[0].shape[-1])
         self.eos_ids = _eos_ids(self.plan.config, self.tokenizer)
-        self.max_model_len = self.config.max_model_len or min(_max_positions(self.plan.config), 4096)
+        self.max_model_len = self.config.max_model_len or plan_max_model_len(self.plan)
+        if self.plan.target == "sm90" and self.config.prebuild_jobs > 0:
+            prebuild_plan_kernels(self.plan, self.max_model_len, self.config.prebuild_jobs)
         compact = graph.meta.get("mode") == "compact"
         block_size = self.config.block_size or default_block_size(cache_specs(graph))
         num_blocks = self.config.num_blocks or self._default_num_blocks(cache_specs(graph), block_size)
@@ -386,3 +392,31 @@ def _eos_ids(config: dict, tokenizer) -> set[int]:
 
 def _max_positions(config: dict) -> int:
     return int(_text_config(config).get("max_position_embeddings", config.get("max_position_embeddings", 4096)))
+
+
+def default_max_model_len(config: dict) -> int:
+    """The engine's max_model_len when neither the caller nor the plan gives one."""
+    return min(_max_positions(config), 4096)
+
+
+def plan_max_model_len(plan: Plan) -> int:
+    """The max_model_len the plan's kernels were built for (deepinfer compile --max-model-len; the caches' sizes,
+    hence some kernels' shapes, follow it), else default_max_model_len."""
+    return int((plan.kernels or {}).get("max_model_len") or default_max_model_len(plan.config))
+
+
+PREBUILD_TIMEOUT_S = 1800.0  # a cold 40-layer V4.1 on 2 cores; past it the rest build lazily
+
+
+def prebuild_plan_kernels(plan: Plan, max_model_len: int, jobs: int, log: Callable = print) -> dict:
+    """Build, in `jobs` processes, the kernels an sm90 engine of this max_model_len looks up
+    (plan_kernels.kernel_specs: the runtime adapters' own keys, read from the derived-key cache when compile
+    derived them for the same graph and max_model_len), so the first request finds them in TileLang's disk cache.
+    Returns {kernel: error} (those then build lazily or fall back, as before)."""
+    from deepinfer.codegen.plan_kernels import kernel_specs
+    from deepinfer.runtime.kernel_adapters import prebuild
+
+    t0 = time.perf_counter()
+    specs, _ = kernel_specs(plan.graph, "sm90", "bound", max_model_len=max_model_len)
+    log(f"pre-building {len(specs)} kernels (max_model_len {max_model_len}; keys in {time.perf_counter() - t0:.1f} s)")
+    return prebuild([s.key for s in specs], jobs, PREBUILD_TIMEOUT_S, log=log)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from deepinfer.codegen import plan_kernels, tuner
+from deepinfer.codegen import tilelang_backend as tb
 from deepinfer.compiler import compile_model
 from deepinfer.errors import SerializationError
 from deepinfer.runtime.plan import load_plan, write_plan
@@ -72,6 +73,9 @@ def test_manifest_entries_exist_and_gemms_use_fp8_wgmma(cold):
         assert set(e["files"]) == {"source", "cubin"}
         if e["family"] in GEMM_FAMILIES:
             assert e["sass_mma"].get("QGMMA", 0) > 0, e  # FP8 wgmma on sm90
+        if not e["sass_mma"]:  # no mma / gemm in the source: counted as none without disassembling -- check that
+            sass = tb.dump_sass(out / "kernels" / e["files"]["cubin"]["file"])
+            assert not plan_kernels._mma_counts(tb.count_opcodes(sass)), e["name"]
     plan = load_plan(out)
     assert plan.kernels["target"] == "sm90" and len(plan.kernels["kernels"]) == len(ents)
     ph = manifest["phases_s"]  # what the cold compile's time is made of (printed on the summary line)
