@@ -197,7 +197,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from deepinfer.runtime.plan import load_plan
 
         plan = load_plan(args.plan)  # a plan runs on the target it was compiled for
-        jobs = (os.cpu_count() or 1) if args.prebuild_jobs is None else args.prebuild_jobs
+        from deepinfer.codegen.plan_kernels import usable_cores
+
+        jobs = usable_cores() if args.prebuild_jobs is None else args.prebuild_jobs
         llm = LLM(plan=plan, target=plan.target, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   cuda_graphs=not args.no_cuda_graphs, prebuild_jobs=jobs,
@@ -316,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kernels", default="bound", choices=("none", "bound", "all"),
                    help="kernel artifacts to build into the plan (GPU/NPU targets): none, the bound nodes' kernels "
                    "at the plan's buckets (default), or all runtime row buckets")  # fmt: skip
-    c.add_argument("-j", "--jobs", type=int, default=None, help="kernel build processes (default: all cores)")
+    c.add_argument("-j", "--jobs", type=int, default=None,
+                   help="kernel build processes (default: the cores this process may use)")  # fmt: skip
     c.add_argument("--max-model-len", type=int, default=None,
                    help="sm90: the engine's max_model_len the kernels are built for (cache sizes fix some kernel "
                    "shapes; default: min(the model's max positions, 4096), the engine's default); the plan records "
@@ -348,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "min(the model's max positions, 4096)")  # fmt: skip
     r.add_argument("--prebuild-jobs", type=int, default=None,
                    help="sm90 plans: build the kernels the engine looks up in this many processes before the first "
-                   "request (default: all cores; 0: each at its first call)")  # fmt: skip
+                   "request (default: the cores this process may use; 0: each at its first call)")  # fmt: skip
     r.add_argument("--no-cuda-graphs", action="store_true",
                    help="sm90 plans: run decode steps eagerly instead of replaying CUDA graphs")  # fmt: skip
     r.add_argument("--no-batched-decode", action="store_true",

@@ -714,6 +714,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (taskset / cgroup affinity), not the machine's: the default number of
+    build processes (os.cpu_count() is 32 on the H200 host even under `taskset -c 0,1`)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
 def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: int | None = None,
                   mode: str = "bound", skipped: dict | None = None,
                   max_model_len: int | None = None) -> dict:  # fmt: skip
@@ -725,7 +734,7 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
     tl_version = _tilelang_version()
     results = [cached_build(s, target, tl_version) for s in specs]
     todo = spread_families([i for i, r in enumerate(results) if r is None], key=lambda i: specs[i].family)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    jobs = max(1, min(jobs or usable_cores(), len(todo) or 1))
     if jobs == 1 or len(todo) <= 1:
         built = [build_one(specs[i], target) for i in todo]
     else:
