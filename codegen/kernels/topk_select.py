@@ -1270,7 +1270,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
                                      cand(kc, c0_of(sg, it), lower, fb, stc, stc2), E, rc, tmp)  # fmt: skip
                         elif T.And(T.And(last == 1, nlive > 1), MERGE_ALL):  # every live segment's set at once,
                             for e in ops.par(NSEG * k):  # NONE-padded to k each
-                                ok = T.And(e // k < nlive, (e % k) < ld_cg(CCnt, t * NSEG + T.min(e // k, nlive - 1)))
+                                ok = T.And(e // k < nlive, (e % k) < ld_cg(CCnt, t * NSEG + e // k))
                                 bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
                                 bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
                             ops.sync()
@@ -1813,7 +1813,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             for q in T.serial(-(-NSEG * k // NT)):
                 e = q * NT + i
                 if e < NSEG * k:
-                    ok = T.And(e // k < nlive, (e % k) < ld_cg(CCnt, t * NSEG + T.min(e // k, nlive - 1)))
+                    ok = T.And(e // k < nlive, (e % k) < ld_cg(CCnt, t * NSEG + e // k))
                     bufk[e] = T.if_then_else(ok, ld_cg(CKey, t * NSEG * k + e), NONE)
                     bufi[e] = T.if_then_else(ok, ld_cg(CIdx, t * NSEG * k + e), 0)
         for _z in ops.par(1):
@@ -1875,19 +1875,23 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             if PERSIST:
                 nlim = T.alloc_var("int32", init=C)  # the next row's limit
             # (several segments a row) the live ones: those with a visible column (at least one: it writes a row
-            # without any); the others exit at once, the live ones merge only the live slots
-            nlive = 1 if NSEG == 1 else T.max(T.min((row_limit(Pos, bt) + SEG - 1) // SEG, NSEG), 1)
-            # rows: this CTA's one (a dead segment: none; persist: bt, bt + GRID, ... -- the next one's first chunk
-            # fetched before this one's output / final selection)
-            for r in T.serial((T_ - bt + GRID - 1) // GRID if PERSIST
-                              else ROWS if NSEG == 1 else T.if_then_else(sg < nlive, 1, 0)):  # fmt: skip
+            # without any); the others skip their selection and hand nothing on, the live ones merge only the live
+            # slots (a loop extent or branch around the row for the dead ones broke TileLang's loop unswitching /
+            # Python's block nesting limit)
+            if NSEG > 1:  # (a variable: as an expression, TileLang's loop unswitching broke the merge's L2 reads)
+                nlive = T.alloc_var("int32", init=T.max(T.min((row_limit(Pos, bt) + SEG - 1) // SEG, NSEG), 1))
+            else:
+                nlive = 1
+            # rows: this CTA's one (persist: bt, bt + GRID, ... -- the next one's first chunk fetched before this
+            # one's output / final selection)
+            for r in T.serial((T_ - bt + GRID - 1) // GRID if PERSIST else ROWS):
                 # (persist, GPU: the row through an opaque move -- nvcc otherwise strength-reduces every address of
                 # the row into an induction variable of its own: 111 registers instead of 90, spills at 80)
                 t = bt + r * GRID if not PERSIST or ops.cpu else T.call_extern("int32", "tl_topk_opaque", bt + r * GRID)
                 lim = row_limit(Pos, t)
                 beta = NONE
                 floor = NONE
-                last = T.if_then_else(nlive == 1, 1, 0)
+                last = T.if_then_else(T.And(nlive == 1, sg == 0), 1, 0)
                 staged = 0
                 nsel = EB
                 for u in T.serial(4):
@@ -1985,8 +1989,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                             mode = 2
                                         elif FUSED == 1:
                                             bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
-                    elif it == NCH:
-                        cut = 1 if DIAG in ("", HIST_DIAG_SELECT) else 0
+                    elif it == NCH:  # (a dead segment: nothing to select or hand on)
+                        cut = T.if_then_else(sg < nlive, 1, 0) if DIAG in ("", HIST_DIAG_SELECT) else 0
                     if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
                         if T.And(it == NCH + 1, T.And(last == 1, nlive > 1)):
                             load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive)

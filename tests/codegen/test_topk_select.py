@@ -433,6 +433,19 @@ def test_sm90_lowers_decode_c32768(tilelang_required):
     assert "tl_topk_prefetch_l2(" in src
 
 
+@pytest.mark.parametrize("hist", [False, True])
+def test_sm90_lowers_live_segment_merge(tilelang_required, hist):
+    """Regression (session 9, helper D's dry-run): the live-segment merge of both programs failed to lower for sm90
+    ("address_of argument must be a BufferLoad": its L2 read's slot index was clamped with a local variable); the
+    T1 decode's filter program at C >= 16384 did not build."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.HistConfig(32, 8, 512) if hist else ts.Config(32, 8, 256, True, 4, 32, merge_all=True)
+    assert ts.n_segments(1024, cfg) > 1
+    src = tb.lower(ts.program(3, 1024, k=16, ratio=1, cfg=cfg, target="sm90"), tb.get_target("sm90"))
+    assert "__ldcg(" in src
+
+
 def test_sm90_lowers_ffs_one_word_a_thread(tilelang_required):
     """Regression: the __ffs output did not lower where a thread owns one bitmap word and some threads none (C 2048
     at 128 threads: the 'fused' GPU tie test at T512; here C 1024 at 64 threads): its loop bound was a shared load
