@@ -3450,8 +3450,9 @@ def _topk_s9_rows():
     """(T, C, cfg, visible, split) rows "indexer topk s9" (helper B, session 9, issue 6: top-k >= 60% of HBM; all
     unmeasured). T4096 C65536 k512: the default (session 8: 460.8 us = 53.8%, do_bench's flush) next to `persist`
     (3 x 132 persistent CTAs; the next row's first chunk fetched before this row's output, or with next_early before
-    its final selection) and the default with tail_split (the last wave's rows as 2-segment rows in a second launch).
-    T4096 C16384: the default (128 threads, no rsel) and with rsel. T64 C65536 / C16384: the defaults. Decode with
+    its final selection), the default with tail_split (the last wave's rows as 2-segment rows in a second launch)
+    and with `eager` (the first chunk's loads issued before the row's limit and the workspace's zeroing). T4096
+    C16384: the default (128 threads, no rsel), with rsel, with eager. T64 C65536 / C16384: the defaults. Decode with
     positions (dead segments exit at once, the live ones merge only the live slots): T1 and T64 at C65536 with 2048
     visible columns next to the same rows fully visible."""
     from deepinfer.codegen.kernels import topk_select as ts
@@ -3461,7 +3462,9 @@ def _topk_s9_rows():
     return [
         (4096, 65536, d64, None, False), (4096, 65536, rep(d64, persist=396), None, False),
         (4096, 65536, rep(d64, persist=396, next_early=True), None, False), (4096, 65536, d64, None, True),
+        (4096, 65536, rep(d64, eager=True), None, False),
         (4096, 16384, d16, None, False), (4096, 16384, rep(d16, rsel=True), None, False),
+        (4096, 16384, rep(d16, eager=True), None, False),
         (64, 65536, None, None, False), (64, 16384, None, None, False),
         (1, 65536, None, 2048, False), (1, 65536, None, None, False),
         (64, 65536, None, 2048, False),

@@ -139,6 +139,10 @@ class HistConfig:
     # its loads fly while this row finishes (no CTA start and no first-chunk latency between rows)
     persist: int = 0
     next_early: bool = False
+    # (one segment a row, C >= a chunk) the first chunk's loads issued at the CTA's start, whole and unpredicated --
+    # before the row's limit (a dependent load of Pos) and the workspace's zeroing and barrier -- so that their
+    # latency overlaps both (columns past the limit are read, then masked: at most a chunk's bytes more a row)
+    eager: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -154,7 +158,7 @@ class HistConfig:
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
                 + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
                 + ("r" if self.rsel else "") + (f"g{self.persist}" if self.persist else "")
-                + ("n" if self.next_early else "")
+                + ("n" if self.next_early else "") + ("a" if self.eager else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -192,6 +196,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
         assert not cfg.persist or (n_segments(C, cfg) == 1 and not cfg.diag), "persist: one segment a row, no diag"
         assert cfg.persist or not cfg.next_early, cfg
+        assert not cfg.eager or (n_segments(C, cfg) == 1 and C >= cfg.chunk), "eager: whole first chunks, one segment"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
@@ -1608,6 +1613,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     PERSIST = cfg.persist > 0  # (one segment a row: check_config) CTAs that each take every GRID-th row
     GRID = min(cfg.persist, T_) if PERSIST else T_
     ROWS = 1  # (without persist: one row a CTA)
+    EAGER = cfg.eager and not PERSIST  # (check_config: one segment a row, C >= a chunk)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
@@ -1888,6 +1894,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 # (persist, GPU: the row through an opaque move -- nvcc otherwise strength-reduces every address of
                 # the row into an induction variable of its own: 111 registers instead of 90, spills at 80)
                 t = bt + r * GRID if not PERSIST or ops.cpu else T.call_extern("int32", "tl_topk_opaque", bt + r * GRID)
+                if EAGER:  # the first chunk whole, unpredicated, before the limit is known: chunk_keys masks it
+                    for i in ops.par(NT):
+                        for j in ops.unroll(E):
+                            xr[i, j] = S[t, io.col_of(0, i, j)]
                 lim = row_limit(Pos, t)
                 beta = NONE
                 floor = NONE
@@ -1912,7 +1922,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     if DIAG in ("read", HIST_DIAG_FIRST):
                         rc[i] = NONE
                 ops.barrier()  # (shared atomics next)
-                if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
+                if EAGER:  # (its loads were issued before the limit and the workspace)
+                    pass
+                elif c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
                     if not PERSIST:
                         fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
                     elif r == 0:  # (persist: a later row's was fetched during the row before)

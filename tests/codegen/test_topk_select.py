@@ -5,6 +5,7 @@ the last-arrival merge), the Triton variant in its interpreter, sm90 builds and 
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -232,26 +233,29 @@ def test_c_target_hist_lean_compact(request, which, kind):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
-@pytest.fixture(scope="module")
-def c_persist_kernel(tilelang_required):
-    """The rsel program (lean + compact + wscan + rsel) on a persistent grid of 3 CTAs for 7 rows (3, 2 and 2 rows a
-    CTA), each fetching its next row's first chunk before its final selection (next_early; the GPU also measures
-    the fetch after the marks)."""
+@pytest.fixture(scope="module", params=["persist", "eager"])
+def c_row_start_kernel(tilelang_required, request):
+    """The rsel program (lean + compact + wscan + rsel) with its rows' first chunks fetched early: persist (a grid of
+    3 CTAs for 7 rows -- 3, 2 and 2 rows a CTA --, each fetching its next row's first chunk before its final
+    selection; next_early, the GPU also measures the fetch after the marks) or eager (one row a CTA, its first chunk
+    read whole before the row's limit is known)."""
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
-    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, wscan=True, rsel=True, persist=3,
-                        next_early=True)  # fmt: skip
+    rsel = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, wscan=True, rsel=True)
+    cfg = replace(rsel, persist=3, next_early=True) if request.param == "persist" else replace(rsel, eager=True)
     return compile_cpu(ts.program(7, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
-def test_c_target_hist_persist(c_persist_kernel, kind):
-    """persist: rows of every length (none, one, 20, 300, 701 -- the limit mid-float4 before columns holding the
-    largest scores --, all) in an order where a CTA's next row is shorter or longer than its current one; exact,
-    ties included, twice."""
-    kernel, cfg = c_persist_kernel
+def test_c_target_hist_row_start(c_row_start_kernel, kind):
+    """persist / eager: rows of every length (none, one, 20, 300, 701 -- the limit mid-float4 before columns holding
+    the largest scores --, all) in an order where a CTA's next row is shorter or longer than its current one, the
+    largest scores of all also in columns 5..8 (inside the first chunk, invisible to the rows of < 5 columns);
+    exact, ties included, twice."""
+    kernel, cfg = c_row_start_kernel
     s = _scores(kind, 7, 1024, seed=6)
     s[:, 701:704] = 1e30
+    s[:, 5:9] = 1e30
     pos = torch.tensor([5000, 1402, 0, 40, 1, 2047, 600])  # ratio 2: 1024, 701, 0, 20, 1, 1024, 300 visible
     want = ts.reference(s, 16, pos, 2)
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
