@@ -3414,36 +3414,9 @@ def _topk_split_rows():
 
 def case_topk_tail_split(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     """topk_select.tail_split: the whole waves of one-CTA rows in one launch, the last wave's rows split into
-    segments in a second (no idle slots in the last wave); checked exact (heavy ties, then real scores, twice)."""
-    from deepinfer.codegen.kernels import indexer_topk as it
-    from deepinfer.codegen.kernels import topk_select as ts
-
-    launches = ts.tail_split(T_, C, cfg)
-    row.kernel += " " + "+".join(f"{n}x{c.tag}" for _, n, c in launches)
-    kerns = [build(ts.program(n, C, k=IDX_TOPK, ratio=2, cfg=c, target="sm90")) for _, n, c in launches]
-    pos = _idx_positions(T_, C)
-    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
-    row.peak = "fp8"
-    if dry:
-        return
-    q, w, k, ks, pos = _idx_inputs(T_, C)
-    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
-    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
-    scratch = [ts.make_scratch(n, C, IDX_TOPK, c, "cuda") for _, n, c in launches]
-
-    def run_on(x):
-        for kern, (r0, n, _), scr in zip(kerns, launches, scratch):
-            kern(x[r0 : r0 + n], pos[r0 : r0 + n], out[r0 : r0 + n], *scr)
-
-    ties = torch.randint(-3, 4, s.shape, device="cuda").float()
-    ties[:, ::5] = torch.where(ties[:, ::5] == 0, -0.0, ties[:, ::5])
-    run_on(ties)
-    _idx_topk_exact(out, ties, pos)
-    del ties
-    for _ in range(2):
-        run_on(s)
-        row.check = _idx_topk_exact(out, s, pos)
-    row.ms = bench(lambda: run_on(s), quick)
+    segments in a second (no idle slots in the last wave); checked exact (heavy ties, then real scores, twice) and
+    timed as `case_topk_s9` does."""
+    case_topk_s9(row, T_, C, cfg, None, True, quick, dry)
 
 
 def _topk_s9_rows():
