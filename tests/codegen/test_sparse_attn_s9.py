@@ -188,20 +188,39 @@ def test_ostore_ovals_skips_and_tail_stamps_build(codegen_cache, nvcc_required):
         dataclasses.replace(WS64, num_split=2, skip="ostore")
 
 
+def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
+    """warm_tail (tag "w", ws single pass only): one copy of each PV warpgroup's O stores (64 a thread, 128 in the
+    code, as the default), inside a rolled two-pass loop (#pragma unroll 1) that also holds the blocks; no spills."""
+    cfg = dataclasses.replace(WS64, warm_tail=True)
+    assert cfg.tag == "wsn64s2w"
+    for bad in (dict(num_split=2), dict(persist=132), dict(o_smem=True), dict(skip="ostore")):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(cfg, **bad)
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
+                                                                n_win=128))  # fmt: skip
+    assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
+    assert len([o for o in _sass_ops(art) if o.startswith("STG")]) == 2 * 64
+    loops = re.findall(r"#pragma unroll 1\s*for \(int phase\w* = 0; phase\w* < 2;", art.source)
+    assert len(loops) == 2 and art.source.count("fin[0].wait(0);") == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,persist", [(128, 0), (64, 0), (256, 132)])
 def test_o_smem_on_the_h200(kb, B, persist):
-    """The runtime's 4k operands (two pools): o_smem's output equals the program's without it bit for bit, and the
-    reference to 2e-2 (B64: the unsplit single pass, o_smem has no split form; B256: the persistent grid, where the
-    next request's block waits for the stores)."""
+    """The runtime's 4k operands (two pools): o_smem's and warm_tail's outputs equal the program's without them bit
+    for bit, and the reference to 2e-2 (B64: the unsplit single pass, neither has a split form; B256: the
+    persistent grid, where o_smem's next request's block waits for the stores; warm_tail: single pass only)."""
     q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(B)
     outs = []
     base = dataclasses.replace(WS64, persist=persist)
-    for cfg in (base, dataclasses.replace(base, o_smem=True)):
+    variants = [dataclasses.replace(base, o_smem=True)]
+    variants += [] if persist else [dataclasses.replace(base, warm_tail=True)]
+    for cfg in (base, *variants):
         outs.append(torch.full_like(q, float("nan")))
         kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
-    assert torch.equal(outs[0], outs[1])
-    assert kb.rel_err(outs[1], sad.reference(q, kv_cat, idx_cat, sink)) < 2e-2
+    for out in outs[1:]:
+        assert torch.equal(outs[0], out)
+    assert kb.rel_err(outs[0], sad.reference(q, kv_cat, idx_cat, sink)) < 2e-2
 
 
 @pytest.mark.gpu
