@@ -530,17 +530,33 @@ def decode_form(cfg: F32ScoresConfig, ctas_per_sm: int | None = None, per_row: b
     return dataclasses.replace(cfg, block_t=1, ctas_per_sm=n, k_split=32, maxnreg=168, per_row=row) if n else cfg
 
 
+# A cache of at least DECODE_LONG_C columns (0: none) takes the per-row form with DECODE_LONG_CTAS CTAs an SM when
+# DECODE_CTAS_PER_SM is 0 -- the first form's cost follows the cache, the per-row form's the sequence. H200, session
+# 9 call 2, B64 4k context, scores + top-k through the adapters, first form -> row16 without fill: mml 4096 r1 135.9
+# -> 144.5 us (slower), mml 65536 r2 177.4 -> 130.9, r1 242.9 -> 170.6. Off until the runtime's first-call check
+# compares a fill False output on its visible columns (kernel_adapters.scores_check_view).
+DECODE_LONG_C = 0
+DECODE_LONG_CTAS = 16
+
+
+def decode_config(cfg: F32ScoresConfig, C: int) -> F32ScoresConfig:
+    """A decode step's form for a cache of C columns: decode_form, or the long-cache per-row form (above)."""
+    if DECODE_LONG_C and C >= DECODE_LONG_C and not DECODE_CTAS_PER_SM:
+        return decode_form(cfg, DECODE_LONG_CTAS, per_row=True)
+    return decode_form(cfg)
+
+
 def f32_scores_config(T_: int, C: int, H: int = 32) -> F32ScoresConfig:
     """block_t x H = 128 columns per dot (4 queries at 32 heads); fewer heads: more queries per CTA. One query
-    (the one-sequence decode step): decode_form."""
+    (the one-sequence decode step): decode_config."""
     cfg = F32ScoresConfig(block_t=max(1, 128 // H))
-    return decode_form(cfg) if T_ == 1 else cfg
+    return decode_config(cfg, C) if T_ == 1 else cfg
 
 
 def f32_batched_scores_config(B: int, C: int, H: int = 32) -> F32ScoresConfig:
     """Every query reads its own keys (batched_index_scores), so a CTA takes one query (the dot's N = H): queries
-    sharing a CTA would share no key tile. decode_form."""
-    return decode_form(F32ScoresConfig(block_t=1))
+    sharing a CTA would share no key tile. decode_config."""
+    return decode_config(F32ScoresConfig(block_t=1), C)
 
 
 @functools.lru_cache(maxsize=2)

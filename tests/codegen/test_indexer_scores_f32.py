@@ -106,3 +106,18 @@ def test_cuda_balanced_one_query_step(pos, c, ratio):
     first = it.triton_scores(q, w, keys, p, ratio=ratio, scale=128**-0.5, cfg=it.F32ScoresConfig(block_t=1, k_split=32))
     assert torch.equal(s, first)
     _check(s.cpu(), _oracle_f64(q.cpu(), w.cpu(), keys.cpu(), p.cpu(), ratio, 128**-0.5), 1e-5)
+
+
+def test_long_caches_take_the_per_row_form_when_asked(monkeypatch):
+    """decode_config: off (DECODE_LONG_C 0) every cache takes decode_form (the first form by default); with
+    DECODE_LONG_C set, a cache of at least that many columns takes the per-row form with DECODE_LONG_CTAS CTAs an
+    SM (one-sequence and batched steps alike), a shorter one the first form; DECODE_CTAS_PER_SM, when set, wins."""
+    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 0)
+    assert it.f32_batched_scores_config(64, 65536).ctas_per_sm == 0
+    monkeypatch.setattr(it, "DECODE_LONG_C", 16384)
+    for cfg in (it.f32_batched_scores_config(64, 65536), it.f32_scores_config(1, 16384)):
+        assert cfg.ctas_per_sm == it.DECODE_LONG_CTAS and cfg.per_row and cfg.block_t == 1
+    assert it.f32_batched_scores_config(64, 4096).ctas_per_sm == 0
+    assert it.f32_scores_config(4, 65536).ctas_per_sm == 0  # prefill rows: the first form
+    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 8)
+    assert it.f32_batched_scores_config(64, 65536).ctas_per_sm == 8
