@@ -2801,9 +2801,9 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
     rep = dataclasses.replace
     fused = cfg.fuse_combine
     case_attn_s7(row, B, cfg, quick, dry, _fused_kernel if fused else None)
-    if not (cfg.o_smem or fused):
+    if not (cfg.o_smem or cfg.warm_tail or fused):
         return
-    plain = rep(cfg, fuse_combine=False) if fused else rep(cfg, o_smem=False)
+    plain = rep(cfg, fuse_combine=False) if fused else rep(cfg, o_smem=False, warm_tail=False)
     kernels = [_s7_kernel(B, plain, dry), (_fused_kernel if fused else _s7_kernel)(B, cfg, dry)]
     if dry:
         return
@@ -2816,13 +2816,13 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
         row.check += f" vs {plain.tag}+combine {expect(rel_err(outs[1], outs[0]), 1e-2)}"
         assert int(kernels[1].cnt.abs().sum()) == 0, "fuse_combine left Cnt non-zero"
     elif not same:
-        raise AssertionError(f"o_smem output differs from {plain.tag}'s")
+        raise AssertionError(f"{cfg.tag}'s output differs from {plain.tag}'s")
     row.check += " bit-equal" if same else ""
 
 
 def attn_s9_cases():
     """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
-    default next to o_smem (each o_smem row also bit-equal to its config without it): B128 single pass; B256
+    default next to o_smem and warm_tail (each also bit-equal to its config without it): B128 single pass; B256
     persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine); the B128 trace rows;
     B64 split 2 (default) vs unsplit with and without o_smem (o_smem has no split form); B256 single pass (two
     waves) with and without it; the B64 trace row; the summary. The most telling rows first (a timeout keeps
@@ -2839,6 +2839,7 @@ def attn_s9_cases():
     for B in S7_BATCHES:
         add(B, sad.sm90_config(B, 640), "default")
     add(128, rep(ws64, o_smem=True))
+    add(128, rep(ws64, warm_tail=True))
     add(256, rep(sad.sm90_config(256, 640), o_smem=True))
     add(64, rep(sad.sm90_config(64, 640), fuse_combine=True))
     traces = attn_s9_trace_cases()
@@ -2866,7 +2867,8 @@ def attn_gputest_cases():
         cfgs += [(B, base), (B, rep(base, ids_first=True))]
         cfgs += [(B, rep(base, early_p=e, lazy_rescale=z)) for e, z in ((1, 0), (0, 1), (1, 1))]
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-    cfgs += [(128, rep(ws64, o_smem=True)), (256, rep(ws64, persist=132, o_smem=True))]  # (ws64: B128's base)
+    cfgs += [(128, rep(ws64, o_smem=True)), (128, rep(ws64, warm_tail=True)),
+             (256, rep(ws64, persist=132, o_smem=True))]  # (ws64: B128's base)  # fmt: skip
 
     cfgs.append((64, rep(sad.sm90_config(64, 640), fuse_combine=True)))
 
@@ -2882,12 +2884,13 @@ def attn_gputest_cases():
 def attn_s9_trace_cases():
     """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, the
     default without its O stores (skip "ostore": the tail without them) and with zeros stored at the same addresses
-    from a rolled loop (skip "ovals": the stores' traffic without their unrolled code); o_smem at B64 unsplit."""
+    from a rolled loop (skip "ovals": the stores' traffic without their unrolled code), warm_tail (the epilogue's
+    code run once early); o_smem at B64 unsplit."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws = rep(sad.Config(64, sad.WS_THREADS, 1, 2, True), trace=True)
     cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (128, rep(ws, skip="ovals")),
-            (64, rep(ws, o_smem=True))]  # fmt: skip
+            (128, rep(ws, warm_tail=True)), (64, rep(ws, o_smem=True))]  # fmt: skip
     return [(f"sparse_attn s9 trace B{B} {cfg.tag} k640", f"B{B} H64 k640 4k",
              lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d, 640)) for B, cfg in cfgs]  # fmt: skip
 
