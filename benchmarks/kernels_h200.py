@@ -2823,10 +2823,10 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
 def attn_s9_cases():
     """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
     default next to o_smem and warm_tail (each also bit-equal to its config without it): B128 single pass; B256
-    persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine); the B128 trace rows;
-    B64 split 2 (default) vs unsplit with and without o_smem (o_smem has no split form); B256 single pass (two
-    waves) with and without it; the B64 trace row; the summary. The most telling rows first (a timeout keeps
-    them)."""
+    persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine) and with warm_tail; the
+    B128 trace rows; B64 unsplit with and without o_smem (o_smem has no split form); B256 single pass (two waves)
+    with and without it; the B64 split warm_tail trace row; the summary. The most telling rows first (a timeout
+    keeps them)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
@@ -2842,6 +2842,7 @@ def attn_s9_cases():
     add(128, rep(ws64, warm_tail=True))
     add(256, rep(sad.sm90_config(256, 640), o_smem=True))
     add(64, rep(sad.sm90_config(64, 640), fuse_combine=True))
+    add(64, rep(sad.sm90_config(64, 640), warm_tail=True))
     traces = attn_s9_trace_cases()
     out += traces[:-1]
     add(64, ws64, "no split")
@@ -2885,12 +2886,13 @@ def attn_s9_trace_cases():
     """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, the
     default without its O stores (skip "ostore": the tail without them) and with zeros stored at the same addresses
     from a rolled loop (skip "ovals": the stores' traffic without their unrolled code), warm_tail (the epilogue's
-    code run once early); o_smem at B64 unsplit."""
+    code run once early); warm_tail at B64 split 2 (its first blocks and its tail block also ran slow in session 8's
+    trace: cold code too?)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws = rep(sad.Config(64, sad.WS_THREADS, 1, 2, True), trace=True)
     cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (128, rep(ws, skip="ovals")),
-            (128, rep(ws, warm_tail=True)), (64, rep(ws, o_smem=True))]  # fmt: skip
+            (128, rep(ws, warm_tail=True)), (64, rep(ws, num_split=2, warm_tail=True))]  # fmt: skip
     return [(f"sparse_attn s9 trace B{B} {cfg.tag} k640", f"B{B} H64 k640 4k",
              lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d, 640)) for B, cfg in cfgs]  # fmt: skip
 
@@ -3426,8 +3428,9 @@ def _topk_s9_rows():
     """(T, C, cfg, visible, split) rows "indexer topk s9" (helper B, session 9, issue 6: top-k >= 60% of HBM; all
     unmeasured). T4096 C65536 k512: the default (session 8: 460.8 us = 53.8%, do_bench's flush) next to `persist`
     (3 x 132 persistent CTAs; the next row's first chunk fetched before this row's output, or with next_early before
-    its final selection), the default with tail_split (the last wave's rows as 2-segment rows in a second launch)
-    and with `eager` (the first chunk's loads issued before the row's limit and the workspace's zeroing). T4096
+    its final selection; with rsel the sm90 build spills 42 loads, without it 9), the default with tail_split (the
+    last wave's rows as 2-segment rows in a second launch) and with `eager` (the first chunk's loads issued before
+    the row's limit and the workspace's zeroing). T4096
     C16384: the default (128 threads, no rsel), with rsel, with eager. T64 C65536 / C16384: the defaults. Decode with
     positions (dead segments exit at once, the live ones merge only the live slots): T1 and T64 at C65536 with 2048
     visible columns next to the same rows fully visible."""
@@ -3437,7 +3440,8 @@ def _topk_s9_rows():
     d64, d16 = ts.default_config(4096, 65536, IDX_TOPK), ts.default_config(4096, 16384, IDX_TOPK)
     return [
         (4096, 65536, d64, None, False), (4096, 65536, rep(d64, persist=396), None, False),
-        (4096, 65536, rep(d64, persist=396, next_early=True), None, False), (4096, 65536, d64, None, True),
+        (4096, 65536, rep(d64, persist=396, next_early=True), None, False),
+        (4096, 65536, rep(d64, persist=396, rsel=False), None, False), (4096, 65536, d64, None, True),
         (4096, 65536, rep(d64, eager=True), None, False),
         (4096, 16384, d16, None, False), (4096, 16384, rep(d16, rsel=True), None, False),
         (4096, 16384, rep(d16, eager=True), None, False),
