@@ -137,7 +137,7 @@ class Config:
     # partials from L2 (just written). Why: at B64 (split 2) the combine kernel took ~10 us of the pair's ~33 (its
     # launch plus 21 MB, the partials read back from HBM); folded here it runs on 64 CTAs as they finish.
     fuse_combine: bool = False
-    # ws single pass, bf16 (session 9, not yet measured): the PV warpgroups run their O epilogue's code twice, one copy
+    # ws single or split pass (session 9, not yet measured): the PV warpgroups run their epilogue's code twice, one copy
     # in a rolled loop: first right after the prologue (its stores predicated off, while the first blocks load),
     # then at the end. Why: the tail from the last PV to the O stores issued took ~6.7 us (1.1 us in a build with no
     # loads or math); if that is the epilogue's ~4 KB of unrolled code fetched cold (each SM runs it once, at the
@@ -159,8 +159,8 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
-        assert not self.warm_tail or (self.ws and self.num_split == 1 and not self.persist and not self.o_smem
-                                      and not self.skip and self.copy == "cp"), "warm_tail: ws single pass"  # fmt: skip
+        assert not self.warm_tail or (self.ws and not self.persist and not self.o_smem and not self.fuse_combine
+                                      and not self.skip and self.copy == "cp"), "warm_tail: ws, no persist"  # fmt: skip
         assert not self.fuse_combine or (self.ws and self.num_split > 1 and not self.partial_bf16 and not self.trace
                                          and self.copy == "cp"), "fuse_combine: the ws split pass"  # fmt: skip
         assert not self.o_smem or (self.ws and self.num_split == 1 and self.block_n == WS_HEADS
@@ -590,6 +590,13 @@ class _WsGeom:
 FUSED_THREADS = 256  # Config.fuse_combine: the PV warpgroups' threads fold the chunks
 
 
+def _live_row(fin_s, h, phase):
+    """store_outputs' predicate for row h: always (no phase), or fin_s[h] x phase > 0 (Config.warm_tail)."""
+    import tilelang.language as T
+
+    return True if phase is None else fin_s[h] * T.cast(phase, "float32") > 0
+
+
 def _fused_combine(H: int, D: int, ns: int, act: str):
     """Config.fuse_combine's fold, one thread's share (t < FUSED_THREADS) of request b: O[b] from every chunk's
     partial with combine_program_wide's formula and order. Warp w takes heads w * HW .. w * HW + HW - 1 (HW =
@@ -703,6 +710,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
     combine_piece = _fused_combine(H, D, ns, "bfloat16") if fused else None
+    opt = "bfloat16" if cfg.partial_bf16 else "float32"  # the split pass's Op
     rounds, tail = divmod(nb, NS)
     bf, f32, i32 = "bfloat16", "float32", "int32"
     scale = D**-0.5
@@ -988,19 +996,22 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 O[b, t // 32 * 16 + i % 2 * 8 + t % 32 // 4, hf * D2 + i // 2 * 8 + t % 4 * 2 + v] = T.cast(0, bf)
 
     @T.macro
-    def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s):
-        """The epilogue's stores of this warpgroup's D half: the split pass's partial, or the normalised O."""
-        if split and cfg.partial_bf16:
+    def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s, phase=None):
+        """The epilogue's stores of this warpgroup's D half: the split pass's partial, or the normalised O.
+        phase (Config.warm_tail's pass): every row's stores predicated on fin_s[h] x phase > 0 -- a predicate per
+        row, so not hoisted out: pass 0 runs the code and stores nothing (0 x anything is 0 or NaN, never > 0;
+        fin_s may not be written yet), pass 1 stores every row (fin_s > 0; a NaN one, from NaN inputs, stores
+        nothing)."""
+        if split:
             for h, d in T.Parallel(H, D2):
-                Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], bf)
-        elif split:
-            for h, d in T.Parallel(H, D2):
-                Op[b, sp, h, hf * D2 + d] = o[h, d]
+                if _live_row(fin_s, h, phase):
+                    Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], opt)
         elif cfg.o_smem:
             store_o_smem(O, b, hf, t, o, kvh, fin_s)
         else:
             for h, d in T.Parallel(H, D2):
-                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+                if _live_row(fin_s, h, phase):
+                    O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
 
     @T.macro
     def pv_blocks(src, O, b, base, hf: int, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full, p_empty,
@@ -1107,11 +1118,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 if phase == 1:
                     pv_blocks(src, O, b, base, hf, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full,
                               p_empty, fin, rid, buf, obuf, Trace, tr_row)  # fmt: skip
-                for h, d in T.Parallel(H, D2):
-                    # a predicate per row (not hoisted out): phase 0, fin_s not yet written: 0 x anything is 0 or
-                    # NaN, never > 0; phase 1: fin_s > 0 (a NaN normaliser, from NaN inputs, leaves O unwritten)
-                    if fin_s[h] * T.cast(phase, f32) > 0:
-                        O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+                store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s, phase)
         else:
             pv_blocks(src, O, b, base, hf, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full, p_empty,
                       fin, rid, buf, obuf, Trace, tr_row)  # fmt: skip
@@ -1249,6 +1256,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for h in T.Parallel(H):
                     Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
                     Lp[b, sp, h] = l[h]
+                    if cfg.warm_tail:
+                        fin_s[h] = 1.0  # the partial stores' pass-1 predicate (store_outputs)
             else:
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
@@ -1436,7 +1445,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else (TRACE_PRELUDE if trace else None))
     kvt = "float8_e4m3fn" if kv_fp8 else bf
-    opt = bf if cfg.partial_bf16 else f32  # the split pass's Op
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,

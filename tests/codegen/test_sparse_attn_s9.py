@@ -189,11 +189,12 @@ def test_ostore_ovals_skips_and_tail_stamps_build(codegen_cache, nvcc_required):
 
 
 def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
-    """warm_tail (tag "w", ws single pass only): one copy of each PV warpgroup's O stores (64 a thread, 128 in the
-    code, as the default), inside a rolled two-pass loop (#pragma unroll 1) that also holds the blocks; no spills."""
+    """warm_tail (tag "w", ws, not persistent): one copy of each PV warpgroup's O stores (64 a thread, 128 in the
+    code, as the default), inside a rolled two-pass loop (#pragma unroll 1) that also holds the blocks; no spills.
+    The split pass: its partial stores the same way (a few spilled words)."""
     cfg = dataclasses.replace(WS64, warm_tail=True)
     assert cfg.tag == "wsn64s2w"
-    for bad in (dict(num_split=2), dict(persist=132), dict(o_smem=True), dict(skip="ostore")):
+    for bad in (dict(persist=132), dict(o_smem=True), dict(skip="ostore")):
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
     art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
@@ -202,6 +203,12 @@ def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
     assert len([o for o in _sass_ops(art) if o.startswith("STG")]) == 2 * 64
     loops = re.findall(r"#pragma unroll 1\s*for \(int phase\w* = 0; phase\w* < 2;", art.source)
     assert len(loops) == 2 and art.source.count("fin[0].wait(0);") == 2
+    split = dataclasses.replace(cfg, num_split=2)  # B64's blocking: the partial stores, WG0 sets fin_s for them
+    art = _build_ws(f"sparse_attn_ws_{split.tag}_2p", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=split,
+                                                                  n_win=128))  # fmt: skip
+    assert art.opcodes["LDL"] + art.opcodes["STL"] <= 8  # 4 + 4 words (the split default's: 0)
+    assert len(re.findall(r"#pragma unroll 1\s*for \(int phase\w* = 0; phase\w* < 2;", art.source)) == 2
+    assert re.search(r"\(\(float\*\)fin_s\)\[[^;]*\] = 0x1p\+0f", art.source)  # WG0: the partials' predicate
 
 
 @pytest.mark.gpu
