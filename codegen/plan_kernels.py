@@ -824,10 +824,10 @@ def format_manifest(manifest: dict) -> str:
     ph = manifest.get("phases_s")
     if ph:
         how = "read from the cache" if ph.get("derive_cached") else "derived"
-        cpu = ph.get("cpu") or {}
+        cpu = ", ".join(f"{k} {v:.1f} s" for k, v in (ph.get("cpu") or {}).items())
         lines.append(f"  phases: keys {how} in {ph['derive']:.1f} s; {ph['built']} kernels not on disk: lowering "
-                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s (summed over the processes); CPU "
-                     + ", ".join(f"{k} {v:.1f} s" for k, v in cpu.items()))  # fmt: skip
+                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s (summed over the processes)"
+                     + (f"; CPU {cpu}" if cpu else ""))  # fmt: skip
     lines += _costliest(ents)
     lines += [f"  failed: {e['name']}: {e['error']}" for e in ents if "error" in e]
     lines += [f"  not built: {k}: {v}" for k, v in manifest.get("not_built", {}).items()]
