@@ -2823,10 +2823,10 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
 def attn_s9_cases():
     """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
     default next to o_smem and warm_tail (each also bit-equal to its config without it): B128 single pass; B256
-    persistent (default) with o_smem; B64 split 2 with the combine folded in (fuse_combine) and with warm_tail; the
-    B128 trace rows; B64 unsplit with and without o_smem (o_smem has no split form); B256 single pass (two waves)
-    with and without it; the B64 split warm_tail trace row; the summary. The most telling rows first (a timeout
-    keeps them)."""
+    persistent (default) with o_smem and with warm_tail; B64 split 2 with the combine folded in (fuse_combine) and
+    with warm_tail; the B128 trace rows; B64 unsplit with and without o_smem (o_smem has no split form); B256
+    single pass (two waves) with and without it; the B64 split warm_tail trace row; the summary. The most telling
+    rows first (a timeout keeps them)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
@@ -2841,6 +2841,7 @@ def attn_s9_cases():
     add(128, rep(ws64, o_smem=True))
     add(128, rep(ws64, warm_tail=True))
     add(256, rep(sad.sm90_config(256, 640), o_smem=True))
+    add(256, rep(sad.sm90_config(256, 640), warm_tail=True))
     add(64, rep(sad.sm90_config(64, 640), fuse_combine=True))
     add(64, rep(sad.sm90_config(64, 640), warm_tail=True))
     traces = attn_s9_trace_cases()

@@ -159,8 +159,8 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
-        assert not self.warm_tail or (self.ws and not self.persist and not self.o_smem and not self.fuse_combine
-                                      and not self.skip and self.copy == "cp"), "warm_tail: ws, no persist"  # fmt: skip
+        assert not self.warm_tail or (self.ws and not self.o_smem and not self.fuse_combine and not self.skip
+                                      and self.copy == "cp"), "warm_tail: ws, not o_smem"  # fmt: skip
         assert not self.fuse_combine or (self.ws and self.num_split > 1 and not self.partial_bf16 and not self.trace
                                          and self.copy == "cp"), "fuse_combine: the ws split pass"  # fmt: skip
         assert not self.o_smem or (self.ws and self.num_split == 1 and self.block_n == WS_HEADS
@@ -1312,6 +1312,26 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         load_rid(src, nb_req, 0, st + 1, t, rid, 0)
 
     @T.macro
+    def request_blocks_p(Q, src, b, k, hf: int, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty, bar_q, fin,
+                         rid):  # fmt: skip
+        """The persistent grid's PV warpgroups: the CTA's k-th request b, its blocks up to fin."""
+        for it in T.serial(rounds - 1):
+            for st in ring:
+                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, k * rounds + it, hf)
+                gather(src, kvh, None, None, idx_s, full, b, 0, (it + 1) * NS + st, st, hf, t, rid, 0)
+                next_rid(src, b, (it + 1) * NS + st + 1, t, rid)
+        for st in ring:  # the last round: its refills gather the next request's first NS blocks
+            pv_wait(full, p_full, st, (k * rounds + rounds - 1) & 1, hf)
+            if st == NS - 1:
+                if b + P < Bd:  # WG0 is past its last QK^T of request b (it armed p_full of this block)
+                    load_q(Q, b + P, hf, t, q_h, bar_q)
+            pv_math(o, p_s, alpha_s, kvh, p_empty, st, k * rounds + rounds - 1, hf)
+            if not (cfg.o_smem and st == NS - 1):
+                if b + P < Bd:
+                    next_first_blocks(src, kvh, idx_s, full, b + P, st, hf, t, rid)
+        T.barrier_wait(fin, k & 1)  # WG0's fin_s of request b (it cannot be a request ahead: see body_p)
+
+    @T.macro
     def pv_role_p(Q, src, O, c, ntok, hf: int, t, o, q_h, kvh, idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty,
                   bar_q, fin, rid):  # fmt: skip
         """The PV warpgroups of the persistent grid. Block i of the CTA's k-th request is global block
@@ -1328,30 +1348,25 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             for j in pre_blocks:
                 gather(src, kvh, None, None, idx_s, full, c, 0, j, j, hf, t, rid, j)
             load_rid(src, c, 0, NS, t, rid, 0)
-        for k in T.serial(ntok):
+        # Config.warm_tail: one pass more, first, that runs only the epilogue's code, its stores predicated off
+        for kw in T.serial(ntok + (1 if cfg.warm_tail else 0)):
+            k = kw - 1 if cfg.warm_tail else kw
             b = c + k * P
-            for it in T.serial(rounds - 1):
-                for st in ring:
-                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, k * rounds + it, hf)
-                    gather(src, kvh, None, None, idx_s, full, b, 0, (it + 1) * NS + st, st, hf, t, rid, 0)
-                    next_rid(src, b, (it + 1) * NS + st + 1, t, rid)
-            for st in ring:  # the last round: its refills gather the next request's first NS blocks
-                pv_wait(full, p_full, st, (k * rounds + rounds - 1) & 1, hf)
-                if st == NS - 1:
-                    if b + P < Bd:  # WG0 is past its last QK^T of request b (it armed p_full of this block)
-                        load_q(Q, b + P, hf, t, q_h, bar_q)
-                pv_math(o, p_s, alpha_s, kvh, p_empty, st, k * rounds + rounds - 1, hf)
-                if not (cfg.o_smem and st == NS - 1):
-                    if b + P < Bd:
-                        next_first_blocks(src, kvh, idx_s, full, b + P, st, hf, t, rid)
-            T.barrier_wait(fin, k & 1)  # WG0's fin_s of request b (it cannot be a request ahead: see body_p)
+            if cfg.warm_tail:
+                if kw > 0:
+                    request_blocks_p(Q, src, b, k, hf, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty,
+                                     bar_q, fin, rid)  # fmt: skip
+            else:
+                request_blocks_p(Q, src, b, k, hf, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty, bar_q,
+                                 fin, rid)  # fmt: skip
             if cfg.o_smem:  # O through the last block's stage; the next request's block NS - 1 is gathered after
                 store_o_smem(O, b, hf, t, o, kvh, fin_s, NS - 1, True)
                 if b + P < Bd:
                     next_first_blocks(src, kvh, idx_s, full, b + P, NS - 1, hf, t, rid)
             else:
                 for h, d in T.Parallel(H, D2):
-                    O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+                    if _live_row(fin_s, h, T.min(kw, 1) if cfg.warm_tail else None):
+                        O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
             T.fill(o, 0.0)
 
     @T.macro

@@ -194,7 +194,7 @@ def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
     The split pass: its partial stores the same way (a few spilled words)."""
     cfg = dataclasses.replace(WS64, warm_tail=True)
     assert cfg.tag == "wsn64s2w"
-    for bad in (dict(persist=132), dict(o_smem=True), dict(skip="ostore")):
+    for bad in (dict(o_smem=True), dict(skip="ostore"), dict(num_split=2, fuse_combine=True)):
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
     art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
@@ -209,6 +209,11 @@ def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
     assert art.opcodes["LDL"] + art.opcodes["STL"] <= 8  # 4 + 4 words (the split default's: 0)
     assert len(re.findall(r"#pragma unroll 1\s*for \(int phase\w* = 0; phase\w* < 2;", art.source)) == 2
     assert re.search(r"\(\(float\*\)fin_s\)\[[^;]*\] = 0x1p\+0f", art.source)  # WG0: the partials' predicate
+    persist = dataclasses.replace(cfg, persist=132)  # B256's: one pass more per CTA, first, the epilogue's code only
+    art = _build_ws(f"sparse_attn_ws_{persist.tag}_2p", sad.program(256, 64, 512, 1 << 18, 640, target="sm90",
+                                                                    cfg=persist, n_win=128))  # fmt: skip
+    assert art.opcodes["LDL"] + art.opcodes["STL"] <= 40  # 18 + 14 words (the persistent default's: 3 + 3)
+    assert re.search(r"for \(int kw = 0; kw < [^;]*\+ 1\); \+\+kw\)", art.source)
 
 
 @pytest.mark.gpu
@@ -216,12 +221,12 @@ def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
 def test_o_smem_on_the_h200(kb, B, persist):
     """The runtime's 4k operands (two pools): o_smem's and warm_tail's outputs equal the program's without them bit
     for bit, and the reference to 2e-2 (B64: the unsplit single pass, neither has a split form; B256: the
-    persistent grid, where o_smem's next request's block waits for the stores; warm_tail: single pass only)."""
+    persistent grid, where o_smem's next request's block waits for the stores)."""
     q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(B)
     outs = []
     base = dataclasses.replace(WS64, persist=persist)
     variants = [dataclasses.replace(base, o_smem=True)]
-    variants += [] if persist else [dataclasses.replace(base, warm_tail=True)]
+    variants += [dataclasses.replace(base, warm_tail=True)]
     for cfg in (base, *variants):
         outs.append(torch.full_like(q, float("nan")))
         kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
