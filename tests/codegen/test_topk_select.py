@@ -105,14 +105,17 @@ def test_c_target_filter_and_multi_cta_rows(c_kernels, kind, which):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
-@pytest.mark.parametrize("which", ["multi", "merge", "hist_two"])
+@pytest.mark.parametrize("which", ["multi", "merge", "hist"])
 def test_c_target_dead_segments_exit(request, which):
     """With positions, the segments past a row's limit exit at once and the live ones merge only the live slots: a
     run over whole rows first leaves every slot's count and (large) keys in the scratch, which the short rows after
-    must not see (1, 2 and 3 live segments; a row of one visible column). Both programs (hist_two: the histogram
-    program's 2 segments a row)."""
-    if which == "hist_two":
-        kernel, cfg = request.getfixturevalue("c_hist_kernels")["two"][:2]
+    must not see (1, 2 and 3 live segments; a row of one visible column). Both programs (hist: the histogram
+    program, 4 one-chunk segments a row)."""
+    if which == "hist":
+        from deepinfer.codegen.tilelang_backend import compile_cpu
+
+        cfg = ts.HistConfig(32, 8, 256)
+        kernel = compile_cpu(ts.program(3, 1024, k=16, ratio=1, cfg=cfg, target="cpu"))
     else:
         kernel, cfg = request.getfixturevalue("c_kernels")[which]
     T_, C, k = 3, 1024, 16
@@ -128,7 +131,7 @@ def test_c_target_dead_segments_exit(request, which):
     assert torch.equal(run(big, full), ts.reference(big, k, full, 1))
     s, pos = _scores("ints", T_, C, seed=8), torch.tensor([0, 300, 700])  # 1 / 301 / 701 columns (ratio 1)
     live = [min(max(-(-(int(p) + 1) // cfg.seg), 1), ts.n_segments(C, cfg)) for p in pos]
-    assert live == ([1, 2, 3] if which == "merge" else [1, 1, 2])
+    assert live == ([1, 1, 2] if which == "multi" else [1, 2, 3])
     assert torch.equal(run(s, pos), ts.reference(s, k, pos, 1))
 
 
