@@ -2870,7 +2870,7 @@ def attn_gputest_cases():
         cfgs += [(B, rep(base, early_p=e, lazy_rescale=z)) for e, z in ((1, 0), (0, 1), (1, 1))]
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
     cfgs += [(128, rep(ws64, o_smem=True)), (128, rep(ws64, warm_tail=True)),
-             (256, rep(ws64, persist=132, o_smem=True))]  # (ws64: B128's base)  # fmt: skip
+             (256, rep(ws64, persist=132, o_smem=True)), (256, rep(ws64, persist=132, warm_tail=True))]  # fmt: skip
 
     cfgs.append((64, rep(sad.sm90_config(64, 640), fuse_combine=True)))
 
