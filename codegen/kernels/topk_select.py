@@ -55,6 +55,13 @@ round: the final selection cost ~60 us whatever its size -- barriers, not passes
 that run: lean chunks without the final selection 373.2 us, with the selection but no output 423.9 us. fused=1
 (no lagging bound) 483.7 us. `tail_split` (the last wave's rows as 2-segment rows in a second launch, ~4.5% by
 the wave count) is unmeasured.
+Session 9 (unmeasured yet): `HistConfig.persist` (a persistent grid, rows by stride, the next row's first chunk
+fetched into registers before this row's output -- or with `next_early` before its final selection -- so no CTA
+start and no first-chunk latency between rows; the row loop costs nvcc ~20 registers: 111 uncapped vs 90, spills at
+80 -- 42 loads with rsel, 9 without) and `HistConfig.eager` (one CTA a row: the first chunk's loads issued whole at
+the CTA's start, before the row's limit -- a dependent load of Pos -- and the workspace's zeroing and barrier). With
+positions, a row's segments past its limit do no selection and hand nothing on (the filter program's exit at once),
+and the row's last live segment merges only the live ones' slots.
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
