@@ -254,13 +254,13 @@ def tail_split(T_: int, C: int, cfg: HistConfig, sms: int = 132) -> list[tuple[i
     slots = cfg.min_blocks * sms  # (min_blocks 0: the occupancy is not known, no split)
     full = T_ // slots * slots if slots else 0
     rest = T_ - full
-    if rest == 0 or full == 0 or n_segments(C, cfg) > 1:
+    if rest == 0 or full == 0 or n_segments(C, cfg) > 1 or cfg.persist:  # (persist: no waves)
         return [(0, T_, cfg)]
     nseg = max(slots // rest, 1)
     seg = _round_up(-(-C // nseg), cfg.chunk)
     if nseg == 1 or seg >= cfg.seg:
         return [(0, T_, cfg)]
-    return [(0, full, cfg), (full, rest, replace(cfg, seg=seg))]
+    return [(0, full, cfg), (full, rest, replace(cfg, seg=seg, eager=False))]  # (eager: one segment a row)
 
 
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | HistConfig:

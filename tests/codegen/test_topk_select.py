@@ -523,6 +523,10 @@ def test_tail_split():
     assert ts.tail_split(4096, 65536, ts.HistConfig(256, 16, 65536)) == [(0, 4096, ts.HistConfig(256, 16, 65536))]
     assert len(ts.tail_split(396 * 4, 65536, cfg)) == 1 and len(ts.tail_split(300, 65536, cfg)) == 1
     assert len(ts.tail_split(4096, 65536, ts.HistConfig(256, 16, 16384, min_blocks=3))) == 1
+    # eager (one segment a row) stays with the whole rows; a persistent grid has no waves to split
+    (_, _, e0), (_, _, e1) = ts.tail_split(4096, 65536, replace(cfg, eager=True))
+    assert e0.eager and not e1.eager and e1.seg == 32768
+    assert len(ts.tail_split(4096, 65536, replace(cfg, persist=396))) == 1
 
 
 def test_configs_and_roofline():
