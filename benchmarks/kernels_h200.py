@@ -3452,6 +3452,17 @@ def _topk_s9_rows():
     ]  # fmt: skip
 
 
+def _topk_s9b_rows():
+    """(T, C, cfg, visible, split) rows "indexer topk comb s9" (helper B, session 9, round 2; unmeasured):
+    combinations of round 1's variants -- eager with tail_split at T4096 C65536, eager with rsel at C16384."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    rep = dataclasses.replace
+    d64, d16 = ts.default_config(4096, 65536, IDX_TOPK), ts.default_config(4096, 16384, IDX_TOPK)
+    return [(4096, 65536, rep(d64, eager=True), None, True),
+            (4096, 16384, rep(d16, eager=True, rsel=True), None, False)]  # fmt: skip
+
+
 def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bool, dry: bool):
     """One "indexer topk s9" row: topk_select (cfg or the default; split: topk_select.tail_split's launches) on the
     fp32 reference scores of real-shaped FP8 inputs, every row checked exact against topk_entries (heavy ties, then
@@ -3592,9 +3603,10 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in _topk_split_rows():
             out.append(("indexer_topk_select split", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_tail_split(r, T_, C, c, q, d)))
-        for T_, C, cfg, vis, split in _topk_s9_rows():
-            out.append(("indexer topk s9", f"T{T_} C{C} k{IDX_TOPK}" + (f" vis{vis}" if vis else ""),
-                        lambda r, q, d, T_=T_, C=C, c=cfg, v=vis, sp=split: case_topk_s9(r, T_, C, c, v, sp, q, d)))
+        for group, rows in (("s9", _topk_s9_rows()), ("comb s9", _topk_s9b_rows())):
+            for T_, C, cfg, vis, split in rows:
+                run = lambda r, q, d, T_=T_, C=C, c=cfg, v=vis, sp=split: case_topk_s9(r, T_, C, c, v, sp, q, d)  # noqa: E731
+                out.append((f"indexer topk {group}", f"T{T_} C{C} k{IDX_TOPK}" + (f" vis{vis}" if vis else ""), run))
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
                         lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))
