@@ -153,3 +153,28 @@ def test_kernels_none_writes_no_kernels(env):
     assert res.plan.kernels is None and res.plan.kernels_dir is None
     with pytest.raises(Exception, match="--kernels must be one of"):
         plan_kernels.kernel_specs(res.plan.graph, "sm90", "some")
+
+
+def test_specs_with_the_same_program_lower_once_and_share_one_cubin(env, tmp_path, monkeypatch):
+    """Two specs whose factory makes the same program (as keys that differ only in what the program ignores: a
+    symbolic dim's bucket, sparse_attn_decode's ws pools): one lowering (the TIR-keyed cache answers the second), one
+    nvcc (the source-keyed cubin), and each spec still gets its own source and a valid cubin in the manifest."""
+    from deepinfer.codegen.kernels import rope
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DEEPINFER_CODEGEN_CACHE", str(cache))
+    specs = [plan_kernels.KernelSpec("rope", "program", (None, 2, 64, 256 * (i + 1)), {"rope_dim": 64}, {}, "t")
+             for i in range(2)]  # fmt: skip
+    monkeypatch.setattr(plan_kernels, "_make_program", lambda spec, target: rope.program(
+        None, 2, 64, 256, rope_dim=64, inverse=False, target=target))  # fmt: skip
+    lowered, compiled = [], []
+    real_lower, real_nvcc = tb.lower, tb.compile_cubin
+    monkeypatch.setattr(tb, "lower", lambda *a: lowered.append(1) or real_lower(*a))
+    monkeypatch.setattr(tb, "compile_cubin", lambda src, tgt: compiled.append(src) or real_nvcc(src, tgt))
+    manifest = plan_kernels.build_kernels(specs, "sm90", tmp_path / "out", jobs=1)
+    ents = manifest["kernels"]
+    assert all("error" not in e for e in ents) and len({e["name"] for e in ents}) == 2, ents
+    assert len(lowered) == 1, "the second spec's program is the first's: its lowering must come from the cache"
+    assert len(set(compiled)) == 1 and len(list(cache.glob("sm90/*.cubin"))) == 1, compiled
+    for e in ents:
+        assert (tmp_path / "out" / e["files"]["cubin"]["file"]).stat().st_size > 0 and e["sass_mma"] == {}
