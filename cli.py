@@ -76,10 +76,12 @@ def _compile(args: argparse.Namespace):
           "max_model_len": getattr(args, "max_model_len", None)}  # fmt: skip
     res = compile_model(_default_model(args.model), args.target, seed=args.seed, dump_ir=args.dump_ir, **kw)
     g = res.plan.graph
+    slowest = ", ".join(f"{name} {sec:.2f} s" for name, sec in res.slowest_passes)
     print(
         f"compiled {res.plan.model} for {res.plan.target}: graph built in {res.build_s:.2f} s, "
-        f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s, "
-        f"{res.nodes_before} -> {len(g.nodes)} nodes"
+        f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s"
+        + (f" (slowest: {slowest})" if slowest else "")
+        + f", {res.nodes_before} -> {len(g.nodes)} nodes"
     )
     if describe_act_groups(g.meta):  # how the FP4 experts became FP8 (the plan's record; the runtime applies it)
         print(describe_act_groups(g.meta))

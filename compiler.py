@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer.errors import NotBuiltError
 from deepinfer.runtime.plan import Plan
@@ -63,6 +63,7 @@ class CompileResult:
     nodes_before: int
     kernels_s: float = 0.0
     kernels_summary: str = ""
+    slowest_passes: list = field(default_factory=list)  # [(pass, seconds)], the SLOWEST_PASSES costliest first
 
 
 def compile_model(
@@ -110,10 +111,17 @@ def compile_model(
     passes_s = time.perf_counter() - t1
     weights = {"checkpoint": str(ckpt)} if ckpt is not None else {"random_seed": seed}
     plan = Plan(name, config, target, optimised, weights, pipe.to_config(), report.format())
-    res = CompileResult(plan, build_s, passes_s, len(graph.nodes))
+    res = CompileResult(plan, build_s, passes_s, len(graph.nodes), slowest_passes=_slowest(report))
     if target != "cpu" and kernels != "none":
         _build_kernels(res, kernels, jobs, kernels_dir, max_model_len)
     return res
+
+
+SLOWEST_PASSES = 3  # the compile summary names these many of the slowest passes (a warm compile is mostly passes)
+
+
+def _slowest(report) -> list[tuple[str, float]]:
+    return [(r.name, r.seconds) for r in sorted(report.records, key=lambda r: -r.seconds)[:SLOWEST_PASSES]]
 
 
 def _build_kernels(res: CompileResult, mode: str, jobs: int | None, kernels_dir, max_model_len: int | None) -> None:
