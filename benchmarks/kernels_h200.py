@@ -3426,19 +3426,21 @@ def case_topk_tail_split(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool)
 
 
 def _topk_s9_rows():
-    """(T, C, cfg, visible, split) rows "indexer topk s9" (helper B, session 9, issue 6: top-k >= 60% of HBM; all
-    unmeasured). T4096 C65536 k512: the default (session 8: 460.8 us = 53.8%, do_bench's flush) next to `persist`
-    (3 x 132 persistent CTAs; the next row's first chunk fetched before this row's output, or with next_early before
-    its final selection; with rsel the sm90 build spills 42 loads, without it 9), the default with tail_split (the
-    last wave's rows as 2-segment rows in a second launch) and with `eager` (the first chunk's loads issued before
-    the row's limit and the workspace's zeroing). T4096
-    C16384: the default (128 threads, no rsel), with rsel, with eager. T64 C65536 / C16384: the defaults. Decode with
-    positions (dead segments exit at once, the live ones merge only the live slots): T1 and T64 at C65536 with 2048
-    visible columns next to the same rows fully visible."""
+    """(T, C, cfg, visible, split) rows "indexer topk s9" (helper B, session 9, issue 6: top-k >= 60% of HBM).
+    T4096 C65536 k512: session 8's default (460.8 us = 53.8% in its run, do_bench's flush) next to `persist` (3 x 132
+    persistent CTAs; the next row's first chunk fetched before this row's output, or with next_early before its final
+    selection; the sm90 build spills 42 loads with rsel, 9 without), tail_split (the last wave's rows as 2-segment
+    rows in a second launch) and `eager` (the first chunk's loads issued before the row's limit and the workspace's
+    zeroing). T4096 C16384: the default (128 threads, no rsel), with rsel, with eager. T64 C65536 / C16384: the
+    defaults. Decode with positions (dead segments idle, the live ones merge only the live slots): T1 and T64 at
+    C65536 with 2048 visible columns next to the same rows fully visible.
+    H200 call 3 (same run, read-only L2 flush, every row exact): C65536 459.5 us = 54.3%, persist 611.8 / next_early
+    611.9 / without rsel 553.5, tail_split 487.7, eager 455.0 = 54.8%; C16384 207.9, rsel 278.6 (141 registers),
+    eager 206.7; T64 C65536 65.0, C16384 39.8; T1 C65536 2048 visible 24.4 vs full 36.4, T64 28.7 vs 65.0."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
-    d64, d16 = ts.default_config(4096, 65536, IDX_TOPK), ts.default_config(4096, 16384, IDX_TOPK)
+    d64, d16 = (rep(ts.default_config(4096, C, IDX_TOPK), eager=False) for C in (65536, 16384))  # (session 8's)
     return [
         (4096, 65536, d64, None, False), (4096, 65536, rep(d64, persist=396), None, False),
         (4096, 65536, rep(d64, persist=396, next_early=True), None, False),
@@ -3450,17 +3452,6 @@ def _topk_s9_rows():
         (1, 65536, None, 2048, False), (1, 65536, None, None, False),
         (64, 65536, None, 2048, False),
     ]  # fmt: skip
-
-
-def _topk_s9b_rows():
-    """(T, C, cfg, visible, split) rows "indexer topk comb s9" (helper B, session 9, round 2; unmeasured):
-    combinations of round 1's variants -- eager with tail_split at T4096 C65536, eager with rsel at C16384."""
-    from deepinfer.codegen.kernels import topk_select as ts
-
-    rep = dataclasses.replace
-    d64, d16 = ts.default_config(4096, 65536, IDX_TOPK), ts.default_config(4096, 16384, IDX_TOPK)
-    return [(4096, 65536, rep(d64, eager=True), None, True),
-            (4096, 16384, rep(d16, eager=True, rsel=True), None, False)]  # fmt: skip
 
 
 def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bool, dry: bool):
@@ -3505,12 +3496,21 @@ def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bo
 TOPK_S8_TEST_SHAPES = [(264, 16384), (64, 65536), (1, 65536)]  # tests/codegen/test_topk_select.py's gpu lean test
 
 
-def case_topk_s8_build(row: Row, T_: int, C: int, quick: bool, dry: bool):
-    """Builds (only) the kernel of test_gpu_lean_compact_exact at one shape (the tie test's "fast" program with
-    lean + compact): `--dry-run --only "topk_select s8build" -j 3` fills the cache before the test runs."""
+def topk_s8_test_config(T_: int, C: int):
+    """The config of tests/codegen/test_topk_select.py's test_gpu_lean_compact_exact at one shape: the tie test's
+    "fast" program with lean + compact + wscan + rsel, and eager where a row is one segment (session 9)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     cfg = dataclasses.replace(topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True, rsel=True)
+    return dataclasses.replace(cfg, eager=ts.n_segments(C, cfg) == 1 and C >= cfg.chunk)
+
+
+def case_topk_s8_build(row: Row, T_: int, C: int, quick: bool, dry: bool):
+    """Builds (only) the kernel of test_gpu_lean_compact_exact at one shape (`topk_s8_test_config`):
+    `--dry-run --only "topk_select s8build" -j 3` fills the cache before the test runs."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = topk_s8_test_config(T_, C)
     row.kernel += f" {cfg.tag}"
     build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
     row.check = "built only"
@@ -3603,10 +3603,9 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in _topk_split_rows():
             out.append(("indexer_topk_select split", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_tail_split(r, T_, C, c, q, d)))
-        for group, rows in (("s9", _topk_s9_rows()), ("comb s9", _topk_s9b_rows())):
-            for T_, C, cfg, vis, split in rows:
-                run = lambda r, q, d, T_=T_, C=C, c=cfg, v=vis, sp=split: case_topk_s9(r, T_, C, c, v, sp, q, d)  # noqa: E731
-                out.append((f"indexer topk {group}", f"T{T_} C{C} k{IDX_TOPK}" + (f" vis{vis}" if vis else ""), run))
+        for T_, C, cfg, vis, split in _topk_s9_rows():
+            run = lambda r, q, d, T_=T_, C=C, c=cfg, v=vis, sp=split: case_topk_s9(r, T_, C, c, v, sp, q, d)  # noqa: E731
+            out.append(("indexer topk s9", f"T{T_} C{C} k{IDX_TOPK}" + (f" vis{vis}" if vis else ""), run))
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
                         lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))

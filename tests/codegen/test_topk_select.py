@@ -270,12 +270,11 @@ def test_c_target_hist_row_start(c_row_start_kernel, kind):
 @pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
 def test_gpu_lean_compact_exact(kb, T_, C, kind):
     """lean + compact + wscan + rsel on the H200 against topk_entries' set: the tie test's "fast" program per shape
-    (T264: one CTA a row, compact staged and selected in registers -- or not: all-zero rows have every key at the
-    bound; T64 / T1: 8 segments a row, lean and wscan only) on heavy ties, all zeros (buffer overflows mid-chunk)
-    and randn, causal limits anywhere in a chunk; run twice (the arrival counters reset)."""
-    import dataclasses
-
-    cfg = dataclasses.replace(kb.topk_tie_config(T_, C, "fast"), lean=True, compact=2048, wscan=True, rsel=True)
+    (T264: one CTA a row, eager, compact staged and selected in registers -- or not: all-zero rows have every key at
+    the bound; T64 / T1: 8 segments a row, lean and wscan only, the dead ones idle) on heavy ties, all zeros (buffer
+    overflows mid-chunk) and randn, causal limits anywhere in a chunk; run twice (the arrival counters reset)."""
+    cfg = kb.topk_s8_test_config(T_, C)
+    assert cfg.eager == (T_ == 264)
     kern = kb.build(ts.program(T_, C, k=512, ratio=2, cfg=cfg, target="sm90"))
     g = torch.Generator().manual_seed(T_ + 1)
     s = {"ints": lambda: torch.randint(-3, 4, (T_, C), generator=g).float(), "zeros": lambda: torch.zeros(T_, C),
