@@ -533,9 +533,10 @@ def decode_form(cfg: F32ScoresConfig, ctas_per_sm: int | None = None, per_row: b
 # A cache of at least DECODE_LONG_C columns (0: none) takes the per-row form with DECODE_LONG_CTAS CTAs an SM when
 # DECODE_CTAS_PER_SM is 0 -- the first form's cost follows the cache, the per-row form's the sequence. H200, session
 # 9 call 2, B64 4k context, scores + top-k through the adapters, first form -> row16 without fill: mml 4096 r1 135.9
-# -> 144.5 us (slower), mml 65536 r2 177.4 -> 130.9, r1 242.9 -> 170.6. Off until the runtime's first-call check
-# compares a fill False output on its visible columns (kernel_adapters.scores_check_view).
-DECODE_LONG_C = 0
+# -> 144.5 us (slower), mml 65536 r2 177.4 -> 130.9, r1 242.9 -> 170.6 (call 3, r1: scores alone 157.5 -> 87.1 us,
+# step 202.8 -> 132.6). On at 16384 columns (max_model_len 16384 at ratio 1, 32768 at ratio 2); the runtime's
+# first-call check reads a fill False output through kernel_adapters.scores_check_view (9409e8c).
+DECODE_LONG_C = 16384
 DECODE_LONG_CTAS = 16
 
 

@@ -308,3 +308,26 @@ def test_adapter_runs_the_balanced_form_when_switched_on(interpret, monkeypatch)
     call.config["fill"] = False  # a binding whose consumers read only up to the limits
     ka.adapter_for("indexer_topk", "batched_index_scores").run(call, [])
     assert not seen[1]["fill"]
+
+
+def test_long_cache_per_row_form_without_fill_passes_the_first_call_check(interpret, monkeypatch):
+    """A cache of at least DECODE_LONG_C columns takes the per-row form; bound fill False (every reader a
+    positions-aware top-k) its dead columns are not written, and what the executor's first-call check compares --
+    the adapter's check_view -- is the op's reference (-inf put back past the visible columns)."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 0)
+    monkeypatch.setattr(it, "DECODE_LONG_C", 128)
+    monkeypatch.setattr(it, "_sm_count", lambda device: 1)
+    seen = []
+    kernel = it.triton_batched_scores
+    monkeypatch.setattr(it, "triton_batched_scores", lambda *a, **k: seen.append(k) or kernel(*a, **k))
+    q, w, keys, pos = _inputs(3, 200, [0, 399, 90], seed=7)
+    call = ka.Call("batched_index_scores", {"ratio": 2, "scale": SCALE}, [q, w, keys, pos], ["q", "w", "k", "p"],
+                   [False] * 4, {"precision": "ieee", "fill": False})  # fmt: skip
+    adapter = ka.adapter_for("indexer_topk", "batched_index_scores")
+    outs = adapter.run(call, [])
+    assert seen[0]["cfg"].per_row and seen[0]["cfg"].ctas_per_sm == it.DECODE_LONG_CTAS and not seen[0]["fill"]
+    _check(adapter.check_view(call, outs)[0], _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)

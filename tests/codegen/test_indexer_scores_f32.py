@@ -109,10 +109,13 @@ def test_cuda_balanced_one_query_step(pos, c, ratio):
 
 
 def test_long_caches_take_the_per_row_form_when_asked(monkeypatch):
-    """decode_config: off (DECODE_LONG_C 0) every cache takes decode_form (the first form by default); with
-    DECODE_LONG_C set, a cache of at least that many columns takes the per-row form with DECODE_LONG_CTAS CTAs an
-    SM (one-sequence and batched steps alike), a shorter one the first form; DECODE_CTAS_PER_SM, when set, wins."""
+    """decode_config: with DECODE_LONG_C 0 every cache takes decode_form (the first form by default); with
+    DECODE_LONG_C set (16384 by default), a cache of at least that many columns takes the per-row form with
+    DECODE_LONG_CTAS CTAs an SM (one-sequence and batched steps alike), a shorter one the first form;
+    DECODE_CTAS_PER_SM, when set, wins."""
     monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 0)
+    assert it.DECODE_LONG_C == 16384  # the default (H200 call 3: see the constant's comment)
+    monkeypatch.setattr(it, "DECODE_LONG_C", 0)
     assert it.f32_batched_scores_config(64, 65536).ctas_per_sm == 0
     monkeypatch.setattr(it, "DECODE_LONG_C", 16384)
     for cfg in (it.f32_batched_scores_config(64, 65536), it.f32_scores_config(1, 16384)):
