@@ -741,15 +741,13 @@ def f32_batched_scores_roofline(B: int, C: int, *, H: int = 32, di: int = 128) -
 # ---------------------------------------------------------------------------------------------- top-k set -> op order
 # topk_select returns the top-k SET in ascending column order; `topk_entries` lists it by score (descending, ties to
 # the lower column). The runtime put it in that order with torch (the picked scores gathered, a stable sort of
-# [T, k], a gather of the ids: ~10 small launches -- most of a decode step's top-k glue). `triton_set_order` is one
-# launch: a row per CTA, each member's rank = the members before it in (score desc, position asc) order counted by
-# comparing it with every other member (k x k compares, BJ members at a time), then the column stored at its rank.
-# The set being in ascending column order, position order is column order: exactly the stable sort's result. -1
-# padding (no member) counts as -inf and stays last. `cols` (optional) maps the set's ids to score columns (the
-# two-level top-k selects among gathered candidate columns).
-
-ORDER_BJ = 32  # members compared with the whole set per step
-
+# [T, k], a gather of the ids: ~10 small launches, 50 us at B64 on the H200). `triton_set_order` is one launch, a row
+# per CTA: each member's 64-bit key -- the score's order-preserving int32 bits, inverted (descending), above its
+# column (ties: the lower column first; -0.0 folded to +0.0 as torch compares them; no member: last) -- sorted in
+# registers (tl.sort, bitonic), the columns read back from the sorted keys. Exactly the stable sort's order. `cols`
+# (optional) maps the set's ids to score columns (the two-level top-k selects among gathered candidate columns).
+# H200 call 3: a first form (each member's rank by k x k compares, 16 dependent gathers in a row) took 19.4 us at
+# B64 k512.
 
 @functools.lru_cache(maxsize=2)
 def _set_order_kernel(interpret: bool):
@@ -758,26 +756,21 @@ def _set_order_kernel(interpret: bool):
 
     @triton.jit
     def set_order_kernel(s_ptr, s_stride, idx_ptr, idx_stride, cols_ptr, cols_stride, out_ptr, K: tl.constexpr,
-                         KP: tl.constexpr, BJ: tl.constexpr, MAP: tl.constexpr):  # fmt: skip
+                         KP: tl.constexpr, MAP: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
-        s_row, idx_row, cols_row = s_ptr + row * s_stride, idx_ptr + row * idx_stride, cols_ptr + row * cols_stride
         i = tl.arange(0, KP)
-        ids_i = tl.load(idx_row + i, mask=i < K, other=-1)  # members i (-1 ids and i >= K: none)
-        col_i = ids_i.to(tl.int64)
+        ids = tl.load(idx_ptr + row * idx_stride + i, mask=i < K, other=-1)  # (-1 ids and i >= K: no member)
+        col = ids.to(tl.int64)
         if MAP:
-            col_i = tl.load(cols_row + col_i, mask=ids_i >= 0, other=-1)
-        v_i = tl.load(s_row + col_i, mask=ids_i >= 0, other=float("-inf"))
-        rank = tl.zeros((KP,), dtype=tl.int32)
-        for j0 in tl.static_range(0, KP, BJ):  # (members j loaded as members i are: registers are not indexable)
-            j = j0 + tl.arange(0, BJ)
-            ids_j = tl.load(idx_row + j, mask=j < K, other=-1)
-            col_j = ids_j.to(tl.int64)
-            if MAP:
-                col_j = tl.load(cols_row + col_j, mask=ids_j >= 0, other=-1)
-            v_j = tl.load(s_row + col_j, mask=ids_j >= 0, other=float("-inf"))
-            before = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & (j[None, :] < i[:, None]))
-            rank += tl.sum(before.to(tl.int32), axis=1)
-        tl.store(out_ptr + row * K + rank, tl.where(ids_i >= 0, col_i, -1), mask=i < K)
+            col = tl.load(cols_ptr + row * cols_stride + col, mask=ids >= 0, other=-1)
+        ok = (ids >= 0) & (col >= 0)
+        v = tl.load(s_ptr + row * s_stride + col, mask=ok, other=float("-inf")) + 0.0  # (+0.0: -0.0 -> +0.0)
+        v = tl.where(ok, v, float("-inf"))
+        bits = v.to(tl.int32, bitcast=True)
+        desc = ~(bits ^ ((bits >> 31) & 0x7FFFFFFF))  # larger score -> smaller key
+        key = (desc.to(tl.int64) << 32) | tl.where(ok, col, 0x7FFFFFFF).to(tl.int64)  # (0x7FFFFFFF: no member)
+        low = (tl.sort(key) & 0xFFFFFFFF).to(tl.int32)
+        tl.store(out_ptr + row * K + i, tl.where(low == 0x7FFFFFFF, -1, low).to(tl.int64), mask=i < K)
 
     return set_order_kernel
 
@@ -791,8 +784,8 @@ def triton_set_order(scores: torch.Tensor, idx: torch.Tensor, rows: int, cols: t
     if rows and k:
         assert scores.stride(1) == 1 and idx.stride(1) == 1 and (cols is None or cols.stride(1) == 1)
         mapping = cols if cols is not None else idx  # (unused pointer when there is no map)
-        kp = max(1 << (k - 1).bit_length(), ORDER_BJ)
+        kp = 1 << max(k - 1, 1).bit_length()
         _set_order_kernel(_interpreted())[(rows,)](
             scores, scores.stride(0), idx, idx.stride(0), mapping, mapping.stride(0), out, K=k, KP=kp,
-            BJ=ORDER_BJ, MAP=cols is not None, num_warps=8 if kp >= 512 else 4)  # fmt: skip
+            MAP=cols is not None, num_warps=4)  # fmt: skip
     return out

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer.codegen.kernels import indexer_topk as it
+from tests.codegen._triton_aot import compile_sm90, spill_free
 
 
 def tied_scores(t: int, c: int, seed: int) -> torch.Tensor:
@@ -53,3 +54,20 @@ def test_only_the_asked_rows_and_a_mapped_set(interpret):
     got = it.triton_set_order(s, idx, t, cols)
     mapped = torch.where(idx[:t] >= 0, torch.gather(cols, 1, idx[:t].long().clamp(min=0)), -1)
     assert got.shape == (t, k) and torch.equal(got, oracle(s, mapped))
+
+
+def test_signed_zeros_tie_and_negative_scores(interpret):
+    """-0.0 and +0.0 are equal (torch's comparison: ties to the lower column), negative scores order below them."""
+    s = torch.tensor([[0.0, -0.0, -1.5, 2.0, -0.0, 0.0, -3.0, 2.0]])
+    idx = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, -1, -1]], dtype=torch.int32)
+    got = it.triton_set_order(s, idx, 1)
+    assert got.tolist() == [[3, 7, 0, 1, 4, 5, 2, 6, -1, -1]] and torch.equal(got, oracle(s, idx.long()))
+
+
+def test_compiles_for_hopper_without_spills():
+    sig = {"s_ptr": "*fp32", "s_stride": "i64", "idx_ptr": "*i32", "idx_stride": "i64", "cols_ptr": "*i64",
+           "cols_stride": "i64", "out_ptr": "*i64"}  # fmt: skip
+    for mapped in (False, True):
+        ptx, report = compile_sm90("deepinfer.codegen.kernels.indexer_topk", "_set_order_kernel", sig,
+                                   dict(K=512, KP=512, MAP=mapped), num_warps=4)  # fmt: skip
+        assert ".target sm_90a" in ptx and spill_free(report), report
