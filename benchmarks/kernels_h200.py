@@ -993,9 +993,9 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
 # runtime's own adapters (index_scores / batched_index_scores, then topk_entries) at a 4k context with caches for
 # max_model_len (mml) 4096 and 65536, ratio 1: "old" (the top-k without positions -- every column read -- and its set
 # put in the op's order by ~10 torch launches: the runtime before this session), "order" (the same with the order in
-# one Triton launch, indexer_topk.triton_set_order), "pos" (+ the top-k with positions: the runtime now; the scores
-# kernel -- DECODE_CTAS_PER_SM 0, the first form -- writes every tile anyway), "pos row16" (the scores' per-row
-# balanced form, 16 CTAs an SM, without fill: what DECODE_CTAS_PER_SM = 16 would run). Every row's order and set
+# one Triton launch, indexer_topk.triton_set_order), "pos" (+ the top-k with positions; the scores still in the
+# first form, every tile written), "now" (the runtime's defaults: + the scores' per-row form without fill for caches
+# of >= DECODE_LONG_C columns, the first form below). Every row's order and set
 # equal the op's reference on the same (filled) scores. "part" rows (B64): the step's pieces alone -- the scores
 # (first / per-row form), the bare top-k kernel (without / with positions), the order (torch / Triton). %limit: the
 # visible entries' bytes. Then the candidate level: the two-level top-k as its torch reference (the runtime before)
@@ -1004,8 +1004,13 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
 # r2 105.2 -> 108.7; mml65536 r2 177.4 -> 178.3, r1 242.9 -> 241.8 (pos row16: 130.9 / 170.6); B1 58.9-78.4 ->
 # 61.3-82.2 -- no gain from the positions alone: the top-k with positions still visits dead segments (B's change)
 # and the steps sat ~40-45 us above the bare kernels (session 8: B64 mml4096 r2 58.7 us; the order? see "part").
+# Call 3 (53158db), r1, us, old / order / pos / pos row16: B1 mml4096 59.9 / 37.5 / 39.2 / 39.5, mml65536 78.9 /
+# 56.9 / 54.1 / 54.0; B64 mml4096 135.7 / 107.2 / 109.1 / 115.3, mml65536 242.5 / 214.1 / 202.8 / 132.6. Parts B64
+# mml4096 / 65536: scores 79.6 / 157.5 (row16 85.2 / 87.1), top-k 13.2 / 41.1 (with positions 13.5 / 27.7), order
+# torch 50.1 vs the rank-compare kernel 19.4 (now a key sort). Two-level torch -> kernel: B64 649.4 -> 60.6 (4096),
+# 719.5 -> 153.1 (65536); B1 330.8 -> 55.3, 785.0 -> 122.0. candidate_blocks (torch) B64 764.9 / 724.8.
 
-IPOS_FORMS = ("old", "order", "pos", "pos row16")  # (see the section's comment)
+IPOS_FORMS = ("old", "order", "pos", "now")  # (see the section's comment)
 
 
 def _ipos_torch_order(on: bool, fn):
@@ -1038,15 +1043,18 @@ def _ipos_scores_fn(B: int, ratio: int, form: str, fill: bool, cache: dict):
     op = "batched_index_scores" if B > 1 else "index_scores"
     adapter = ka.adapter_for("indexer_topk", op)
     ctas = int(form.split("row")[1]) if "row" in form else 0
+    forms = {} if form == "now" else {"DECODE_CTAS_PER_SM": ctas, "DECODE_PER_ROW": True, "DECODE_LONG_C": 0}
 
     def scores(q, w, keys, pos):
-        saved = it.DECODE_CTAS_PER_SM, it.DECODE_PER_ROW
-        it.DECODE_CTAS_PER_SM, it.DECODE_PER_ROW = ctas, True
+        saved = {name: getattr(it, name) for name in forms}
+        for name, value in forms.items():
+            setattr(it, name, value)
         try:
             call = _ipos_call(op, {"ratio": ratio, "scale": IDX_DIM**-0.5}, [q, w, keys, pos], {"fill": fill}, cache)
             return adapter.run(call, [])[0]
         finally:
-            it.DECODE_CTAS_PER_SM, it.DECODE_PER_ROW = saved
+            for name, value in saved.items():
+                setattr(it, name, value)
 
     return scores
 
@@ -1077,7 +1085,7 @@ def case_ipos_step(row: Row, B: int, mml: int, ratio: int, form: str, quick: boo
     from deepinfer.runtime import kernel_adapters as ka
 
     C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
-    with_pos = form.startswith("pos")
+    with_pos = form in ("pos", "now")
     fb, ff = it.f32_batched_scores_roofline(B, vis) if B > 1 else it.f32_scores_roofline(B, vis)
     tb, tf = ts.roofline(B, vis, IDX_TOPK, visible=B * vis)
     row.bytes_, row.flops, row.peak = fb + tb, ff + tf, "bf16"
