@@ -1142,9 +1142,14 @@ def case_ipos_part(row: Row, B: int, mml: int, ratio: int, part: str, quick: boo
     q, w, keys, pos = _idxlen_inputs(B, C, B > 1)
     s = _ipos_scores_fn(B, ratio, "pos row16" if form == "row16" else "old", True, {})(q, w, keys, pos)
     want = TopKEntries.reference(s, None, pos, topk=IDX_TOPK, block=1, ratio=ratio)
-    if kind == "scores":
-        fn = _ipos_scores_fn(B, ratio, "pos row16" if form == "row16" else "old", form != "row16", {})
-        row.check = "as the step's"
+    if kind == "scores":  # the visible columns against the op's reference (1e-5 of the row maxima)
+        from deepinfer.ir.ops.attention import indexer_scores
+        from deepinfer.ir.ops.batched import batched_indexer_scores
+
+        fill = form != "row16"
+        fn = _ipos_scores_fn(B, ratio, "pos row16" if form == "row16" else "old", fill, {})
+        ref = (batched_indexer_scores if B > 1 else indexer_scores)(q, w, keys, pos, ratio=ratio, scale=IDX_DIM**-0.5)
+        row.check = _idxlen_check_scores(fn(q, w, keys, pos), ref[0], pos, ratio, fill)
         row.ms = bench_device(lambda: fn(q, w, keys, pos), quick)
         return
     if kind == "topk":
