@@ -1129,6 +1129,7 @@ def program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: Config, target: str
     if isinstance(cfg, HistConfig):
         return hist_program(T_, C, k=k, ratio=ratio, cfg=cfg, target=target, has_pos=has_pos)
     check_config(C, k, cfg)
+    T_ = T.dynamic("T") if T_ is None else T_
     ops = _Ops(target == "cpu")
     NT, E, G, SEG = cfg.threads, cfg.per_thread, cfg.group, cfg.seg
     CH, NSEG, FILTER = cfg.chunk, n_segments(C, cfg), cfg.filter
