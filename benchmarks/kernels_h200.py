@@ -1007,8 +1007,10 @@ def _idxlen_row(case, B: int, mml: int, ratio: int, form: str, row: Row, quick: 
 # Call 3 (53158db), r1, us, old / order / pos / pos row16: B1 mml4096 59.9 / 37.5 / 39.2 / 39.5, mml65536 78.9 /
 # 56.9 / 54.1 / 54.0; B64 mml4096 135.7 / 107.2 / 109.1 / 115.3, mml65536 242.5 / 214.1 / 202.8 / 132.6. Parts B64
 # mml4096 / 65536: scores 79.6 / 157.5 (row16 85.2 / 87.1), top-k 13.2 / 41.1 (with positions 13.5 / 27.7), order
-# torch 50.1 vs the rank-compare kernel 19.4 (now a key sort). Two-level torch -> kernel: B64 649.4 -> 60.6 (4096),
-# 719.5 -> 153.1 (65536); B1 330.8 -> 55.3, 785.0 -> 122.0. candidate_blocks (torch) B64 764.9 / 724.8.
+# torch 50.1 vs the rank-compare kernel 19.4 (now a key sort). Two-level torch (eager: Python launches included)
+# -> kernel (CUDA graph): B64 649.4 -> 60.6 (4096), 719.5 -> 153.1 (65536); B1 330.8 -> 55.3, 785.0 -> 122.0.
+# candidate_blocks (the op's reference, eager, with its host sync) B64 764.9 / 724.8. Both torch rows are CUDA-graph
+# replays since (the batched step's way: candidate_blocks in its sync-free form).
 
 IPOS_FORMS = ("old", "order", "pos", "now")  # (see the section's comment)
 
@@ -1186,7 +1188,7 @@ def _ipos_two_level_inputs(B: int, C: int, ratio: int):
 
 def case_ipos_two_level(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
     """The two-level topk_entries (V4.1's layers after the candidate source), form "torch": its reference with the
-    positions (a [B, C] visibility mask and block mask, a sort of all C columns; timed eagerly) -- the runtime before
+    positions (a [B, C] visibility mask and block mask, a sort of all C columns) -- the runtime before
     -- or "kernel": the runtime's adapter now (topk_select on the 16384 gathered candidate columns, or on the row
     with positions when C <= 16384), the same indices exactly."""
     from deepinfer.ir.ops.v41 import TopKEntries
@@ -1213,9 +1215,9 @@ def case_ipos_two_level(row: Row, B: int, mml: int, ratio: int, form: str, quick
         return TopKEntries.reference(s, blocks, pos, topk=IDX_TOPK, block=8, ratio=ratio)
 
     want = reference()
-    if form == "torch":
-        row.check = "torch reference (eager)"
-        row.ms = bench(reference, quick)
+    if form == "torch":  # (device ops only: replayed as a CUDA graph, as the batched decode step runs it)
+        row.check = "torch reference"
+        row.ms = bench_device(reference, quick)
         return
     adapter, cache = ka.adapter_for("topk_select", "topk_entries"), {}
 
@@ -1252,17 +1254,21 @@ def indexer_pos_s9_cases():
 
 
 def case_ipos_candidates(row: Row, B: int, mml: int, ratio: int, form: str, quick: bool, dry: bool):
-    """candidate_blocks (layer 20; torch: no kernel) on the two-level rows' inputs, timed eagerly."""
+    """candidate_blocks (layer 20; no kernel) as the batched decode step runs it: the sync-free torch form
+    (runtime/cuda_graphs.candidate_blocks) replayed as a CUDA graph, checked equal to the op's reference."""
     from deepinfer.ir.ops.v41 import CandidateBlocks
+    from deepinfer.runtime.cuda_graphs import candidate_blocks
 
     C, vis = mml // ratio, IDXLEN_CONTEXT // ratio
     row.bytes_, row.peak = 4.0 * B * vis, "bf16"
     if dry:
         return
     s, _, pos = _ipos_two_level_inputs(B, C, ratio)
-    CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8)
-    row.check = "torch reference (eager)"
-    row.ms = bench(lambda: CandidateBlocks.reference(s, pos, ratio=ratio, topk_blocks=2048, block=8), quick)
+    kw = dict(ratio=ratio, topk_blocks=2048, block=8)
+    if not torch.equal(candidate_blocks(s, pos, **kw), CandidateBlocks.reference(s, pos, **kw)):
+        raise AssertionError("the sync-free candidate_blocks differs from the op's reference")
+    row.check = "= reference"
+    row.ms = bench_device(lambda: candidate_blocks(s, pos, **kw), quick)
 
 
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
