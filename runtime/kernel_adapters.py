@@ -2134,7 +2134,10 @@ class TopKEntriesAdapter:
         prog = "hist_program" if isinstance(cfg, ts.HistConfig) else "program"
         has_pos = pos is not None and not gathers  # (gathered: the invisible columns are -inf already)
         ratio = int(call.attrs.get("ratio", 1)) if has_pos else 1
-        return _key("topk_select", prog, (rows, cp), cfg, k=k, ratio=ratio, has_pos=has_pos), rows, cfg
+        # `program` is built row-symbolic (T_ None): one build serves every row count of the same config (the
+        # 40-layer compile built it per row bucket); the hist program keeps its rows
+        args = (None, cp) if prog == "program" else (rows, cp)
+        return _key("topk_select", prog, args, cfg, k=k, ratio=ratio, has_pos=has_pos), rows, cfg
 
     def keys(self, call: Call) -> list[KernelKey]:
         return [self._plan(call)[0]]
@@ -2157,7 +2160,7 @@ class TopKEntriesAdapter:
         cp = key.args[1]
         k = int(call.attrs["topk"])
         dev = scores.device
-        sk = ("topk_scratch", key)
+        sk = ("topk_scratch", key, rows)  # (a row-symbolic program's scratch is per row count)
         if sk not in call.cache:
             call.cache[sk] = (torch.zeros(rows, dtype=torch.int32, device=dev), *ts.make_scratch(rows, cp, k, cfg, dev))
         no_pos, *scratch = call.cache[sk]

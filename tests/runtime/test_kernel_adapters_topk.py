@@ -230,3 +230,17 @@ def test_the_set_put_in_order_by_the_triton_launch():
     env.pop(ka.TOPK_ORDER_ENV, None)
     proc = subprocess.run([sys.executable, "-c", _TRITON_ORDER], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_one_row_symbolic_program_serves_every_row_count():
+    """`program` keys carry no rows (built with T_ None): calls of 1, 3 and 8 rows share one kernel (one c-target
+    build here), each with its own scratch, each the op's indices."""
+    calls = [positions_call(t, 100, 16, 2, seed=t) for t in (1, 3, 8)]
+    adapter = ka.adapter_for("topk_select", "topk_entries")
+    keys = {adapter.keys(call)[0] for call in calls}
+    assert len(keys) == 1 and next(iter(keys)).args == (None, 128)
+    kernel = ka.c_target_kernel(next(iter(keys)))
+    cache: dict = {}
+    for call in calls:
+        call.cache = cache
+        assert torch.equal(adapter.run(call, [kernel])[0], reference(call))
