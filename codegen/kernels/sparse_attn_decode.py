@@ -130,6 +130,10 @@ class Config:
     # touching 8 heads' rows (16 B of each): the trace put ~6.7 us between the last PV and the O stores issued
     # (1.1 us with no loads or math). Same values: bit-identical output. Persistent grid: the stage of the request's
     # last block, whose refill with the next request's block (the ring runs on across requests) waits for the stores.
+    # The split pass with bf16 partials (Config.partial_bf16): the partial goes the same way (fp32 ones would need
+    # the whole half ring). H200 (session 9 call 3, all bit-equal): B128 44.2 -> 40.0 us (tail 7.0 -> 2.4 us), B256
+    # persistent 74.4 -> 67.9 us, B64 unsplit 34.8 -> 32.4 us; zeros stored from a rolled loop at the same addresses
+    # were as slow as the default (the traffic pattern, not the code).
     o_smem: bool = False
     # ws split pass, bf16 KV, two pools (session 9, not yet measured): no combine kernel. Each CTA writes its partial
     # (Op, Mp, Lp) as before, then counts itself in Cnt[b] (an int32 per request, zero between launches: the last
@@ -163,8 +167,8 @@ class Config:
                                       and self.copy == "cp"), "warm_tail: ws, not o_smem"  # fmt: skip
         assert not self.fuse_combine or (self.ws and self.num_split > 1 and not self.partial_bf16 and not self.trace
                                          and self.copy == "cp"), "fuse_combine: the ws split pass"  # fmt: skip
-        assert not self.o_smem or (self.ws and self.num_split == 1 and self.block_n == WS_HEADS
-                                   and self.copy == "cp"), "o_smem: the ws single pass, 64-row blocks"  # fmt: skip
+        assert not self.o_smem or (self.ws and (self.num_split == 1 or self.partial_bf16) and self.block_n == WS_HEADS
+                                   and self.copy == "cp"), "o_smem: ws, 64-row blocks, bf16 partials"  # fmt: skip
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -973,16 +977,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf)
 
     @T.macro
-    def store_o_smem(O, b, hf: int, t, o, kvh, fin_s, st: int = 0, refilled: bool = False):
-        """Config.o_smem: this warpgroup's normalised bf16 half of O through its free KV stage st (the H x D2 tile in
-        Q's 16-B pieces, `_WsGeom.q_row / q_col`: a warp stores 512 contiguous bytes of one head at a time).
-        refilled: the stage is gathered into next (persistent grid), so every warp's reads must be done first."""
+    def store_o_smem(O, Op, b, sp, hf: int, t, o, kvh, fin_s, st: int = 0, refilled: bool = False):
+        """Config.o_smem: this warpgroup's normalised bf16 half of O (the split pass: its unnormalised bf16 partial,
+        Config.partial_bf16) through its free KV stage st (the H x D2 tile in Q's 16-B pieces, `_WsGeom.q_row /
+        q_col`: a warp stores 512 contiguous bytes of one head at a time). refilled: the stage is gathered into
+        next (persistent grid), so every warp's reads must be done first."""
         for h, d in T.Parallel(H, D2):
-            kvh[st, h, d] = T.cast(o[h, d] * fin_s[h], bf)
+            kvh[st, h, d] = T.cast(o[h, d], bf) if split else T.cast(o[h, d] * fin_s[h], bf)
         T.sync_threads(1 + hf, 128)  # the tile is written by all four warps of the warpgroup
         for k in T.unroll(g.QC, explicit=True):
             for v in T.vectorized(8):
-                O[b, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v] = kvh[st, g.q_row(k, t), g.q_col(k, t) + v]
+                if split:
+                    Op[b, sp, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v] = kvh[st, g.q_row(k, t), g.q_col(k, t) + v]
+                else:
+                    O[b, g.q_row(k, t), hf * D2 + g.q_col(k, t) + v] = kvh[st, g.q_row(k, t), g.q_col(k, t) + v]
         if refilled:
             T.sync_threads(1 + hf, 128)
 
@@ -1002,12 +1010,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         row, so not hoisted out: pass 0 runs the code and stores nothing (0 x anything is 0 or NaN, never > 0;
         fin_s may not be written yet), pass 1 stores every row (fin_s > 0; a NaN one, from NaN inputs, stores
         nothing)."""
-        if split:
+        if cfg.o_smem:
+            store_o_smem(O, Op, b, sp, hf, t, o, kvh, fin_s)
+        elif split:
             for h, d in T.Parallel(H, D2):
                 if _live_row(fin_s, h, phase):
                     Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], opt)
-        elif cfg.o_smem:
-            store_o_smem(O, b, hf, t, o, kvh, fin_s)
         else:
             for h, d in T.Parallel(H, D2):
                 if _live_row(fin_s, h, phase):
@@ -1360,7 +1368,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 request_blocks_p(Q, src, b, k, hf, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty, bar_q,
                                  fin, rid)  # fmt: skip
             if cfg.o_smem:  # O through the last block's stage; the next request's block NS - 1 is gathered after
-                store_o_smem(O, b, hf, t, o, kvh, fin_s, NS - 1, True)
+                store_o_smem(O, None, b, 0, hf, t, o, kvh, fin_s, NS - 1, True)
                 if b + P < Bd:
                     next_first_blocks(src, kvh, idx_s, full, b + P, NS - 1, hf, t, rid)
             else:
@@ -1790,7 +1798,10 @@ def _program_ws_cpu(
                 Lp[b, sp, h] = l[h]
                 for hf in T.serial(2):
                     for d in T.serial(D2):
-                        Op[b, sp, h, hf * D2 + d] = o[hf, h, d]
+                        if cfg.o_smem:  # staged in the half's KV stage 0 (bn == H), stored below
+                            kv[hf, 0, h, d] = o[hf, h, d]
+                        else:
+                            Op[b, sp, h, hf * D2 + d] = o[hf, h, d]
             else:
                 acc[0] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
                 for hf in T.serial(2):
@@ -1811,7 +1822,10 @@ def _program_ws_cpu(
                     for k in T.serial(g.QC):
                         for v in T.serial(8):
                             row, col = g.q_row(k, t), g.q_col(k, t) + v
-                            O[b, row, hf * D2 + col] = kv[hf, 0, row, col]
+                            if split:
+                                Op[b, sp, row, hf * D2 + col] = kv[hf, 0, row, col]
+                            else:
+                                O[b, row, hf * D2 + col] = kv[hf, 0, row, col]
 
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,

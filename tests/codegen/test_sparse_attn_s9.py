@@ -36,7 +36,7 @@ def test_o_smem_config_names_and_validates():
     assert dataclasses.replace(WS64, o_smem=True).tag == "wsn64s2o"
     assert dataclasses.replace(WS64, skip="ostore").tag == "wsn64s2-noostore"
     assert dataclasses.replace(WS64, o_smem=True, persist=132).tag == "wsn64s2p132o"
-    for bad in (dict(num_split=2), dict(block_n=32, stages=4), dict(ws=False, threads=256)):
+    for bad in (dict(num_split=2), dict(block_n=32, stages=4), dict(ws=False, threads=256)):  # fp32 partials
         with pytest.raises(AssertionError):
             dataclasses.replace(WS64, o_smem=True, **bad)
     assert not any(sad.sm90_config(b, 640).o_smem for b in (1, 64, 128, 256))  # off until measured
@@ -129,6 +129,32 @@ def test_fuse_combine_sm90_build(codegen_cache, nvcc_required):
     assert re.search(r"__syncthreads\(\);\s*if \(\(\(int\)threadIdx.x\) == 0\) \{\s*__threadfence\(\);\s*"
                      r"\(\(int\*\)flag_s\)\[0\] = AtomicAddRet", art.source)  # fmt: skip
     assert "*(float4*)(Op +" in tail and "*(uint2*)(O +" in tail and "Cnt[" in tail.split("*(uint2*)(O +")[-1]
+
+
+def test_o_smem_split_cpu_mirror_and_build(tilelang_required, codegen_cache, nvcc_required):
+    """The split pass with bf16 partials through the stage (tag "ho"): the mirror's split + combine equals the split
+    mirror's without o_smem exactly; the sm90 build stores the partial in 16-B pieces only (no 4-B ones), no spills."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    B, H, D, S, K = 2, 64, 128, 500, 256
+    torch.manual_seed(33)
+    q, kv, sink = torch.randn(B, H, D), torch.randn(S, D), torch.randn(H) * 2
+    idx = torch.randint(0, S, (B, K), dtype=torch.int32)
+    idx[1, K // 2 :] = -1
+    outs = []
+    for o_smem in (False, True):
+        cfg = sad.Config(64, 384, 2, 2, True, partial_bf16=True, o_smem=o_smem)
+        progs = sad.split_programs(B, H, D, S, K, target="cpu", cfg=cfg)
+        outs.append(torch.full((B, H, D), float("nan")))
+        sad.run_split(tuple(compile_cpu(f) for f in progs), q, kv, idx, sink, outs[-1], 2)
+    assert torch.equal(outs[0], outs[1]) and (outs[1] - sad.reference_f64_loops(q, kv, idx, sink)).abs().max() < 1e-5
+    cfg = sad.Config(64, 384, 2, 2, True, partial_bf16=True, o_smem=True)
+    assert cfg.tag == "wsn64s2x2ho"
+    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
+                                                                n_win=128))  # fmt: skip
+    stores = [o for o in _sass_ops(art) if o.startswith("STG")]
+    assert art.opcodes["LDL"] + art.opcodes["STL"] == 0 and sum(o.endswith(".128") for o in stores) == 32
+    assert "*(uint4*)(Op +" in art.source
 
 
 def test_o_smem_sm90_build(codegen_cache, nvcc_required):
