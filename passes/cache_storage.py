@@ -29,7 +29,7 @@ import os
 
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph, Node, Value
-from deepinfer.passes.pattern import fresh_name, make_node
+from deepinfer.passes.pattern import fresh_name
 from deepinfer.passes.pipeline import register_pass
 
 ENV = "DEEPINFER_CACHE_BF16"
@@ -52,9 +52,9 @@ def cache_storage(g: Graph, *, enabled: bool | None = None) -> Graph:
     on = enabled_by_env() if enabled is None else enabled
     kernels = g.meta.get("kernels")
     records = {}
-    users = g.users()
+    users = _users_of_values(g)
     inputs = {v.name: v for v in g.inputs}
-    casts: dict[str, Value] = {}
+    casts = _Casts(g)
     for entry in g.meta.get("caches", []):
         cache = inputs[entry["name"]]
         if not on:
@@ -66,10 +66,20 @@ def cache_storage(g: Graph, *, enabled: bool | None = None) -> Graph:
         if store is not None and store != cache.dtype:
             _store_as(g, entry, cache, store, users, casts)
         records[entry["name"]] = {"dtype": entry.get("dtype", "f32"), "why": why}
-    if casts:
-        _bind_casts(kernels, casts)
+    if casts.made:
+        _bind_casts(kernels, casts.made)
     g.meta["cache_storage"] = records
     return g
+
+
+def _users_of_values(g: Graph) -> dict[str, list[Node]]:
+    """Graph.users() without the parameters (a 40-layer graph's ~94k expert weights: no cache flows through them)."""
+    out: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        for v in n.inputs:
+            if v is not None and v.kind != "param":
+                out.setdefault(v.name, []).append(n)
+    return out
 
 
 def _storage(cache: Value, users: dict, bindings: dict) -> tuple[str, object]:
@@ -143,7 +153,7 @@ def _families(node: Node, bindings: dict) -> set[str]:
     return {b.get("family", "torch_ref") for b in rec["buckets"].values()} if rec else set()
 
 
-def _store_as(g: Graph, entry: dict, cache: Value, store, users: dict, casts: dict) -> None:
+def _store_as(g: Graph, entry: dict, cache: Value, store, users: dict, casts: _Casts) -> None:
     """Retype the cache and its versions to ``store``; the rows written into it (and the window's new rows) go
     through a cast."""
     cache.type = cache.type.with_dtype(store)
@@ -152,22 +162,33 @@ def _store_as(g: Graph, entry: dict, cache: Value, store, users: dict, casts: di
     for v in family[1:]:
         node = v.producer
         k = 2 if node.op == "scatter_rows" else 1
-        node.inputs[k] = _cast(g, node.inputs[k], store, casts)
+        node.inputs[k] = casts.of(node.inputs[k], store)
         v.type = v.type.with_dtype(store)  # a write returns its cache, the window pool its ring: the cache's dtype
 
 
-def _cast(g: Graph, x: Value, store, casts: dict) -> Value:
-    """x rounded to ``store`` by one cast node right after x's definition (one per value, shared by every write
-    and window pool that takes x, whatever their order)."""
-    if x.dtype == store:
-        return x
-    if x.name not in casts:
-        node = make_node(g, "cast", [x], {"dtype": store})
-        node.outputs[0].name = fresh_name(g, f"{x.name}.{store.name}")
-        at = 0 if x.producer is None else next(i for i, n in enumerate(g.nodes) if n is x.producer) + 1
-        g.nodes.insert(at, node)
-        casts[x.name] = node.outputs[0]
-    return casts[x.name]
+class _Casts:
+    """One cast node per written value, right after the value's definition (shared by every write and window pool
+    that takes it, whatever their order), named from ONE set of the graph's names made at the first cast: a 40-layer
+    graph holds ~94k parameter names, and scanning them per cast (make_node, fresh_name) cost ~25 ms a cast."""
+
+    def __init__(self, g: Graph):
+        self.g, self.made, self.taken = g, {}, None
+
+    def of(self, x: Value, store) -> Value:
+        if x.dtype == store:
+            return x
+        if x.name not in self.made:
+            if self.taken is None:
+                self.taken = {v.name for v in (*self.g.inputs, *self.g.params)}
+                self.taken.update(o.name for n in self.g.nodes for o in n.outputs)
+            name = fresh_name(self.g, f"{x.name}.{store.name}", self.taken)
+            self.taken.add(name)
+            node = Node("cast", [x], {"dtype": store})
+            node.outputs = [Value(name, x.type.with_dtype(store), "node", node)]  # Cast.infer's type
+            at = 0 if x.producer is None else next(i for i, n in enumerate(self.g.nodes) if n is x.producer) + 1
+            self.g.nodes.insert(at, node)
+            self.made[x.name] = node.outputs[0]
+        return self.made[x.name]
 
 
 def _bind_casts(kernels: dict, casts: dict) -> None:
