@@ -339,11 +339,10 @@ def _without_bulk_meta(graph):
 
 def _walk_batched(graph, params: _MetaParams, batch_sizes: list, max_model_len: int, walk: _KeyWalk) -> None:
     from deepinfer.errors import IRError
-    from deepinfer.passes.batch_decode import batch_decode
-    from deepinfer.runtime.batched_decode import BatchedExecutor
+    from deepinfer.runtime.batched_decode import BatchedExecutor, decode_graph
 
-    try:
-        batched = batch_decode(graph, compact=True)
+    try:  # the graph BatchedDecoder runs (compact or flat pools, windows read from the written rings)
+        batched = decode_graph(graph)
     except IRError as e:  # the engine then chains one-sequence steps (CudaRunner's fallback)
         walk.note("batched_decode", f"no batched decode graph (one-sequence steps at decode): {e}")
         return

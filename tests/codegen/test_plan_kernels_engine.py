@@ -191,3 +191,20 @@ def test_derived_keys_are_cached_and_a_changed_graph_or_switch_misses(plans, spe
     monkeypatch.setattr(pk, "_key_sources_digest", lambda: b"an edited adapter")
     pk.kernel_specs(plan.graph, "sm90", max_model_len=MAX_LEN)
     assert len(derived) == 4, "a changed source must derive the keys again"
+
+
+def test_compile_keys_equal_the_runtime_keys_batched_decode_with_attention_kernels(emulate):
+    """The V4.1 small preset's batched step runs the sparse attention kernel (the tiny presets' dims decline it): its
+    key's pool rows follow the graph BatchedDecoder runs (decode_graph: the windows read from the written rings, flat
+    or compact pools), which is what the compile must derive from too."""
+    from deepinfer.compiler import compile_model
+    from deepinfer.runtime.cuda_executor import restack_experts
+    from deepinfer.runtime.plan import bind_weights
+
+    plan = compile_model("deepseek-v4.1-flash:small", "sm90").plan
+    params, _ = bind_weights(plan)
+    restack_experts(plan.graph, params)
+    want = _runtime_keys_batched(plan, params, 2)
+    assert any(k.family == "sparse_attn_decode" for k in want), sorted(k.describe() for k in want)
+    got, why = pk.engine_kernel_keys(plan.graph, [], max_model_len=MAX_LEN, batch_sizes=[2])
+    assert set(got) == want, (sorted(k.describe() for k in set(got) ^ want), why)
