@@ -287,26 +287,34 @@ def test_decode_configs_take_the_balanced_form_when_switched_on(monkeypatch):
     assert it.f32_batched_scores_config(64, 4096) == it.F32ScoresConfig(block_t=1)
 
 
-def test_adapter_runs_the_balanced_form_when_switched_on(interpret, monkeypatch):
-    """The executor's path with DECODE_CTAS_PER_SM on: the adapter's kernel call is the balanced form (every
-    column written: other consumers of S read past the limits), the op's numbers."""
+def _spied_adapter_call(monkeypatch, seed: int, config: dict, **forms):
+    """(the batched scores adapter, a call of 3 sequences on CPU through the interpreter, the kernel calls' keyword
+    arguments as they are made) with indexer_topk's module switches `forms` set (one SM)."""
     from deepinfer.runtime import kernel_adapters as ka
 
     monkeypatch.setattr(ka, "EMULATE", True)
     monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
-    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 2)
+    for name, value in forms.items():
+        monkeypatch.setattr(it, name, value)
     monkeypatch.setattr(it, "_sm_count", lambda device: 1)
-    seen = []
+    seen: list = []
     kernel = it.triton_batched_scores
     monkeypatch.setattr(it, "triton_batched_scores", lambda *a, **k: seen.append(k) or kernel(*a, **k))
-    q, w, keys, pos = _inputs(3, 200, [0, 399, 90], seed=6)
+    q, w, keys, pos = _inputs(3, 200, [0, 399, 90], seed=seed)
     call = ka.Call("batched_index_scores", {"ratio": 2, "scale": SCALE}, [q, w, keys, pos], ["q", "w", "k", "p"],
-                   [False] * 4, {"precision": "ieee"})  # fmt: skip
-    s = ka.adapter_for("indexer_topk", "batched_index_scores").run(call, [])[0]
+                   [False] * 4, config)  # fmt: skip
+    return ka.adapter_for("indexer_topk", "batched_index_scores"), call, seen
+
+
+def test_adapter_runs_the_balanced_form_when_switched_on(interpret, monkeypatch):
+    """The executor's path with DECODE_CTAS_PER_SM on: the adapter's kernel call is the balanced form (every
+    column written: other consumers of S read past the limits), the op's numbers."""
+    adapter, call, seen = _spied_adapter_call(monkeypatch, 6, {"precision": "ieee"}, DECODE_CTAS_PER_SM=2)
+    s = adapter.run(call, [])[0]
     assert seen[0]["cfg"].ctas_per_sm == 2 and seen[0]["fill"]
-    _check(s, _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)
+    _check(s, _op_reference(*call.args, 2, SCALE), 1e-6)
     call.config["fill"] = False  # a binding whose consumers read only up to the limits
-    ka.adapter_for("indexer_topk", "batched_index_scores").run(call, [])
+    adapter.run(call, [])
     assert not seen[1]["fill"]
 
 
@@ -314,20 +322,8 @@ def test_long_cache_per_row_form_without_fill_passes_the_first_call_check(interp
     """A cache of at least DECODE_LONG_C columns takes the per-row form; bound fill False (every reader a
     positions-aware top-k) its dead columns are not written, and what the executor's first-call check compares --
     the adapter's check_view -- is the op's reference (-inf put back past the visible columns)."""
-    from deepinfer.runtime import kernel_adapters as ka
-
-    monkeypatch.setattr(ka, "EMULATE", True)
-    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
-    monkeypatch.setattr(it, "DECODE_CTAS_PER_SM", 0)
-    monkeypatch.setattr(it, "DECODE_LONG_C", 128)
-    monkeypatch.setattr(it, "_sm_count", lambda device: 1)
-    seen = []
-    kernel = it.triton_batched_scores
-    monkeypatch.setattr(it, "triton_batched_scores", lambda *a, **k: seen.append(k) or kernel(*a, **k))
-    q, w, keys, pos = _inputs(3, 200, [0, 399, 90], seed=7)
-    call = ka.Call("batched_index_scores", {"ratio": 2, "scale": SCALE}, [q, w, keys, pos], ["q", "w", "k", "p"],
-                   [False] * 4, {"precision": "ieee", "fill": False})  # fmt: skip
-    adapter = ka.adapter_for("indexer_topk", "batched_index_scores")
+    adapter, call, seen = _spied_adapter_call(monkeypatch, 7, {"precision": "ieee", "fill": False},
+                                              DECODE_CTAS_PER_SM=0, DECODE_LONG_C=128)  # fmt: skip
     outs = adapter.run(call, [])
     assert seen[0]["cfg"].per_row and seen[0]["cfg"].ctas_per_sm == it.DECODE_LONG_CTAS and not seen[0]["fill"]
-    _check(adapter.check_view(call, outs)[0], _op_reference(q, w, keys, pos, 2, SCALE), 1e-6)
+    _check(adapter.check_view(call, outs)[0], _op_reference(*call.args, 2, SCALE), 1e-6)
