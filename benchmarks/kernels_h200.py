@@ -2902,6 +2902,34 @@ def attn_gputest_cases():
              lambda r, q, d, B=B, cfg=cfg: only_build(r, B, cfg)) for B, cfg in cfgs]  # fmt: skip
 
 
+def attn_s9r2_cases():
+    """`--only "sparse_attn s9r2"` (session 9, the last kernel round): test_sparse_attn_ws.py's gpu test kernels
+    (attn_gputest_cases, build only, prebuilt with the rows), then on the runtime's 4k operands: B64 split 2 with
+    bf16 partials through shared memory (o_smem + partial_bf16, bit-equal to partial_bf16 alone) next to the
+    split default and the unsplit o_smem (call 3's best at B64); B128 and B256 (persistent) o_smem again and with
+    early_p + lazy_rescale ("ezo": the per-block chain, now that the tail is short)."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+    out = [(name.replace("sparse_attn gputest", "sparse_attn s9r2 build"), shape, run)
+           for name, shape, run in attn_gputest_cases() if name[-1] not in "owc"]  # test_sparse_attn_ws.py's only
+
+    def add(B, cfg, what=""):
+        out.append((f"sparse_attn s9r2 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
+                    lambda r, q, d, B=B, cfg=cfg: case_attn_s9(r, B, cfg, q, d)))  # fmt: skip
+
+    split = sad.sm90_config(64, 640)
+    add(64, split, "default")
+    add(64, rep(split, partial_bf16=True, o_smem=True))
+    add(64, rep(ws64, o_smem=True), "no split")
+    for cfg in (rep(ws64, o_smem=True), sad.sm90_config(256, 640)):
+        B = 256 if cfg.persist else 128
+        add(B, rep(cfg, o_smem=True))
+        add(B, rep(cfg, o_smem=True, early_p=True, lazy_rescale=True))
+    out.append(("sparse_attn s9r2 summary", "-", lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s9r2")))
+    return out
+
+
 def attn_s9_trace_cases():
     """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, the
     default without its O stores (skip "ostore": the tail without them) and with zeros stored at the same addresses
@@ -4445,6 +4473,7 @@ def cases(quick: bool):
     out += [] if quick else attn_s8_cases()
     out += [] if quick else attn_s9_cases()
     out += [] if quick else attn_gputest_cases()
+    out += [] if quick else attn_s9r2_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)
