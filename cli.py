@@ -79,7 +79,7 @@ def _compile(args: argparse.Namespace):
     slowest = ", ".join(f"{name} {sec:.2f} s" for name, sec in res.slowest_passes)
     print(
         f"compiled {res.plan.model} for {res.plan.target}: graph built in {res.build_s:.2f} s, "
-        f"{len(res.plan.report.splitlines()) - 2} passes in {res.passes_s:.2f} s"
+        f"{res.n_passes} passes in {res.passes_s:.2f} s"
         + (f" (slowest: {slowest})" if slowest else "")
         + f", {res.nodes_before} -> {len(g.nodes)} nodes"
     )

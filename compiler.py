@@ -64,6 +64,7 @@ class CompileResult:
     kernels_s: float = 0.0
     kernels_summary: str = ""
     slowest_passes: list = field(default_factory=list)  # [(pass, seconds)], the SLOWEST_PASSES costliest first
+    n_passes: int = 0
 
 
 def compile_model(
@@ -110,11 +111,22 @@ def compile_model(
     optimised, report = run_pipeline(graph, pipe, dump_ir=dump_ir)
     passes_s = time.perf_counter() - t1
     weights = {"checkpoint": str(ckpt)} if ckpt is not None else {"random_seed": seed}
-    plan = Plan(name, config, target, optimised, weights, pipe.to_config(), report.format())
-    res = CompileResult(plan, build_s, passes_s, len(graph.nodes), slowest_passes=_slowest(report))
+    plan = Plan(name, config, target, optimised, weights, pipe.to_config(), _report_text(report, optimised))
+    res = CompileResult(plan, build_s, passes_s, len(graph.nodes), slowest_passes=_slowest(report),
+                        n_passes=len(report.records))  # fmt: skip
     if target != "cpu" and kernels != "none":
         _build_kernels(res, kernels, jobs, kernels_dir, max_model_len)
     return res
+
+
+def _report_text(report, optimised) -> str:
+    """The pass table, and where passes/cache_storage chose the caches' dtypes, its per-cache decisions."""
+    text = report.format()
+    if "cache_storage" in optimised.meta:
+        from deepinfer.passes.cache_storage import format_cache_storage
+
+        text += "\n" + format_cache_storage(optimised)
+    return text
 
 
 SLOWEST_PASSES = 3  # the compile summary names these many of the slowest passes (a warm compile is mostly passes)
