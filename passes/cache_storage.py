@@ -31,6 +31,7 @@ from deepinfer.ir import dtypes as dt
 from deepinfer.ir.graph import Graph, Node, Value
 from deepinfer.passes.pattern import fresh_name
 from deepinfer.passes.pipeline import register_pass
+from deepinfer.passes.rewrite_patterns import node_users
 
 ENV = "DEEPINFER_CACHE_BF16"
 # kernel family -> the dtype it reads its KV pools in
@@ -52,7 +53,7 @@ def cache_storage(g: Graph, *, enabled: bool | None = None) -> Graph:
     on = enabled_by_env() if enabled is None else enabled
     kernels = g.meta.get("kernels")
     records = {}
-    users = _users_of_values(g)
+    users = node_users(g)  # parameters skipped: no cache flows through the ~94k expert weights of a real graph
     inputs = {v.name: v for v in g.inputs}
     casts = _Casts(g)
     for entry in g.meta.get("caches", []):
@@ -70,16 +71,6 @@ def cache_storage(g: Graph, *, enabled: bool | None = None) -> Graph:
         _bind_casts(kernels, casts.made)
     g.meta["cache_storage"] = records
     return g
-
-
-def _users_of_values(g: Graph) -> dict[str, list[Node]]:
-    """Graph.users() without the parameters (a 40-layer graph's ~94k expert weights: no cache flows through them)."""
-    out: dict[str, list[Node]] = {}
-    for n in g.nodes:
-        for v in n.inputs:
-            if v is not None and v.kind != "param":
-                out.setdefault(v.name, []).append(n)
-    return out
 
 
 def _storage(cache: Value, users: dict, bindings: dict) -> tuple[str, object]:
