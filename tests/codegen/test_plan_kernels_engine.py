@@ -208,3 +208,24 @@ def test_compile_keys_equal_the_runtime_keys_batched_decode_with_attention_kerne
     assert any(k.family == "sparse_attn_decode" for k in want), sorted(k.describe() for k in want)
     got, why = pk.engine_kernel_keys(plan.graph, [], max_model_len=MAX_LEN, batch_sizes=[2])
     assert set(got) == want, (sorted(k.describe() for k in set(got) ^ want), why)
+
+
+def test_graph_digest_sees_params_and_nodes_not_bulk_meta(plans):
+    """The derived-key cache's graph digest: a parameter's shape or dtype, a node attribute change it; the bulk meta
+    no adapter reads (param_conversions, memory) does not."""
+    import copy
+
+    from deepinfer.ir import dtypes as dt
+
+    plan, _ = plans["deepseek-v4.1-flash:tiny"]
+    base = pk._graph_digest(plan.graph)
+    g = copy.deepcopy(plan.graph)
+    g.meta["memory"] = {"changed": True}
+    assert pk._graph_digest(g) == base
+    p = g.params[-1]
+    p.type = p.type.with_dtype(dt.bf16 if p.dtype != dt.bf16 else dt.f32)
+    assert pk._graph_digest(g) != base
+    g = copy.deepcopy(plan.graph)
+    node = next(n for n in g.nodes if n.op == "rmsnorm")
+    node.attrs = {**node.attrs, "eps": node.attrs["eps"] * 2}
+    assert pk._graph_digest(g) != base
