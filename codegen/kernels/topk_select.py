@@ -221,7 +221,10 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     257.7 us non-fused). Session 8 (H200 call 4, same run, every row exact on heavy ties and real scores): `lean`
     fast chunks, the `compact` final selection, `wscan` output offsets, no L2 prefetch, and at 256 threads `rsel`
     (the staged members selected in registers): T4096 C65536 460.8 us = 53.8% vs 543.6 us; C16384 (no rsel)
-    208.3 us vs 229.1 us.
+    208.3 us vs 229.1 us. Session 9 (H200 call 3, same run, read-only L2 flush, every row exact): `eager` (the
+    first chunk's loads issued before the row's limit and the workspace's zeroing) 455.0 us = 54.8% vs 459.5 at
+    C65536, 206.7 vs 207.9 at C16384 (DEEPINFER_TOPK_EAGER=0: without); measured slower: persist (611.8; 553.5
+    without rsel), tail_split (487.7), rsel at 128 threads (278.6 at C16384: 141 registers).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -234,8 +237,9 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
             fast = os.environ.get("DEEPINFER_TOPK_FAST", "") != "0"
             cfg = HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2, fused=2, min_blocks=3 if nt == 256 else 0,
                              ffs=True, fast=fast)  # fmt: skip
-            if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":  # (rsel measured at 256 threads only)
-                cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256)
+            if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":  # (rsel: slower at 128 threads)
+                cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256,
+                              eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)

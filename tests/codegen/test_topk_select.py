@@ -370,8 +370,12 @@ def test_hist_default_configs(monkeypatch):
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
-                                                           rsel=True, **s8)  # fmt: skip
-    assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, **s8)
+                                                           rsel=True, eager=True, **s8)  # fmt: skip
+    assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
+                                                           **s8)  # fmt: skip
+    monkeypatch.setenv("DEEPINFER_TOPK_EAGER", "0")  # (session 9's eager first chunk off)
+    assert not ts.default_config(4096, 65536).eager and not ts.default_config(4096, 16384).eager
+    monkeypatch.delenv("DEEPINFER_TOPK_EAGER")
     # decode (session 8): the fused loop with lean fast chunks and wscan, no L2 prefetch, the same segments
     dec = dict(fused=2, ffs=True, fast=True, lean=True, wscan=True)
     assert ts.default_config(64, 65536) == ts.HistConfig(128, 16, 16384, **dec)
