@@ -3653,6 +3653,10 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg, vis, split in _topk_s9_rows():
             run = lambda r, q, d, T_=T_, C=C, c=cfg, v=vis, sp=split: case_topk_s9(r, T_, C, c, v, sp, q, d)  # noqa: E731
             out.append(("indexer topk s9", f"T{T_} C{C} k{IDX_TOPK}" + (f" vis{vis}" if vis else ""), run))
+        for eager in (False, True):  # call 4: the default (eager since 9418cc4) next to call 3's, once more
+            cfg = dataclasses.replace(ts.default_config(4096, 65536, IDX_TOPK), eager=eager)
+            out.append(("indexer topk default s9", f"T4096 C65536 k{IDX_TOPK}",
+                        lambda r, q, d, c=cfg: case_topk_s9(r, 4096, 65536, c, None, False, q, d)))
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
                         lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))
