@@ -270,7 +270,7 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         if one_wave and best is not None and B * ns > num_sms and B * best.num_split <= num_sms:
             break  # keep the one-wave split count
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
-        if B * ns >= 0.9 * num_sms or (UNSPLIT_MIN_B and B >= UNSPLIT_MIN_B):
+        if B * ns >= 0.9 * num_sms or (UNSPLIT_MIN_B and B >= UNSPLIT_MIN_B and not fp8):
             break
     if best is not None and PERSIST_MIN_B and B >= PERSIST_MIN_B and not fp8 and persist_fits(best, topk):
         # more requests than SMs
@@ -287,7 +287,7 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
 # all checked): B64 split 2 33.3 us vs unsplit 34.8 vs bf16 partials 35.8 (slower: keep fp32); B128 pf1 44.0 vs 44.2 us
 # (noise); after a read-only flush instead of do_bench's zeroing, unsplit B64 33.7 vs 36.8 us -- the protocols disagree,
 # so a switch waits for the batched step in graphs (DEEPINFER_ATTN_DECODE below).
-UNSPLIT_MIN_B = 0
+UNSPLIT_MIN_B = 64  # (session 9, with DECODE_O_SMEM: see there)
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
 # Session 8: every bf16 ws decode config takes Config.early_p / lazy_rescale / ids_first (1) or not (0). H200 (calls 2
@@ -297,9 +297,12 @@ DECODE_L2_PREFETCH = 0
 DECODE_EARLY_P = 0
 DECODE_LAZY_RESCALE = 0
 DECODE_IDS_FIRST = 0
-# Session 9 (not yet measured, off): Config.o_smem on every bf16 ws decode config it fits (one pass, 64-row blocks:
-# the single pass and the persistent grid; the split passes keep their partial stores).
-DECODE_O_SMEM = 0
+# Session 9: Config.o_smem on every bf16 ws decode config it fits (one pass, 64-row blocks: the single pass and the
+# persistent grid; the split passes keep their fp32 partial stores). H200 call 3 (kernels_h200 'sparse_attn s9', the
+# runtime's 4k operands, all bit-equal to the plain configs): B128 44.2 -> 40.0 us, B256 persistent 74.4 -> 67.9 us;
+# B64 unsplit with it 32.4 us vs the split-2 default 33.5 us (read flush 31.6 vs 37.4: the protocols agree now), so
+# UNSPLIT_MIN_B = 64 with it (bf16 KV; FP8 KV keeps its split counts: not measured unsplit).
+DECODE_O_SMEM = 1
 
 
 def _chain_options(cfg: Config) -> Config:

@@ -1,6 +1,7 @@
-"""sparse_attn_decode's decode switches (UNSPLIT_MIN_B, SPLIT_PARTIAL_BF16, DECODE_L2_PREFETCH): the measured defaults
-leave sm90_config's choices as they were, and each switch changes only the configs it names (so flipping one after
-the H200 rows of `kernels_h200.py --only "sparse_attn s7"` is a one-line change with a known reach)."""
+"""sparse_attn_decode's decode switches (UNSPLIT_MIN_B, SPLIT_PARTIAL_BF16, DECODE_L2_PREFETCH, DECODE_O_SMEM, ...):
+the measured defaults give sm90_config's measured choices, and each switch changes only the configs it names (so
+flipping one after the H200 rows of `kernels_h200.py --only "sparse_attn s7"` is a one-line change with a known
+reach)."""
 
 import dataclasses
 
@@ -17,7 +18,9 @@ def _configs(fp8: bool = False) -> dict:
 
 def test_defaults_keep_the_measured_choices():
     got = {b: c.tag for b, c in _configs().items()}
-    assert got[64] == "wsn64s2x2" and got[128] == "wsn64s2" and got[256] == "wsn64s2p132", got
+    # session 9: o_smem on the one-pass configs, B64 unsplit (H200 call 3)
+    assert got[64] == "wsn64s2o" and got[128] == "wsn64s2o" and got[256] == "wsn64s2p132o", got
+    assert _configs(fp8=True)[64].num_split > 1 and not any(c.o_smem for c in _configs(fp8=True).values())
     assert not any(c.partial_bf16 or c.l2_prefetch for c in _configs().values())
 
 
@@ -28,7 +31,7 @@ def test_partial_bf16_switch_reaches_split_configs_only(monkeypatch):
     for b in BATCHES:
         want = dataclasses.replace(before[b], partial_bf16=True) if before[b].num_split > 1 else before[b]
         assert after[b] == want, (b, after[b].tag)
-    assert after[64].tag == "wsn64s2x2h"
+    assert after[16].num_split > 1 and after[16].partial_bf16 and not after[64].partial_bf16
     assert not any(c.partial_bf16 for c in _configs(fp8=True).values())  # FP8 KV: the switch is bf16-only
 
 
@@ -39,14 +42,15 @@ def test_l2_prefetch_switch_reaches_the_single_pass_only(monkeypatch):
     for b in BATCHES:
         single = before[b].num_split == 1 and not before[b].persist  # persist takes no prefetch (Config check)
         assert after[b] == (dataclasses.replace(before[b], l2_prefetch=1) if single else before[b]), b
-    assert after[128].tag == "wsn64s2pf1" and after[256].persist
+    assert after[128].tag == "wsn64s2pf1o" and after[256].persist
 
 
 def test_unsplit_switch_reaches_b64_and_up_only(monkeypatch):
     before = _configs()
-    monkeypatch.setattr(sad, "UNSPLIT_MIN_B", 64)
+    assert before[64].num_split == 1 and before[64].tag == "wsn64s2o"
+    monkeypatch.setattr(sad, "UNSPLIT_MIN_B", 0)  # the previous rule: B64 splits in 2 (fp32 partials, no o_smem)
     after = _configs()
-    assert after[64].num_split == 1 and after[64].tag == "wsn64s2"
+    assert after[64].num_split == 2 and after[64].tag == "wsn64s2x2"
     assert all(after[b] == before[b] for b in BATCHES if b != 64), {b: after[b].tag for b in BATCHES}
 
 
@@ -55,7 +59,7 @@ def test_env_form_sets_the_switches(monkeypatch):
         monkeypatch.setattr(sad, name, getattr(sad, name))
     sad.apply_decode_switches("UNSPLIT_MIN_B=64, PERSIST_MIN_B=0,SPLIT_PARTIAL_BF16=1")
     assert (sad.UNSPLIT_MIN_B, sad.PERSIST_MIN_B, sad.SPLIT_PARTIAL_BF16) == (64, 0, True)
-    assert sad.sm90_config(64, 640).tag == "wsn64s2" and sad.sm90_config(256, 640).tag == "wsn64s2"
+    assert sad.sm90_config(64, 640).tag == "wsn64s2o" and sad.sm90_config(256, 640).tag == "wsn64s2o"
     assert sad.sm90_config(16, 640).partial_bf16
     with pytest.raises(ValueError, match="not one of"):
         sad.apply_decode_switches("PERSIST=0")
@@ -76,14 +80,14 @@ def test_chain_option_switches_reach_every_bf16_ws_decode_config(monkeypatch, na
 
 
 def test_o_smem_switch_reaches_the_one_pass_bf16_configs(monkeypatch):
-    """DECODE_O_SMEM (session 9, off): Config.o_smem on the single pass and the persistent grid (64-row blocks), not
-    on the split passes nor on FP8 KV."""
+    """DECODE_O_SMEM (session 9, on): Config.o_smem on the single pass and the persistent grid (64-row blocks), not
+    on the split passes nor on FP8 KV; 0 takes it off everywhere."""
+    after = _configs()
+    monkeypatch.setattr(sad, "DECODE_O_SMEM", 0)
     before, before8 = _configs(), _configs(fp8=True)
     assert not any(c.o_smem for c in before.values())
-    monkeypatch.setattr(sad, "DECODE_O_SMEM", 1)
-    after = _configs()
     for b in BATCHES:
         fits = before[b].num_split == 1 and before[b].block_n == 64
         assert after[b] == dataclasses.replace(before[b], o_smem=fits), (b, after[b].tag)
-    assert after[128].tag == "wsn64s2o" and after[256].tag == "wsn64s2p132o" and not after[64].o_smem
-    assert _configs(fp8=True) == before8
+    assert after[128].tag == "wsn64s2o" and after[256].tag == "wsn64s2p132o" and not after[16].o_smem
+    assert _configs(fp8=True) == before8 and not any(c.o_smem for c in before8.values())

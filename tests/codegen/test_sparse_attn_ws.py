@@ -58,9 +58,11 @@ def test_ws_smem_fits_and_configs_are_coherent():
             assert cfg.ws and cfg.threads == sad.WS_THREADS and 640 % (cfg.block_n * cfg.num_split) == 0
             larger = [ns for ns in sad.SPLITS if ns > cfg.num_split and sad.ws_configs(640, ns, fp8=fp8)]
             # ~90% of the SMs covered, or the next split count would need a second wave of CTAs
-            assert B * cfg.num_split >= 0.9 * 132 or not larger or B * larger[0] > 132
+            unsplit = sad.UNSPLIT_MIN_B and B >= sad.UNSPLIT_MIN_B and not fp8  # (session 9: B64 and up)
+            assert B * cfg.num_split >= 0.9 * 132 or not larger or B * larger[0] > 132 or unsplit
             assert B * cfg.num_split <= 132 or cfg.num_split == 1
-    assert sad.sm90_config(128, 640).num_split == 1 and sad.sm90_config(64, 640).num_split == 2
+    assert sad.sm90_config(128, 640).num_split == 1 and sad.sm90_config(64, 640).num_split == 1
+    assert sad.sm90_config(32, 640).num_split == 4 and sad.sm90_config(64, 640, fp8=True).num_split == 2
     assert sad.sm90_config(1, 640).num_split != sad.sm90_config(64, 640).num_split  # batch invariance test
     for c in sad.sm90_config_space(64, 640) + sad.sm90_config_space(64, 640, fp8=True):
         assert 640 % (c.block_n * c.num_split) == 0
