@@ -2368,6 +2368,8 @@ def attn_partial16_cases():
     out = []
     for B in (64, 16, 1):
         base = sad.sm90_config(B, 640)
+        if base.num_split == 1:  # B64 runs unsplit since session 9: its former split 2
+            base = sad.Config(64, sad.WS_THREADS, 2, 2, True)
         for cfg in (base, dataclasses.replace(base, partial_bf16=True)):
             out.append((f"sparse_attn partial16 {cfg.tag}", f"B{B} H64 k640",
                         lambda r, q, d, B=B, cfg=cfg: case_attn_decode(r, B, 640, q, d, cfg, n_win=128)))  # fmt: skip
@@ -2555,7 +2557,7 @@ def attn_s7_cases():
     add(256, ws64, "single pass")
     add(128, rep(ws64, l2_prefetch=1))
     add(64, ws64, "no split")
-    add(64, rep(sad.sm90_config(64, 640), partial_bf16=True))
+    add(64, rep(sad.Config(64, sad.WS_THREADS, 2, 2, True), partial_bf16=True))  # (session 7's B64 default: split 2)
     add(128, rep(ws64, num_split=2, partial_bf16=True))
     for B in (128, 256):  # the default's own bound without HBM latency (entries from 4096 rows: 4 MB, in L2)
         add_random(B, sad.sm90_config(B, 640), 640, "L2-hot", S7_WIN, hot=4096)
@@ -2860,9 +2862,10 @@ def attn_s9_cases():
     add(128, rep(ws64, o_smem=True))
     add(128, rep(ws64, warm_tail=True))
     add(256, rep(sad.sm90_config(256, 640), o_smem=True))
-    add(256, rep(sad.sm90_config(256, 640), warm_tail=True))
-    add(64, rep(sad.sm90_config(64, 640), fuse_combine=True))
-    add(64, rep(sad.sm90_config(64, 640), warm_tail=True))
+    split2 = sad.Config(64, sad.WS_THREADS, 2, 2, True)  # B64's default before session 9's call 3
+    add(256, rep(sad.sm90_config(256, 640), o_smem=False, warm_tail=True))
+    add(64, rep(split2, fuse_combine=True))
+    add(64, rep(split2, warm_tail=True))
     traces = attn_s9_trace_cases()
     out += traces[:-1]
     add(64, ws64, "no split")
@@ -2874,12 +2877,8 @@ def attn_s9_cases():
     return out
 
 
-def attn_gputest_cases():
-    """`--only "sparse_attn gputest"` (build only, every row): the kernels of the sparse-attention gpu tests
-    (test_sparse_attn_ws.py's early_p / lazy_rescale / ids_first at B256 / 128 / 64, test_sparse_attn_s9.py's
-    o_smem and fuse_combine), built by main's -j workers into TileLang's cache, so that pytest run right after
-    with the same TILELANG_CACHE_DIR loads them instead of compiling ~20 kernels one at a time (they outran its
-    timeout)."""
+def _gputest_ws_cfgs() -> list:
+    """test_sparse_attn_ws.py's gpu test kernels: early_p / lazy_rescale / ids_first on the B256 / 128 / 64 defaults."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     cfgs = []
@@ -2887,41 +2886,61 @@ def attn_gputest_cases():
         base = sad.sm90_config(B, 640)
         cfgs += [(B, base), (B, rep(base, ids_first=True))]
         cfgs += [(B, rep(base, early_p=e, lazy_rescale=z)) for e, z in ((1, 0), (0, 1), (1, 1))]
-    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-    cfgs += [(128, rep(ws64, o_smem=True)), (128, rep(ws64, warm_tail=True)),
-             (256, rep(ws64, persist=132, o_smem=True)), (256, rep(ws64, persist=132, warm_tail=True))]  # fmt: skip
+    return cfgs
 
-    cfgs.append((64, rep(sad.sm90_config(64, 640), fuse_combine=True)))
+
+def _gputest_s9_cfgs() -> list:
+    """test_sparse_attn_s9.py's gpu test kernels: o_smem / warm_tail next to their plain configs (single pass,
+    persistent grid), fuse_combine next to split 2."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+    split2 = sad.Config(64, sad.WS_THREADS, 2, 2, True)
+    out = []
+    for B, base in ((128, ws64), (256, rep(ws64, persist=132))):
+        out += [(B, base), (B, rep(base, o_smem=True)), (B, rep(base, warm_tail=True))]
+    return out + [(64, split2), (64, rep(split2, fuse_combine=True))]
+
+
+def _build_only_rows(prefix: str, cfgs: list) -> list:
+    """Build-only rows (one a kernel), prebuilt by main's -j workers into TileLang's cache."""
 
     def only_build(row, B, cfg):
         _ATTN_PREBUILT[0] = True
         (_fused_kernel if cfg.fuse_combine else _s7_kernel)(B, cfg, True)
         row.check = "built (for the gpu tests)"
 
-    return [(f"sparse_attn gputest B{B} {cfg.tag}", f"B{B} H64 k640",
-             lambda r, q, d, B=B, cfg=cfg: only_build(r, B, cfg)) for B, cfg in cfgs]  # fmt: skip
+    return [(f"{prefix} B{B} {cfg.tag}", f"B{B} H64 k640", lambda r, q, d, B=B, cfg=cfg: only_build(r, B, cfg))
+            for B, cfg in cfgs]  # fmt: skip
+
+
+def attn_gputest_cases():
+    """`--only "sparse_attn gputest"` (build only, every row): the kernels of the sparse-attention gpu tests
+    (test_sparse_attn_ws.py's and test_sparse_attn_s9.py's), built by main's -j workers into TileLang's cache, so
+    that pytest run right after with the same TILELANG_CACHE_DIR loads them instead of compiling ~20 kernels one at
+    a time (they outran its timeout)."""
+    return _build_only_rows("sparse_attn gputest", _gputest_ws_cfgs() + _gputest_s9_cfgs())
 
 
 def attn_s9r2_cases():
     """`--only "sparse_attn s9r2"` (session 9, the last kernel round): test_sparse_attn_ws.py's gpu test kernels
     (attn_gputest_cases, build only, prebuilt with the rows), then on the runtime's 4k operands: B64 split 2 with
-    bf16 partials through shared memory (o_smem + partial_bf16, bit-equal to partial_bf16 alone) next to the
-    split default and the unsplit o_smem (call 3's best at B64); B128 and B256 (persistent) o_smem again and with
+    bf16 partials through shared memory (o_smem + partial_bf16, bit-equal to partial_bf16 alone) next to split 2
+    and the default (unsplit o_smem since call 3); B128 and B256 (persistent) o_smem again and with
     early_p + lazy_rescale ("ezo": the per-block chain, now that the tail is short)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-    out = [(name.replace("sparse_attn gputest", "sparse_attn s9r2 build"), shape, run)
-           for name, shape, run in attn_gputest_cases() if name[-1] not in "owc"]  # test_sparse_attn_ws.py's only
+    out = _build_only_rows("sparse_attn s9r2 build", _gputest_ws_cfgs())
 
     def add(B, cfg, what=""):
         out.append((f"sparse_attn s9r2 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
                     lambda r, q, d, B=B, cfg=cfg: case_attn_s9(r, B, cfg, q, d)))  # fmt: skip
 
-    split = sad.sm90_config(64, 640)
-    add(64, split, "default")
+    split = sad.Config(64, sad.WS_THREADS, 2, 2, True)  # B64's default before session 9's call 3
+    add(64, sad.sm90_config(64, 640), "default")
+    add(64, split, "split 2")
     add(64, rep(split, partial_bf16=True, o_smem=True))
-    add(64, rep(ws64, o_smem=True), "no split")
     for cfg in (rep(ws64, o_smem=True), sad.sm90_config(256, 640)):
         B = 256 if cfg.persist else 128
         add(B, rep(cfg, o_smem=True))
