@@ -2460,6 +2460,17 @@ def case_attn_s7(row: Row, B: int, cfg, quick: bool, dry: bool, make_kernel=None
     _s7_record(row, B, "4k", _bench_read_flush(lambda: kernel(q, kv, idx, sink, out), quick))
 
 
+def _attn_row_adder(out: list, group: str, case):
+    """add(B, cfg, what=""): appends to out the row "{group} B{B} {cfg.tag}[ what]" on the runtime's 4k operands,
+    run by case(row, B, cfg, quick, dry)."""
+
+    def add(B, cfg, what=""):
+        out.append((f"{group} B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
+                    lambda r, q, d, B=B, cfg=cfg: case(r, B, cfg, q, d)))  # fmt: skip
+
+    return add
+
+
 def _s7_kernel(B: int, cfg, dry: bool):
     return _attn_kernel(B, 640, cfg, False, dry, n_win=S7_WIN)
 
@@ -2542,9 +2553,7 @@ def attn_s7_cases():
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
     out = []
 
-    def add(B, cfg, what=""):
-        out.append((f"sparse_attn s7 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
-                    lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
+    add = _attn_row_adder(out, "sparse_attn s7", case_attn_s7)
 
     def add_random(B, cfg, topk, what, n_win, hot=0):
         out.append((f"sparse_attn s7 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} {'hot' if hot else 'rnd'}",
@@ -2730,9 +2739,7 @@ def attn_s8_cases():
     rep = dataclasses.replace
     out = []
 
-    def add(B, cfg, what=""):
-        out.append((f"sparse_attn s8 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
-                    lambda r, q, d, B=B, cfg=cfg: case_attn_s7(r, B, cfg, q, d)))  # fmt: skip
+    add = _attn_row_adder(out, "sparse_attn s8", case_attn_s7)
 
     def add_probe(B, cfg, topk, what):
         out.append((f"sparse_attn s8 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} rnd",
@@ -2853,9 +2860,7 @@ def attn_s9_cases():
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
     out = []
 
-    def add(B, cfg, what=""):
-        out.append((f"sparse_attn s9 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
-                    lambda r, q, d, B=B, cfg=cfg: case_attn_s9(r, B, cfg, q, d)))  # fmt: skip
+    add = _attn_row_adder(out, "sparse_attn s9", case_attn_s9)
 
     for B in S7_BATCHES:
         add(B, sad.sm90_config(B, 640), "default")
@@ -2933,9 +2938,7 @@ def attn_s9r2_cases():
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
     out = _build_only_rows("sparse_attn s9r2 build", _gputest_ws_cfgs())
 
-    def add(B, cfg, what=""):
-        out.append((f"sparse_attn s9r2 B{B} {cfg.tag}{' ' + what if what else ''}", f"B{B} H64 k640 4k",
-                    lambda r, q, d, B=B, cfg=cfg: case_attn_s9(r, B, cfg, q, d)))  # fmt: skip
+    add = _attn_row_adder(out, "sparse_attn s9r2", case_attn_s9)
 
     split = sad.Config(64, sad.WS_THREADS, 2, 2, True)  # B64's default before session 9's call 3
     add(64, sad.sm90_config(64, 640), "default")
