@@ -39,13 +39,20 @@ Where the decode time goes (H200, session 8: `Config.trace` stamps, kernels_h200
   cores) | softmax + P ~0.41 | P hand-off ~0.1; PV (both halves) ~0.77. The tensor work is ~1.55 us a block, the
   block's HBM share ~1.96 us (bf16), so the chain (QK^T + softmax in series on WG0) and HBM coincide at B128/B256;
   shortening the chain pays where HBM does not bind (B64, L2-hot rows, FP8 KV: 1.05 us of bytes a block).
-- ~6.7 us from the last PV to the O stores issued (4.5 us with no KV loads, 1.1 us in the skeleton): not explained.
-Next steps, in that order: the tail (stamps around the fin wait and the stores; O through the free KV ring and
-16-B / bulk stores); block 0 gathered before Q (the first QK^T needs both; Q + two blocks at once delay block 0); the
-chain -- QK^T of block j + 1 under softmax(j) needs a third 64-row stage (with two, `lookahead` waits for block
-j + 1's rows before softmax(j): the ring's latency enters the chain), i.e. Q out of shared memory: Q halves in the PV
-warpgroups' registers (RS wgmma; setmaxnreg ~208 for them, ~96 for a softmax-only WG0) or QK^T split over two
-warpgroups. early_p / lazy_rescale shorten the chain by ~0.1 us a block (B128 read flush 38.6 vs 39.7 us).
+- ~6.7 us from the last PV to the O stores issued (4.5 us with no KV loads, 1.1 us in the skeleton). Session 9 (call
+  3, new stamps): the fin wait is 0.15 us; the rest is the stores themselves -- 64 4-byte stores a thread in the wgmma
+  accumulator layout (a warp store: 8 heads' rows x 16 B), as slow when they store zeros from a rolled loop (the
+  traffic pattern, not the code: running the epilogue's code once early, Config.warm_tail, gained nothing). Through
+  the free KV stage and 16-B stores of whole 512-B rows (Config.o_smem, now the default) the tail is 2.4 us (8.4 MB
+  of O at about the HBM write rate; 0.2 us with no stores at all): B128 44.2 -> 40.0 us (59.1%; 69.0% after a
+  read flush), B256 persistent 74.4 -> 67.9 us (69.7%), B64 unsplit 32.4 us (split 2 + combine: 33.5).
+Next steps, in that order: the split pass's fp32 partial stores the same way (bf16 partials through the stage:
+Config.o_smem + partial_bf16; fp32 needs both stages of the half ring); block 0 gathered before Q (the first QK^T
+needs both; Q + two blocks at once delay block 0: the start is ~25 MB at B128, HBM-bound); the chain -- QK^T of
+block j + 1 under softmax(j) needs a third 64-row stage (with two, `lookahead` waits for block j + 1's rows before
+softmax(j): the ring's latency enters the chain), i.e. Q out of shared memory: Q halves in the PV warpgroups'
+registers (RS wgmma; setmaxnreg ~208 for them, ~96 for a softmax-only WG0) or QK^T split over two warpgroups.
+early_p / lazy_rescale shorten the chain by ~0.1 us a block (B128 read flush 38.6 vs 39.7 us).
 """
 
 import dataclasses

@@ -208,7 +208,9 @@ def test_sparse_attn_decode_bf16_partials(kb, run_case, B):
 
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
-    cfg = dataclasses.replace(sad.sm90_config(B, 640), partial_bf16=True)
+    base = sad.sm90_config(B, 640)
+    base = base if base.num_split > 1 else sad.Config(64, 384, 2, 2, True)  # B64: unsplit by default since session 9
+    cfg = dataclasses.replace(base, partial_bf16=True)
     run_case(functools.partial(kb.case_attn_decode, cfg=cfg, n_win=128), B, 640)
 
 
