@@ -45,7 +45,9 @@ Where the decode time goes (H200, session 8: `Config.trace` stamps, kernels_h200
   traffic pattern, not the code: running the epilogue's code once early, Config.warm_tail, gained nothing). Through
   the free KV stage and 16-B stores of whole 512-B rows (Config.o_smem, now the default) the tail is 2.4 us (8.4 MB
   of O at about the HBM write rate; 0.2 us with no stores at all): B128 44.2 -> 40.0 us (59.1%; 69.0% after a
-  read flush), B256 persistent 74.4 -> 67.9 us (69.7%), B64 unsplit 32.4 us (split 2 + combine: 33.5).
+  read flush), B256 persistent 74.4 -> 67.9 us (69.7%), B64 unsplit 32.4 us (split 2 + combine: 33.5). Also
+  measured there and removed: split 2 with the combine folded into each request's last CTA (an arrival counter, the
+  partials read back from L2), 37.8 us at B64 -- slower, as session 4's in-kernel merge was.
 Next steps, in that order: the split pass's fp32 partial stores the same way (bf16 partials through the stage:
 Config.o_smem + partial_bf16; fp32 needs both stages of the half ring); block 0 gathered before Q (the first QK^T
 needs both; Q + two blocks at once delay block 0: the start is ~25 MB at B128, HBM-bound); the chain -- QK^T of
@@ -142,12 +144,6 @@ class Config:
     # persistent 74.4 -> 67.9 us, B64 unsplit 34.8 -> 32.4 us; zeros stored from a rolled loop at the same addresses
     # were as slow as the default (the traffic pattern, not the code).
     o_smem: bool = False
-    # ws split pass, bf16 KV, two pools (session 9, not yet measured): no combine kernel. Each CTA writes its partial
-    # (Op, Mp, Lp) as before, then counts itself in Cnt[b] (an int32 per request, zero between launches: the last
-    # CTA resets it); the CTA that arrives last folds the request's chunks and the sink into O itself, reading the
-    # partials from L2 (just written). Why: at B64 (split 2) the combine kernel took ~10 us of the pair's ~33 (its
-    # launch plus 21 MB, the partials read back from HBM); folded here it runs on 64 CTAs as they finish.
-    fuse_combine: bool = False
     # ws single or split pass (session 9, not yet measured): the PV warpgroups run their epilogue's code twice, one copy
     # in a rolled loop: first right after the prologue (its stores predicated off, while the first blocks load),
     # then at the end. Why: the tail from the last PV to the O stores issued took ~6.7 us (1.1 us in a build with no
@@ -170,10 +166,8 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
-        assert not self.warm_tail or (self.ws and not self.o_smem and not self.fuse_combine and not self.skip
+        assert not self.warm_tail or (self.ws and not self.o_smem and not self.skip
                                       and self.copy == "cp"), "warm_tail: ws, not o_smem"  # fmt: skip
-        assert not self.fuse_combine or (self.ws and self.num_split > 1 and not self.partial_bf16 and not self.trace
-                                         and self.copy == "cp"), "fuse_combine: the ws split pass"  # fmt: skip
         assert not self.o_smem or (self.ws and (self.num_split == 1 or self.partial_bf16) and self.block_n == WS_HEADS
                                    and self.copy == "cp"), "o_smem: ws, 64-row blocks, bf16 partials"  # fmt: skip
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
@@ -198,7 +192,6 @@ class Config:
         head += "z" if self.lazy_rescale else ""
         head += "i" if self.ids_first else ""
         head += "o" if self.o_smem else ""
-        head += "c" if self.fuse_combine else ""
         head += "w" if self.warm_tail else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
@@ -601,57 +594,11 @@ class _WsGeom:
         return (k * 128 + t) % (self.D2 // 8) * 8
 
 
-FUSED_THREADS = 256  # Config.fuse_combine: the PV warpgroups' threads fold the chunks
-
-
 def _live_row(fin_s, h, phase):
     """store_outputs' predicate for row h: always (no phase), or fin_s[h] x phase > 0 (Config.warm_tail)."""
     import tilelang.language as T
 
     return True if phase is None else fin_s[h] * T.cast(phase, "float32") > 0
-
-
-def _fused_combine(H: int, D: int, ns: int, act: str):
-    """Config.fuse_combine's fold, one thread's share (t < FUSED_THREADS) of request b: O[b] from every chunk's
-    partial with combine_program_wide's formula and order. Warp w takes heads w * HW .. w * HW + HW - 1 (HW =
-    H / 8), lane l columns (j * 32 + l) * 4 .. + 3 of each (j < D / 128): a warp's load or store covers 512
-    contiguous bytes of one chunk's row. Two heads a step, their weights and all their partial loads independent
-    (16 x 16-B loads in flight a thread: the fold reads L2, latency-bound). Shared by the sm90 program and its CPU
-    mirror."""
-    import tilelang.language as T
-
-    chunks = list(range(ns))  # unrolled at trace time
-    HW, JN = H // (FUSED_THREADS // 32), D // 128
-    assert H % (FUSED_THREADS // 32) == 0 and HW % 2 == 0 and D % 128 == 0
-
-    @T.macro
-    def piece(Op, Mp, Lp, Sink, O, b, t, acc8):
-        for i2 in T.serial(HW // 2):
-            for i1 in T.unroll(2, explicit=True):
-                h = t // 32 * HW + i2 * 2 + i1
-                top = Sink[h]  # the max counts the sink: every exponent <= 0, an all-invalid chunk weighs 0
-                for c in chunks:
-                    top = T.max(top, Mp[b, c, h])
-                den = T.exp(Sink[h] - top)
-                for c in chunks:
-                    den = den + Lp[b, c, h] * T.exp(Mp[b, c, h] - top)
-                for j in T.unroll(JN, explicit=True):
-                    col = (j * 32 + t % 32) * 4
-                    for v in T.vectorized(4):
-                        acc8[(i1 * JN + j) * 4 + v] = Op[b, 0, h, col + v] * (T.exp(Mp[b, 0, h] - top) / den)
-                    for c in chunks[1:]:
-                        for v in T.vectorized(4):
-                            acc8[(i1 * JN + j) * 4 + v] = acc8[(i1 * JN + j) * 4 + v] + Op[b, c, h, col + v] * (
-                                T.exp(Mp[b, c, h] - top) / den)
-                    for v in T.vectorized(4):
-                        O[b, h, col + v] = T.cast(acc8[(i1 * JN + j) * 4 + v], act)
-
-    return piece
-
-
-def fused_acc(D: int) -> int:
-    """Config.fuse_combine: the fold's fp32 accumulators a thread (two heads' columns)."""
-    return 2 * D // 128 * 4
 
 
 class _Src(NamedTuple):
@@ -709,9 +656,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
-    early_p, lazy, trace, fused = cfg.early_p, cfg.lazy_rescale, cfg.trace, cfg.fuse_combine
+    early_p, lazy, trace = cfg.early_p, cfg.lazy_rescale, cfg.trace
     assert not trace or (n_win and not kv_fp8), "trace: the two-pool bf16 program"
-    assert not fused or (n_win and not kv_fp8), "fuse_combine: the two-pool bf16 program"
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
     assert not (bulk and kv_fp8), "bulk copies: bf16 KV"
@@ -723,7 +669,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     if kv_fp8:
         assert bn == 32 and NS == 2, "FP8 KV: 32-row blocks in 2 stages (the staging buffer needs the room)"
     chunk, nb, D2, R = g.chunk, g.nb, g.D2, g.R
-    combine_piece = _fused_combine(H, D, ns, "bfloat16") if fused else None
     opt = "bfloat16" if cfg.partial_bf16 else "float32"  # the split pass's Op
     rounds, tail = divmod(nb, NS)
     bf, f32, i32 = "bfloat16", "float32", "int32"
@@ -1167,24 +1112,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         stamp(Trace, tr_row, slot + 3, tx)
 
     @T.macro
-    def last_cta_combines(Op, Mp, Lp, Sink, O, Cnt, b, tx, flag_s, acc8):
-        """Config.fuse_combine: after every thread's partial stores, count this CTA in Cnt[b] (release: the CTA's
-        stores are ordered before the count by the barrier and thread 0's fence); the last one to count (acquire)
-        combines and resets Cnt[b] for the next launch."""
-        T.sync_threads()
-        if tx == 0:
-            T.call_extern("handle", "__threadfence")
-            flag_s[0] = T.atomic_add(Cnt[b], 1, memory_order="acq_rel", return_prev=True)
-            T.call_extern("handle", "__threadfence")
-        T.sync_threads()
-        if flag_s[0] == ns - 1:
-            if tx >= 128:
-                combine_piece(Op, Mp, Lp, Sink, O, b, tx - 128, acc8)
-            if tx == 0:
-                Cnt[b] = 0
-
-    @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None, Cnt=None):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None):
         q_l = T.alloc_shared((H, D2), bf)
         q_r = T.alloc_shared((H, D2), bf)
         kv_l = T.alloc_shared((NS, bn, D2), bf)
@@ -1215,8 +1143,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         p_full = T.alloc_barrier([128] * NS)
         p_empty = T.alloc_barrier([256] * NS)
         fin = T.alloc_barrier(128)
-        flag_s = T.alloc_shared((1,), i32) if fused else None  # Config.fuse_combine: this CTA's count in Cnt[b]
-        acc8 = T.alloc_local((fused_acc(D),), f32) if fused else None
         base = sp * chunk
         tr_row = b * ns + sp  # Config.trace's row
         tx = T.get_thread_binding()
@@ -1289,8 +1215,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, Trace,
                     tr_row)  # fmt: skip
-        if fused:
-            last_cta_combines(Op, Mp, Lp, Sink, O, Cnt, b, tx, flag_s, acc8)
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
@@ -1482,7 +1406,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     if n_win:
         return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
                                   fp8=kv_fp8, split=split, prelude=prelude, persist=P, op_dtype=opt,
-                                  trace_slots=trace_slots(nb) if trace else 0, fused=fused)  # fmt: skip
+                                  trace_slots=trace_slots(nb) if trace else 0)  # fmt: skip
     if P:
 
         @T.prim_func
@@ -1560,37 +1484,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
                        act="bfloat16", prelude=None, persist: int = 0, op_dtype="float32",
-                       trace_slots: int = 0, fused: bool = False):  # fmt: skip
+                       trace_slots: int = 0):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
     is the CTA index (the persistent ws body walks the requests itself). trace_slots (Config.trace, bf16 ws): one
     prim_func for the single and the split pass, (Q, KVw, KVc, IdxW, IdxC, Sink, O, Op, Mp, Lp, Trace) with Trace
-    [B * ns, trace_slots] int64, passed to body as Trace. fused (Config.fuse_combine): the split pass with the
-    combine folded in, (Q, KVw, KVc, IdxW, IdxC, Sink, O, Op, Mp, Lp, Cnt) with Cnt [B] int32 (zeros), passed to
-    body as Cnt."""
+    [B * ns, trace_slots] int64, passed to body as Trace."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
-    if fused:
-
-        @T.prim_func
-        def sparse_attn_decode_ws2_fused(
-            Q: T.Tensor((B, H, D), act),
-            KVw: T.Tensor((Sw, D), kvt),
-            KVc: T.Tensor((Sc, D), kvt),
-            IdxW: T.Tensor((B, nw), i32),
-            IdxC: T.Tensor((B, nc), i32),
-            Sink: T.Tensor((H,), f32),
-            O: T.Tensor((B, H, D), act),
-            Op: T.Tensor((B, ns, H, D), op_dtype),
-            Mp: T.Tensor((B, ns, H), f32),
-            Lp: T.Tensor((B, ns, H), f32),
-            Cnt: T.Tensor((B,), i32),
-        ):
-            with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
-                body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, Op, Mp, Lp, sp, b, None, Cnt)
-
-        return sparse_attn_decode_ws2_fused
     if trace_slots:  # one entry for both passes: the pass's unused outputs (Op, Mp, Lp or Sink, O) are left alone
 
         @T.prim_func
@@ -1720,11 +1622,8 @@ def _program_ws_cpu(
     NEG = -1.0e30
     split = ns > 1
 
-    fused = cfg.fuse_combine
-    combine_piece = _fused_combine(H, D, ns, f32) if fused else None
-
     @T.macro
-    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b, Trace=None, Cnt=None):
+    def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
         q = T.alloc_local((2, H, D2), f32)
         kv = T.alloc_local((2, NS, bn, D2), f32)  # [half, stage, row, column]
         raw = T.alloc_local((2, NS, bn, D2), f32)
@@ -1738,7 +1637,6 @@ def _program_ws_cpu(
         m_prev = T.alloc_local((H,), f32)
         l = T.alloc_local((H,), f32)
         acc = T.alloc_local((1,), f32)
-        acc8 = T.alloc_local((fused_acc(D),), f32)
         rid = T.alloc_local((R,), i32)
         base = sp * chunk
         for hf in T.serial(2):
@@ -1820,12 +1718,6 @@ def _program_ws_cpu(
                             kv[hf, 0, h, d] = o[hf, h, d] * acc[0]
                         else:
                             O[b, h, hf * D2 + d] = o[hf, h, d] * acc[0]
-        if fused:  # Config.fuse_combine: CTAs run one after another here; the last of request b folds its chunks
-            Cnt[b] = Cnt[b] + 1
-            if Cnt[b] == ns:
-                for t in T.serial(FUSED_THREADS):
-                    combine_piece(Op, Mp, Lp, Sink, O, b, t, acc8)
-                Cnt[b] = 0
         if cfg.o_smem:  # each PV warpgroup's 16-B pieces of its half (store_o_smem's mapping)
             for hf in T.serial(2):
                 for t in T.serial(128):
@@ -1839,7 +1731,7 @@ def _program_ws_cpu(
 
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,
-                                  kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32, fused=fused)  # fmt: skip
+                                  kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32)  # fmt: skip
     if kv_fp8 and split:
 
         @T.prim_func
@@ -2008,7 +1900,7 @@ def combine_name(B: int) -> str:
 def split_programs(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Config, kv_fp8: bool = False,
                    n_win: int = 0, S_cmp: int = 0):  # fmt: skip
     """(partial, combine) prim_funcs for cfg.num_split > 1; `run_split` calls them in order."""
-    assert cfg.num_split > 1 and not cfg.fuse_combine, "fuse_combine: one program (its own signature)"
+    assert cfg.num_split > 1
     return (
         program(B, H, D, S, topk, target=target, cfg=cfg, kv_fp8=kv_fp8, n_win=n_win, S_cmp=S_cmp),
         globals()[combine_name(B)](B, H, D, cfg.num_split, target=target, **combine_kwargs(cfg, H, D)),

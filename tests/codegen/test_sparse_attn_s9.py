@@ -80,58 +80,6 @@ def test_o_smem_cpu_mirror_matches_the_oracle_and_the_default(tilelang_required,
     assert torch.equal(outs[True], outs[False])
 
 
-def test_fuse_combine_config_names_and_validates():
-    assert sad.Config(64, 384, 2, 2, True, fuse_combine=True).tag == "wsn64s2x2c"
-    for bad in (dict(num_split=1), dict(partial_bf16=True), dict(trace=True), dict(ws=False, threads=256)):
-        with pytest.raises(AssertionError):
-            dataclasses.replace(sad.Config(64, 384, 2, 2, True), fuse_combine=True, **bad)
-    assert not any(sad.sm90_config(b, 640).fuse_combine for b in (1, 16, 64))  # off until measured
-
-
-@pytest.mark.parametrize("ns", [2, 3])
-def test_fuse_combine_cpu_mirror_matches_the_oracle(tilelang_required, ns):
-    """Two pools, 64-row blocks, request 1's second chunk all -1 (weight 0): the mirror's last CTA of each request
-    folds the chunks (the sm90 fold's per-thread pieces) into O (NaN-filled first: a piece missed fails), equal to
-    the split mirror + combine_program_wide to float rounding and to the float64 oracle; Cnt is zero afterwards."""
-    from deepinfer.codegen.tilelang_backend import compile_cpu
-
-    B, H, D, S, K, nw = 2, 64, 128, 500, 64 * 2 * ns, 64
-    torch.manual_seed(41 + ns)
-    q, kv, sink = torch.randn(B, H, D), torch.randn(S, D), torch.randn(H) * 2
-    idx = torch.randint(0, S, (B, K), dtype=torch.int32)
-    idx[:, -5:] = -1
-    idx[1, K // ns : 2 * K // ns] = -1
-    f64 = sad.reference_f64_loops(q, kv, idx, sink)
-    iw, ic = idx[:, :nw].contiguous(), idx[:, nw:].contiguous()
-    cfg = sad.Config(64, 384, ns, 2, True, fuse_combine=True)
-    kernel = compile_cpu(sad.program(B, H, D, S, K, target="cpu", cfg=cfg, n_win=nw, S_cmp=S))
-    out, cnt = torch.full((B, H, D), float("nan")), torch.zeros(B, dtype=torch.int32)
-    op, mp, lp = torch.empty(B, ns, H, D), torch.empty(B, ns, H), torch.empty(B, ns, H)
-    kernel(q, kv, kv, iw, ic, sink, out, op, mp, lp, cnt)
-    assert (out - f64).abs().max() < 1e-5 and int(cnt.abs().sum()) == 0
-    plain = sad.split_programs(B, H, D, S, K, target="cpu", cfg=dataclasses.replace(cfg, fuse_combine=False),
-                               n_win=nw, S_cmp=S)  # fmt: skip
-    out2 = torch.empty(B, H, D)
-    sad.run_split(tuple(compile_cpu(f) for f in plain), q, (kv, kv), (iw, ic), sink, out2, ns)
-    assert (out - out2).abs().max() < 1e-6
-
-
-def test_fuse_combine_sm90_build(codegen_cache, nvcc_required):
-    """B64's blocking (split 2): no spills; one acq_rel atomic on Cnt between two CTA barriers, fenced; the fold
-    reads Op with 16-B loads and writes O with 8-B stores (4 columns a lane); Cnt reset by the last CTA."""
-    cfg = sad.Config(64, 384, 2, 2, True, fuse_combine=True)
-    func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128)
-    assert [p.name.removesuffix("_handle") for p in func.params][-4:] == ["Op", "Mp", "Lp", "Cnt"]
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", func)
-    assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
-    tail = art.source.split("AtomicAddRet(")[1]
-    assert art.source.count("AtomicAddRet(") == 1 and re.search(r"AtomicAddRet\(\(&\(Cnt\[[^;]*\), 1, 4\);", art.source)
-    assert art.opcodes["ATOM"] == 1  # (4: acq_rel)
-    assert re.search(r"__syncthreads\(\);\s*if \(\(\(int\)threadIdx.x\) == 0\) \{\s*__threadfence\(\);\s*"
-                     r"\(\(int\*\)flag_s\)\[0\] = AtomicAddRet", art.source)  # fmt: skip
-    assert "*(float4*)(Op +" in tail and "*(uint2*)(O +" in tail and "Cnt[" in tail.split("*(uint2*)(O +")[-1]
-
-
 def test_o_smem_split_cpu_mirror_and_build(tilelang_required, codegen_cache, nvcc_required):
     """The split pass with bf16 partials through the stage (tag "ho"): the mirror's split + combine equals the split
     mirror's without o_smem exactly; the sm90 build stores the partial in 16-B pieces only (no 4-B ones), no spills."""
@@ -221,7 +169,7 @@ def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
     The split pass: its partial stores the same way (a few spilled words)."""
     cfg = dataclasses.replace(WS64, warm_tail=True)
     assert cfg.tag == "wsn64s2w"
-    for bad in (dict(o_smem=True), dict(skip="ostore"), dict(num_split=2, fuse_combine=True)):
+    for bad in (dict(o_smem=True), dict(skip="ostore")):
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
     art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
@@ -260,19 +208,3 @@ def test_o_smem_on_the_h200(kb, B, persist):
     for out in outs[1:]:
         assert torch.equal(outs[0], out)
     assert kb.rel_err(outs[0], sad.reference(q, kv_cat, idx_cat, sink)) < 2e-2
-
-
-@pytest.mark.gpu
-def test_fuse_combine_on_the_h200(kb):
-    """B64 split 2 on the runtime's 4k operands, three launches: the fused pass equals split + combine to 1e-2 (the
-    same formula: usually bit for bit) and the reference to 2e-2 every time, and leaves Cnt at zero."""
-    q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(64)
-    cfg = sad.Config(64, sad.WS_THREADS, 2, 2, True)  # B64 split 2 (the default before session 9's call 3)
-    plain, fused = torch.empty_like(q), torch.full_like(q, float("nan"))
-    kb._attn_kernel(64, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, plain)
-    launch = kb._fused_kernel(64, dataclasses.replace(cfg, fuse_combine=True), False)
-    ref = sad.reference(q, kv_cat, idx_cat, sink)
-    for _ in range(3):
-        launch(q, kv, idx, sink, fused)
-        assert kb.rel_err(fused, plain) < 1e-2 and kb.rel_err(fused, ref) < 2e-2
-        assert int(launch.cnt.abs().sum()) == 0
