@@ -977,29 +977,28 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                     O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
 
     @T.macro
+    def pv_block(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rnd, hf: int, t, Trace, tr_row):
+        """Block rnd * NS + st's PV, with Config.trace's two stamps (WG1: given P, PV done)."""
+        if trace and hf == 0:
+            pv_wait(full, p_full, st, rnd & 1, hf)
+            stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (rnd * NS + st) + 4, t)
+            pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf)
+            stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (rnd * NS + st) + 5, t)
+        else:
+            pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rnd, hf)
+
+    @T.macro
     def pv_blocks(src, O, b, base, hf: int, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full, p_empty,
                   fin, rid, buf, obuf, Trace, tr_row):  # fmt: skip
         """A PV warpgroup's blocks after the prologue (PV, then the refill of the freed stage), up to fin."""
         for it in T.serial(rounds):
             for st in ring:
-                if trace and hf == 0:
-                    pv_wait(full, p_full, st, it & 1, hf)
-                    stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (it * NS + st) + 4, t)
-                    pv_math(o, p_s, alpha_s, kvh, p_empty, st, it, hf)
-                    stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (it * NS + st) + 5, t)
-                else:
-                    pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it, hf)
+                pv_block(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, it, hf, t, Trace, tr_row)
                 if (it + 1) * NS + st < nb:
                     refill(src, kvh, raw, sc, stg_idx, idx_s, full, b, base, (it + 1) * NS + st, st, hf,
                            t, rid, buf, obuf)  # fmt: skip
         for st in tail_blocks:
-            if trace and hf == 0:
-                pv_wait(full, p_full, st, rounds & 1, hf)
-                stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (rounds * NS + st) + 4, t)
-                pv_math(o, p_s, alpha_s, kvh, p_empty, st, rounds, hf)
-                stamp(Trace, tr_row, TRACE_BLOCK0 + TRACE_PER_BLOCK * (rounds * NS + st) + 5, t)
-            else:
-                pv(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds, hf)
+            pv_block(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rounds, hf, t, Trace, tr_row)
         T.barrier_wait(fin, 0)
         if hf == 0:
             stamp(Trace, tr_row, TRACE_FIN_WAITED, t)
