@@ -2802,14 +2802,14 @@ def attn_s8_trace_cases():
 
 
 def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
-    """case_attn_s7 (checked against the reference, do_bench and read flush); an o_smem or warm_tail config's output
-    is also compared bit for bit with the same config without them on the same operands (the same values stored
-    another way: anything else is a bug). (Config.fuse_combine, the in-kernel fold of split 2, measured 37.8 us at
+    """case_attn_s7 (checked against the reference, do_bench and read flush); an o_smem config's output is also
+    compared bit for bit with the same config without it on the same operands (the same values stored another way:
+    anything else is a bug). (Config.fuse_combine, the in-kernel fold of split 2, measured 37.8 us at
     B64 vs 33.5 with the combine kernel in session 9's call 3, is gone.)"""
     case_attn_s7(row, B, cfg, quick, dry)
-    if not (cfg.o_smem or cfg.warm_tail):
+    if not cfg.o_smem:
         return
-    plain = dataclasses.replace(cfg, o_smem=False, warm_tail=False)
+    plain = dataclasses.replace(cfg, o_smem=False)
     kernels = [_s7_kernel(B, plain, dry), _s7_kernel(B, cfg, dry)]
     if dry:
         return
@@ -2823,11 +2823,11 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
 
 
 def attn_s9_cases():
-    """`--only "sparse_attn s9"`: at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and read flush) the
-    default next to o_smem and warm_tail (each also bit-equal to its config without it): B128 single pass; B256
-    persistent (default) with o_smem and with warm_tail; B64 split 2 with warm_tail; the B128 trace rows; B64 unsplit
-    with and without o_smem; B256 single pass (two waves) with and without it; the B64
-    split warm_tail trace row; the summary. The most telling rows first (a timeout keeps them)."""
+    """`--only "sparse_attn s9"` (session 9 call 3): at B 64 / 128 / 256 (runtime's 4k operands, checked, do_bench and
+    read flush) the default next to o_smem (each also bit-equal to its config without it): B128 single pass; B256
+    persistent with o_smem; the B128 trace rows; B64 unsplit with and without o_smem; B256 single pass (two waves)
+    with and without it; the summary. (The removed warm_tail / fuse_combine rows: see sparse_attn_decode's
+    docstring.)"""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
@@ -2838,11 +2838,7 @@ def attn_s9_cases():
     for B in S7_BATCHES:
         add(B, sad.sm90_config(B, 640), "default")
     add(128, rep(ws64, o_smem=True))
-    add(128, rep(ws64, warm_tail=True))
     add(256, rep(sad.sm90_config(256, 640), o_smem=True))
-    split2 = sad.Config(64, sad.WS_THREADS, 2, 2, True)  # B64's default before session 9's call 3
-    add(256, rep(sad.sm90_config(256, 640), o_smem=False, warm_tail=True))
-    add(64, rep(split2, warm_tail=True))
     traces = attn_s9_trace_cases()
     out += traces[:-1]
     add(64, ws64, "no split")
@@ -2867,14 +2863,13 @@ def _gputest_ws_cfgs() -> list:
 
 
 def _gputest_s9_cfgs() -> list:
-    """test_sparse_attn_s9.py's gpu test kernels: o_smem / warm_tail next to their plain configs (single pass,
-    persistent grid)."""
+    """test_sparse_attn_s9.py's gpu test kernels: o_smem next to its plain configs (single pass, persistent grid)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
     out = []
     for B, base in ((128, ws64), (256, rep(ws64, persist=132))):
-        out += [(B, base), (B, rep(base, o_smem=True)), (B, rep(base, warm_tail=True))]
+        out += [(B, base), (B, rep(base, o_smem=True))]
     return out
 
 
@@ -2926,14 +2921,11 @@ def attn_s9r2_cases():
 def attn_s9_trace_cases():
     """`--only "sparse_attn s9 trace"`: Config.trace at B128 k640 (runtime's operands): the default, o_smem, the
     default without its O stores (skip "ostore": the tail without them) and with zeros stored at the same addresses
-    from a rolled loop (skip "ovals": the stores' traffic without their unrolled code), warm_tail (the epilogue's
-    code run once early); warm_tail at B64 split 2 (its first blocks and its tail block also ran slow in session 8's
-    trace: cold code too?)."""
+    from a rolled loop (skip "ovals": the stores' traffic without their unrolled code)."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws = rep(sad.Config(64, sad.WS_THREADS, 1, 2, True), trace=True)
-    cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (128, rep(ws, skip="ovals")),
-            (128, rep(ws, warm_tail=True)), (64, rep(ws, num_split=2, warm_tail=True))]  # fmt: skip
+    cfgs = [(128, ws), (128, rep(ws, o_smem=True)), (128, rep(ws, skip="ostore")), (128, rep(ws, skip="ovals"))]
     return [(f"sparse_attn s9 trace B{B} {cfg.tag} k640", f"B{B} H64 k640 4k",
              lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d, 640)) for B, cfg in cfgs]  # fmt: skip
 

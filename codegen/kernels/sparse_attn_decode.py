@@ -42,7 +42,8 @@ Where the decode time goes (H200, session 8: `Config.trace` stamps, kernels_h200
 - ~6.7 us from the last PV to the O stores issued (4.5 us with no KV loads, 1.1 us in the skeleton). Session 9 (call
   3, new stamps): the fin wait is 0.15 us; the rest is the stores themselves -- 64 4-byte stores a thread in the wgmma
   accumulator layout (a warp store: 8 heads' rows x 16 B), as slow when they store zeros from a rolled loop (the
-  traffic pattern, not the code: running the epilogue's code once early, Config.warm_tail, gained nothing). Through
+  traffic pattern, not the code: running the epilogue's code once early, a removed warm_tail option, gained
+  nothing: B128 44.1 us, B64 split 35.6 vs 33.5). Through
   the free KV stage and 16-B stores of whole 512-B rows (Config.o_smem, now the default) the tail is 2.4 us (8.4 MB
   of O at about the HBM write rate; 0.2 us with no stores at all): B128 44.2 -> 40.0 us (59.1%; 69.0% after a
   read flush), B256 persistent 74.4 -> 67.9 us (69.7%), B64 unsplit 32.4 us (split 2 + combine: 33.5). Also
@@ -144,12 +145,6 @@ class Config:
     # persistent 74.4 -> 67.9 us, B64 unsplit 34.8 -> 32.4 us; zeros stored from a rolled loop at the same addresses
     # were as slow as the default (the traffic pattern, not the code).
     o_smem: bool = False
-    # ws single or split pass (session 9, not yet measured): the PV warpgroups run their epilogue's code twice, one copy
-    # in a rolled loop: first right after the prologue (its stores predicated off, while the first blocks load),
-    # then at the end. Why: the tail from the last PV to the O stores issued took ~6.7 us (1.1 us in a build with no
-    # loads or math); if that is the epilogue's ~4 KB of unrolled code fetched cold (each SM runs it once, at the
-    # end, each 128-B line an L2 round trip), the first pass brings it into the SM's instruction cache early.
-    warm_tail: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -166,8 +161,6 @@ class Config:
         assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
         assert not self.ids_first or self.ws, "ids_first: the ws program"
-        assert not self.warm_tail or (self.ws and not self.o_smem and not self.skip
-                                      and self.copy == "cp"), "warm_tail: ws, not o_smem"  # fmt: skip
         assert not self.o_smem or (self.ws and (self.num_split == 1 or self.partial_bf16) and self.block_n == WS_HEADS
                                    and self.copy == "cp"), "o_smem: ws, 64-row blocks, bf16 partials"  # fmt: skip
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
@@ -192,7 +185,6 @@ class Config:
         head += "z" if self.lazy_rescale else ""
         head += "i" if self.ids_first else ""
         head += "o" if self.o_smem else ""
-        head += "w" if self.warm_tail else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
@@ -594,13 +586,6 @@ class _WsGeom:
         return (k * 128 + t) % (self.D2 // 8) * 8
 
 
-def _live_row(fin_s, h, phase):
-    """store_outputs' predicate for row h: always (no phase), or fin_s[h] x phase > 0 (Config.warm_tail)."""
-    import tilelang.language as T
-
-    return True if phase is None else fin_s[h] * T.cast(phase, "float32") > 0
-
-
 class _Src(NamedTuple):
     """Where a program's entries come from: one pool (kv, kvs, idx) or two (`n_win` > 0: entry e < n_win is
     row idx[b, e] of kv, entry e >= n_win row idx2[b, e - n_win] of kv2). kvs / kvs2: the FP8 exponents
@@ -959,22 +944,16 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 O[b, t // 32 * 16 + i % 2 * 8 + t % 32 // 4, hf * D2 + i // 2 * 8 + t % 4 * 2 + v] = T.cast(0, bf)
 
     @T.macro
-    def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s, phase=None):
-        """The epilogue's stores of this warpgroup's D half: the split pass's partial, or the normalised O.
-        phase (Config.warm_tail's pass): every row's stores predicated on fin_s[h] x phase > 0 -- a predicate per
-        row, so not hoisted out: pass 0 runs the code and stores nothing (0 x anything is 0 or NaN, never > 0;
-        fin_s may not be written yet), pass 1 stores every row (fin_s > 0; a NaN one, from NaN inputs, stores
-        nothing)."""
+    def store_outputs(O, Op, b, sp, hf: int, t, o, kvh, fin_s):
+        """The epilogue's stores of this warpgroup's D half: the split pass's partial, or the normalised O."""
         if cfg.o_smem:
             store_o_smem(O, Op, b, sp, hf, t, o, kvh, fin_s)
         elif split:
             for h, d in T.Parallel(H, D2):
-                if _live_row(fin_s, h, phase):
-                    Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], opt)
+                Op[b, sp, h, hf * D2 + d] = T.cast(o[h, d], opt)
         else:
             for h, d in T.Parallel(H, D2):
-                if _live_row(fin_s, h, phase):
-                    O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+                O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
 
     @T.macro
     def pv_block(o, p_s, alpha_s, kvh, full, p_full, p_empty, st, rnd, hf: int, t, Trace, tr_row):
@@ -1073,24 +1052,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 l2_block(src, b, base, j, hf, t, rid)
             if pf and NS + pf < nb:
                 rid[NS, 0] = src.row_id(b, base + (NS + pf) * bn + t % bn)
-        if cfg.warm_tail:
-            # one copy of the epilogue's code, run twice (a rolled loop): first now, its stores predicated off,
-            # while the first blocks load, so that its instructions are in the SM's cache at the end
-            for phase in T.unroll(2, annotations={"pragma_unroll_factor": 1}):
-                if phase == 1:
-                    pv_blocks(src, O, b, base, hf, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full,
-                              p_empty, fin, rid, buf, obuf, Trace, tr_row)  # fmt: skip
-                store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s, phase)
-        else:
-            pv_blocks(src, O, b, base, hf, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full, p_empty,
-                      fin, rid, buf, obuf, Trace, tr_row)  # fmt: skip
-            if "ovals" in skip:
-                store_zeros_rolled(O, b, hf, t)
-            if "ostore" in skip or "ovals" in skip:
-                if fin_s[0] < 0:  # never (fin_s > 0): keeps O, hence every PV, live without running the stores' code
-                    store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
-            else:
+        pv_blocks(src, O, b, base, hf, t, o, kvh, raw, sc, stg_idx, idx_s, p_s, alpha_s, full, p_full, p_empty, fin,
+                  rid, buf, obuf, Trace, tr_row)  # fmt: skip
+        if "ovals" in skip:
+            store_zeros_rolled(O, b, hf, t)
+        if "ostore" in skip or "ovals" in skip:
+            if fin_s[0] < 0:  # never (fin_s > 0): keeps O, hence every PV, live without running the stores' code
                 store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
+        else:
+            store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
         if hf == 0:
             stamp(Trace, tr_row, TRACE_END, t)
             stamp(Trace, tr_row, TRACE_GT_END, t, False)
@@ -1199,8 +1169,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for h in T.Parallel(H):
                     Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
                     Lp[b, sp, h] = l[h]
-                    if cfg.warm_tail:
-                        fin_s[h] = 1.0  # the partial stores' pass-1 predicate (store_outputs)
             else:
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
@@ -1289,25 +1257,17 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             for j in pre_blocks:
                 gather(src, kvh, None, None, idx_s, full, c, 0, j, j, hf, t, rid, j)
             load_rid(src, c, 0, NS, t, rid, 0)
-        # Config.warm_tail: one pass more, first, that runs only the epilogue's code, its stores predicated off
-        for kw in T.serial(ntok + (1 if cfg.warm_tail else 0)):
-            k = kw - 1 if cfg.warm_tail else kw
+        for k in T.serial(ntok):
             b = c + k * P
-            if cfg.warm_tail:
-                if kw > 0:
-                    request_blocks_p(Q, src, b, k, hf, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty,
-                                     bar_q, fin, rid)  # fmt: skip
-            else:
-                request_blocks_p(Q, src, b, k, hf, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty, bar_q,
-                                 fin, rid)  # fmt: skip
+            request_blocks_p(Q, src, b, k, hf, t, o, q_h, kvh, idx_s, p_s, alpha_s, full, p_full, p_empty, bar_q, fin,
+                             rid)  # fmt: skip
             if cfg.o_smem:  # O through the last block's stage; the next request's block NS - 1 is gathered after
                 store_o_smem(O, None, b, 0, hf, t, o, kvh, fin_s, NS - 1, True)
                 if b + P < Bd:
                     next_first_blocks(src, kvh, idx_s, full, b + P, NS - 1, hf, t, rid)
             else:
                 for h, d in T.Parallel(H, D2):
-                    if _live_row(fin_s, h, T.min(kw, 1) if cfg.warm_tail else None):
-                        O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
+                    O[b, h, hf * D2 + d] = T.cast(o[h, d] * fin_s[h], bf)
             T.fill(o, 0.0)
 
     @T.macro

@@ -163,46 +163,16 @@ def test_ostore_ovals_skips_and_tail_stamps_build(codegen_cache, nvcc_required):
         dataclasses.replace(WS64, num_split=2, skip="ostore")
 
 
-def test_warm_tail_config_and_build(codegen_cache, nvcc_required):
-    """warm_tail (tag "w", ws, not persistent): one copy of each PV warpgroup's O stores (64 a thread, 128 in the
-    code, as the default), inside a rolled two-pass loop (#pragma unroll 1) that also holds the blocks; no spills.
-    The split pass: its partial stores the same way (a few spilled words)."""
-    cfg = dataclasses.replace(WS64, warm_tail=True)
-    assert cfg.tag == "wsn64s2w"
-    for bad in (dict(o_smem=True), dict(skip="ostore")):
-        with pytest.raises(AssertionError):
-            dataclasses.replace(cfg, **bad)
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
-                                                                n_win=128))  # fmt: skip
-    assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
-    assert len([o for o in _sass_ops(art) if o.startswith("STG")]) == 2 * 64
-    loops = re.findall(r"#pragma unroll 1\s*for \(int phase\w* = 0; phase\w* < 2;", art.source)
-    assert len(loops) == 2 and art.source.count("fin[0].wait(0);") == 2
-    split = dataclasses.replace(cfg, num_split=2)  # B64's blocking: the partial stores, WG0 sets fin_s for them
-    art = _build_ws(f"sparse_attn_ws_{split.tag}_2p", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=split,
-                                                                  n_win=128))  # fmt: skip
-    assert art.opcodes["LDL"] + art.opcodes["STL"] <= 8  # 4 + 4 words (the split default's: 0)
-    assert len(re.findall(r"#pragma unroll 1\s*for \(int phase\w* = 0; phase\w* < 2;", art.source)) == 2
-    assert re.search(r"\(\(float\*\)fin_s\)\[[^;]*\] = 0x1p\+0f", art.source)  # WG0: the partials' predicate
-    persist = dataclasses.replace(cfg, persist=132)  # B256's: one pass more per CTA, first, the epilogue's code only
-    art = _build_ws(f"sparse_attn_ws_{persist.tag}_2p", sad.program(256, 64, 512, 1 << 18, 640, target="sm90",
-                                                                    cfg=persist, n_win=128))  # fmt: skip
-    assert art.opcodes["LDL"] + art.opcodes["STL"] <= 40  # 18 + 14 words (the persistent default's: 3 + 3)
-    assert re.search(r"for \(int kw = 0; kw < [^;]*\+ 1\); \+\+kw\)", art.source)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,persist", [(128, 0), (64, 0), (256, 132)])
 def test_o_smem_on_the_h200(kb, B, persist):
-    """The runtime's 4k operands (two pools): o_smem's and warm_tail's outputs equal the program's without them bit
-    for bit, and the reference to 2e-2 (B64: the unsplit single pass, neither has a split form; B256: the
-    persistent grid, where o_smem's next request's block waits for the stores)."""
+    """The runtime's 4k operands (two pools): o_smem's output equals the program's without it bit for bit, and the
+    reference to 2e-2 (B64: the unsplit single pass; B256: the persistent grid, where the next request's block waits
+    for the stores)."""
     q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(B)
     outs = []
     base = dataclasses.replace(WS64, persist=persist)
-    variants = [dataclasses.replace(base, o_smem=True)]
-    variants += [dataclasses.replace(base, warm_tail=True)]
-    for cfg in (base, *variants):
+    for cfg in (base, dataclasses.replace(base, o_smem=True)):
         outs.append(torch.full_like(q, float("nan")))
         kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
     for out in outs[1:]:
