@@ -143,7 +143,8 @@ class Config:
     # The split pass with bf16 partials (Config.partial_bf16): the partial goes the same way (fp32 ones would need
     # the whole half ring). H200 (session 9 call 3, all bit-equal): B128 44.2 -> 40.0 us (tail 7.0 -> 2.4 us), B256
     # persistent 74.4 -> 67.9 us, B64 unsplit 34.8 -> 32.4 us; zeros stored from a rolled loop at the same addresses
-    # were as slow as the default (the traffic pattern, not the code).
+    # were as slow as the default (the traffic pattern, not the code). Call 4: B64 split 2 with bf16 partials through
+    # the stage 31.2 us under do_bench but 36.3 after a read flush (the unsplit default: 32.5 / 31.6): not the default.
     o_smem: bool = False
 
     def __post_init__(self):
