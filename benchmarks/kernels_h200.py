@@ -3539,7 +3539,9 @@ def topk_s8_test_config(T_: int, C: int):
 
 def case_topk_s8_build(row: Row, T_: int, C: int, quick: bool, dry: bool):
     """Builds (only) the kernel of test_gpu_lean_compact_exact at one shape (`topk_s8_test_config`):
-    `--dry-run --only "topk_select s8build" -j 3` fills the cache before the test runs."""
+    `TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 benchmarks/kernels_h200.py --dry-run --only "topk_select
+    s8build" -j 3` fills the cache the test reads (tests/conftest.py points TileLang there; without the variable the
+    script fills ~/.tilelang and the test builds all again: the H200 calls of sessions 8 and 9 timed out so)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     cfg = topk_s8_test_config(T_, C)
