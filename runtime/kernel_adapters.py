@@ -942,7 +942,6 @@ class MoERoutingAdapter:
         bias, tid2eid = (call.args[2], call.args[3]) if fused else (call.args[1], call.args[2])
         if tid2eid is not None or a["scoring"] != "sqrtsoftplus" or not a["normalize"] or bias is None:
             raise Decline("the routing kernel covers score routing (sqrtsoftplus, bias, normalised)")
-        t = call.args[0].shape[0]
         e = call.args[1].shape[0] if fused else call.args[0].shape[1]
         cfg = moe_routing.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
         threads = cfg.threads
