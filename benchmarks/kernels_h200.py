@@ -4274,7 +4274,7 @@ def skip_tiles_cases(quick: bool):
 # (batch_decode's default), the fused_attention adapter (its bf16 pool conversions, the kernel, the FP8 epilogue) --
 # with the caches in f32 (before passes/cache_storage.py) and in bf16 (after: no conversion). "flat": the kernel reads
 # the flat compressed pool in place (no gather); "ring": also the window from the ring as written (runtime/
-# batched_decode.read_rings_after_write: no concat) -- the runtime's default now. V4.1 layer 2 (ratio 2) at 4k
+# passes/read_rings_after_write.py: no concat) -- the runtime's default now. V4.1 layer 2 (ratio 2) at 4k
 # context: rings of 128 rows, 2049 compressed rows a sequence, 512 selected. %limit is against the kernel's own
 # roofline (what the node costs beyond the kernel shows); the eager column is the f32 row's time / this row's; every
 # bf16 row must give the f32 row's output bit for bit.
