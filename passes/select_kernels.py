@@ -345,13 +345,13 @@ def bind_topk_entries(c: _Ctx):
     scores, blocks, positions = _topk_inputs(c.node)
     t, cols = c.shape(scores)
     shape: dict = {"T": t, "C": cols, "k": c.node.attrs["topk"]}
+    n_blocks = c.shape(blocks)[1] if blocks is not None else None
     if blocks is not None:
-        candidates = c.shape(blocks)[1] * c.node.attrs["block"]
-        shape["candidates"] = candidates
-        cols = min(cols, candidates)
+        shape["candidates"] = n_blocks * c.node.attrs["block"]
     elif c.node.attrs["block"] != 1:
         raise Fallback("topk_entries with a block size but no candidate blocks")
-    if positions is not None and cols == shape["C"]:  # (gathered candidates: their invisible columns are -inf)
+    cols, gathers = topk_select.selected_columns(cols, n_blocks, c.node.attrs["block"])
+    if positions is not None and not gathers:
         shape |= {"has_pos": True, "ratio": int(c.node.attrs.get("ratio", 1))}
     k = shape["k"]
     cfg = topk_select.default_config(t, cols, k)

@@ -2106,10 +2106,13 @@ class TopKEntriesAdapter:
         return args[0], args[1], args[2]
 
     @staticmethod
-    def _gathers(call: Call) -> bool:
-        """Two-level with fewer candidate columns than the row: select from the gathered candidate columns."""
+    def _selected(call: Call) -> tuple[int, bool]:
+        """(columns the program selects from, gathered?): topk_select.selected_columns, the binding's rule."""
+        from deepinfer.codegen.kernels import topk_select as ts
+
         scores, blocks, _ = TopKEntriesAdapter._operands(call)
-        return blocks is not None and blocks.shape[1] * int(call.attrs["block"]) < scores.shape[1]
+        n_blocks = blocks.shape[1] if blocks is not None else None
+        return ts.selected_columns(scores.shape[1], n_blocks, int(call.attrs["block"]))
 
     def _plan(self, call: Call):
         from deepinfer.codegen.kernels import topk_select as ts
@@ -2118,9 +2121,8 @@ class TopKEntriesAdapter:
         scores, blocks, pos = self._operands(call)
         if blocks is None and call.attrs["block"] != 1:
             raise Decline("topk_entries with a block size but no candidate blocks")
-        t, c = scores.shape
-        gathers = self._gathers(call)
-        c = blocks.shape[1] * int(call.attrs["block"]) if gathers else c
+        t = scores.shape[0]
+        c, gathers = self._selected(call)
         k = int(call.attrs["topk"])
         if c < k:
             raise Decline(f"topk_select needs C >= k (C={c}, k={k})")
@@ -2150,7 +2152,7 @@ class TopKEntriesAdapter:
         scores, blocks, pos = self._operands(call)
         scores, block = scores.float(), int(call.attrs["block"])
         cols = None  # gathered: the score columns of the program's columns (-1: none)
-        if self._gathers(call):
+        if self._selected(call)[1]:
             s, cols = _candidate_columns(scores, blocks, block, pos, int(call.attrs.get("ratio", 1)))
         elif blocks is not None:
             s = scores.masked_fill(~block_mask(scores, blocks, block), float("-inf"))

@@ -267,6 +267,17 @@ def tail_split(T_: int, C: int, cfg: HistConfig, sms: int = 132) -> list[tuple[i
     return [(0, full, cfg), (full, rest, replace(cfg, seg=seg, eager=False))]  # (eager: one segment a row)
 
 
+def selected_columns(cols: int, n_blocks: int | None, block: int) -> tuple[int, bool]:
+    """(the columns the program selects from, whether they are a row's gathered candidate columns) for a top-k of a
+    row of `cols` scores, two-level when n_blocks candidate blocks of `block` columns are given: the blocks' columns
+    gathered (ascending) when they are fewer than the row's, else the whole row (the other columns -inf). The
+    binding (passes/select_kernels) and the runtime adapter both decide by this, so their keys agree. A gathered
+    row's invisible columns are -inf already: only an ungathered one takes the queries' positions."""
+    if n_blocks is not None and n_blocks * block < cols:
+        return n_blocks * block, True
+    return cols, False
+
+
 def default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> Config | HistConfig:
     """Short rows (C <= 4096): one CTA per row, the row in registers (`program`'s group-max filter program).
     Long rows with T >= HIST_MIN_ROWS: the histogram-bound program (`hist_default_config`; H200, same run, every
