@@ -1271,6 +1271,72 @@ def case_ipos_candidates(row: Row, B: int, mml: int, ratio: int, form: str, quic
     row.ms = bench_device(lambda: candidate_blocks(s, pos, **kw), quick)
 
 
+# ---------------------------------------------------------------------------------------------- candidate_blocks
+# `--only "candidate_blocks"` (helper D, session 10): layer 20's candidate level (V4.1, MODEL_SPEC §2.13: 2048 blocks
+# of 8 entries, ratio 1) on codegen/kernels/candidate_blocks.py (two Triton launches: the visible blocks' maxima,
+# then one sort a row) at B1 / B64 / B256, a context of 4096 or 65536 tokens in a cache of C entries. Rows: "kernel"
+# (CUDA-graph replay; the vs-eager column: the op's reference, eager, with its host sync), "sync-free" (the torch form
+# the batched step ran before, runtime/cuda_graphs.candidate_blocks, as a CUDA-graph replay), "cfg <tag>" (B64, the
+# config space). Every row's ids equal the op's reference (scores -inf past the visible columns, as index_scores
+# writes them). %limit: the visible scores read once + the i64 ids written.
+
+CAND_TOPK, CAND_BLOCK = 2048, 8
+CAND_SHAPES = ((4096, 4096), (4096, 65536), (65536, 65536))  # (context, cache columns C)
+
+
+def _cand_inputs(B: int, ctx: int, C: int):
+    """Scores [B, C] (-inf past each row's visible columns) and positions at the context's last tokens."""
+    pos = torch.tensor([ctx - 1 - (i % 2) for i in range(B)], device="cuda")
+    s = torch.randn(B, C, device="cuda")
+    return s.masked_fill(torch.arange(C, device="cuda")[None, :] > pos[:, None], float("-inf")), pos
+
+
+def case_candidate_blocks(row: Row, B: int, ctx: int, C: int, form: str, quick: bool, dry: bool, cfg=None):
+    from deepinfer.codegen.kernels import candidate_blocks as cb
+    from deepinfer.ir.ops.v41 import CandidateBlocks
+    from deepinfer.runtime.cuda_graphs import candidate_blocks as sync_free
+
+    kw = dict(ratio=1, topk_blocks=CAND_TOPK, block=CAND_BLOCK)
+    cfg = cfg or cb.default_config(B, C, CAND_BLOCK, CAND_TOPK)
+    cb.check_config(C, CAND_BLOCK, CAND_TOPK, cfg)
+    row.bytes_, row.peak = cb.roofline(B * min(ctx, C), B, CAND_TOPK), "bf16"
+    if form != "sync-free":
+        row.kernel += f" [{cfg.tag}]"
+    if dry and not (torch.cuda.is_available() and form != "sync-free"):
+        return
+    s, pos = _cand_inputs(B, ctx, C)
+    if dry:  # (-j on the GPU host: the prebuild workers JIT-compile the Triton kernels into its disk cache)
+        cb.triton_candidate_blocks(s, pos, cfg=cfg, ratio=1, topk_blocks=CAND_TOPK, block=CAND_BLOCK)
+        return
+    want = CandidateBlocks.reference(s, pos, **kw)
+    fn = functools.partial(sync_free, s, pos, **kw)
+    if form != "sync-free":
+        fn = functools.partial(cb.triton_candidate_blocks, s, pos, cfg=cfg, **kw)
+    if not torch.equal(fn(), want):
+        raise AssertionError(f"candidate_blocks ({form}) differs from the op's reference")
+    row.check = "= reference"
+    row.ms = bench_device(fn, quick)
+    if form == "kernel":
+        row.eager_ms = bench(lambda: CandidateBlocks.reference(s, pos, **kw), quick)
+
+
+def candidate_blocks_cases():
+    """Rows "candidate_blocks kernel|sync-free" (B1/B64/B256 x CAND_SHAPES) and "candidate_blocks cfg" (B64)."""
+    from deepinfer.codegen.kernels import candidate_blocks as cb
+
+    out = []
+    for ctx, C in CAND_SHAPES:
+        for B in (1, 64, 256):
+            for form in ("kernel", "sync-free"):
+                run = functools.partial(case_candidate_blocks, B=B, ctx=ctx, C=C, form=form)
+                out.append((f"candidate_blocks {form}", f"B{B} ctx{ctx} C{C}",
+                            lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+        for cfg in cb.config_space(64, C, CAND_BLOCK, CAND_TOPK)[1:]:
+            run = functools.partial(case_candidate_blocks, B=64, ctx=ctx, C=C, form="cfg", cfg=cfg)
+            out.append(("candidate_blocks cfg", f"B64 ctx{ctx} C{C}", lambda r, q, d, run=run: run(r, quick=q, dry=d)))
+    return out
+
+
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     """linear (f32 x, bf16 weight) on linear_bf16's kernel; check vs the op's reference (fp32 copy of the weight,
     the eager column) to 1e-5 of the output's maximum: both are fp32 sums of K exact products in different orders,
@@ -4458,6 +4524,7 @@ def cases(quick: bool):
     out += batched_index_scores_cases()
     out += indexer_length_cases()
     out += indexer_pos_s9_cases()
+    out += candidate_blocks_cases()
     out += moe_layout_cases()
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()

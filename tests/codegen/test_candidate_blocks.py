@@ -1,0 +1,145 @@
+"""candidate_blocks (V4.1's first indexer level) on codegen/kernels/candidate_blocks.py: exact against the op's
+reference (ir/ops/v41.py CandidateBlocks) in Triton's interpreter -- ties (few distinct values, -0.0 next to +0.0),
++-inf and subnormal scores, rows with no visible entry (position 0 at ratio > 1, padding rows at -1), fewer visible
+blocks than topk_blocks, partial last blocks, every level of the selection's ladder and its multi-pass top level --
+the columns past a row's visible limit never read, the sm_90a build (no spills), and on an H200 the real dims (2048
+blocks of 8) at B1 / B64 / B256 in and out of a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import candidate_blocks as cb
+from deepinfer.ir.ops.v41 import CandidateBlocks
+from tests.codegen._triton_aot import compile_sm90, spill_free
+
+
+def scores(kind: str, t: int, c: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "rand":
+        return torch.randn(t, c, generator=g)
+    if kind == "ties":  # a few values: whole blocks tie; -0.0 beside +0.0 (equal to torch's sort)
+        s = torch.randint(-2, 3, (t, c), generator=g).float()
+        return torch.where((s == 0) & (torch.rand(t, c, generator=g) < 0.5), -0.0, s)
+    if kind == "limits":  # +inf, the largest finite, subnormals, both zeros, -inf among randoms
+        special = torch.tensor([float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 0.0, -0.0, float("-inf")])
+        pick = special[torch.randint(0, 8, (t, c), generator=g)]
+        return torch.where(torch.rand(t, c, generator=g) < 0.3, pick, torch.randn(t, c, generator=g))
+    raise ValueError(kind)
+
+
+def visible(s: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The op's contract: -inf past each row's visible columns (index_scores writes them so)."""
+    lim = (pos.long() + 1) // ratio
+    return s.masked_fill(torch.arange(s.shape[1])[None, :] >= lim[:, None], float("-inf"))
+
+
+def check(s, pos, *, ratio, k, block, cfg=None):
+    want = CandidateBlocks.reference(visible(s, pos, ratio), pos, ratio=ratio, topk_blocks=k, block=block)
+    got = cb.triton_candidate_blocks(visible(s, pos, ratio), pos, ratio=ratio, topk_blocks=k, block=block, cfg=cfg)
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("kind", ["rand", "ties", "limits"])
+@pytest.mark.parametrize("ratio, block", [(1, 8), (2, 8), (4, 3)])
+def test_matches_the_reference(interpret, kind, ratio, block):
+    """Rows: nothing visible (padding -1, position 0 at ratio > 1), one entry, a partial block, fewer visible
+    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block."""
+    c, k = 301, 24
+    pos = torch.tensor([-1, 0, 1, 9 * ratio, 60 * ratio + 1, 200 * ratio, c * ratio - 1])
+    check(scores(kind, len(pos), c, seed=ratio * 10 + block), pos, ratio=ratio, k=k, block=block)
+
+
+@pytest.mark.parametrize("kind", ["rand", "ties"])
+def test_every_ladder_level_and_the_passes(interpret, kind):
+    """A ladder 8, 16, 32, 64 (k = 12: KP 16) with 64-key passes of 48 new blocks: one row per level, rows of 1-3
+    passes past the top, one ending exactly at a pass boundary, and k not a power of two."""
+    c, block, k = 1000, 4, 12
+    cfg = cb.Config(bnb=16, chunk=64, sort_warps=2, smallest=8)
+    nvis = torch.tensor([0, 5, 8, 9, 16, 17, 32, 33, 64, 65, 112, 160, 250])
+    check(scores(kind, len(nvis), c, seed=3), nvis * block - 1, ratio=1, k=k, block=block, cfg=cfg)
+
+
+def test_signed_zero_blocks_tie(interpret):
+    """Blocks whose maximum is -0.0 or +0.0 tie (torch's sort: ties to the lower id), below positive blocks and
+    above negative ones; the newest block is first whatever its score."""
+    s = torch.tensor([[-0.0, -1.0, 0.0, -2.0, -0.0, -0.0, 3.0, -5.0, -0.0, -3.0, -4.0, -0.0, -7.0, 0.0]])
+    got = cb.triton_candidate_blocks(s, torch.tensor([13]), ratio=1, topk_blocks=7, block=2)
+    assert got.tolist() == [[6, 3, 0, 1, 2, 4, 5]]
+    check(s, torch.tensor([13]), ratio=1, k=7, block=2)
+
+
+def test_fewer_blocks_in_the_cache_than_k(interpret):
+    """nb = 5 < k = 40: the sort is 8 keys and the rest of each row is padding."""
+    s = scores("ties", 3, 37, seed=5)
+    check(s, torch.tensor([36, 3, 20]), ratio=1, k=40, block=8)
+
+
+def test_columns_past_the_limit_are_not_read(interpret):
+    """NaN past each row's visible columns (a scores kernel without fill leaves anything there): the kernel's ids
+    are the reference's on the -inf-filled row."""
+    s, pos = scores("rand", 4, 512, seed=7), torch.tensor([0, 63, 64, 300])
+    lim = (pos + 1)[:, None]
+    dirty = torch.where(torch.arange(512)[None, :] >= lim, float("nan"), s)
+    got = cb.triton_candidate_blocks(dirty, pos, ratio=1, topk_blocks=16, block=8)
+    assert torch.equal(got, CandidateBlocks.reference(visible(s, pos, 1), pos, ratio=1, topk_blocks=16, block=8))
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="scores \\[T, C\\] and positions \\[T\\]"):
+        cb.triton_candidate_blocks(torch.zeros(8), torch.zeros(1, dtype=torch.long), ratio=1, topk_blocks=2, block=4)
+    with pytest.raises(ValueError, match="multi-pass chunk"):
+        cb.check_config(4096, 8, 512, cb.Config(chunk=256))
+
+
+def test_configs():
+    """The real dims: 512 blocks (mml 4096) sort at once; 8192 (mml 65536) in passes of 4096; every config of
+    the space is valid and the default comes first."""
+    d4, d64 = cb.default_config(64, 4096, 8, 2048), cb.default_config(64, 65536, 8, 2048)
+    assert (d4.chunk, d64.chunk, d64.sort_warps) == (512, 4096, 8)
+    for c in (4096, 65536, 1 << 20):
+        space = cb.config_space(64, c, 8, 2048)
+        assert space[0] == cb.default_config(64, c, 8, 2048) and len(set(space)) == len(space)
+        for cfg in space:
+            cb.check_config(c, 8, 2048, cfg)
+    assert cb.roofline(4096 * 64, 64, 2048) == 4 * 4096 * 64 + 8 * 64 * 2048
+
+
+def test_compiles_for_hopper_without_spills():
+    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps) and the block maxima."""
+    sig = {"bmax_ptr": "*fp32", "pos_ptr": "*i64", "best_ptr": "*i64", "out_ptr": "*i64", "C": "i32", "NB": "i32",
+           "ratio": "i32"}  # fmt: skip
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "select_jit", sig,
+                               dict(BLOCK=8, K=2048, KP=2048, CH=512, LADDER=2, MULTI=False), num_warps=4)  # fmt: skip
+    assert ".target sm_90a" in ptx and spill_free(report), report
+    sig = {"s_ptr": "*fp32", "s_stride": "i64", "pos_ptr": "*i64", "bmax_ptr": "*fp32", "C": "i32", "NB": "i32",
+           "ratio": "i32"}  # fmt: skip
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "block_max_jit", sig,
+                               dict(BLOCK=8, BLKP=8, BNB=256), num_warps=4)  # fmt: skip
+    assert ".target sm_90a" in ptx and spill_free(report), report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx, c", [(4096, 4096), (4096, 65536), (65536, 65536)])
+def test_h200_real_dims_and_cuda_graph(ctx, c):
+    """2048 blocks of 8, ratio 1 (layer 20) at B1 / B64 / B256: the ids equal the reference's eagerly and when
+    replayed from a CUDA graph (no host read: the capture would fail) on new scores and positions."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for b in (1, 64, 256):
+        g = torch.Generator(device="cuda").manual_seed(b)
+        pos = torch.tensor([ctx - 1 - (i % 3) * 997 for i in range(b)], device="cuda")
+        s = torch.relu(torch.randn(b, c, device="cuda", generator=g)).round(decimals=1)  # (ties)
+        s = s.masked_fill(torch.arange(c, device="cuda")[None, :] > pos[:, None], float("-inf"))
+        kw = dict(ratio=1, topk_blocks=2048, block=8)
+        assert torch.equal(cb.triton_candidate_blocks(s, pos, **kw), CandidateBlocks.reference(s, pos, **kw)), b
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cb.triton_candidate_blocks(s, pos, **kw)
+        s.copy_(torch.randn(b, c, device="cuda", generator=g).masked_fill(s == float("-inf"), float("-inf")))
+        pos.sub_(1)
+        s.masked_fill_(torch.arange(c, device="cuda")[None, :] > pos[:, None], float("-inf"))
+        graph.replay()
+        assert torch.equal(out, CandidateBlocks.reference(s, pos, **kw)), b
