@@ -446,6 +446,25 @@ def bind_scatter_rows(c: _Ctx):
     return "cache_rows", "triton_scatter", {"N": c.shape(cache)[0], "M": c.shape(index)[0]}, {}, ()
 
 
+def bind_candidate_blocks(c: _Ctx):
+    """candidate_blocks (V4.1 layer 20's candidate level) -> codegen/kernels/candidate_blocks: two Triton launches
+    (the visible blocks' maxima, one sort a row; runtime/kernel_adapters.CandidateBlocksAdapter), the reference's
+    ids exactly; CUDA targets only. The config recorded is the rule's at this bucket's shape (the adapter derives
+    it again from the tensors it runs: the cache's columns decide the sort's size)."""
+    from deepinfer.codegen.kernels import candidate_blocks as cb
+
+    if c.target.name not in ("sm90", "sm100"):
+        raise Fallback("candidate_blocks' kernel is Triton on CUDA")
+    t, cols = c.shape(c.node.inputs[0])
+    k, block = c.node.attrs["topk_blocks"], c.node.attrs["block"]
+    cfg = cb.default_config(t, cols, block, k)
+    try:
+        cb.check_config(cols, block, k, cfg)
+    except ValueError as e:
+        raise Fallback(str(e)) from None
+    return "candidate_blocks", "triton", {"T": t, "C": cols, "k": k, "block": block}, asdict(cfg), ()  # exact
+
+
 BINDERS: dict[str, Callable] = {
     "linear": bind_linear,
     "linear_fp8": bind_linear_fp8,
@@ -467,6 +486,7 @@ BINDERS: dict[str, Callable] = {
     "batched_pair_compressor_keys": bind_batched_pair_compressor,
     "index_scores": bind_index_scores,
     "topk_entries": bind_topk_entries,
+    "candidate_blocks": bind_candidate_blocks,
     "hc_pre_collapse": bind_hc_pre,  # V4.1's single-pass pre is what pre_program computes
     "hc_stats": bind_hc_pre,
     "fake_quant_fp8": bind_fake_quant,

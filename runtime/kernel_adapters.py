@@ -683,6 +683,49 @@ class ScatterRowsAdapter:
         return [cache_rows.triton_scatter_rows(cache, index, rows)]
 
 
+class CandidateBlocksAdapter:
+    """candidate_blocks (V4.1 layer 20's candidate level) through codegen/kernels/candidate_blocks: two Triton
+    launches (the visible blocks' maxima, one sort a row), the reference's ids exactly and no host read (capturable;
+    the sync-free torch form a decode graph used before: a [T, C] pad, amax and a full sort). The config is the rule's
+    for the tensors it runs (the cache's columns decide the sort's size). No TileLang kernel (keys: none). On CPU
+    tensors the kernel runs under Triton's interpreter when it is on, else the sync-free torch form stands in."""
+
+    family = "candidate_blocks"
+    ops = ("candidate_blocks",)
+
+    @staticmethod
+    def _config(call: Call):
+        from deepinfer.codegen.kernels import candidate_blocks as cb
+
+        scores, pos = call.args
+        if scores.dim() != 2 or pos.shape != scores.shape[:1]:
+            raise Decline("candidate_blocks takes scores [T, C] and positions [T]")
+        t, c = scores.shape
+        k, block = int(call.attrs["topk_blocks"]), int(call.attrs["block"])
+        cfg = cb.default_config(t, c, block, k)
+        try:
+            cb.check_config(c, block, k, cfg)
+        except ValueError as e:
+            raise Decline(str(e)) from None
+        return cfg
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        self._config(call)
+        return []
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import candidate_blocks as cb
+
+        scores, pos = call.args
+        a = {n: int(call.attrs[n]) for n in ("ratio", "topk_blocks", "block")}
+        if not _triton_on(scores):
+            from deepinfer.runtime import cuda_graphs as cg
+
+            return [cg.candidate_blocks(scores, pos, **a)]  # (the sync-free reference: the same ids)
+        return [cb.triton_candidate_blocks(scores, pos, cfg=self._config(call), **a)]
+
+
 # ---------------------------------------------------------------------------------------------- rmsnorm
 
 
@@ -2662,6 +2705,7 @@ ADAPTERS: dict[str, object] = {
     "pair_compressor": BATCHED_PAIR_COMPRESSOR,
     "act_quant": (FakeQuantAdapter(), DequantAdapter()),
     "cache_rows": ScatterRowsAdapter(),
+    "candidate_blocks": CandidateBlocksAdapter(),
     "indexer_topk": (IndexScoresAdapter(), BatchedIndexScoresAdapter()),
     "linear_bf16": LinearBF16Adapter(),
 }

@@ -121,6 +121,48 @@ def test_compiles_for_hopper_without_spills():
     assert ".target sm_90a" in ptx and spill_free(report), report
 
 
+def test_the_adapter_runs_the_kernel(interpret, monkeypatch):
+    """runtime/kernel_adapters' CandidateBlocksAdapter: no TileLang key, the kernel's ids (under the interpreter when
+    the adapters may use it), else the sync-free torch form -- the reference's ids both ways."""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    monkeypatch.setattr(ka, "EMULATE", True)
+    launched = []
+    real = cb.triton_candidate_blocks
+    monkeypatch.setattr(cb, "triton_candidate_blocks", lambda *a, **k: launched.append(k["cfg"]) or real(*a, **k))
+    pos = torch.tensor([-1, 5, 120, 299])
+    s = visible(scores("ties", 4, 300, seed=11), pos, 2)
+    attrs = {"ratio": 2, "topk_blocks": 16, "block": 8}
+    want = CandidateBlocks.reference(s, pos, **attrs)
+    adapter = ka.adapter_for("candidate_blocks", "candidate_blocks")
+    call = ka.Call("candidate_blocks", attrs, [s, pos], ["s", "p"], [False, False], {})
+    assert adapter.keys(call) == []
+    assert torch.equal(adapter.run(call, [])[0], want) and not launched  # (torch: the adapters' interpreter is off)
+    monkeypatch.setenv(ka.ADAPTER_INTERPRET_ENV, "1")
+    assert torch.equal(adapter.run(call, [])[0], want) and launched == [cb.default_config(4, 300, 8, 16)]
+    with pytest.raises(ka.Decline, match="scores \\[T, C\\] and positions \\[T\\]"):
+        adapter.keys(ka.Call("candidate_blocks", attrs, [s, pos[:2]], ["s", "p"], [False, False], {}))
+
+
+def test_the_v41_candidate_source_is_bound_to_the_kernel():
+    """select_kernels binds layer 20's candidate_blocks (tiny V4.1: its candidate source) to the family at every
+    bucket on sm90; the cpu target keeps the reference, with the reason."""
+    from deepinfer.models import deepseek_v41 as m41
+    from deepinfer.models.presets import preset_config
+    from deepinfer.passes.pattern import clone_graph
+    from deepinfer.passes.select_kernels import select_kernels
+
+    g = m41.build_graph(m41.parse_config(preset_config("deepseek-v4.1-flash", "tiny")))
+    (node,) = [n for n in g.nodes if n.op == "candidate_blocks"]
+    name = node.outputs[0].name
+    bound = select_kernels(clone_graph(g), target="sm90").meta["kernels"]["nodes"][name]["buckets"]
+    for b in bound.values():
+        assert b["family"] == "candidate_blocks" and b["shape"]["k"] == node.attrs["topk_blocks"], b
+    cpu = select_kernels(clone_graph(g), target="cpu").meta["kernels"]
+    assert {b["family"] for b in cpu["nodes"][name]["buckets"].values()} == {"torch_ref"}
+    assert "Triton on CUDA" in cpu["fallback"]["candidate_blocks"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctx, c", [(4096, 4096), (4096, 65536), (65536, 65536)])
 def test_h200_real_dims_and_cuda_graph(ctx, c):
