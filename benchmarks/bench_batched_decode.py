@@ -275,11 +275,12 @@ def reference_check(st, feeds: dict) -> dict:
     boundary flips by one step, and that step (up to 2^-3 of the value) moves the logits by 1e-3..1e-2: a random
     draw's property, not a difference of the math. So the check also runs each one-sequence pass PINNED: every
     low-precision row that differs from the batched run's by one step of its dtype in a few elements
-    (rounding_flips) takes the batched run's row, and the rest must agree at fp32 rounding. ``batched_vs_single``:
+    (rounding_flips) takes the batched run's row, and so does a top-k choice whose differing members tie in the
+    one-sequence run's own scores (topk_ties); the rest must agree at fp32 rounding. ``batched_vs_single``:
     unpinned; ``pinned``: pinned (a real difference -- a wrong row read, another storage -- stays here);
-    ``flips``: per sequence, the rounding points pinned (node, op, elements flipped / row size);
+    ``flips``: per sequence, the rounding points and ties pinned (node, op, elements flipped / row size);
     ``first_divergence``: per sequence, the first node (graph order) whose row differs by more than DIVERGE_REL
-    in the unpinned run."""
+    in the unpinned run, or whose choices (CHOICE_OPS: top-k members, experts) differ."""
     from deepinfer.runtime.cuda_executor import GraphExecutor
 
     stored = {v.name: v.dtype.torch_dtype for v in st.g.inputs if v.name in {e["name"] for e in st.g.meta["caches"]}}
@@ -345,9 +346,35 @@ def _ordered_codes(x: torch.Tensor) -> torch.Tensor:
     return torch.where(codes & mask != 0, -mag, mag)
 
 
+# discrete choices whose ids both graphs number alike (per sequence): compared as sets; op -> input of its scores
+CHOICE_OPS = {"topk_entries": 0, "moe_gate_route": None}
+TIE_REL = 1e-5  # top-k members whose scores differ by less than this (of the row's max): a tie that rounding breaks
+
+
+def topk_ties(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> int | None:
+    """How many members of a top-k row (got, one run's choice on ``scores``) differ from ``want`` (the other run's),
+    when every differing member -- in either choice -- scores within TIE_REL of the others in ``scores``: a tie
+    the other run's rounding broke the other way. None when the choices differ otherwise."""
+    extra = sorted(set(got.flatten().tolist()) ^ set(want.flatten().tolist()))
+    if not extra:
+        return 0
+    if min(extra) < 0:  # a member against padding: a visibility difference, no tie
+        return None
+    s = scores.float().flatten()
+    vals = s[torch.tensor(extra)]
+    scale = float(s[torch.isfinite(s)].abs().max())
+    return len(extra) // 2 if float(vals.max() - vals.min()) <= TIE_REL * scale else None
+
+
 def _first_divergence(batched: dict, b: int, rows: dict) -> str | None:
     for name, op in batched["__order__"]:
-        if name in rows and (e := _rel(batched[name][b], rows[name][0])) > DIVERGE_REL:
+        if name not in rows:
+            continue
+        a, w = batched[name][b], rows[name][0]
+        if not a.is_floating_point():
+            if (k := len(set(a.tolist()) ^ set(w.tolist()))) > 0:
+                return f"{name} ({op}): {k // 2 or 1} of {a.numel()} choices differ"
+        elif (e := _rel(a, w)) > DIVERGE_REL:
             return f"{name} ({op}): {e:.2e}"
     return None
 
@@ -371,10 +398,12 @@ def _row_values(ex, feeds: dict, n: int, pin: tuple | None = None) -> dict:
             args = [None if x is None else vals[x] for x in step.inputs]
             outs = ex._run_node(step, args, ex._attrs(step.node, env), t)
             if pin is not None:
-                outs = [_pinned(name, o, step.node.op, pin, out["__flips__"]) for name, o in zip(step.outputs, outs)]
+                outs = [_pinned(name, o, step.node.op, args, pin, out["__flips__"])
+                        for name, o in zip(step.outputs, outs)]  # fmt: skip
             vals.update(zip(step.outputs, outs))
+            choice = step.node.op in CHOICE_OPS
             for name, o in zip(step.outputs, outs):
-                if o.is_floating_point() and o.dim() and o.shape[0] == t:
+                if (choice or o.is_floating_point()) and o.dim() and o.shape[0] == t:
                     out[name] = o[:n].clone()
                     out["__order__"].append((name, step.node.op))
             for name in step.free:
@@ -382,13 +411,19 @@ def _row_values(ex, feeds: dict, n: int, pin: tuple | None = None) -> dict:
     return out
 
 
-def _pinned(name: str, o, op: str, pin: tuple, flips: list):
-    """o, or -- a one-row output that is the pinned run's row but for rounding flips -- that row."""
+def _pinned(name: str, o, op: str, args: list, pin: tuple, flips: list):
+    """o, or -- a one-row output that is the pinned run's row but for rounding flips, or a top-k choice but for
+    ties -- that row."""
     rows, b = pin
     if not (isinstance(o, torch.Tensor) and name in rows and o.dim() and o.shape[0] == 1):
         return o
     want = rows[name][b : b + 1]
-    k = rounding_flips(o, want)
+    if o.is_floating_point():
+        k = rounding_flips(o, want)
+    elif CHOICE_OPS.get(op) is not None:
+        k = topk_ties(o, want, args[CHOICE_OPS[op]])
+    else:
+        return o
     if not k:
         return o
     flips.append((name, op, k, o.numel()))

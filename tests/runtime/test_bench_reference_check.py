@@ -62,6 +62,15 @@ def test_rounding_flips_are_single_steps_in_few_elements(bbd, dtype):
     assert bbd.rounding_flips(_step_codes(minus, 3, 1), zeros) == 1  # the smallest negative value, one step off
 
 
+def test_topk_ties_are_members_that_score_alike(bbd):
+    scores = torch.tensor([[0.9, 0.5, 0.5 + 1e-7, 0.1, float("-inf")]])
+    top = torch.tensor([[0, 1]])
+    assert bbd.topk_ties(top, torch.tensor([[1, 0]]), scores) == 0  # the same members
+    assert bbd.topk_ties(top, torch.tensor([[0, 2]]), scores) == 1  # 0.5 vs 0.5 + 1e-7: a tie
+    assert bbd.topk_ties(top, torch.tensor([[0, 3]]), scores) is None  # 0.5 vs 0.1: another choice
+    assert bbd.topk_ties(top, torch.tensor([[0, -1]]), scores) is None  # a member vs padding
+
+
 @pytest.fixture(scope="module")
 def small_slice(bbd):
     """The small preset's slice (layers 2 and 6: ratio-2 and ratio-1 sources) with bf16 caches and, the pass off,
@@ -98,6 +107,8 @@ def test_both_references_store_the_caches_alike(bbd, small_slice):
     assert casts and len(casts) == len([n for n in st.dec.graph.nodes if n.op == "cast"])
     chk = _check(bbd, st)
     assert chk["pinned"] <= 1e-5, bbd.format_check(chk)
+    compared = {op for name, op in bbd._row_values(st.eager, st.feeds, 1)["__order__"]}
+    assert {"topk_entries", "moe_gate_route", "cast", "fused_attention"} <= compared  # choices and rounding points
 
 
 class _FlipsOneCode(cuda_executor.GraphExecutor):
