@@ -5,6 +5,7 @@ and torch.compile of the same batched graph.
     python3 benchmarks/bench_batched_decode.py [--layers 2,20] [--batches 16,64] [--context 4096] [--reps 5]
                                                [--compile-batches 64] [--no-torch-compile] [--budget-s 420]
                                                [--preset real|small|tiny] [-j 15] [--out DIR] [--dry-run]
+                                               [--check-only]
 
 The slice (real layers renumbered into one graph, random weights on the GPU in the checkpoint formats) is
 bench_slice.py's, imported; the batched graph is passes/batch_decode.py's rewrite of it and runs on
@@ -88,7 +89,8 @@ def setup(layers, preset: str, budget_s: float, max_len: int, donate: bool = Tru
     log(f"batched graph: {len(dec.graph.nodes)} nodes ({len(g.nodes)} one-sequence), batched ops "
         f"{ {k: v for k, v in dec.graph.op_counts().items() if k.startswith('batched_')} }")  # fmt: skip
     return SimpleNamespace(g=g, dec=dec, params=params, eager=eager, lim=lim, device=device, nominal=nominal,
-                           backend_factory=backend_factory, single=None, single_steps=True)  # fmt: skip
+                           backend_factory=backend_factory, single=None, single_steps=True,
+                           check_only=False)  # fmt: skip
 
 
 def batched_feeds(dec, b: int, context: int, device: str, seed: int = 0) -> dict:
@@ -179,9 +181,10 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         ex.run(feeds)
         _sync(st)
         log(f"{row['case']}: first call {time.time() - t0:.1f} s")
-        row["node_runs"] = bs._node_runs(ex, lambda: ex.run(feeds))
-        exec_ms, row["exec_total_ms"] = bs.time_layers(ex, feeds, reps)
-        eager_ms, row["eager_total_ms"] = bs.time_layers(st.eager, feeds, max(2, reps // 2))
+        if not st.check_only:
+            row["node_runs"] = bs._node_runs(ex, lambda: ex.run(feeds))
+            exec_ms, row["exec_total_ms"] = bs.time_layers(ex, feeds, reps)
+            eager_ms, row["eager_total_ms"] = bs.time_layers(st.eager, feeds, max(2, reps // 2))
     except Exception as e:
         return _failed(row, "setup", e)
     graph_ms, base = {}, {}
@@ -190,6 +193,9 @@ def case(st, b: int, context: int, reps: int, jobs: int, end: float, compile_on:
         log(f"{row['case']}: logits max rel err: {format_check(chk)}")
     except Exception as e:
         _failed(row, "check", e)
+    if st.check_only:
+        row["skipped"] = "timings (--check-only)"
+        return row
     try:
         graph_ms, base = _graph_stage(st, row, feeds, reps, end, compile_on, mode)
     except Exception as e:
@@ -446,6 +452,8 @@ def print_table(rows: list) -> None:
     for r in rows:
         if "layers" not in r:
             print(f"{r['case']:<28} {r.get('error', r.get('skipped', ''))}")
+            if "check" in r:
+                print(f"{r['case']:<28} check: {format_check(r['check'])}")
             continue
         for layer, m in r["layers"].items():
             ours = m["graph_ms"] if m["graph_ms"] == m["graph_ms"] else m["exec_ms"]
@@ -466,6 +474,7 @@ def run(args) -> list[dict]:
     batches, context = bs._ints(args.batches), int(args.context)
     st = setup(layers, args.preset, args.budget_s, context + 1, donate=not args.no_donate, compact=not args.flat_pools)
     st.single_steps, st.jobs, st.end, st.profile = not args.no_single_steps, args.jobs, end, args.profile
+    st.check_only = args.check_only
     compile_batches = set(bs._ints(args.compile_batches) or batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -516,6 +525,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flat-pools", action="store_true", help="attention over the flat compressed pools (no gather)")
     ap.add_argument("--no-single-steps", action="store_true", help="skip the one-sequence T=1 step (B x 1-seq ms)")
     ap.add_argument("--profile", action="store_true", help="also a CUDA graph per node: each node's device time")
+    ap.add_argument("--check-only", action="store_true", help="the first step and the reference check, no timings")
     ap.add_argument("--preset", choices=("real", "small", "tiny"), default="real",
                     help="tiny / small: the CPU smoke mode (small: bf16 caches)")
     ap.add_argument("--budget-s", type=float, default=420.0)
