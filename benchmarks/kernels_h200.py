@@ -1273,12 +1273,13 @@ def case_ipos_candidates(row: Row, B: int, mml: int, ratio: int, form: str, quic
 
 # ---------------------------------------------------------------------------------------------- candidate_blocks
 # `--only "candidate_blocks"` (helper D, session 10): layer 20's candidate level (V4.1, MODEL_SPEC §2.13: 2048 blocks
-# of 8 entries, ratio 1) on codegen/kernels/candidate_blocks.py (two Triton launches: the visible blocks' maxima,
-# then one sort a row) at B1 / B64 / B256, a context of 4096 or 65536 tokens in a cache of C entries. Rows: "kernel"
-# (CUDA-graph replay; the vs-eager column: the op's reference, eager, with its host sync), "sync-free" (the torch form
-# the batched step ran before, runtime/cuda_graphs.candidate_blocks, as a CUDA-graph replay), "cfg <tag>" (B64, the
-# config space). Every row's ids equal the op's reference (scores -inf past the visible columns, as index_scores
-# writes them). %limit: the visible scores read once + the i64 ids written.
+# of 8 entries, ratio 1) on codegen/kernels/candidate_blocks.py (Triton: the visible blocks' maxima -- fused into the
+# sort's program when the cache is one tile (C 4096), else a launch of its own -- then one sort a row) at B1 / B64 /
+# B256, a context of 4096 or 65536 tokens in a cache of C entries. Rows: "kernel" (CUDA-graph replay; the vs-eager
+# column: the op's reference, eager, with its host sync), "sync-free" (the torch form the batched step ran before,
+# runtime/cuda_graphs.candidate_blocks, as a CUDA-graph replay), "cfg <tag>" (B64, the config space). Every row's ids
+# equal the op's reference (scores -inf past the visible columns, as index_scores writes them). %limit: the visible
+# scores read once + the i64 ids written.
 
 CAND_TOPK, CAND_BLOCK = 2048, 8
 CAND_SHAPES = ((4096, 4096), (4096, 65536), (65536, 65536))  # (context, cache columns C)

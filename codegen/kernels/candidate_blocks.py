@@ -1,4 +1,4 @@
-"""candidate_blocks (the first level of V4.1's two-level indexer, MODEL_SPEC §2.13) as two Triton launches.
+"""candidate_blocks (the first level of V4.1's two-level indexer, MODEL_SPEC §2.13) as one or two Triton launches.
 
     lim_t     = min((p_t + 1) // ratio, C)                       visible columns of row t (follows the sequence)
     bmax[t,b] = max(S[t, j] for j in block b, j < lim_t)       (-inf: no visible entry)
@@ -16,11 +16,17 @@ NaN scores are not supported (index scores are never NaN).
    -- and writes their maxima (-0.0 folded to +0.0, the forced block +inf) to an f32 scratch [rows, NB].
 2. `select_kernel`, one program a row: each visible block's 64-bit key -- the score's order-preserving bits,
    inverted (larger first), above its id (ties: the lower id first) -- sorted in registers (tl.sort, bitonic): an
-   ascending key order IS the op's order, and the ids are read back from the keys' low half. A row of up to
-   `chunk` blocks is one sort. Longer rows (a long context with a large cache) go in passes: the running best
-   KP (= topk_blocks rounded up to a power of two) keys, kept sorted in a scratch row, are sorted again together
-   with the next chunk - KP blocks; the first KP keys of a pass are the best of everything seen (keys are unique).
+   ascending key order IS the op's order, and the ids are read back from the keys' low half. The sort's size is
+   the level of a ladder (`smallest`, 2 x smallest, ..., `chunk`) that holds the row's visible blocks, chosen at run
+   time (a 4k context in a 64k cache sorts 512 keys, not 4096). A row of up to `chunk` blocks is one sort.
+   Longer rows (a long context with a large cache) go in passes: the running best KP (= topk_blocks rounded up
+   to a power of two) keys, kept sorted in a scratch row, are sorted again together with the next chunk - KP
+   blocks; the first KP keys of a pass are the best of everything seen (keys are unique).
    The passes follow the row's visible blocks (a runtime loop bound), not the cache.
+
+`fused` (the default when the whole cache is one tile of <= FUSE_MAX scores: max_model_len 4096 at block 8 is 512
+x 8): the selection's program computes its row's maxima itself (`_maxima`, the block-max kernel's code): one launch,
+no scratch.
 
 -inf blocks (and masked lanes) keep the key of -inf and come out as -1, which is where the reference puts them
 (after every finite score). The sort's keys hold ids < 2^31.
@@ -42,6 +48,7 @@ FAMILY = "candidate_blocks"
 # blocks one selection pass sorts at most by default: 4096 int64 keys (8 warps: 128 registers, no spill). 8192 (16
 # warps) sorts a 64k context at once instead of in 3 passes, but its Triton build took 142 s vs 76 s (2 CPU cores)
 CHUNK_MAX = 4096
+FUSE_MAX = 8192  # scores a fused selection program loads as one tile at most (the default mml 4096: 512 x 8)
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,11 @@ class Config:
     chunk: int = 0  # keys one selection pass sorts (a power of two); 0: default_config's rule
     sort_warps: int = 8
     smallest: int = 256  # the smallest sort of the selection's ladder (= chunk: one size, whatever the row holds)
+    fused: bool = False  # (one-pass rows) the sort's program computes the maxima itself: one launch, no scratch
 
     @property
     def tag(self) -> str:
-        return f"b{self.bnb}w{self.max_warps}c{self.chunk}s{self.sort_warps}l{self.smallest}"
+        return f"b{self.bnb}w{self.max_warps}c{self.chunk}s{self.sort_warps}l{self.smallest}{'f' if self.fused else ''}"
 
 
 def _pow2(n: int) -> int:
@@ -75,9 +83,11 @@ def sort_chunk(nb: int, k: int, chunk: int = 0) -> int:
 
 def default_config(T_: int, C: int, block: int, k: int) -> Config:
     """One rule (no tuning yet): bnb 256 blocks a block-max program (2048 scores at block 8), the sort's warps
-    by its size (~16 keys a thread, 4..16 warps)."""
-    ch = sort_chunk(n_blocks(C, block), k)
-    return Config(bnb=256, max_warps=4, chunk=ch, sort_warps=min(16, max(4, ch // 512)))
+    by its size (~16 keys a thread, 4..16 warps), fused when the whole cache is one tile of <= FUSE_MAX scores."""
+    nb = n_blocks(C, block)
+    ch = sort_chunk(nb, k)
+    fused = _pow2(nb) <= ch and ch * _pow2(block) <= FUSE_MAX
+    return Config(bnb=256, max_warps=4, chunk=ch, sort_warps=min(16, max(4, ch // 512)), fused=fused)
 
 
 def config_space(T_: int, C: int, block: int, k: int) -> list[Config]:
@@ -85,7 +95,7 @@ def config_space(T_: int, C: int, block: int, k: int) -> list[Config]:
     size), and for long rows the whole row in one sort of up to 8192 keys or passes of 2 KP."""
     d = default_config(T_, C, block, k)
     nbp, kp = _pow2(n_blocks(C, block)), _pow2(k)
-    out = [d, replace(d, bnb=128), replace(d, bnb=512), replace(d, smallest=d.chunk)]
+    out = [d, replace(d, fused=False), replace(d, bnb=128), replace(d, bnb=512), replace(d, smallest=d.chunk)]
     out += [replace(d, sort_warps=w) for w in (4, 8, 16)]
     if nbp > d.chunk:
         out += [replace(d, chunk=min(nbp, 2 * CHUNK_MAX), sort_warps=16), replace(d, chunk=2 * kp)]
@@ -99,6 +109,8 @@ def check_config(C: int, block: int, k: int, cfg: Config) -> None:
         raise ValueError(f"candidate_blocks: chunk {ch} and bnb {cfg.bnb} must be powers of two")
     if _pow2(n_blocks(C, block)) > ch and ch <= _pow2(k):
         raise ValueError(f"candidate_blocks: a multi-pass chunk ({ch}) must exceed topk_blocks rounded up ({_pow2(k)})")
+    if cfg.fused and ch * _pow2(block) > FUSE_MAX:
+        raise ValueError(f"candidate_blocks: a fused tile of {ch} x {_pow2(block)} scores exceeds {FUSE_MAX}")
     if n_blocks(C, block) >= 2**31:
         raise ValueError(f"candidate_blocks: {n_blocks(C, block)} blocks do not fit the sort keys' 31-bit ids")
 
@@ -122,6 +134,15 @@ if triton is not None:
         return tl.minimum(tl.maximum((p + 1) // ratio, 0), C)  # (p < -1: <= 0 however // rounds)
 
     @triton.jit
+    def _maxima(s_ptr, s_stride, row, b, lim, BLOCK: tl.constexpr, BLKP: tl.constexpr):
+        """Blocks b's maxima over the row's visible columns (-inf: none), the newest visible entry's block +inf."""
+        j = tl.arange(0, BLKP)
+        col = b[:, None] * BLOCK + j[None, :]
+        v = tl.load(s_ptr + row * s_stride + col, mask=(j[None, :] < BLOCK) & (col < lim), other=float("-inf"))
+        m = tl.max(v, axis=1) + 0.0  # (+0.0: -0.0 -> +0.0, equal to it as torch's sort compares)
+        return tl.where((b == (lim - 1) // BLOCK) & (lim > 0), float("inf"), m)
+
+    @triton.jit
     def _block_max_kernel(s_ptr, s_stride, pos_ptr, bmax_ptr, C, NB, ratio, BLOCK: tl.constexpr,
                           BLKP: tl.constexpr, BNB: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -130,12 +151,7 @@ if triton is not None:
         nvis = (lim + BLOCK - 1) // BLOCK
         if b0 < nvis:  # (a program past the row's visible blocks reads and writes nothing)
             b = b0 + tl.arange(0, BNB)
-            j = tl.arange(0, BLKP)
-            col = b[:, None] * BLOCK + j[None, :]
-            v = tl.load(s_ptr + row * s_stride + col, mask=(j[None, :] < BLOCK) & (col < lim), other=float("-inf"))
-            m = tl.max(v, axis=1) + 0.0  # (+0.0: -0.0 -> +0.0, equal to it as torch's sort compares)
-            m = tl.where(b == (lim - 1) // BLOCK, float("inf"), m)
-            tl.store(bmax_ptr + row * NB + b, m, mask=b < nvis)
+            tl.store(bmax_ptr + row * NB + b, _maxima(s_ptr, s_stride, row, b, lim, BLOCK, BLKP), mask=b < nvis)
 
     @triton.jit
     def _keys(v, ids):
@@ -145,12 +161,17 @@ if triton is not None:
         return (desc.to(tl.int64) << 32) | ids.to(tl.int64)
 
     @triton.jit
-    def _select_row(bmax_ptr, pos_ptr, best_ptr, out_ptr, row, C, NB, ratio, nvis, K: tl.constexpr, KP: tl.constexpr,
-                    N: tl.constexpr, MULTI: tl.constexpr):  # fmt: skip
+    def _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK: tl.constexpr,
+                    BLKP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, N: tl.constexpr, MULTI: tl.constexpr,
+                    FUSED: tl.constexpr):  # fmt: skip
         """The row's first N blocks sorted (then, MULTI, the best KP re-sorted with each next N - KP blocks) and its
-        first K keys written as ids; -1 for -inf keys and for the padding past N."""
+        first K keys written as ids; -1 for -inf keys and for the padding past N. FUSED: the maxima from the scores
+        here (a [N, block] tile), not from the block-max kernel's scratch."""
         i = tl.arange(0, N)
-        v = tl.load(bmax_ptr + row * NB + i, mask=i < nvis, other=float("-inf"))
+        if FUSED:
+            v = _maxima(s_ptr, s_stride, row, i, lim, BLOCK, BLKP)
+        else:
+            v = tl.load(bmax_ptr + row * NB + i, mask=i < nvis, other=float("-inf"))
         s = tl.sort(_keys(v, i))
         if MULTI:  # the best KP so far (sorted, in best_ptr's row) re-sorted with the next N - KP blocks
             for start in range(N, nvis, N - KP):
@@ -168,11 +189,13 @@ if triton is not None:
             tl.store(out_ptr + row * K + f, tl.full([KP], -1, tl.int64), mask=(f >= N) & (f < K))
 
     @triton.jit
-    def _select_kernel(bmax_ptr, pos_ptr, best_ptr, out_ptr, C, NB, ratio, BLOCK: tl.constexpr, K: tl.constexpr,
-                       KP: tl.constexpr, CH: tl.constexpr, LADDER: tl.constexpr, MULTI: tl.constexpr):  # fmt: skip
+    def _select_kernel(s_ptr, s_stride, bmax_ptr, pos_ptr, best_ptr, out_ptr, C, NB, ratio, BLOCK: tl.constexpr,
+                       BLKP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr, LADDER: tl.constexpr,
+                       MULTI: tl.constexpr, FUSED: tl.constexpr):  # fmt: skip
         """One program a row: the sort's size is the level of the ladder CH >> (LADDER - 1), ..., CH / 2, CH that
         holds the row's visible blocks (a runtime branch: a 4k context in a 64k cache sorts 512 keys, not 8192);
-        the top level takes every longer row in passes (MULTI)."""
+        the top level takes every longer row in passes (MULTI). FUSED (a cache of few blocks): one launch, the
+        maxima computed by the sort's program from the scores."""
         row = tl.program_id(0).to(tl.int64)
         lim = _visible(pos_ptr, row, C, ratio)
         nvis = (lim + BLOCK - 1) // BLOCK
@@ -184,8 +207,8 @@ if triton is not None:
             if lvl < LADDER - 1:
                 hi_ok = nvis <= (CH >> (LADDER - 1 - lvl))
             if lo_ok & hi_ok:
-                _select_row(bmax_ptr, pos_ptr, best_ptr, out_ptr, row, C, NB, ratio, nvis, K, KP,
-                            CH >> (LADDER - 1 - lvl), MULTI and lvl == LADDER - 1)  # fmt: skip
+                _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK, BLKP, K, KP,
+                            CH >> (LADDER - 1 - lvl), MULTI and lvl == LADDER - 1, FUSED)  # fmt: skip
 
 
 def block_max_jit(interpret: bool = False):
@@ -201,7 +224,7 @@ def select_jit(interpret: bool = False):
 def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ratio: int, topk_blocks: int,
                             block: int, cfg: Config | None = None) -> torch.Tensor:  # fmt: skip
     """The op's output (i64 [T, topk_blocks]) from scores [T, C] (any float dtype; f32 is read as is) and
-    positions [T]. Two launches, no host read of device data (CUDA-graph capturable)."""
+    positions [T]. One launch (fused) or two, no host read of device data (CUDA-graph capturable)."""
     if scores.dim() != 2 or positions.shape != scores.shape[:1]:
         raise ValueError(f"candidate_blocks: needs scores [T, C] and positions [T], got {tuple(scores.shape)} and "
                          f"{tuple(positions.shape)}")  # fmt: skip
@@ -217,13 +240,14 @@ def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ra
     s = scores if scores.dtype == torch.float32 else scores.float()
     s = s if s.stride(1) == 1 else s.contiguous()
     pos = positions.contiguous()
-    bmax = torch.empty(t, nb, dtype=torch.float32, device=s.device)
     multi = _pow2(nb) > ch
+    fused = cfg.fused and not multi
+    bmax = torch.empty(t, 1 if fused else nb, dtype=torch.float32, device=s.device)
     best = torch.empty(t, kp if multi else 1, dtype=torch.int64, device=s.device)
-    if c:
+    if c and not fused:
         _block_max_kernel[(t, -(-nb // cfg.bnb))](s, s.stride(0), pos, bmax, c, nb, ratio, BLOCK=block,
                                                   BLKP=_pow2(block), BNB=cfg.bnb, num_warps=cfg.max_warps)  # fmt: skip
     ladder = max(1, (ch // min(cfg.smallest, ch)).bit_length())
-    _select_kernel[(t,)](bmax, pos, best, out, c, nb, ratio, BLOCK=block, K=k, KP=kp, CH=ch, LADDER=ladder,
-                         MULTI=multi, num_warps=cfg.sort_warps)  # fmt: skip
+    _select_kernel[(t,)](s, s.stride(0), bmax, pos, best, out, c, nb, ratio, BLOCK=block, BLKP=_pow2(block), K=k,
+                         KP=kp, CH=ch, LADDER=ladder, MULTI=multi, FUSED=fused, num_warps=cfg.sort_warps)  # fmt: skip
     return out

@@ -7,6 +7,8 @@ blocks of 8) at B1 / B64 / B256 in and out of a CUDA graph."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -44,12 +46,17 @@ def check(s, pos, *, ratio, k, block, cfg=None):
 
 @pytest.mark.parametrize("kind", ["rand", "ties", "limits"])
 @pytest.mark.parametrize("ratio, block", [(1, 8), (2, 8), (4, 3)])
-def test_matches_the_reference(interpret, kind, ratio, block):
+@pytest.mark.parametrize("fused", [True, False])
+def test_matches_the_reference(interpret, kind, ratio, block, fused):
     """Rows: nothing visible (padding -1, position 0 at ratio > 1), one entry, a partial block, fewer visible
-    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block."""
+    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block. The default is fused
+    (the cache is one tile); unfused: the block-max kernel, then the selection."""
     c, k = 301, 24
     pos = torch.tensor([-1, 0, 1, 9 * ratio, 60 * ratio + 1, 200 * ratio, c * ratio - 1])
-    check(scores(kind, len(pos), c, seed=ratio * 10 + block), pos, ratio=ratio, k=k, block=block)
+    cfg = cb.default_config(len(pos), c, block, k)
+    assert cfg.fused
+    check(scores(kind, len(pos), c, seed=ratio * 10 + block), pos, ratio=ratio, k=k, block=block,
+          cfg=replace(cfg, fused=fused))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["rand", "ties"])
@@ -98,7 +105,7 @@ def test_configs():
     """The real dims: 512 blocks (mml 4096) sort at once; 8192 (mml 65536) in passes of 4096; every config of
     the space is valid and the default comes first."""
     d4, d64 = cb.default_config(64, 4096, 8, 2048), cb.default_config(64, 65536, 8, 2048)
-    assert (d4.chunk, d64.chunk, d64.sort_warps) == (512, 4096, 8)
+    assert (d4.chunk, d4.fused, d64.chunk, d64.sort_warps, d64.fused) == (512, True, 4096, 8, False)
     for c in (4096, 65536, 1 << 20):
         space = cb.config_space(64, c, 8, 2048)
         assert space[0] == cb.default_config(64, c, 8, 2048) and len(set(space)) == len(space)
@@ -108,12 +115,14 @@ def test_configs():
 
 
 def test_compiles_for_hopper_without_spills():
-    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps) and the block maxima."""
-    sig = {"bmax_ptr": "*fp32", "pos_ptr": "*i64", "best_ptr": "*i64", "out_ptr": "*i64", "C": "i32", "NB": "i32",
-           "ratio": "i32"}  # fmt: skip
-    ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "select_jit", sig,
-                               dict(BLOCK=8, K=2048, KP=2048, CH=512, LADDER=2, MULTI=False), num_warps=4)  # fmt: skip
-    assert ".target sm_90a" in ptx and spill_free(report), report
+    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps; fused or not) and the block maxima."""
+    sig = {"s_ptr": "*fp32", "s_stride": "i64", "bmax_ptr": "*fp32", "pos_ptr": "*i64", "best_ptr": "*i64",
+           "out_ptr": "*i64", "C": "i32", "NB": "i32", "ratio": "i32"}  # fmt: skip
+    for fused in (True, False):
+        ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "select_jit", sig,
+                                   dict(BLOCK=8, BLKP=8, K=2048, KP=2048, CH=512, LADDER=2, MULTI=False, FUSED=fused),
+                                   num_warps=4)  # fmt: skip
+        assert ".target sm_90a" in ptx and spill_free(report), report
     sig = {"s_ptr": "*fp32", "s_stride": "i64", "pos_ptr": "*i64", "bmax_ptr": "*fp32", "C": "i32", "NB": "i32",
            "ratio": "i32"}  # fmt: skip
     ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "block_max_jit", sig,
