@@ -373,14 +373,15 @@ SCORE_OPS = ("index_scores", "batched_index_scores")
 
 
 def _positions_aware(reader: Node) -> bool:
-    """A reader of index scores that never looks past a row's visible columns: a topk_entries with positions."""
-    return reader.op == "topk_entries" and _topk_inputs(reader)[2] is not None
+    """A reader of index scores that never looks past a row's visible columns: a topk_entries with positions, or
+    candidate_blocks (its block maxima count only the columns j < (p+1)//ratio)."""
+    return reader.op == "candidate_blocks" or (reader.op == "topk_entries" and _topk_inputs(reader)[2] is not None)
 
 
 def _scores_fill(g: Graph, nodes: dict) -> None:
     """Index scores whose every reader is positions-aware need no -inf past the visible columns: their kernel
     bindings get fill False (the scores kernel's balanced forms then leave those columns unwritten). Any other
-    reader (candidate_blocks' block maxima at the candidate source, a graph output) keeps the op's -inf."""
+    reader (a graph output, a top-k without positions) keeps the op's -inf."""
     users, outputs = g.users(), {v.name for v in g.outputs}
     for node in g.nodes:
         name = node.outputs[0].name

@@ -76,13 +76,13 @@ def scatter_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -
 
 def candidate_blocks(scores, positions, *, ratio, topk_blocks, block):
     """CandidateBlocks.reference without the boolean mask: the newest visible entry's block is forced to +inf
-    through a scattered mask (one column per row)."""
-    from deepinfer.ir.ops.v41 import _masked_topk
+    through a scattered mask (one column per row); the columns past the visible ones -inf, as there."""
+    from deepinfer.ir.ops.v41 import _masked_topk, _visible_columns
 
     t, c = scores.shape
     nb = (c + block - 1) // block
     padded = torch.full((t, nb * block), float("-inf"), device=scores.device)
-    padded[:, :c] = scores.float()
+    padded[:, :c] = scores.float().masked_fill(~_visible_columns(scores, positions, ratio), float("-inf"))
     bscore = padded.view(t, nb, block).amax(-1)
     newest = (positions.long() + 1) // ratio - 1
     has = newest >= 0

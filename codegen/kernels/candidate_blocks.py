@@ -6,10 +6,10 @@
     out[t]    = the topk_blocks block ids of largest bmax, score descending, ties to the lower id;
                 -1 for blocks scoring -inf and for padding (fewer visible blocks than topk_blocks)
 
-The op's reference (ir/ops/v41.py CandidateBlocks) takes the max over every column of a block: the columns past
-lim_t are -inf by the op's contract (index_scores writes -inf there), so both agree on every valid input; the
-kernels never read those columns, so a decode step's cost follows the sequence's length, not max_model_len.
-NaN scores are not supported (index scores are never NaN).
+The columns past lim_t never count (the op's reference masks them too, since session 10: whatever they hold, so
+layer 20's index scores need not write them -- select_kernels binds them fill False); the kernels never read them,
+so a decode step's cost follows the sequence's length, not max_model_len. NaN scores are not supported in the
+visible columns (index scores are never NaN).
 
 1. `block_max_kernel`, grid (rows, blocks / bnb): a program reduces `bnb` blocks of one row -- a [bnb, block] tile
    of the row's visible columns (masked loads: nothing past lim_t is read; a program wholly past it exits at once)

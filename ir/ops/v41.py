@@ -247,9 +247,11 @@ class CandidateBlocks:
     """First level of the V4.1 two-level indexer (MODEL_SPEC §2.13), published by the candidate source.
 
     Blocks are runs of ``block`` consecutive compressed entries; a block's score is the max of S over its
-    visible entries; the block holding the newest visible entry ((p+1)//ratio - 1) is forced to +inf; keep
-    the top ``topk_blocks`` (ties to the lower block id). scores [T, C], positions [T] -> i64 [T, topk_blocks]
-    block ids, -1 for padding (no visible entry, or fewer blocks than topk_blocks).
+    visible entries (j < (p+1)//ratio: the columns past them never count, whatever they hold -- a scores kernel
+    need not write them, as for topk_entries with positions); the block holding the newest visible entry
+    ((p+1)//ratio - 1) is forced to +inf; keep the top ``topk_blocks`` (ties to the lower block id).
+    scores [T, C], positions [T] -> i64 [T, topk_blocks] block ids, -1 for padding (no visible entry, or fewer
+    blocks than topk_blocks).
     """
 
     def infer(scores, positions, *, ratio, topk_blocks, block):
@@ -262,7 +264,7 @@ class CandidateBlocks:
         t, c = scores.shape
         nb = (c + block - 1) // block
         padded = torch.full((t, nb * block), float("-inf"), device=scores.device)
-        padded[:, :c] = scores.float()
+        padded[:, :c] = scores.float().masked_fill(~_visible_columns(scores, positions, ratio), float("-inf"))
         bscore = padded.view(t, nb, block).amax(-1)  # -inf for blocks with no visible entry
         newest = (positions.long() + 1) // ratio - 1  # [T]
         has = newest >= 0

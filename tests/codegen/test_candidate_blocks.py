@@ -84,14 +84,23 @@ def test_fewer_blocks_in_the_cache_than_k(interpret):
     check(s, torch.tensor([36, 3, 20]), ratio=1, k=40, block=8)
 
 
-def test_columns_past_the_limit_are_not_read(interpret):
-    """NaN past each row's visible columns (a scores kernel without fill leaves anything there): the kernel's ids
-    are the reference's on the -inf-filled row."""
+def test_columns_past_the_limit_never_count(interpret):
+    """Anything past a row's visible columns (a scores kernel bound fill False leaves them unwritten): NaN or huge
+    values there change neither the op's reference nor its sync-free form (both masked by the positions since
+    session 10: the old reference took 1e30 blocks first) nor the kernel's ids (it never reads them)."""
+    from deepinfer.runtime.cuda_graphs import candidate_blocks as sync_free
+
     s, pos = scores("rand", 4, 512, seed=7), torch.tensor([0, 63, 64, 300])
-    lim = (pos + 1)[:, None]
-    dirty = torch.where(torch.arange(512)[None, :] >= lim, float("nan"), s)
-    got = cb.triton_candidate_blocks(dirty, pos, ratio=1, topk_blocks=16, block=8)
-    assert torch.equal(got, CandidateBlocks.reference(visible(s, pos, 1), pos, ratio=1, topk_blocks=16, block=8))
+    past = torch.arange(512)[None, :] > pos[:, None]
+    garbage = torch.where(torch.arange(4)[:, None] % 2 == 0, float("nan"), 1e30).expand(4, 512)
+    dirty = torch.where(past, garbage, s)
+    kw = dict(ratio=1, topk_blocks=16, block=8)
+    want = CandidateBlocks.reference(visible(s, pos, 1), pos, **kw)
+    assert torch.equal(CandidateBlocks.reference(dirty, pos, **kw), want)
+    assert torch.equal(sync_free(dirty, pos, **kw), want)
+    for fused in (True, False):
+        cfg = replace(cb.default_config(4, 512, 8, 16), fused=fused)
+        assert torch.equal(cb.triton_candidate_blocks(dirty, pos, cfg=cfg, **kw), want), fused
 
 
 def test_bad_input_is_named():
