@@ -3592,6 +3592,66 @@ def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bo
     row.check = f"{check}; do_bench {bench(lambda: run_on(s), quick) * 1e3:.1f} us"
 
 
+def _topk_s10_r1_rows():
+    """(T, C, cfg) rows "topk_select s10 r1" (helper A, session 10, issue 6: top-k >= 60% of HBM, <= ~415 us at T4096
+    C65536 k512; session 9: 455.0 us = 54.8%). The defaults after the staging fix (TileLang's sync planner had put a
+    barrier in every iteration of the final selection's staging loop, inside a per-thread branch: ~8 barriers a row,
+    divergent on heavy ties) and, at C65536, the same program's stage probes (HistConfig.diag, not a top-k: the
+    chunk loop alone `push`, up to the final selection `select`, the streaming ceiling `read`)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    probes = [(4096, 65536, dataclasses.replace(d64, diag=x)) for x in ("push", "select", "read")]
+    return [(4096, 65536, d64), *probes, (4096, 16384, ts.default_config(4096, 16384, IDX_TOPK))]
+
+
+def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
+    """A "topk_select s10" row: `case_topk_s9` (every row exact on heavy ties and real scores, read-flush time, % of
+    the HBM copy measured in this run) for a top-k config; a stage probe (cfg.diag: not a top-k) timed the same way
+    on the same real scores, unchecked."""
+    if not cfg.diag:
+        return case_topk_s9(row, T_, C, cfg, None, False, quick, dry)
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    row.kernel += " " + cfg.tag
+    kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
+    pos = _idx_positions(T_, C)
+    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
+    row.peak = "fp8"
+    if dry:
+        return
+    q, w, k, ks, _ = _idx_inputs(T_, C)
+    pos = pos.cuda()
+    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
+    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
+    row.ms = _bench_read_flush(lambda: kern(s, pos, out, *scratch), quick)
+    row.check = f"stage probe (no top-k); do_bench {bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3:.1f} us"
+
+
+TOPK_S10_TEST = "gpu_lean or (topk_select_ties and default)"  # the GPU tie tests' -k (test_topk_select.py, families)
+
+
+def topk_s10_test_configs() -> list[tuple[int, int, str]]:
+    """(T, C, which) of every kernel the GPU tie tests TOPK_S10_TEST select build: test_gpu_lean_compact_exact's
+    (`topk_s8_test_config`) and the families' default tie test's (`topk_tie_config(..., "default")`)."""
+    return [(T_, C, "lean") for T_, C in TOPK_S8_TEST_SHAPES] + [(T_, C, "default") for T_, C in TOPK_TIE_SHAPES]
+
+
+def case_topk_s10_testbuild(row: Row, T_: int, C: int, which: str, quick: bool, dry: bool):
+    """Builds (only) one kernel of the GPU tie tests (`topk_s10_test_configs`), with the tests' own call
+    (`build(ts.program(T, C, k=512, ratio=2, cfg=..., target="sm90"))`): `--dry-run --only "topk_select s10build"
+    -j 7` with the tests' TILELANG_CACHE_DIR ($PWD/.cache/tilelang, tests/conftest.py) fills the cache they read.
+    The row's time is the build's: a second run of the same command reads them back (about a second each)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    cfg = topk_s8_test_config(T_, C) if which == "lean" else topk_tie_config(T_, C, which)
+    row.kernel += f" {cfg.tag}"
+    build(ts.program(T_, C, k=512, ratio=2, cfg=cfg, target="sm90"))
+    row.check = "built only"
+
+
 TOPK_S8_TEST_SHAPES = [(264, 16384), (64, 65536), (1, 65536)]  # tests/codegen/test_topk_select.py's gpu lean test
 
 
@@ -3711,6 +3771,12 @@ def _indexer_cases(quick: bool):
             cfg = dataclasses.replace(ts.default_config(4096, 65536, IDX_TOPK), eager=eager)
             out.append(("indexer topk default s9", f"T4096 C65536 k{IDX_TOPK}",
                         lambda r, q, d, c=cfg: case_topk_s9(r, 4096, 65536, c, None, False, q, d)))
+        for T_, C, cfg in _topk_s10_r1_rows():
+            out.append(("topk_select s10 r1", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
+        for T_, C, which in topk_s10_test_configs():
+            out.append(("topk_select s10build", f"T{T_} C{C} {which}",
+                        lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip
         for T_, C in TOPK_S8_TEST_SHAPES:
             out.append(("topk_select s8build", f"T{T_} C{C} lean+compact",
                         lambda r, q, d, T_=T_, C=C: case_topk_s8_build(r, T_, C, q, d)))

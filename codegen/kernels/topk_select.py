@@ -720,6 +720,22 @@ def _make_volatile(ops: _Ops):
     return ld, st
 
 
+def _make_put(ops: _Ops):
+    """Macro put(buf, j, v): a plain shared store the sync planner does not see (GPU: an extern call on the buffer's
+    start and an int32 offset), for stores whose ordering the caller's explicit barriers provide: a store the
+    planner sees inside a per-thread branch gets a barrier inside that branch (a divergent __syncthreads)."""
+    import tilelang.language as T
+
+    @T.macro
+    def put(buf, j, v):
+        if ops.cpu:
+            buf[j] = v
+        else:
+            T.evaluate(T.call_extern("handle", "tl_topk_put", T.address_of(buf[0]), j, v))
+
+    return put
+
+
 def _make_reg_select(ops: _Ops, NT: int, QR: int):
     """Macro reg_select(keyf, idf, kk_req, st, st2, h2, red, bc): `_make_select` for a per-thread set held in
     registers (QR a thread; keyf(i, q) NONE = not a member, idf unique ids), with few barriers: the same adaptive
@@ -1430,12 +1446,7 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
     count_key = _make_count_key(ops)
     ld, st = _make_volatile(ops)
 
-    @T.macro
-    def put(buf, j, v):  # a plain store the sync planner does not see (int32 offset from the buffer's start)
-        if ops.cpu:
-            buf[j] = v
-        else:
-            T.evaluate(T.call_extern("handle", "tl_topk_put", T.address_of(buf[0]), j, v))
+    put = _make_put(ops)
 
     def warp_any(pred):  # (GPU) whether any lane of the warp has pred; the `c` target takes every thread's path
         return T.call_extern("int32", "__any_sync", full, pred) != 0
@@ -1619,10 +1630,11 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    helpers = cfg.l2_ahead > 0 or cfg.fused or cfg.rsel or cfg.persist
+    helpers = cfg.l2_ahead > 0 or cfg.fused or cfg.rsel or cfg.persist or cfg.compact
     prelude = _L2_PREFETCH_PRELUDE if helpers and not ops.cpu else None
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
+    put = _make_put(ops)
     OLD_CHUNKS = 1 if FUSED else NCH  # chunks that take the barrier-per-phase path (fused: the first only)
     FAST = bool(cfg.fast) and FUSED > 0  # (fused chunks: raw float bits in kc, float compares, idle warps skip)
     LEAN = FAST and cfg.lean  # (fast chunks: kc is -inf past the limit, no column checks; no max pre-pass)
@@ -1759,28 +1771,33 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def stage_members(bufk, bufi, ctl, beta, stage, tmp):
         """(compact) the buffer's members (its ctl[0] entries >= beta) to the stage: keys at [0, M), ids at
         [STAGE, STAGE + M); ctl[2] = M. A thread whose range would end past STAGE writes nothing (M > STAGE then:
-        the caller selects on the buffer). hist_f is free here: the last bound was found before the last chunk."""
+        the caller selects on the buffer). hist_f is free here: the last bound was found before the last chunk.
+        Every thread runs both loops (no branch around them) and the stage's stores are `put`s: a store TileLang's
+        sync planner saw here got a barrier in every iteration of the loop -- inside the per-thread `fits` branch
+        (a divergent __syncthreads on heavy ties, where some threads' ranges end past STAGE)."""
         for _z in ops.par(1):
             ctl[2] = 0
         ops.barrier()  # (ctl[0] may come from atomics; ctl[2] is reserved with atomics next)
         for i in ops.par(NT):
             nb = T.alloc_var("int32", init=ctl[0])
             nq = T.alloc_var("int32", init=T.min((nb + NT - 1) // NT, EB))
+            low = T.alloc_var("int32", init=T.max(beta, NONE + 1))
             n = T.alloc_var("int32", init=0)
             for q in T.serial(nq):
-                if T.And(q * NT + i < nb, bufk[q * NT + i] >= T.max(beta, NONE + 1)):
+                if T.And(q * NT + i < nb, bufk[q * NT + i] >= low):
                     n = n + 1
             if ops.cpu:
                 io.atomic_add_ret(ctl, 2, n, tmp)
             else:
                 io.warp_reserve(ctl, 2, n, i % 32, tmp)
             p = T.alloc_var("int32", init=tmp[0])
-            if p + n <= STAGE:
-                for q in T.serial(nq):
-                    if T.And(q * NT + i < nb, bufk[q * NT + i] >= T.max(beta, NONE + 1)):
-                        stage[T.min(p, STAGE - 1)] = bufk[q * NT + i]
-                        stage[STAGE + T.min(p, STAGE - 1)] = bufi[q * NT + i]
-                        p = p + 1
+            fits = T.alloc_var("int32", init=T.if_then_else(p + n <= STAGE, 1, 0))
+            for q in T.serial(nq):
+                kq = T.alloc_var("int32", init=bufk[q * NT + i])
+                if T.And(fits == 1, T.And(q * NT + i < nb, kq >= low)):
+                    put(stage, T.min(p, STAGE - 1), kq)
+                    put(stage, STAGE + T.min(p, STAGE - 1), bufi[q * NT + i])
+                    p = p + 1
         ops.barrier()
 
     @T.macro

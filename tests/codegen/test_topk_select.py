@@ -467,6 +467,20 @@ def test_sm90_lowers_ffs_one_word_a_thread(tilelang_required):
     assert "__ffs(" in src
 
 
+def test_sm90_staging_loop_has_no_barrier(tilelang_required):
+    """Regression (session 10): the final selection's staging loop (compact) wrote the stage with stores TileLang's
+    sync planner saw, and it put a __syncthreads in every iteration -- inside the per-thread branch of the threads
+    whose range fits the stage: a divergent barrier on heavy ties (more members than the stage holds), ~8 barriers a
+    row otherwise. The stage's stores are opaque `put`s now and every thread runs the loop: no barrier in it."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.HistConfig(64, 8, 1024, fused=2, fast=True, lean=True, compact=128)
+    src = tb.lower(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="sm90"), tb.get_target("sm90"))
+    put = src.index("tl_topk_put((&(((int*)hist_f)[0]))")  # the stage (hist_f) written by the staging loop
+    loop = src.rindex("for (", 0, put)
+    assert "__syncthreads" not in src[loop:put], "a barrier inside the staging loop"
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_sm90_build_hist_prefill(codegen_cache, nvcc_required, fused):
     """The histogram-bound program at the prefill shape (one 256-thread CTA streams a 64k row, two chunks
