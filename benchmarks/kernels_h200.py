@@ -2648,11 +2648,11 @@ def attn_s7_cases():
 
 
 # ---------------------------------------------------------------------------------------------- sparse_attn s8
-# `--only "sparse_attn s8"` (session 8, helper A): Config.early_p / Config.lazy_rescale (tags "e" / "z") next to the
-# defaults on the runtime's operands (s7_operands), then the per-block split of the CTA's time: the fixed-cost probe
-# after a read-only flush (no dirty L2 lines to write back, which do_bench's zeroing flush adds to the intercept) and
-# the same probe with no global loads of KV rows or ids (skip "gather,ids": the QK^T -> softmax -> PV chain alone).
-# Rows append to S7_RESULTS (their names start "sparse_attn s8"); the summary and the fits read them.
+# `--only "sparse_attn s8"` (session 8, helper A): the defaults on the runtime's operands (s7_operands; session 8's
+# early_p / lazy_rescale rows went with the options in session 10), then the per-block split of the CTA's time: the
+# fixed-cost probe after a read-only flush (no dirty L2 lines to write back, which do_bench's zeroing flush adds to the
+# intercept) and the same probe with no global loads of KV rows or ids (skip "gather,ids": the QK^T -> softmax -> PV
+# chain alone). Rows append to S7_RESULTS (their names start "sparse_attn s8"); the summary and the fits read them.
 
 
 def case_attn_s8_readflush(row: Row, B: int, topk: int, cfg, quick: bool, dry: bool):
@@ -2796,12 +2796,10 @@ S8_FIT_TOPK = (128, 384, 640, 1152)
 
 
 def attn_s8_cases():
-    """`--only "sparse_attn s8"`: at B 64 / 128 / 256 on the runtime's 4k operands, the default (sm90_config) next
-    to early_p ("e"), lazy_rescale ("z") and both ("ez"); at B64 also the unsplit program (64 CTAs, no combine) with
-    and without both; at B256 the single pass with both. L2-hot rows (entries from 4096 rows) of the default and
-    "ez" at B256: the program's own bound. Then, at B128 (one CTA a request, one wave), the fixed-cost probe after a
-    read flush (top-k 128 .. 1152) for the default and "ez", and the compute-only probe (no KV / id loads) for the
-    default and "e" ("z" is left out there: its flag follows the garbage in the unloaded stages). Defaults first."""
+    """`--only "sparse_attn s8"`: at B 64 / 128 / 256 on the runtime's 4k operands, the default (sm90_config); at B64
+    also the unsplit program (64 CTAs, no combine). Then, at B128 (one CTA a request, one wave), the fixed-cost probe
+    after a read flush (top-k 128 .. 1152) and the compute-only probe (no KV / id loads). Defaults first. (Session 8's
+    early_p / lazy_rescale / ids_first rows went with the options in session 10: within 1% of the defaults.)"""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     out = []
@@ -2812,26 +2810,11 @@ def attn_s8_cases():
         out.append((f"sparse_attn s8 B{B} {cfg.tag} {what} k{topk}", f"B{B} H64 k{topk} rnd",
                     lambda r, q, d, B=B, cfg=cfg, k=topk: case_attn_s8_readflush(r, B, k, cfg, q, d)))  # fmt: skip
 
-    def options(cfg):
-        return [rep(cfg, early_p=True), rep(cfg, lazy_rescale=True), rep(cfg, early_p=True, lazy_rescale=True)]
-
     for B in S7_BATCHES:
         add(B, sad.sm90_config(B, 640), "default")
-    for B in S7_BATCHES:
-        for cfg in options(sad.sm90_config(B, 640)):
-            add(B, cfg)
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-    ez = rep(ws64, early_p=True, lazy_rescale=True)
     add(64, ws64, "no split")
-    add(64, ez, "no split")
-    add(256, ez, "single pass")
-    for cfg in (sad.sm90_config(256, 640), rep(sad.sm90_config(256, 640), early_p=True, lazy_rescale=True)):
-        out.append((f"sparse_attn s8 B256 {cfg.tag} L2-hot k640", "B256 H64 k640 hot",
-                    lambda r, q, d, cfg=cfg: case_attn_s7_random(r, 256, 640, cfg, q, d, S7_WIN, 4096)))  # fmt: skip
-    for cfg in (ws64, ez):
-        for k in S8_FIT_TOPK:
-            add_probe(128, cfg, k, "readflush")
-    for cfg in (rep(ws64, skip="gather,ids"), rep(ws64, early_p=True, skip="gather,ids")):
+    for cfg in (ws64, rep(ws64, skip="gather,ids")):
         for k in S8_FIT_TOPK:
             add_probe(128, cfg, k, "readflush")
     out.append(("sparse_attn s8 summary", "-", case_attn_s8_summary))
@@ -2844,18 +2827,17 @@ def attn_s8_trace_cases():
     operands, to split the fixed cost (B128: 19 us of 39 at k640, read flush): B128 single pass at k640 and k256, the
     same with no KV / id loads ("gather,ids": the compute chain alone) and with nothing but the skeleton (Q load,
     hand-offs, O store: "gather,ids,qk,softmax,pv"); B64 split 2 (+ combine); B256 single pass (two waves of CTAs);
-    ids_first at B128 and B64 split; then, untraced, the B256 persistent grid with and without ids_first."""
+    then, untraced, the B256 persistent grid."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws = sad.sm90_config(128, 640)  # wsn64s2
     cfgs = [(128, ws, 640), (128, ws, 256), (128, rep(ws, skip="gather,ids"), 640),
             (128, rep(ws, skip="gather,ids,qk,softmax,pv"), 640), (64, sad.sm90_config(64, 640), 640),
-            (256, ws, 640), (128, rep(ws, ids_first=True), 640),
-            (64, rep(sad.sm90_config(64, 640), ids_first=True), 640)]  # fmt: skip
+            (256, ws, 640)]  # fmt: skip
     cfgs = [(B, rep(cfg, trace=True), k) for B, cfg, k in cfgs]
     out = [(f"sparse_attn s8 trace B{B} {cfg.tag} k{k}", f"B{B} H64 k{k} 4k",
             lambda r, q, d, B=B, cfg=cfg, k=k: case_attn_s8_trace(r, B, cfg, q, d, k)) for B, cfg, k in cfgs]
-    for cfg in (sad.sm90_config(256, 640), rep(sad.sm90_config(256, 640), ids_first=True)):  # untraced (persist)
+    for cfg in (sad.sm90_config(256, 640),):  # untraced (persist)
         out.append((f"sparse_attn s8 trace-free B256 {cfg.tag} readflush k640", "B256 H64 k640 rnd",
                     lambda r, q, d, cfg=cfg: case_attn_s8_readflush(r, 256, 640, cfg, q, d)))  # fmt: skip
     return out
@@ -2917,16 +2899,11 @@ def attn_s9_cases():
     return out
 
 
-def _gputest_ws_cfgs() -> list:
-    """test_sparse_attn_ws.py's gpu test kernels: early_p / lazy_rescale / ids_first on the B256 / 128 / 64 defaults."""
+def _gputest_s10_cfgs() -> list:
+    """test_sparse_attn_s10.py's gpu test kernels: the B64 / 128 / 256 defaults with and without evict_first."""
     sad = sparse_attn_decode
-    rep = dataclasses.replace
-    cfgs = []
-    for B in (256, 128, 64):
-        base = sad.sm90_config(B, 640)
-        cfgs += [(B, base), (B, rep(base, ids_first=True))]
-        cfgs += [(B, rep(base, early_p=e, lazy_rescale=z)) for e, z in ((1, 0), (0, 1), (1, 1))]
-    return cfgs
+    return [(B, dataclasses.replace(sad.sm90_config(B, 640), evict_first=f)) for B in (64, 128, 256)
+            for f in (False, True)]  # fmt: skip
 
 
 def _gputest_s9_cfgs() -> list:
@@ -2954,22 +2931,21 @@ def _build_only_rows(prefix: str, cfgs: list) -> list:
 
 def attn_gputest_cases():
     """`--only "sparse_attn gputest"` (build only, every row): the kernels of the sparse-attention gpu tests
-    (test_sparse_attn_ws.py's and test_sparse_attn_s9.py's), built by main's -j workers into TileLang's cache, so
+    (test_sparse_attn_s9.py's and test_sparse_attn_s10.py's), built by main's -j workers into TileLang's cache, so
     that pytest run right after with the same TILELANG_CACHE_DIR loads them instead of compiling ~20 kernels one at
     a time (they outran its timeout)."""
-    return _build_only_rows("sparse_attn gputest", _gputest_ws_cfgs() + _gputest_s9_cfgs())
+    return _build_only_rows("sparse_attn gputest", _gputest_s9_cfgs() + _gputest_s10_cfgs())
 
 
 def attn_s9r2_cases():
-    """`--only "sparse_attn s9r2"` (session 9, the last kernel round): test_sparse_attn_ws.py's gpu test kernels
-    (attn_gputest_cases, build only, prebuilt with the rows), then on the runtime's 4k operands: B64 split 2 with
-    bf16 partials through shared memory (o_smem + partial_bf16, bit-equal to partial_bf16 alone) next to split 2
-    and the default (unsplit o_smem since call 3); B128 and B256 (persistent) o_smem again and with
-    early_p + lazy_rescale ("ezo": the per-block chain, now that the tail is short)."""
+    """`--only "sparse_attn s9r2"` (session 9, the last kernel round), on the runtime's 4k operands: B64 split 2 with
+    bf16 partials through shared memory (o_smem + partial_bf16, bit-equal to partial_bf16 alone) next to split 2 and
+    the default (unsplit o_smem since call 3); B128 and B256 (persistent) o_smem again. (Its early_p + lazy_rescale
+    rows and their gpu test's build rows went with the options in session 10.)"""
     sad = sparse_attn_decode
     rep = dataclasses.replace
     ws64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-    out = _build_only_rows("sparse_attn s9r2 build", _gputest_ws_cfgs())
+    out = []
 
     add = _attn_row_adder(out, "sparse_attn s9r2", case_attn_s9)
 
@@ -2978,9 +2954,7 @@ def attn_s9r2_cases():
     add(64, split, "split 2")
     add(64, rep(split, partial_bf16=True, o_smem=True))
     for cfg in (rep(ws64, o_smem=True), sad.sm90_config(256, 640)):
-        B = 256 if cfg.persist else 128
-        add(B, rep(cfg, o_smem=True))
-        add(B, rep(cfg, o_smem=True, early_p=True, lazy_rescale=True))
+        add(256 if cfg.persist else 128, rep(cfg, o_smem=True))
     out.append(("sparse_attn s9r2 summary", "-", lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s9r2")))
     return out
 
@@ -2996,6 +2970,56 @@ def attn_s9_trace_cases():
     return [(f"sparse_attn s9 trace B{B} {cfg.tag} k640", f"B{B} H64 k640 4k",
              lambda r, q, d, B=B, cfg=cfg: case_attn_s8_trace(r, B, cfg, q, d, 640)) for B, cfg in cfgs]  # fmt: skip
 
+
+
+# ---------------------------------------------------------------------------------------------- sparse_attn s10
+# `--only "attn s10"` (session 10, helper B): the decode variants of session 10 next to the defaults on the runtime's
+# 4k operands, every row checked against the reference and, where the variant stores the same values another way,
+# bit for bit against its config without it; do_bench and read-flush times, % of the HBM copy bandwidth measured in
+# the same run (the summary). Rows append to S7_RESULTS (names start "sparse_attn s10").
+
+
+def case_attn_s10(row: Row, B: int, cfg, quick: bool, dry: bool):
+    """case_attn_s7 (checked, do_bench and read flush); an evict_first config's output is also compared bit for bit
+    with the same config without it (only the copies' L2 policy differs: anything else is a bug)."""
+    case_attn_s7(row, B, cfg, quick, dry)
+    if not cfg.evict_first:
+        return
+    plain = dataclasses.replace(cfg, evict_first=False)
+    kernels = [_s7_kernel(B, plain, dry), _s7_kernel(B, cfg, dry)]
+    if dry:
+        return
+    q, kv, idx, sink, _, _ = s7_operands(B)
+    outs = [torch.full_like(q, float("nan")) for _ in kernels]
+    for kernel, out in zip(kernels, outs):
+        kernel(q, kv, idx, sink, out)
+    if not torch.equal(*outs):
+        raise AssertionError(f"{cfg.tag}'s output differs from {plain.tag}'s")
+    row.check += " bit-equal"
+
+
+def attn_s10_cases():
+    """`--only "attn s10"`: at B 64 / 128 / 256 the default (sm90_config) next to evict_first ("f": the copies under
+    an L2 evict_first policy, so that the gather's misses evict its own lines, not dirty ones); at B256 also the single
+    pass (two waves of CTAs; 74% after a read flush in session 9, 68% under do_bench) with and without it; at B64
+    split 2 with bf16 partials through shared memory (session 9: 31.2 us under do_bench, 36.3 after a read flush) with
+    and without it; then the summary (per batch, fastest first, x vs the default, do_bench and read flush)."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    out = []
+    add = _attn_row_adder(out, "sparse_attn s10", case_attn_s10)
+    for B in S7_BATCHES:
+        add(B, sad.sm90_config(B, 640), "default")
+    for B in S7_BATCHES:
+        add(B, rep(sad.sm90_config(B, 640), evict_first=True))
+    single = sad.sm90_config(128, 640)  # the single pass with the defaults' options (o_smem)
+    add(256, single, "single pass")
+    add(256, rep(single, evict_first=True), "single pass")
+    split = sad.Config(64, sad.WS_THREADS, 2, 2, True, partial_bf16=True, o_smem=True)  # session 9: 31.2 / 36.3 us
+    add(64, split, "split 2")
+    add(64, rep(split, evict_first=True), "split 2")
+    out.append(("sparse_attn s10 summary", "-", lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s10")))
+    return out
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
     """V4.1 query RoPE: T tokens x 64 heads x 512, the last 64 channels rotated, YaRN table of 1M positions."""
@@ -4599,6 +4623,7 @@ def cases(quick: bool):
     out += [] if quick else attn_s9_cases()
     out += [] if quick else attn_gputest_cases()
     out += [] if quick else attn_s9r2_cases()
+    out += [] if quick else attn_s10_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)

@@ -1969,7 +1969,7 @@ class SparseAttnAdapter:
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
         names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "l2_prefetch",
-                             "persist", "partial_bf16", "o_smem", "early_p", "lazy_rescale", "ids_first")
+                             "persist", "partial_bf16", "o_smem", "evict_first")
                  if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)

@@ -34,7 +34,7 @@ Where the decode time goes (H200, session 8: `Config.trace` stamps, kernels_h200
 - ~7 us outside the CTAs (read-flush time 41.2 us of the traced build vs 34.0 us from the first CTA's start to the
   last one's end: launch, drain, events); the skeleton build (no loads but Q, no MMAs) shows the same ~6.5 us.
 - ~6 us from a CTA's start to its first block's rows: Q (landed at 2.6 us) and blocks 0 and 1 (192 KB a CTA) are
-  requested together; ids_first (row ids before Q) did not move it.
+  requested together; loading the row ids before Q (session 8's ids_first) did not move it.
 - steady blocks: WG0's period ~1.95 us = data wait ~0.25 | QK^T ~1.2 (0.78 alone; PV(j - 1) shares the tensor
   cores) | softmax + P ~0.41 | P hand-off ~0.1; PV (both halves) ~0.77. The tensor work is ~1.55 us a block, the
   block's HBM share ~1.96 us (bf16), so the chain (QK^T + softmax in series on WG0) and HBM coincide at B128/B256;
@@ -55,7 +55,9 @@ needs both; Q + two blocks at once delay block 0: the start is ~25 MB at B128, H
 block j + 1 under softmax(j) needs a third 64-row stage (with two, `lookahead` waits for block j + 1's rows before
 softmax(j): the ring's latency enters the chain), i.e. Q out of shared memory: Q halves in the PV warpgroups'
 registers (RS wgmma; setmaxnreg ~208 for them, ~96 for a softmax-only WG0) or QK^T split over two warpgroups.
-early_p / lazy_rescale shorten the chain by ~0.1 us a block (B128 read flush 38.6 vs 39.7 us).
+Session 8's early_p (P published before the row sum) and lazy_rescale (m rises only past 2^8, the PV rescale skipped
+otherwise) shortened the chain by ~0.1 us a block at most (B128 read flush 38.6 vs 39.7 us; within 1% under do_bench,
+sessions 8 and 9); they and ids_first were removed in session 10.
 """
 
 import dataclasses
@@ -111,17 +113,6 @@ class Config:
     # split kernel writes and the combine reads back (B64 x 2 chunks: 16.8 -> 8.4 MB; the combine alone was 10.3 of
     # the pair's 32.6 us). Each chunk's partial takes one bf16 rounding more before the weighted sum (~2^-9 relative).
     partial_bf16: bool = False
-    # ws (session 8, not yet measured): WG0 publishes P(j) (arrives p_full) before the row sum and the l update, which
-    # then run while PV(j) does. Why: the PV warpgroups wait on p_full at every block, and the sum (32 adds, two quad
-    # shuffles a row) only feeds the final normaliser. The same values in another order: bit-identical output.
-    early_p: bool = False
-    # ws (session 8, not yet measured): the online softmax's reference max m rises only when a block's row max exceeds
-    # it by more than 2^RESCALE_LOG2 (P <= 2^8 then: far inside bf16 / fp32 range); otherwise alpha = 1. A flag in
-    # shared memory (alpha_s[stage, H] = the round in which some row's m rose) lets the PV warpgroups skip the rescale
-    # of their 64 x 256 O accumulator (128 multiplies a thread, between p_full and the PV wgmma) at every block where
-    # no row's m rose -- after the first blocks, almost all of them. O, l and the sink term stay relative to the same
-    # m, so the result is the same softmax (rounding differs: P in bf16 relative to another max).
-    lazy_rescale: bool = False
     # Diagnostic (session 8; correct results): the ws program, two pools, not persistent, no lookahead, takes the
     # single pass's and the split pass's outputs (Sink, O, Op, Mp, Lp: the other pass's are left alone) and records
     # per-CTA timestamps into a trailing int64 argument Trace [B * num_split, trace_slots(nb)]
@@ -129,10 +120,6 @@ class Config:
     # one H200 run shows where a block's time goes: waiting for its rows, QK^T, softmax, the PV warpgroups' hand-off
     # and PV, and the CTA's start-up and tail (kernels_h200 'sparse_attn s8 trace').
     trace: bool = False
-    # ws (session 8, not yet measured): the PV warpgroups load the first blocks' row ids before Q's copies, not after.
-    # Why: the first gathers wait on those ids, and behind 64 KB of Q copies per CTA (8 MB machine-wide at B128) they
-    # return ~2 us late; the first QK^T needs both Q and block 0, so Q loses nothing by going second. Same results.
-    ids_first: bool = False
     # ws, bf16 KV, single pass, 64-row blocks (session 9, not yet measured): the O epilogue goes through shared memory.
     # Each PV warpgroup writes its normalised bf16 half of O (64 x 256) into its KV stage 0 (free once its last PV is
     # done: WG0 published the last P, so every QK^T is done too), then stores it with 16-B vector stores, a warp
@@ -146,6 +133,13 @@ class Config:
     # were as slow as the default (the traffic pattern, not the code). Call 4: B64 split 2 with bf16 partials through
     # the stage 31.2 us under do_bench but 36.3 after a read flush (the unsplit default: 32.5 / 31.6): not the default.
     o_smem: bool = False
+    # ws, bf16 KV (session 10, not yet measured): the KV rows', row ids' and Q's 16-B cp.async copies carry an L2
+    # evict_first cache policy (cp.async.cg ... L2::cache_hint, createpolicy.fractional.L2::evict_first). Why: every
+    # byte the kernel reads is read once a step, yet each miss allocates an L2 line that evicts another; when the L2
+    # holds dirty lines (the step's earlier outputs; do_bench's zeroing flush) those evictions are write-backs that
+    # share HBM with the gather -- B128 40.0 us under do_bench vs 34.8 after a read-only flush (session 9 call 4).
+    # Evict-first lines are the victims of later misses, so the stream recycles its own lines. Same values.
+    evict_first: bool = False
 
     def __post_init__(self):
         if self.ws and self.threads != WS_THREADS:
@@ -159,11 +153,10 @@ class Config:
             assert self.ws and self.num_split == 1 and not self.l2_prefetch, "persist"
             assert self.copy == "cp" and not self.skip, "persist: the full bf16 program"
         assert not self.partial_bf16 or (self.ws and self.num_split > 1), "partial_bf16: the ws split pass"
-        assert not (self.early_p or self.lazy_rescale) or self.ws, "early_p / lazy_rescale: the ws program"
         assert not self.trace or (self.ws and not self.persist and not self.lookahead), "trace: ws, not persist/la"
-        assert not self.ids_first or self.ws, "ids_first: the ws program"
         assert not self.o_smem or (self.ws and (self.num_split == 1 or self.partial_bf16) and self.block_n == WS_HEADS
                                    and self.copy == "cp"), "o_smem: ws, 64-row blocks, bf16 partials"  # fmt: skip
+        assert not self.evict_first or (self.ws and self.copy == "cp"), "evict_first: the ws program's cp.async"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -182,10 +175,8 @@ class Config:
         head += f"pf{self.l2_prefetch}" if self.l2_prefetch else ""
         head += f"p{self.persist}" if self.persist else ""
         head += "h" if self.partial_bf16 else ""
-        head += "e" if self.early_p else ""
-        head += "z" if self.lazy_rescale else ""
-        head += "i" if self.ids_first else ""
         head += "o" if self.o_smem else ""
+        head += "f" if self.evict_first else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
 
@@ -283,26 +274,21 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
 UNSPLIT_MIN_B = 64  # (session 9, with DECODE_O_SMEM: see there)
 SPLIT_PARTIAL_BF16 = False
 DECODE_L2_PREFETCH = 0
-# Session 8: every bf16 ws decode config takes Config.early_p / lazy_rescale / ids_first (1) or not (0). H200 (calls 2
-# and 4, kernels_h200 --only "sparse_attn s8", runtime operands): early_p + lazy_rescale within ~1% under do_bench at
-# B64 / 128 / 256; after a read flush B128 38.6 vs 39.7 us, B64 unsplit 32.6 vs 34.0 us. ids_first: no gain (B128
-# 44.3 vs 44.4 us, read flush 39.2 vs 39.3; B64 split 33.5 vs 32.8; B256 persistent 75.1 vs 74.6). All stay off.
-DECODE_EARLY_P = 0
-DECODE_LAZY_RESCALE = 0
-DECODE_IDS_FIRST = 0
 # Session 9: Config.o_smem on every bf16 ws decode config it fits (one pass, 64-row blocks: the single pass and the
 # persistent grid; the split passes keep their fp32 partial stores). H200 call 3 (kernels_h200 'sparse_attn s9', the
 # runtime's 4k operands, all bit-equal to the plain configs): B128 44.2 -> 40.0 us, B256 persistent 74.4 -> 67.9 us;
 # B64 unsplit with it 32.4 us vs the split-2 default 33.5 us (read flush 31.6 vs 37.4: the protocols agree now), so
 # UNSPLIT_MIN_B = 64 with it (bf16 KV; FP8 KV keeps its split counts: not measured unsplit).
 DECODE_O_SMEM = 1
+# Session 10: Config.evict_first on every bf16 ws decode config (not prefill: a chunk's tokens re-read their pools
+# from L2). Not yet measured (kernels_h200 --only "attn s10"; a step: DEEPINFER_ATTN_DECODE=DECODE_EVICT_FIRST=1).
+DECODE_EVICT_FIRST = 0
 
 
 def _chain_options(cfg: Config) -> Config:
-    """DECODE_EARLY_P / DECODE_LAZY_RESCALE / DECODE_IDS_FIRST / DECODE_O_SMEM applied to a bf16 ws decode config."""
+    """DECODE_O_SMEM / DECODE_EVICT_FIRST applied to a bf16 ws decode config."""
     o_smem = bool(DECODE_O_SMEM) and cfg.num_split == 1 and cfg.block_n == WS_HEADS
-    return dataclasses.replace(cfg, early_p=bool(DECODE_EARLY_P), lazy_rescale=bool(DECODE_LAZY_RESCALE),
-                               ids_first=bool(DECODE_IDS_FIRST), o_smem=o_smem)  # fmt: skip
+    return dataclasses.replace(cfg, o_smem=o_smem, evict_first=bool(DECODE_EVICT_FIRST))
 
 
 def _decode_options(cfg: Config) -> Config:
@@ -322,8 +308,8 @@ def _decode_options(cfg: Config) -> Config:
 # pass faster) after a read-only flush; between the SM count and 256 not measured.
 PERSIST_MIN_B = 256
 
-DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_EARLY_P",
-                   "DECODE_LAZY_RESCALE", "DECODE_IDS_FIRST", "DECODE_O_SMEM")
+DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_O_SMEM",
+                   "DECODE_EVICT_FIRST")
 # "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
 DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
 
@@ -512,13 +498,33 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
 
 
 LOG2E = 1.4426950408889634
-RESCALE_LOG2 = 8.0  # Config.lazy_rescale: m rises when a row's block max exceeds it by more than 2^8 (in P's units)
 # tl::tma_load's 1-D form (cp.async.bulk): TileLang includes this header only for the copies it lowers itself
 BULK_PRELUDE = "#include <tl_templates/cuda/copy_sm90.h>\n"
 # Config.l2_prefetch: a bulk L2 prefetch (sm90; bytes a multiple of 16, a 16-B aligned address)
 L2_PRELUDE = """
 __device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
+}
+"""
+# Config.evict_first: tl::cp_async_gs<16>'s copy (no clobber, as there) under an L2 evict_first policy, made inside
+# the same asm block (a 64-bit register for one instruction, unseen by the compiler: the policy made once and kept
+# live, the persistent grid spilled 28 words instead of its 6). di_cp_async_ef_if: tl::cp_async_gs_conditional<16>'s
+# form, which TileLang gives the pool-row copies (src-size 0: 16 zero bytes and no read where the row is past the pool,
+# e.g. an empty pool). It takes the pool's base pointer and a byte offset, not an element of the pool: on an element
+# TileLang wraps the call in its own bound check, an `if` that skips the copy (no zero fill) and cost the persistent
+# grid 20 spilled words instead of 6.
+EF_PRELUDE = """
+__device__ __forceinline__ void di_cp_async_ef(void const* const smem, void const* gmem) {
+  asm volatile("{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\\n"
+               " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\\n}\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void di_cp_async_ef_if(void const* const smem, void const* pool, long long byte_offset,
+                                                  bool pred) {
+  asm volatile("{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\\n"
+               " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, policy;\\n}\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"((char const*)pool + byte_offset),
+                  "r"(pred ? 16 : 0));
 }
 """
 
@@ -642,13 +648,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS, la = cfg.block_n, cfg.num_split, cfg.stages, cfg.lookahead
-    early_p, lazy, trace = cfg.early_p, cfg.lazy_rescale, cfg.trace
+    trace = cfg.trace
     assert not trace or (n_win and not kv_fp8), "trace: the two-pool bf16 program"
     skip = cfg.skipped  # diagnostics: parts left out (Config.skip)
     bulk = cfg.copy == "bulk"  # diagnostic: 1-D bulk row copies (async proxy: no proxy fence before the wgmmas)
     assert not (bulk and kv_fp8), "bulk copies: bf16 KV"
     pf = cfg.l2_prefetch  # blocks between a refill and the block it prefetches into L2
     assert not (pf and kv_fp8), "l2_prefetch: bf16 KV"
+    ef = cfg.evict_first
+    assert not (ef and kv_fp8), "evict_first: bf16 KV (its copies are all 16 B)"
     assert H == WS_HEADS and D % 128 == 0 and bn in (32, 64) and NS >= 2, (H, D, bn, NS)
     assert topk % (bn * ns) == 0
     assert not la or NS % 2 == 0, "lookahead alternates two S accumulators: an even stage count"
@@ -668,6 +676,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     ring, tail_blocks, pre_blocks = list(range(NS)), list(range(tail)), list(range(pre))
     la_rounds, la_tail = (nb - 1) // NS, list(range((nb - 1) % NS))  # lookahead: the blocks that issue a next
     pf_pre = list(range(NS, min(NS + pf, nb))) if pf else []  # l2_prefetch: blocks the prologue prefetches
+
+    def cp_async(dst, src_ptr, n: int):
+        """cp.async of n elements (16 B with Config.evict_first, then under its L2 evict_first policy)."""
+        if ef:
+            return T.call_extern("handle", "di_cp_async_ef", dst, src_ptr)
+        return T.ptx_cp_async(dst, src_ptr, n)
+
+    def cp_pool_row(dst, pool, row, col, n: int):
+        """cp.async n elements of pool row max(row, 0) from column col; Config.evict_first: 16 B (bf16) under its
+        policy, zero-filled where the row is past the pool (the bound TileLang gives its own copy of a pool row)."""
+        if not ef:
+            return T.ptx_cp_async(dst, T.access_ptr(pool[T.max(row, 0), col], "r", n), n)
+        offset = (T.cast(T.max(row, 0), "int64") * pool.shape[1] + col) * 2
+        return T.call_extern("handle", "di_cp_async_ef_if", dst, pool.data, offset, T.max(row, 0) < pool.shape[0])
 
     @T.macro
     def wait_kv(full, st, ph):
@@ -707,33 +729,19 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             for h in T.Parallel(H):
                 alpha[h] = T.float32(1)
         else:
-            if lazy:
-                T.reduce_max(Sacc, m_prev, dim=1, clear=True)  # m_prev: the block's row max here
-                for h in T.Parallel(H):
-                    alpha[h] = T.if_then_else((m_prev[h] - m[h]) * c2 > RESCALE_LOG2, T.exp2((m[h] - m_prev[h]) * c2),
-                                              T.float32(1))  # fmt: skip
-                    m[h] = T.if_then_else(alpha[h] < 1, m_prev[h], m[h])  # alpha < 1: m rose (by > 2^8)
-            else:
-                T.copy(m, m_prev)
-                T.reduce_max(Sacc, m, dim=1, clear=False)
-                for h in T.Parallel(H):
-                    alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
+            T.copy(m, m_prev)
+            T.reduce_max(Sacc, m, dim=1, clear=False)
+            for h in T.Parallel(H):
+                alpha[h] = T.exp2((m_prev[h] - m[h]) * c2)
             for h, j in T.Parallel(H, bn):
                 Sacc[h, j] = T.exp2(Sacc[h, j] * c2 - m[h] * c2)
-            if not early_p:
-                row_sum(Sacc, l, lblk, alpha)
+            row_sum(Sacc, l, lblk, alpha)
         T.barrier_wait(p_empty[st], (rnd & 1) ^ 1)
         T.copy(Sacc, p_s[st, :, :])
         for h in T.Parallel(H):
             alpha_s[st, h] = alpha[h]
-        if lazy:
-            for h in T.Parallel(H):
-                if alpha[h] < 1:  # every thread whose row rose writes the same round: no race on the value
-                    alpha_s[st, H] = T.cast(rnd, f32)
         T.fence_proxy_async()  # P is read by the PV warpgroups' wgmma (async proxy)
         T.barrier_arrive(p_full[st])
-        if early_p and "softmax" not in skip:
-            row_sum(Sacc, l, lblk, alpha)  # registers only: the next QK^T overwrites Sacc after this
 
     @T.macro
     def load_rid(src, b, base, blk, t, rid, k):
@@ -766,36 +774,24 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         access_ptr is built here (cp.async needs it literally, not through a macro's let binding)."""
         if src.n_win:
             if e < src.n_win:
-                T.ptx_cp_async(
-                    T.access_ptr(dst[0][dst[1]], "w", n),
-                    T.access_ptr((src.kvs if scales else src.kv)[T.max(row, 0), col], "r", n),
-                    n,
-                )
+                cp_pool_row(T.access_ptr(dst[0][dst[1]], "w", n), src.kvs if scales else src.kv, row, col, n)
             else:
-                T.ptx_cp_async(
-                    T.access_ptr(dst[0][dst[1]], "w", n),
-                    T.access_ptr((src.kvs2 if scales else src.kv2)[T.max(row, 0), col], "r", n),
-                    n,
-                )
+                cp_pool_row(T.access_ptr(dst[0][dst[1]], "w", n), src.kvs2 if scales else src.kv2, row, col, n)
         else:
-            T.ptx_cp_async(
-                T.access_ptr(dst[0][dst[1]], "w", n),
-                T.access_ptr((src.kvs if scales else src.kv)[T.max(row, 0), col], "r", n),
-                n,
-            )
+            cp_pool_row(T.access_ptr(dst[0][dst[1]], "w", n), src.kvs if scales else src.kv, row, col, n)
 
     @T.macro
     def cp_ids(src, dst, b, e):
         """cp.async the 4 row ids of entries e .. e + 3 (one list: n_win % 4 == 0), for WG0's mask."""
         if src.n_win:
             if e < src.n_win:
-                T.ptx_cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
+                cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
             else:
-                T.ptx_cp_async(
+                cp_async(
                     T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx2[b, e - src.n_win], "r", 4), 4
                 )
         else:
-            T.ptx_cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
+            cp_async(T.access_ptr(dst[0][dst[1]], "w", 4), T.access_ptr(src.idx[b, e], "r", 4), 4)
 
     @T.macro
     def gather(src, kvh, raw, sc, stg_idx, full, b, base, blk, st, hf: int, t, rid, k):
@@ -898,12 +894,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
 
     @T.macro
     def pv_math(o, p_s, alpha_s, kvh, p_empty, st, rnd, hf: int):
-        if lazy:
-            # some row's m rose in this block (a stale value that happens to match rescales by alpha = 1: exact)
-            if alpha_s[st, H] == T.cast(rnd, f32):
-                rescale_o(o, alpha_s, st)
-        else:
-            rescale_o(o, alpha_s, st)
+        rescale_o(o, alpha_s, st)
         if "pv" not in skip:
             T.gemm(p_s[st, :, :], kvh[st, :, :], o)
         T.barrier_arrive(p_empty[st])
@@ -1016,19 +1007,15 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         tr_row=0,
     ):
         T.fill(o, 0.0)
-        if cfg.ids_first:  # the first gathers' row ids ahead of Q's copies in the memory queues
-            for j in pre_blocks:
-                load_rid(src, b, base, j, t, rid, j)
         for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
-            T.ptx_cp_async(
+            cp_async(
                 T.access_ptr(q_h[g.q_row(k, t), g.q_col(k, t)], "w", 8),
                 T.access_ptr(Q[b, g.q_row(k, t), hf * D2 + g.q_col(k, t)], "r", 8),
                 8,
             )
         T.cp_async_barrier_noinc(bar_q)
-        if not cfg.ids_first:
-            for j in pre_blocks:
-                load_rid(src, b, base, j, t, rid, j)
+        for j in pre_blocks:
+            load_rid(src, b, base, j, t, rid, j)
         if kv_fp8:
             for j in ring:
                 if j < nb:
@@ -1088,7 +1075,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         kv_l = T.alloc_shared((NS, bn, D2), bf)
         kv_r = T.alloc_shared((NS, bn, D2), bf)
         p_s = T.alloc_shared((NS, H, bn), bf)
-        alpha_s = T.alloc_shared((NS, H + lazy), f32)  # column H: Config.lazy_rescale's flag (the round m rose)
+        alpha_s = T.alloc_shared((NS, H), f32)
         idx_s = T.alloc_shared((NS, bn), i32)
         fin_s = T.alloc_shared((H,), f32)
         raw_l = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
@@ -1198,7 +1185,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     def load_q(Q, b, hf: int, t, q_h, bar_q):
         """This PV warpgroup's half of request b's Q (cp.async), completing on bar_q."""
         for u in T.unroll(g.QC, explicit=True):
-            T.ptx_cp_async(
+            cp_async(
                 T.access_ptr(q_h[g.q_row(u, t), g.q_col(u, t)], "w", 8),
                 T.access_ptr(Q[b, g.q_row(u, t), hf * D2 + g.q_col(u, t)], "r", 8),
                 8,
@@ -1248,13 +1235,9 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         k * nb + i: stage i % NS, parity (k * rounds + i // NS) & 1 (nb % NS == 0), so the ring never drains."""
         T.fill(o, 0.0)
         if c < Bd:  # the first request: Q, the ring's first NS blocks, the next block's row ids
-            if cfg.ids_first:
-                for j in pre_blocks:
-                    load_rid(src, c, 0, j, t, rid, j)
             load_q(Q, c, hf, t, q_h, bar_q)
-            if not cfg.ids_first:
-                for j in pre_blocks:
-                    load_rid(src, c, 0, j, t, rid, j)
+            for j in pre_blocks:
+                load_rid(src, c, 0, j, t, rid, j)
             for j in pre_blocks:
                 gather(src, kvh, None, None, idx_s, full, c, 0, j, j, hf, t, rid, j)
             load_rid(src, c, 0, NS, t, rid, 0)
@@ -1316,7 +1299,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         kv_l = T.alloc_shared((NS, bn, D2), bf)
         kv_r = T.alloc_shared((NS, bn, D2), bf)
         p_s = T.alloc_shared((NS, H, bn), bf)
-        alpha_s = T.alloc_shared((NS, H + lazy), f32)  # column H: Config.lazy_rescale's flag (the round m rose)
+        alpha_s = T.alloc_shared((NS, H), f32)
         idx_s = T.alloc_shared((NS, bn), i32)
         fin_s = T.alloc_shared((H,), f32)
         s0 = T.alloc_fragment((H, bn), f32)
@@ -1361,6 +1344,8 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                       p_empty, bar_q, fin, rid)  # fmt: skip
 
     prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else (TRACE_PRELUDE if trace else None))
+    if ef:
+        prelude = (prelude or "") + EF_PRELUDE
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
@@ -1573,7 +1558,6 @@ def _program_ws_cpu(
 
     g = _WsGeom(H, D, topk, cfg, kv_fp8)
     bn, ns, NS = cfg.block_n, cfg.num_split, cfg.stages
-    lazy = cfg.lazy_rescale  # (early_p only reorders WG0: the same values)
     assert topk % (bn * ns) == 0
     chunk, nb, D2, R, tpr = g.chunk, g.nb, g.D2, g.R, g.tpr
     f32, i32 = "float32", "int32"
@@ -1643,12 +1627,7 @@ def _program_ws_cpu(
                         for d in T.serial(D2):
                             sacc[h, j] = sacc[h, j] + q[hf, h, d] * kv[hf, st, j, d]
                     m[h] = T.max(m[h], sacc[h, j])
-                if lazy:  # Config.lazy_rescale: m keeps its old value unless the block's max exceeds it by > 2^8
-                    alpha_s[st, h] = T.if_then_else((m[h] - m_prev[h]) * c2 > RESCALE_LOG2,
-                                                    T.exp2((m_prev[h] - m[h]) * c2), T.float32(1))  # fmt: skip
-                    m[h] = T.if_then_else(alpha_s[st, h] < 1, m[h], m_prev[h])
-                else:
-                    alpha_s[st, h] = T.exp2((m_prev[h] - m[h]) * c2)
+                alpha_s[st, h] = T.exp2((m_prev[h] - m[h]) * c2)
                 acc[0] = 0.0
                 for j in T.serial(bn):
                     p[st, h, j] = T.exp2(sacc[h, j] * c2 - m[h] * c2)

@@ -65,20 +65,6 @@ def test_env_form_sets_the_switches(monkeypatch):
         sad.apply_decode_switches("PERSIST=0")
 
 
-@pytest.mark.parametrize("name,field", [("DECODE_EARLY_P", "early_p"), ("DECODE_LAZY_RESCALE", "lazy_rescale"),
-                                        ("DECODE_IDS_FIRST", "ids_first")])
-def test_chain_option_switches_reach_every_bf16_ws_decode_config(monkeypatch, name, field):
-    """Session 8's options (Config.early_p / lazy_rescale / ids_first): off by default; the switch sets the field on
-    every bf16 decode config -- split, single pass and the persistent grid alike -- and on no FP8-KV one."""
-    before, before8 = _configs(), _configs(fp8=True)
-    assert not any(getattr(c, field) for c in before.values())
-    monkeypatch.setattr(sad, name, 1)
-    after = _configs()
-    for b in BATCHES:
-        assert after[b] == dataclasses.replace(before[b], **{field: True}), (b, after[b].tag)
-    assert _configs(fp8=True) == before8
-
-
 def test_o_smem_switch_reaches_the_one_pass_bf16_configs(monkeypatch):
     """DECODE_O_SMEM (session 9, on): Config.o_smem on the single pass and the persistent grid (64-row blocks), not
     on the split passes nor on FP8 KV; 0 takes it off everywhere."""
@@ -91,3 +77,17 @@ def test_o_smem_switch_reaches_the_one_pass_bf16_configs(monkeypatch):
         assert after[b] == dataclasses.replace(before[b], o_smem=fits), (b, after[b].tag)
     assert after[128].tag == "wsn64s2o" and after[256].tag == "wsn64s2p132o" and not after[16].o_smem
     assert _configs(fp8=True) == before8 and not any(c.o_smem for c in before8.values())
+
+
+def test_evict_first_switch_reaches_every_bf16_decode_config(monkeypatch):
+    """DECODE_EVICT_FIRST (session 10, off until measured): Config.evict_first on every bf16 decode config -- split,
+    single pass and the persistent grid alike -- on no FP8-KV one, and never on prefill (a chunk's tokens re-read
+    their pools from L2)."""
+    before, before8 = _configs(), _configs(fp8=True)
+    assert not any(c.evict_first for c in before.values())
+    monkeypatch.setattr(sad, "DECODE_EVICT_FIRST", 1)
+    after = _configs()
+    for b in BATCHES:
+        assert after[b] == dataclasses.replace(before[b], evict_first=True), (b, after[b].tag)
+    assert after[128].tag == "wsn64s2of" and after[256].tag == "wsn64s2p132of" and after[16].num_split > 1
+    assert _configs(fp8=True) == before8 and not sad.prefill_config(8192, 640).evict_first

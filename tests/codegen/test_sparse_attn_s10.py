@@ -1,0 +1,87 @@
+"""Session 10's options of the warp-specialised sparse-attention decode (sparse_attn_decode._program_ws):
+
+- Config.evict_first: the 16-B cp.async copies (KV rows, row ids, Q) under an L2 evict_first cache policy. Only the
+  copies' policy changes, so the CPU mirror has nothing to mirror; the sm90 build routes every copy through the
+  prelude's di_cp_async_ef (no plain tl::cp_async_gs left), keeps the plain build's copy count, and spills nothing.
+On the H200: the output equals the config's without it bit for bit.
+"""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from deepinfer.codegen.kernels import sparse_attn_decode as sad
+
+WS64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
+
+
+def _build_ws(name, func):
+    import tvm
+
+    from deepinfer.codegen import tilelang_backend as tb
+
+    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):
+        return tb.build(name, func, "sm90")
+
+
+def test_evict_first_config_names_and_validates():
+    assert dataclasses.replace(WS64, evict_first=True).tag == "wsn64s2f"
+    assert dataclasses.replace(WS64, o_smem=True, persist=132, evict_first=True).tag == "wsn64s2p132of"
+    for bad in (dict(ws=False, threads=256), dict(copy="bulk", skip="qk,pv")):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(WS64, evict_first=True, **bad)
+    # off in every default until the H200 says otherwise
+    assert not any(sad.sm90_config(b, 640).evict_first for b in (1, 16, 64, 128, 256))
+
+
+def test_evict_first_rejects_fp8_kv(tilelang_required):
+    """FP8 KV copies 4-B exponent words too; the policy's copy is 16 B only."""
+    cfg = sad.Config(32, sad.WS_THREADS, 2, 2, True, evict_first=True)
+    with pytest.raises(AssertionError, match="evict_first"):
+        sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=True, n_win=128)
+
+
+def _copies(source: str) -> tuple[int, int, int, int]:
+    """A ws build's cp.async calls in its CUDA source: (TileLang's plain copies, its bounded ones (pool rows), the
+    prelude's plain policy copies, its bounded ones) -- calls, not the prelude's definitions."""
+    return tuple(len(re.findall(pat, source)) for pat in (r"tl::cp_async_gs<", r"tl::cp_async_gs_conditional<",
+                                                          r"(?<!void )\bdi_cp_async_ef\(",
+                                                          r"(?<!void )\bdi_cp_async_ef_if\("))  # fmt: skip
+
+
+@pytest.mark.parametrize("persist,spills", [(0, 0), (132, 20)])
+def test_evict_first_sm90_build(codegen_cache, nvcc_required, persist, spills):
+    """Two pools, o_smem on (the defaults' one-pass configs: the single pass and the persistent grid): every copy of
+    the plain build becomes one policy copy, the SASS has the same LDGSTS count; the single pass spills nothing, the
+    persistent grid (3 + 3 local loads / stores without the policy: its PV warpgroups sit at the 168-register cap)
+    at most `spills` (12 + 7 at sm_90a with nvcc 13: the policy's 64-bit register a copy)."""
+    base = dataclasses.replace(WS64, o_smem=True, persist=persist)
+    arts = {}
+    for cfg in (base, dataclasses.replace(base, evict_first=True)):
+        arts[cfg.evict_first] = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(
+            256, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
+    plain, ef = arts[False], arts[True]
+    n_plain, n_bounded, _, _ = _copies(plain.source)
+    assert n_plain > 0 and n_bounded > 0 and "di_cp_async_ef" not in plain.source
+    assert _copies(ef.source) == (0, 0, n_plain, n_bounded)  # Q / ids plain, rows bounded (an empty pool reads nothing)
+    assert "L2::cache_hint" in ef.source and "createpolicy.fractional.L2::evict_first" in ef.source
+    assert ef.opcodes["LDGSTS"] == plain.opcodes["LDGSTS"] > 0
+    assert plain.opcodes["LDL"] + plain.opcodes["STL"] <= max(spills, 6)
+    assert ef.opcodes["LDL"] + ef.opcodes["STL"] <= spills
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [64, 128, 256])
+def test_evict_first_on_the_h200(kb, B):
+    """The runtime's 4k operands (two pools), the batch's default with and without evict_first: bit-equal outputs,
+    the reference to 2e-2."""
+    q, kv, idx, sink, kv_cat, idx_cat = kb.s7_operands(B)
+    outs = []
+    base = sad.sm90_config(B, 640)
+    for cfg in (base, dataclasses.replace(base, evict_first=True)):
+        outs.append(torch.full_like(q, float("nan")))
+        kb._attn_kernel(B, 640, cfg, False, False, n_win=kb.S7_WIN)(q, kv, idx, sink, outs[-1])
+    assert torch.equal(outs[0], outs[1])
+    assert kb.rel_err(outs[0], sad.reference(q, kv_cat, idx_cat, sink)) < 2e-2
