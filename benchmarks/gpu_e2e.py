@@ -6,7 +6,9 @@
 Stages, each printing its result or its error and going on (gpu_e2e.json is rewritten after each one), then a
 summary table; files under $OUT (or --out):
   (1) for every --formats entry ``model=preset[:random|peaked]``: issue 7's token-for-token equality
-      (e2e_formats), below;
+      (e2e_formats), below; the tiny preset's caches stay f32 (its attention runs the torch reference, so
+      passes/cache_storage.py keeps them), ``deepseek-v4.1-flash=small:peaked`` runs the bf16 caches (windows and
+      compressed rows, read by the attention kernel as at real dims) -- the run logs each plan's cache storage;
   (2) with --fp32 only: the older comparison with the CPU fp32 interpreter (e2e_preset; informative);
   (3) unless --skip-slice: the real-dims slice benchmark (benchmarks/bench_slice.py), reduced to the time left.
 ``--cpu`` runs no GPU stage: the formats path alone on this machine (cpu_formats: the engine with emulated
@@ -580,7 +582,8 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     params, prompts, task = model_inputs(plan, weights)
     name += f" ({weights} weights)"
     max_len = max(map(len, prompts)) + n_tokens + 8
-    log(f"{name}: compiled for sm90 ({len(plan.graph.nodes)} nodes); {len(prompts)} prompts, {n_tokens} tokens each")
+    log(f"{name}: compiled for sm90 ({len(plan.graph.nodes)} nodes); {len(prompts)} prompts, {n_tokens} tokens each; "
+        f"{cache_storage_line(plan.graph)}")  # fmt: skip
     mk = dict(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=max_len,
               max_num_seqs=len(prompts), max_num_batched_tokens=512, overlap=False)  # fmt: skip
     llm_k, llm_f = LLM(**mk), LLM(**mk)
@@ -610,7 +613,9 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     log(f"{name}: generated {len(prompts)} x {n_tokens} tokens: compiled {t_k:.1f} s, formats-emulated {t_f:.1f} s")
     print(run_k.report(), flush=True)
     print(paired.table(), flush=True)
-    row: dict = {"kernel_vs_emulation": paired.err,
+    pools = {str(v.dtype).replace("torch.", "") for v in llm_k.kv.pools.values()}
+    log(f"{name}: the engine's KV pools on the GPU hold {', '.join(sorted(pools))}")
+    row: dict = {"kernel_vs_emulation": paired.err, "kv_pool_dtypes": sorted(pools),
                  "model": name, "prompts": len(prompts), "tokens": n_tokens, "prebuild_errors": len(pb_err),
                  "disabled": len(run_k.exec.kernels.failed), "generate_s": t_k}  # fmt: skip
     c, r = run_k.exec.stats.total()
@@ -691,6 +696,15 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     return row
 
 
+def cache_storage_line(g) -> str:
+    """How the plan stores its caches (passes/cache_storage.py): the tiny preset keeps f32 (its attention runs the
+    torch reference), the small one stores the windows and compressed rows in bf16, as the real model does."""
+    by = {}
+    for name, rec in g.meta.get("cache_storage", {}).items():
+        by.setdefault(rec["dtype"], []).append(name)
+    return "caches: " + ", ".join(f"{len(v)} {d}" for d, v in sorted(by.items()))
+
+
 def emulated_engine(plan, params, max_len: int, max_seqs: int):
     """(the sm90 engine on the CPU with every kernel its torch emulation, a factory of such runners) -- needs
     kernel_adapters.EMULATE on (the emulated kernels take CPU tensors)."""
@@ -723,6 +737,7 @@ def cpu_formats(model: str, preset: str, n_tokens: int, weights: str = "random")
 
     name = f"{model}:{preset} ({weights} weights)"
     plan = compile_model(f"{model}:{preset}", "sm90").plan
+    log(f"{name}: {cache_storage_line(plan.graph)}")
     params, prompts, task = model_inputs(plan, weights)
     max_len = max(map(len, prompts)) + n_tokens + 8
     ka.EMULATE = True  # the emulated kernels take CPU tensors
