@@ -71,6 +71,35 @@ def test_topk_ties_are_members_that_score_alike(bbd):
     assert bbd.topk_ties(top, torch.tensor([[0, -1]]), scores) is None  # a member vs padding
 
 
+class _RowOp:
+    """A one-node stand-in for an executor: y = the FP8 grid value of x * 16 (an op with its own rounding point
+    inside, as linear_fp8's activation codes), plus ``bug`` (a wrong op)."""
+
+    def __init__(self, bug: float = 0.0):
+        self.params, self.bug = {}, bug
+
+    def _run_node(self, step, args, attrs, t):
+        return [(args[0] * 16).to(torch.float8_e4m3fn).float() + self.bug]
+
+
+def test_a_flip_inside_a_row_wise_op_is_pinned_by_its_replay(bbd):
+    """x differs from the pinned run's by 1e-7 (fp32 rounding) and crosses an FP8 rounding boundary inside the op:
+    the op's replay on the pinned run's row reproduces that run's output, so the row is pinned and the flip named;
+    an op that computes otherwise on the same rows (a bug) is not, nor an input that differs beyond rounding."""
+    step = SimpleNamespace(inputs=["x"], outputs=["y"])
+    mid = (1.0 + 1.125) / 2 / 16  # x * 16 halfway between two E4M3 codes
+    x_pinned = torch.tensor([[mid * (1 - 1e-7), 0.5, -0.25]])
+    rows = {"x": x_pinned, "y": _RowOp()._run_node(step, [x_pinned], {}, 1)[0]}
+    x_here = x_pinned * torch.tensor([[1 + 2e-7, 1.0, 1.0]])  # rounds the other way
+    for ex, x, pinned in ((_RowOp(), x_here, True), (_RowOp(bug=1e-2), x_here, False),
+                          (_RowOp(), x_pinned * 1.01, False)):  # fmt: skip
+        (y,) = ex._run_node(step, [x], {}, 1)
+        assert bbd._rel(y, rows["y"]) > 1e-4
+        flips = []
+        got = bbd._pinned("y", y, "row_op", [x], (rows, 0), flips, bbd._Replay(ex, step, [x], {}, 1, (rows, 0)))
+        assert torch.equal(got, rows["y"]) == pinned and (flips == [("y", "row_op, replayed", 1, 3)]) == pinned
+
+
 @pytest.fixture(scope="module")
 def small_slice(bbd):
     """The small preset's slice (layers 2 and 6: ratio-2 and ratio-1 sources) with bf16 caches and, the pass off,
