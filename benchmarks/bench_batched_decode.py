@@ -288,14 +288,15 @@ def reference_check(st, feeds: dict) -> dict:
     unpinned; ``pinned``: pinned (a real difference -- a wrong row read, another storage -- stays here);
     ``flips``: per sequence, the rounding points and ties pinned (node, op, elements flipped / row size);
     ``first_divergence``: per sequence, the first node (graph order) whose row differs by more than DIVERGE_REL
-    in the unpinned run, or whose choices (CHOICE_OPS: top-k members, experts) differ."""
+    in the unpinned run, or whose choices (CHOICE_OPS: top-k members, experts) differ; ``left``: the same in the
+    pinned run (what pinning did not explain)."""
     from deepinfer.runtime.cuda_executor import GraphExecutor
 
     stored = {v.name: v.dtype.torch_dtype for v in st.g.inputs if v.name in {e["name"] for e in st.g.meta["caches"]}}
     n = min(2, int(feeds["tokens"].shape[0]))
     batched = _row_values(st.eager, feeds, n)
     single = GraphExecutor(st.g, st.params, compiled=False)
-    errs, pinned, first, flips = [], [], [], []
+    errs, pinned, first, flips, left = [], [], [], [], []
     for b in range(n):  # (the caches in the one-sequence graph's storage: the batched graph's, unless a test swaps it)
         one = {"tokens": feeds["tokens"][b : b + 1], "positions": feeds["positions"][b : b + 1],
                **{k: feeds[k][b].to(dtype) for k, dtype in stored.items()}}  # fmt: skip
@@ -305,8 +306,9 @@ def reference_check(st, feeds: dict) -> dict:
         held = _row_values(single, one, 1, pin=(batched, b))
         pinned.append(_rel(batched["logits"][b], held["logits"][0]))
         flips.append(held["__flips__"])
+        left.append(_first_divergence(batched, b, held))
     compiled = st.dec.exec.run(feeds)[0]
-    return {"batched_vs_single": max(errs), "pinned": max(pinned), "flips": flips,
+    return {"batched_vs_single": max(errs), "pinned": max(pinned), "flips": flips, "left": left,
             "kernels_vs_eager": _rel(compiled, st.eager.run(feeds)[0]), "first_divergence": first}  # fmt: skip
 
 
@@ -315,7 +317,8 @@ def format_check(chk: dict) -> str:
     flips = "; ".join(f"seq {b}: " + (", ".join(f"{name} ({op}) {k}/{size}" for name, op, k, size in fl) or "none")
                       for b, fl in enumerate(chk["flips"]))  # fmt: skip
     return (f"batched references vs one-sequence references {chk['batched_vs_single']:.2e} (first divergence "
-            f"{chk['first_divergence']}), pinned at the rounding flips {chk['pinned']:.2e} (flips: {flips}); "
+            f"{chk['first_divergence']}), pinned at the rounding flips {chk['pinned']:.2e} (flips: {flips}; "
+            f"first divergence left: {chk.get('left')}); "
             f"kernels vs references {chk['kernels_vs_eager']:.2e}")  # fmt: skip
 
 
