@@ -3559,15 +3559,14 @@ def _topk_s9_rows():
     C65536 with 2048 visible columns next to the same rows fully visible.
     H200 call 3 (same run, read-only L2 flush, every row exact): C65536 459.5 us = 54.3%, persist 611.8 / next_early
     611.9 / without rsel 553.5, tail_split 487.7, eager 455.0 = 54.8%; C16384 207.9, rsel 278.6 (141 registers),
-    eager 206.7; T64 C65536 65.0, C16384 39.8; T1 C65536 2048 visible 24.4 vs full 36.4, T64 28.7 vs 65.0."""
+    eager 206.7; T64 C65536 65.0, C16384 39.8; T1 C65536 2048 visible 24.4 vs full 36.4, T64 28.7 vs 65.0. The
+    persistent grid was removed in session 10 (helper A), its rows with it."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64, d16 = (rep(ts.default_config(4096, C, IDX_TOPK), eager=False) for C in (65536, 16384))  # (session 8's)
     return [
-        (4096, 65536, d64, None, False), (4096, 65536, rep(d64, persist=396), None, False),
-        (4096, 65536, rep(d64, persist=396, next_early=True), None, False),
-        (4096, 65536, rep(d64, persist=396, rsel=False), None, False), (4096, 65536, d64, None, True),
+        (4096, 65536, d64, None, False), (4096, 65536, d64, None, True),
         (4096, 65536, rep(d64, eager=True), None, False),
         (4096, 16384, d16, None, False), (4096, 16384, rep(d16, rsel=True), None, False),
         (4096, 16384, rep(d16, eager=True), None, False),
@@ -3621,12 +3620,21 @@ def _topk_s10_r1_rows():
     C65536 k512; session 9: 455.0 us = 54.8%). The defaults after the staging fix (TileLang's sync planner had put a
     barrier in every iteration of the final selection's staging loop, inside a per-thread branch: ~8 barriers a row,
     divergent on heavy ties) and, at C65536, the same program's stage probes (HistConfig.diag, not a top-k: the
-    chunk loop alone `push`, up to the final selection `select`, the streaming ceiling `read`)."""
+    chunk loop alone `push`, up to the final selection `select`, the streaming ceiling `read`). Then occupancy: the
+    loop runs at ~35% of the SM's issue rate (session 8: ~250 instructions a warp-chunk) with 24 warps an SM, so it
+    waits on latency (shared atomics, shuffles, barriers), not issue -- more warps with 8 scores a thread (half the
+    registers for the chunk in flight): 256 threads x 4 CTAs (64 registers), 512 threads x 2 CTAs (the same 4096-score
+    chunk), and 256 x 8 at 3 CTAs (the smaller chunk alone). Last, the bound's bin search (one warp's extra work on
+    each chunk's critical path: the others wait for it at the barrier) every 2nd / 4th chunk only (`search`)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
+    rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    probes = [(4096, 65536, dataclasses.replace(d64, diag=x)) for x in ("push", "select", "read")]
-    return [(4096, 65536, d64), *probes, (4096, 16384, ts.default_config(4096, 16384, IDX_TOPK))]
+    probes = [(4096, 65536, rep(d64, diag=x)) for x in ("push", "select", "read")]
+    occupancy = [(4096, 65536, rep(d64, threads=nt, per_thread=8, min_blocks=mb)) for nt, mb in ((256, 4), (512, 2),
+                                                                                               (256, 3))]  # fmt: skip
+    search = [(4096, 65536, rep(d64, search=n)) for n in (2, 4)]
+    return [(4096, 65536, d64), *probes, (4096, 16384, ts.default_config(4096, 16384, IDX_TOPK)), *occupancy, *search]
 
 
 def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):

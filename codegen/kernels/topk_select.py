@@ -55,13 +55,13 @@ round: the final selection cost ~60 us whatever its size -- barriers, not passes
 that run: lean chunks without the final selection 373.2 us, with the selection but no output 423.9 us. fused=1
 (no lagging bound) 483.7 us. `tail_split` (the last wave's rows as 2-segment rows in a second launch, ~4.5% by
 the wave count) is unmeasured.
-Session 9 (unmeasured yet): `HistConfig.persist` (a persistent grid, rows by stride, the next row's first chunk
-fetched into registers before this row's output -- or with `next_early` before its final selection -- so no CTA
-start and no first-chunk latency between rows; the row loop costs nvcc ~20 registers: 111 uncapped vs 90, spills at
-80 -- 42 loads with rsel, 9 without) and `HistConfig.eager` (one CTA a row: the first chunk's loads issued whole at
-the CTA's start, before the row's limit -- a dependent load of Pos -- and the workspace's zeroing and barrier). With
-positions, a row's segments past its limit do no selection and hand nothing on (the filter program's exit at once),
-and the row's last live segment merges only the live ones' slots.
+Session 9 (H200 call 3, same run): `HistConfig.eager` (one CTA a row: the first chunk's loads issued whole at the
+CTA's start, before the row's limit -- a dependent load of Pos -- and the workspace's zeroing and barrier; the default
+since: 455.0 us = 54.8% vs 459.5). Measured and removed (session 10): a persistent grid (rows by stride, the next
+row's first chunk fetched into registers before this row's output or final selection, so no CTA start and no
+first-chunk latency between rows): 611.8 us, 553.5 without rsel -- its row loop cost nvcc ~20 registers (111 uncapped
+vs 90), spills at the 80 of 3 CTAs an SM. With positions, a row's segments past its limit do no selection and hand
+nothing on (the filter program's exit at once), and the row's last live segment merges only the live ones' slots.
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -141,15 +141,14 @@ class HistConfig:
     wscan: bool = False  # the output offsets by warp shuffle scans (one barrier), not T.cumsum (one warp, serial)
     # (compact) the staged members' selection in registers with few barriers (`_make_reg_select`), not select_b
     rsel: bool = False
-    # (one segment a row) a persistent grid of `persist` CTAs, each taking rows bt, bt + persist, ...: the next row's
-    # first chunk is fetched into registers before this row's output (next_early: before its final selection), so
-    # its loads fly while this row finishes (no CTA start and no first-chunk latency between rows)
-    persist: int = 0
-    next_early: bool = False
     # (one segment a row, C >= a chunk) the first chunk's loads issued at the CTA's start, whole and unpredicated --
     # before the row's limit (a dependent load of Pos) and the workspace's zeroing and barrier -- so that their
     # latency overlaps both (columns past the limit are read, then masked: at most a chunk's bytes more a row)
     eager: bool = False
+    # (fused) the bound's bin search on every `search`-th chunk only (counted back from the last, so the final bound is
+    # as tight): it is one warp's extra work on its chunk's critical path -- the other warps wait for it at the chunk's
+    # barrier. A bound that lags more pushes more keys, never a wrong one.
+    search: int = 1
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -164,8 +163,8 @@ class HistConfig:
                 + (f"m{self.min_blocks}" if self.min_blocks else "") + ("x" if self.ffs else "")
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
                 + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
-                + ("r" if self.rsel else "") + (f"g{self.persist}" if self.persist else "")
-                + ("n" if self.next_early else "") + ("a" if self.eager else "")
+                + ("r" if self.rsel else "") + ("a" if self.eager else "")
+                + (f"q{self.search}" if self.search > 1 else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -201,8 +200,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
         assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST, HIST_DIAG_SELECT), cfg
         assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
-        assert not cfg.persist or (n_segments(C, cfg) == 1 and not cfg.diag), "persist: one segment a row, no diag"
-        assert cfg.persist or not cfg.next_early, cfg
+        assert cfg.search >= 1 and (cfg.search == 1 or cfg.fused), "search: the fused loop's bin search"
         assert not cfg.eager or (n_segments(C, cfg) == 1 and C >= cfg.chunk), "eager: whole first chunks, one segment"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
@@ -223,8 +221,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     (the staged members selected in registers): T4096 C65536 460.8 us = 53.8% vs 543.6 us; C16384 (no rsel)
     208.3 us vs 229.1 us. Session 9 (H200 call 3, same run, read-only L2 flush, every row exact): `eager` (the
     first chunk's loads issued before the row's limit and the workspace's zeroing) 455.0 us = 54.8% vs 459.5 at
-    C65536, 206.7 vs 207.9 at C16384 (DEEPINFER_TOPK_EAGER=0: without); measured slower: persist (611.8; 553.5
-    without rsel), tail_split (487.7), rsel at 128 threads (278.6 at C16384: 141 registers).
+    C65536, 206.7 vs 207.9 at C16384 (DEEPINFER_TOPK_EAGER=0: without); measured slower: a persistent grid
+    (611.8; removed), tail_split (487.7), rsel at 128 threads (278.6 at C16384: 141 registers).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -258,7 +256,7 @@ def tail_split(T_: int, C: int, cfg: HistConfig, sms: int = 132) -> list[tuple[i
     slots = cfg.min_blocks * sms  # (min_blocks 0: the occupancy is not known, no split)
     full = T_ // slots * slots if slots else 0
     rest = T_ - full
-    if rest == 0 or full == 0 or n_segments(C, cfg) > 1 or cfg.persist:  # (persist: no waves)
+    if rest == 0 or full == 0 or n_segments(C, cfg) > 1:
         return [(0, T_, cfg)]
     nseg = max(slots // rest, 1)
     seg = _round_up(-(-C // nseg), cfg.chunk)
@@ -1630,7 +1628,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
-    helpers = cfg.l2_ahead > 0 or cfg.fused or cfg.rsel or cfg.persist or cfg.compact
+    helpers = cfg.l2_ahead > 0 or cfg.fused or cfg.rsel or cfg.compact
     prelude = _L2_PREFETCH_PRELUDE if helpers and not ops.cpu else None
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
@@ -1645,13 +1643,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     QR = STAGE // NT  # (rsel) staged members a thread holds in registers
     reg_select = _make_reg_select(ops, NT, QR) if RSEL else None
     block_sum, red_total = _make_block_sum(NT)
-    PERSIST = cfg.persist > 0  # (one segment a row: check_config) CTAs that each take every GRID-th row
-    GRID = min(cfg.persist, T_) if PERSIST else T_
-    ROWS = 1  # (without persist: one row a CTA)
-    EAGER = cfg.eager and not PERSIST  # (check_config: one segment a row, C >= a chunk)
+    EAGER = cfg.eager  # (check_config: one segment a row, C >= a chunk)
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
+
+    def searching(it, first):  # (fused) whether chunk `it` (>= first) runs the bound's bin search (`search`)
+        return it >= first if cfg.search == 1 else T.And(it >= first, (NCH - 1 - it) % cfg.search == 0)
 
     def at_least(kc, beta):
         return lambda i, j: T.And(kc[i, j] != NONE, kc[i, j] >= beta)
@@ -1870,15 +1868,6 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     def row_limit(Pos, t):  # row t's visible columns
         return T.min((Pos[t] + 1) // ratio, C) if has_pos else C
 
-    @T.macro
-    def fetch_next_row(S, Pos, t, nlim, xr):
-        """(persist) the first chunk of this CTA's next row into registers: its loads fly during the rest of this
-        row (the output; next_early: also the final selection)."""
-        if t + GRID < T_:
-            nlim = row_limit(Pos, t + GRID)
-            if 0 < nlim:
-                fetch_chunk(S, t + GRID, 0, nlim, xr)
-
     @T.prim_func
     def topk_select_hist(
         S: T.Tensor((T_, C), "float32"),
@@ -1889,7 +1878,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         CCnt: T.Tensor(sh["CCnt"], "int32"),
         Arrive: T.Tensor(sh["Arrive"], "int32"),
     ):
-        with T.Kernel(NSEG, GRID, threads=NT, prelude=prelude) as (sg, bt):
+        with T.Kernel(NSEG, T_, threads=NT, prelude=prelude) as (sg, t):
             if cfg.min_blocks > 0 and not ops.cpu:
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
             hist_f = ops.sh((HB,), "int32")
@@ -1909,7 +1898,6 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             floor = T.alloc_var("int32", init=NONE)  # the last cut's k-th key + 1: later columns need at least it
             cut = T.alloc_var("int32", init=0)
             mode = T.alloc_var("int32", init=1)  # this chunk's push: 1 (of the old path) or 2 (fused: the overflow)
-            last = T.alloc_var("int32", init=T.if_then_else(NSEG == 1, 1, 0))  # the CTA that finishes the row
             staged = T.alloc_var("int32", init=0)  # (compact) 1: the final selection's members are in hist_f
             nsel = T.alloc_var("int32", init=EB)  # (compact) the q's the final selection visits
             fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
@@ -1918,220 +1906,201 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             if RSEL:  # (rsel) the staged members in registers
                 rk = ops.fr((NT, QR), "int32")
                 ri = ops.fr((NT, QR), "int32")
-            if PERSIST:
-                nlim = T.alloc_var("int32", init=C)  # the next row's limit
             # (several segments a row) the live ones: those with a visible column (at least one: it writes a row
             # without any); the others skip their selection and hand nothing on, the live ones merge only the live
             # slots (a loop extent or branch around the row for the dead ones broke TileLang's loop unswitching /
             # Python's block nesting limit)
             if NSEG > 1:  # (a variable: as an expression, TileLang's loop unswitching broke the merge's L2 reads)
-                nlive = T.alloc_var("int32", init=T.max(T.min((row_limit(Pos, bt) + SEG - 1) // SEG, NSEG), 1))
+                nlive = T.alloc_var("int32", init=T.max(T.min((row_limit(Pos, t) + SEG - 1) // SEG, NSEG), 1))
             else:
                 nlive = 1
-            # rows: this CTA's one (persist: bt, bt + GRID, ... -- the next one's first chunk fetched before this
-            # one's output / final selection)
-            for r in T.serial((T_ - bt + GRID - 1) // GRID if PERSIST else ROWS):
-                # (persist, GPU: the row through an opaque move -- nvcc otherwise strength-reduces every address of
-                # the row into an induction variable of its own: 111 registers instead of 90, spills at 80)
-                t = bt + r * GRID if not PERSIST or ops.cpu else T.call_extern("int32", "tl_topk_opaque", bt + r * GRID)
-                if EAGER:  # the first chunk whole, unpredicated, before the limit is known: chunk_keys masks it
-                    for i in ops.par(NT):
-                        for j in ops.unroll(E):
-                            xr[i, j] = S[t, io.col_of(0, i, j)]
-                lim = row_limit(Pos, t)
-                beta = NONE
-                floor = NONE
-                last = T.if_then_else(T.And(nlive == 1, sg == 0), 1, 0)
-                staged = 0
-                nsel = EB
-                for u in T.serial(4):
-                    stb[u] = 0
-                    stb2[u] = NONE
-                for b in ops.par(HB):
-                    hist_f[b] = 0
-                for b in ops.par(NB):
-                    hist_c[b] = 0
-                for _z in ops.par(1):
-                    ctl[0] = 0
-                    for u in T.serial(3):
-                        fz[FZ_FLAG + u] = 0
-                        fz[FZ_MINF + u] = INT_MAX
-                    fz[FZ_BETA] = NONE
+            last = T.alloc_var("int32", init=T.if_then_else(T.And(nlive == 1, sg == 0), 1, 0))  # it finishes the row
+            if EAGER:  # the first chunk whole, unpredicated, before the limit is known: chunk_keys masks it
                 for i in ops.par(NT):
-                    fl[i] = 0
-                    if DIAG in ("read", HIST_DIAG_FIRST):
-                        rc[i] = NONE
-                ops.barrier()  # (shared atomics next)
-                if EAGER:  # (its loads were issued before the limit and the workspace)
-                    pass
-                elif c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
-                    if not PERSIST:
-                        fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
-                    elif r == 0:  # (persist: a later row's was fetched during the row before)
-                        fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
-                if cfg.l2_ahead > 0 and NCH > 1:
-                    for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
-                        prefetch_l2(S, t, sg, a + 1, lim)
-                # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
-                # row's last CTA) the merge
-                for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
-                    cut = 0
-                    mode = 1
-                    if it < NCH:
-                        if c0_of(sg, it) < lim:
-                            if not FAST:
-                                chunk_keys(c0_of(sg, it), lim, xr, kc)
-                            elif it < OLD_CHUNKS:
-                                chunk_keys(c0_of(sg, it), lim, xr, kc)
-                            else:  # (fast) no key conversion: the bits, compared as floats
-                                raw_bits(xr, kc, c0_of(sg, it), lim)
-                            if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
-                                prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
-                            if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
-                                if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
-                                    fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
-                            if DIAG == "read":  # (diagnostics) the keys' per-thread max only
-                                for i in ops.par(NT):
-                                    for j in ops.unroll(E):
-                                        rc[i] = T.max(rc[i], kc[i, j])
-                            else:
-                                if it < OLD_CHUNKS:
-                                    count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                                    ops.barrier()
-                                    threshold(hist_f, hist_c, cum, bc, k, ra, rb)
-                                    if bc[2] >= 0:
-                                        # the bin's lowest key
-                                        beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
-                                    # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
-                                    if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
-                                        cut = 1
-                                if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
-                                    if it >= OLD_CHUNKS:
-                                        if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
-                                            if it >= OLD_CHUNKS + 1:
-                                                bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
-                                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
-                                        for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
-                                            fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
-                                            fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
-                                        if DIAG == "count":
-                                            count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                                        elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
-                                            for i in ops.par(NT):
-                                                for j in ops.unroll(E):
-                                                    rc[i] = T.max(rc[i], kc[i, j])
-                                        elif FAST:
-                                            c0, bnd = c0_of(sg, it), T.max(beta, floor)
-                                            fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
-                                                               raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
-                                                               None if LEAN else raw_hit(kc, bnd),
-                                                               fm if LEAN else None)  # fmt: skip
-                                        else:  # (the keys without room are not counted: a looser bound, rare)
-                                            fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc),
-                                                               id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
-                                                               fl, tmp,
-                                                               hist_f, hist_c)  # fmt: skip
-                                        ops.barrier()
-                                        if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
-                                            # the buffer's complete part (below the lowest failed start) is cut below,
-                                            # then the keys without room pushed (mode 2)
-                                            for _z in ops.par(1):
-                                                ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
-                                            cut = 1
-                                            mode = 2
-                                        elif FUSED == 1:
-                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
-                    elif it == NCH:  # (a dead segment: nothing to select or hand on)
-                        cut = T.if_then_else(sg < nlive, 1, 0) if DIAG in ("", HIST_DIAG_SELECT) else 0
-                    if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
-                        if T.And(it == NCH + 1, T.And(last == 1, nlive > 1)):
-                            load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive)
-                            beta = NONE
-                            floor = NONE
-                            cut = 1
-                    if cut == 1:  # the exact top-k of the buffer's members
-                        if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
-                            ops.barrier()
-                        # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
-                        nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
-                        members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
-                        select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
-                                 nqv if cfg.trim else None)  # fmt: skip
-                        if T.Or(it < NCH, T.And(nlive > 1, it == NCH)):  # kept: the buffer cut to it
-                            keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
-                            if stb[3] == k:  # later columns tied with the k-th key lose to it
-                                floor = stb[0] + 1
-                        if NSEG > 1:
-                            if T.And(it == NCH, nlive > 1):
-                                hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
-                                if bc[2] == nlive - 1:
-                                    last = 1
-                    if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
+                    for j in ops.unroll(E):
+                        xr[i, j] = S[t, io.col_of(0, i, j)]
+            lim = row_limit(Pos, t)
+            for u in T.serial(4):
+                stb[u] = 0
+                stb2[u] = NONE
+            for b in ops.par(HB):
+                hist_f[b] = 0
+            for b in ops.par(NB):
+                hist_c[b] = 0
+            for _z in ops.par(1):
+                ctl[0] = 0
+                for u in T.serial(3):
+                    fz[FZ_FLAG + u] = 0
+                    fz[FZ_MINF + u] = INT_MAX
+                fz[FZ_BETA] = NONE
+            for i in ops.par(NT):
+                fl[i] = 0
+                if DIAG in ("read", HIST_DIAG_FIRST):
+                    rc[i] = NONE
+            ops.barrier()  # (shared atomics next)
+            if not EAGER:  # (eager: its loads were issued before the limit and the workspace)
+                if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
+                    fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
+            if cfg.l2_ahead > 0 and NCH > 1:
+                for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
+                    prefetch_l2(S, t, sg, a + 1, lim)
+            # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
+            # row's last CTA) the merge
+            for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
+                cut = 0
+                mode = 1
+                if it < NCH:
+                    if c0_of(sg, it) < lim:
                         if not FAST:
-                            if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
-                                push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
-                                     pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
-                        elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
+                            chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        elif it < OLD_CHUNKS:
+                            chunk_keys(c0_of(sg, it), lim, xr, kc)
+                        else:  # (fast) no key conversion: the bits, compared as floats
+                            raw_bits(xr, kc, c0_of(sg, it), lim)
+                        if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
+                            prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
+                        if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
+                            if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                                fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
+                        if DIAG == "read":  # (diagnostics) the keys' per-thread max only
+                            for i in ops.par(NT):
+                                for j in ops.unroll(E):
+                                    rc[i] = T.max(rc[i], kc[i, j])
+                        else:
+                            if it < OLD_CHUNKS:
+                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                ops.barrier()
+                                threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                                if bc[2] >= 0:
+                                    # the bin's lowest key
+                                    beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
+                                # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
+                                if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
+                                    cut = 1
+                            if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
+                                if it >= OLD_CHUNKS:
+                                    if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
+                                        if searching(it, OLD_CHUNKS + 1):
+                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
+                                    beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                                    for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
+                                        fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
+                                        fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
+                                    if DIAG == "count":
+                                        count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                    elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
+                                        for i in ops.par(NT):
+                                            for j in ops.unroll(E):
+                                                rc[i] = T.max(rc[i], kc[i, j])
+                                    elif FAST:
+                                        c0, bnd = c0_of(sg, it), T.max(beta, floor)
+                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
+                                                           raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
+                                                           None if LEAN else raw_hit(kc, bnd),
+                                                           fm if LEAN else None)  # fmt: skip
+                                    else:  # (the keys without room are not counted: a looser bound, rare)
+                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc),
+                                                           id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
+                                                           fl, tmp,
+                                                           hist_f, hist_c)  # fmt: skip
+                                    ops.barrier()
+                                    if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
+                                        # the buffer's complete part (below the lowest failed start) is cut below,
+                                        # then the keys without room pushed (mode 2)
+                                        for _z in ops.par(1):
+                                            ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
+                                        cut = 1
+                                        mode = 2
+                                    elif FUSED == 1:
+                                        if searching(it, OLD_CHUNKS):
+                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
+                elif it == NCH:  # (a dead segment: nothing to select or hand on)
+                    cut = T.if_then_else(sg < nlive, 1, 0) if DIAG in ("", HIST_DIAG_SELECT) else 0
+                if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
+                    if T.And(it == NCH + 1, T.And(last == 1, nlive > 1)):
+                        load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive)
+                        beta = NONE
+                        floor = NONE
+                        cut = 1
+                if cut == 1:  # the exact top-k of the buffer's members
+                    if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
+                        ops.barrier()
+                    # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
+                    nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
+                    members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
+                    select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
+                             nqv if cfg.trim else None)  # fmt: skip
+                    if T.Or(it < NCH, T.And(nlive > 1, it == NCH)):  # kept: the buffer cut to it
+                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
+                        if stb[3] == k:  # later columns tied with the k-th key lose to it
+                            floor = stb[0] + 1
+                    if NSEG > 1:
+                        if T.And(it == NCH, nlive > 1):
+                            hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
+                            if bc[2] == nlive - 1:
+                                last = 1
+                if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
+                    if not FAST:
+                        if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
                             push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
                                  pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
-                        elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
-                            push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
-                                 raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
-                if PERSIST and cfg.next_early:  # (xr is free: the last chunk's bits are in kc)
-                    fetch_next_row(S, Pos, t, nlim, xr)
-                if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
-                    stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
-                    if ctl[2] <= STAGE:
-                        staged = 1
-                        nsel = (ctl[2] + NT - 1) // NT
-                        if RSEL:  # the members into registers; hist_f is then the selection's two histograms
-                            for i in ops.par(NT):
-                                for q in ops.unroll(QR):
-                                    rk[i, q] = T.if_then_else(q * NT + i < ctl[2], hist_f[q * NT + i], NONE)
-                                    ri[i, q] = hist_f[STAGE + q * NT + i]
-                            ops.barrier()
-                            reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc)
-                    else:  # (heavy ties) in the buffer as before
-                        nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
-                        members(bufk, ctl[0], beta, nsel)
-                    if not RSEL:
-                        select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
-                                 bc, ra, rb, rc, r1, nsel)  # fmt: skip
-                    elif staged == 0:
-                        select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
-                                 bc, ra, rb, rc, r1, nsel)  # fmt: skip
-                if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
-                    for i in ops.par(NT):
-                        if i < k:
-                            Idx[t, i] = rc[i]
-                elif DIAG == HIST_DIAG_SELECT:  # the selection's results only
-                    for i in ops.par(NT):
-                        if i < k:
-                            Idx[t, i] = T.if_then_else(i == 0, stb[0], T.if_then_else(i == 1, stb[3], stb2[0]))
-                elif DIAG == HIST_DIAG_FIRST:
-                    for i in ops.par(NT):
-                        if i < k:
-                            Idx[t, i] = T.if_then_else(i == 0, ctl[0], T.max(rc[i], beta))
-                elif DIAG != "":
-                    for i in ops.par(NT):
-                        if i < k:
-                            Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
-                elif last == 1:
-                    if RSEL:
-                        if staged == 1:
-                            mark(bitmap, id_r(ri), lambda i, q: _taken(rk[i, q], ri[i, q], stb, stb2), QR)
-                        else:
-                            mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2),
-                                 nsel, unroll=False)  # fmt: skip
-                    elif COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
+                    elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
+                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                             pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
+                    elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
+                        push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
+                             raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
+            if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
+                stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
+                if ctl[2] <= STAGE:
+                    staged = 1
+                    nsel = (ctl[2] + NT - 1) // NT
+                    if RSEL:  # the members into registers; hist_f is then the selection's two histograms
+                        for i in ops.par(NT):
+                            for q in ops.unroll(QR):
+                                rk[i, q] = T.if_then_else(q * NT + i < ctl[2], hist_f[q * NT + i], NONE)
+                                ri[i, q] = hist_f[STAGE + q * NT + i]
+                        ops.barrier()
+                        reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc)
+                else:  # (heavy ties) in the buffer as before
+                    nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
+                    members(bufk, ctl[0], beta, nsel)
+                if not RSEL:
+                    select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
+                             bc, ra, rb, rc, r1, nsel)  # fmt: skip
+                elif staged == 0:
+                    select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
+                             bc, ra, rb, rc, r1, nsel)  # fmt: skip
+            if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = rc[i]
+            elif DIAG == HIST_DIAG_SELECT:  # the selection's results only
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = T.if_then_else(i == 0, stb[0], T.if_then_else(i == 1, stb[3], stb2[0]))
+            elif DIAG == HIST_DIAG_FIRST:
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = T.if_then_else(i == 0, ctl[0], T.max(rc[i], beta))
+            elif DIAG != "":
+                for i in ops.par(NT):
+                    if i < k:
+                        Idx[t, i] = T.if_then_else(i == 0, ctl[0], beta)
+            elif last == 1:
+                if RSEL:
+                    if staged == 1:
+                        mark(bitmap, id_r(ri), lambda i, q: _taken(rk[i, q], ri[i, q], stb, stb2), QR)
+                    else:
                         mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2),
                              nsel, unroll=False)  # fmt: skip
-                    else:
-                        nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
-                        mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
-                    if PERSIST and not cfg.next_early:  # (the marks were the last use of the selection's registers)
-                        fetch_next_row(S, Pos, t, nlim, xr)
-                    emit(bitmap, wcnt, wbase, Idx, t, stb[3])
+                elif COMPACT:  # (nsel: the q's the final selection visited, staged or in the buffer)
+                    mark(bitmap, id_u(bufi, hist_f, staged), take_u(bufk, bufi, hist_f, staged, ctl, stb, stb2),
+                         nsel, unroll=False)  # fmt: skip
+                else:
+                    nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
+                    mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
+                emit(bitmap, wcnt, wbase, Idx, t, stb[3])
 
     return topk_select_hist
 

@@ -221,12 +221,22 @@ def c_rsel_kernel(tilelang_required):
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
-@pytest.mark.parametrize("which", ["lean", "rsel"])
+@pytest.fixture(scope="module")
+def c_search_kernel(tilelang_required):
+    """The rsel program with the bound's bin search on every 2nd chunk only (`search`: of the 3 fused chunks, the
+    last one's; the others push against the first chunk's bound)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search=2)
+    return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
+
+
+@pytest.mark.parametrize("which", ["lean", "rsel", "search"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_lean_compact(request, which, kind):
-    """lean + compact (+ rsel) exact, ties included. Row 2 sees 701 columns: the limit falls inside the third (fused)
-    chunk and inside a float4, whose invisible columns 701..703 hold the row's largest scores -- never taken. Run
-    twice."""
+    """lean + compact (+ rsel, + a bin search every 2nd chunk) exact, ties included. Row 2 sees 701 columns: the
+    limit falls inside the third (fused) chunk and inside a float4, whose invisible columns 701..703 hold the row's
+    largest scores -- never taken. Run twice."""
     kernel, cfg = request.getfixturevalue(f"c_{which}_kernel")
     s = _scores(kind, 4, 1024, seed=5)
     s[:, 701:704] = 1e30
@@ -236,25 +246,21 @@ def test_c_target_hist_lean_compact(request, which, kind):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
-@pytest.fixture(scope="module", params=["persist", "eager"])
-def c_row_start_kernel(tilelang_required, request):
-    """The rsel program (lean + compact + wscan + rsel) with its rows' first chunks fetched early: persist (a grid of
-    3 CTAs for 7 rows -- 3, 2 and 2 rows a CTA --, each fetching its next row's first chunk before its final
-    selection; next_early, the GPU also measures the fetch after the marks) or eager (one row a CTA, its first chunk
-    read whole before the row's limit is known)."""
+@pytest.fixture(scope="module")
+def c_row_start_kernel(tilelang_required):
+    """The rsel program (lean + compact + wscan + rsel) with its rows' first chunks fetched early: eager (one row a
+    CTA, its first chunk read whole before the row's limit is known)."""
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
-    rsel = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, wscan=True, rsel=True)
-    cfg = replace(rsel, persist=3, next_early=True) if request.param == "persist" else replace(rsel, eager=True)
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, wscan=True, rsel=True, eager=True)
     return compile_cpu(ts.program(7, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_row_start(c_row_start_kernel, kind):
-    """persist / eager: rows of every length (none, one, 20, 300, 701 -- the limit mid-float4 before columns holding
-    the largest scores --, all) in an order where a CTA's next row is shorter or longer than its current one, the
-    largest scores of all also in columns 5..8 (inside the first chunk, invisible to the rows of < 5 columns);
-    exact, ties included, twice."""
+    """eager: rows of every length (none, one, 20, 300, 701 -- the limit mid-float4 before columns holding the
+    largest scores --, all), the largest scores of all also in columns 5..8 (inside the first chunk, which eager reads
+    whole: invisible to the rows of < 5 columns); exact, ties included, twice."""
     kernel, cfg = c_row_start_kernel
     s = _scores(kind, 7, 1024, seed=6)
     s[:, 701:704] = 1e30
@@ -540,10 +546,9 @@ def test_tail_split():
     assert ts.tail_split(4096, 65536, ts.HistConfig(256, 16, 65536)) == [(0, 4096, ts.HistConfig(256, 16, 65536))]
     assert len(ts.tail_split(396 * 4, 65536, cfg)) == 1 and len(ts.tail_split(300, 65536, cfg)) == 1
     assert len(ts.tail_split(4096, 65536, ts.HistConfig(256, 16, 16384, min_blocks=3))) == 1
-    # eager (one segment a row) stays with the whole rows; a persistent grid has no waves to split
+    # eager (one segment a row) stays with the whole rows
     (_, _, e0), (_, _, e1) = ts.tail_split(4096, 65536, replace(cfg, eager=True))
     assert e0.eager and not e1.eager and e1.seg == 32768
-    assert len(ts.tail_split(4096, 65536, replace(cfg, persist=396))) == 1
 
 
 def test_configs_and_roofline():
