@@ -59,10 +59,12 @@ class Config:
     sort_warps: int = 8
     smallest: int = 256  # the smallest sort of the selection's ladder (= chunk: one size, whatever the row holds)
     fused: bool = False  # (one-pass rows) the sort's program computes the maxima itself: one launch, no scratch
+    radix: bool = False  # rows of more than `chunk` blocks by a radix select + one KP sort, not passes of sorts
 
     @property
     def tag(self) -> str:
-        return f"b{self.bnb}w{self.max_warps}c{self.chunk}s{self.sort_warps}l{self.smallest}{'f' if self.fused else ''}"
+        flags = ("f" if self.fused else "") + ("r" if self.radix else "")
+        return f"b{self.bnb}w{self.max_warps}c{self.chunk}s{self.sort_warps}l{self.smallest}{flags}"
 
 
 def _pow2(n: int) -> int:
@@ -92,13 +94,14 @@ def default_config(T_: int, C: int, block: int, k: int) -> Config:
 
 def config_space(T_: int, C: int, block: int, k: int) -> list[Config]:
     """The default first; block-max tiles of 128 / 512 blocks, the sort on 4 / 8 / 16 warps, no ladder (one sort
-    size), and for long rows the whole row in one sort of up to 8192 keys or passes of 2 KP."""
+    size), and for long rows the whole row in one sort of up to 8192 keys, passes of 2 KP, or the radix select."""
     d = default_config(T_, C, block, k)
     nbp, kp = _pow2(n_blocks(C, block)), _pow2(k)
     out = [d, replace(d, fused=False), replace(d, bnb=128), replace(d, bnb=512), replace(d, smallest=d.chunk)]
     out += [replace(d, sort_warps=w) for w in (4, 8, 16)]
     if nbp > d.chunk:
         out += [replace(d, chunk=min(nbp, 2 * CHUNK_MAX), sort_warps=16), replace(d, chunk=2 * kp)]
+        out.append(replace(d, radix=True))
     return list(dict.fromkeys(out))
 
 
@@ -161,6 +164,12 @@ if triton is not None:
         return (desc.to(tl.int64) << 32) | ids.to(tl.int64)
 
     @triton.jit
+    def _unsigned(v):
+        """_keys' score half as an unsigned 32-bit order (in an int64): 0 is the best (+inf), -inf 0xFF800000."""
+        bits = v.to(tl.int32, bitcast=True)
+        return (~(bits ^ ((bits >> 31) & 0x7FFFFFFF))).to(tl.int64) + 0x80000000
+
+    @triton.jit
     def _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK: tl.constexpr,
                     BLKP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, N: tl.constexpr, MULTI: tl.constexpr,
                     FUSED: tl.constexpr):  # fmt: skip
@@ -189,9 +198,47 @@ if triton is not None:
             tl.store(out_ptr + row * K + f, tl.full([KP], -1, tl.int64), mask=(f >= N) & (f < K))
 
     @triton.jit
+    def _select_radix(bmax_ptr, best_ptr, out_ptr, row, NB, nvis, K: tl.constexpr, KP: tl.constexpr,
+                      CH: tl.constexpr):  # fmt: skip
+        """A row of more than CH (> K) blocks: the K-th best 32-bit score key by a radix select (4 passes over the
+        row's maxima, 8-bit digits, one 256-bin histogram each), then one pass that writes the K winners' 64-bit
+        keys to the row's scratch (those better than the K-th, then the K-th's ties by id, the lowest first), and
+        one sort of KP keys."""
+        bins = tl.arange(0, 256)
+        prefix = tl.full((), 0, tl.int64)  # the K-th key's digits found so far
+        rank = tl.full((), K, tl.int32)  # its rank among the keys that share them
+        for p in tl.static_range(4):
+            hist = tl.zeros([256], tl.int32)
+            for start in range(0, nvis, CH):
+                i = start + tl.arange(0, CH)
+                u = _unsigned(tl.load(bmax_ptr + row * NB + i, mask=i < nvis, other=float("-inf")))
+                match = (i < nvis) & ((u >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                hist += tl.histogram(((u >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+            cum = tl.cumsum(hist, 0)
+            digit = tl.sum((cum < rank).to(tl.int32), 0)  # the bin holding the rank-th key
+            rank -= tl.sum(tl.where(bins < digit, hist, 0), 0)
+            prefix = prefix | (digit.to(tl.int64) << (24 - 8 * p))
+        taken = tl.full((), 0, tl.int32)
+        ties = tl.full((), 0, tl.int32)
+        for start in range(0, nvis, CH):
+            i = start + tl.arange(0, CH)
+            v = tl.load(bmax_ptr + row * NB + i, mask=i < nvis, other=float("-inf"))
+            u = _unsigned(v)
+            eq = (i < nvis) & (u == prefix)
+            sel = ((i < nvis) & (u < prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rank))
+            at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(best_ptr + row * KP + at, _keys(v, i), mask=sel)
+            taken += tl.sum(sel.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+        tl.debug_barrier()  # (the CTA's stores are visible to its loads)
+        j = tl.arange(0, KP)
+        s = tl.sort(tl.load(best_ptr + row * KP + j, mask=j < K, other=0x7FFFFFFFFFFFFFFF))
+        tl.store(out_ptr + row * K + j, tl.where((s >> 32) >= 0x7F800000, -1, s & 0xFFFFFFFF), mask=j < K)
+
+    @triton.jit
     def _select_kernel(s_ptr, s_stride, bmax_ptr, pos_ptr, best_ptr, out_ptr, C, NB, ratio, BLOCK: tl.constexpr,
                        BLKP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr, LADDER: tl.constexpr,
-                       MULTI: tl.constexpr, FUSED: tl.constexpr):  # fmt: skip
+                       MULTI: tl.constexpr, FUSED: tl.constexpr, RADIX: tl.constexpr):  # fmt: skip
         """One program a row: the sort's size is the level of the ladder CH >> (LADDER - 1), ..., CH / 2, CH that
         holds the row's visible blocks (a runtime branch: a 4k context in a 64k cache sorts 512 keys, not 8192);
         the top level takes every longer row in passes (MULTI). FUSED (a cache of few blocks): one launch, the
@@ -207,8 +254,15 @@ if triton is not None:
             if lvl < LADDER - 1:
                 hi_ok = nvis <= (CH >> (LADDER - 1 - lvl))
             if lo_ok & hi_ok:
-                _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK, BLKP, K, KP,
-                            CH >> (LADDER - 1 - lvl), MULTI and lvl == LADDER - 1, FUSED)  # fmt: skip
+                if RADIX and MULTI and lvl == LADDER - 1:  # (rows of more than CH blocks: a radix select)
+                    if nvis <= CH:
+                        _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK, BLKP, K,
+                                    KP, CH, False, FUSED)  # fmt: skip
+                    else:
+                        _select_radix(bmax_ptr, best_ptr, out_ptr, row, NB, nvis, K, KP, CH)
+                else:
+                    _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK, BLKP, K, KP,
+                                CH >> (LADDER - 1 - lvl), MULTI and lvl == LADDER - 1, FUSED)  # fmt: skip
 
 
 def block_max_jit(interpret: bool = False):
@@ -249,5 +303,6 @@ def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ra
                                                   BLKP=_pow2(block), BNB=cfg.bnb, num_warps=cfg.max_warps)  # fmt: skip
     ladder = max(1, (ch // min(cfg.smallest, ch)).bit_length())
     _select_kernel[(t,)](s, s.stride(0), bmax, pos, best, out, c, nb, ratio, BLOCK=block, BLKP=_pow2(block), K=k,
-                         KP=kp, CH=ch, LADDER=ladder, MULTI=multi, FUSED=fused, num_warps=cfg.sort_warps)  # fmt: skip
+                         KP=kp, CH=ch, LADDER=ladder, MULTI=multi, FUSED=fused, RADIX=cfg.radix,
+                         num_warps=cfg.sort_warps)  # fmt: skip
     return out

@@ -59,12 +59,14 @@ def test_matches_the_reference(interpret, kind, ratio, block, fused):
           cfg=replace(cfg, fused=fused))  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["rand", "ties"])
-def test_every_ladder_level_and_the_passes(interpret, kind):
-    """A ladder 8, 16, 32, 64 (k = 12: KP 16) with 64-key passes of 48 new blocks: one row per level, rows of 1-3
-    passes past the top, one ending exactly at a pass boundary, and k not a power of two."""
+@pytest.mark.parametrize("kind", ["rand", "ties", "limits"])
+@pytest.mark.parametrize("radix", [False, True])
+def test_every_ladder_level_and_the_passes(interpret, kind, radix):
+    """A ladder 8, 16, 32, 64 (k = 12: KP 16) with 64-key passes of 48 new blocks (or the radix select past 64):
+    one row per level, rows of 1-3 passes past the top, one ending exactly at a pass boundary, k not a power of
+    two; "ties": the k-th score shared by many blocks (the radix select takes the lowest ids of them)."""
     c, block, k = 1000, 4, 12
-    cfg = cb.Config(bnb=16, chunk=64, sort_warps=2, smallest=8)
+    cfg = cb.Config(bnb=16, chunk=64, sort_warps=2, smallest=8, radix=radix)
     nvis = torch.tensor([0, 5, 8, 9, 16, 17, 32, 33, 64, 65, 112, 160, 250])
     check(scores(kind, len(nvis), c, seed=3), nvis * block - 1, ratio=1, k=k, block=block, cfg=cfg)
 
