@@ -3620,21 +3620,36 @@ def _topk_s10_r1_rows():
     C65536 k512; session 9: 455.0 us = 54.8%). The defaults after the staging fix (TileLang's sync planner had put a
     barrier in every iteration of the final selection's staging loop, inside a per-thread branch: ~8 barriers a row,
     divergent on heavy ties) and, at C65536, the same program's stage probes (HistConfig.diag, not a top-k: the
-    chunk loop alone `push`, up to the final selection `select`, the streaming ceiling `read`). Then occupancy: the
-    loop runs at ~35% of the SM's issue rate (session 8: ~250 instructions a warp-chunk) with 24 warps an SM, so it
-    waits on latency (shared atomics, shuffles, barriers), not issue -- more warps with 8 scores a thread (half the
-    registers for the chunk in flight): 256 threads x 4 CTAs (64 registers), 512 threads x 2 CTAs (the same 4096-score
-    chunk), and 256 x 8 at 3 CTAs (the smaller chunk alone). Last, the bound's bin search (one warp's extra work on
-    each chunk's critical path: the others wait for it at the barrier) every 2nd / 4th chunk only (`search`)."""
+    chunk loop alone `push`, up to the final selection `select`, the streaming ceiling `read`).
+    H200 call 2 (HBM copy 4.27 TB/s, read-only flush, exact): 442.8 us = 56.3%; push 363.9, select 407.3, read 237.7;
+    C16384 194.6 us. So the chunk loop costs 126 us over the read, the final selection 43, the output 36."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    probes = [(4096, 65536, dataclasses.replace(d64, diag=x)) for x in ("push", "select", "read")]
+    return [(4096, 65536, d64), *probes, (4096, 16384, ts.default_config(4096, 16384, IDX_TOPK))]
+
+
+def _topk_s10_r2_rows():
+    """(T, C, cfg) rows "topk_select s10 r2" (round 2; unmeasured): per CTA a 64k row is ~43 us (16 chunks of ~2.2 us,
+    then ~8 us of final selection and output) at 3 CTAs an SM, and the loop runs far below the SM's issue rate: each
+    CTA waits on its own latency chain. So (1) the bound's bin search (one warp's extra work on each chunk's critical
+    path, the others wait for it at the barrier) every 2nd / 4th chunk only (`search`), with the chunk loop alone
+    (probe `push`) for the loop's share, and the first chunk alone (probe `first`: the later chunks only read); (2)
+    more rows in flight an SM: 8 scores a thread (half the registers for the chunk in flight) at 4 CTAs x 256 threads
+    (64 registers) or 2 x 512 (the same 4096-score chunk); 128-thread CTAs (2048-score chunks) at 4 an SM without
+    rsel, or 5 with rsel on a 1024-member stage (8 a thread in registers, not 16). C16384 (128 threads, 8 chunks) with
+    search 2. Every top-k row checked exact (heavy ties, real scores twice); the probes are not a top-k."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
-    d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    probes = [(4096, 65536, rep(d64, diag=x)) for x in ("push", "select", "read")]
-    occupancy = [(4096, 65536, rep(d64, threads=nt, per_thread=8, min_blocks=mb)) for nt, mb in ((256, 4), (512, 2),
-                                                                                               (256, 3))]  # fmt: skip
-    search = [(4096, 65536, rep(d64, search=n)) for n in (2, 4)]
-    return [(4096, 65536, d64), *probes, (4096, 16384, ts.default_config(4096, 16384, IDX_TOPK)), *occupancy, *search]
+    d64, d16 = ts.default_config(4096, 65536, IDX_TOPK), ts.default_config(4096, 16384, IDX_TOPK)
+    h128 = rep(d64, threads=128, rsel=False, min_blocks=4)
+    return [(4096, 65536, c) for c in (
+        d64, rep(d64, search=2), rep(d64, search=4), rep(d64, search=4, diag="push"), rep(d64, diag="first"),
+        rep(d64, per_thread=8, min_blocks=4), rep(d64, threads=512, per_thread=8, min_blocks=2),
+        h128, rep(h128, min_blocks=5, rsel=True, compact=1024),
+    )] + [(4096, 16384, d16), (4096, 16384, rep(d16, search=2))]  # fmt: skip
 
 
 def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
@@ -3803,9 +3818,10 @@ def _indexer_cases(quick: bool):
             cfg = dataclasses.replace(ts.default_config(4096, 65536, IDX_TOPK), eager=eager)
             out.append(("indexer topk default s9", f"T4096 C65536 k{IDX_TOPK}",
                         lambda r, q, d, c=cfg: case_topk_s9(r, 4096, 65536, c, None, False, q, d)))
-        for T_, C, cfg in _topk_s10_r1_rows():
-            out.append(("topk_select s10 r1", f"T{T_} C{C} k{IDX_TOPK}",
-                        lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
+        for group, rows in (("r1", _topk_s10_r1_rows()), ("r2", _topk_s10_r2_rows())):
+            for T_, C, cfg in rows:
+                out.append((f"topk_select s10 {group}", f"T{T_} C{C} k{IDX_TOPK}",
+                            lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",
                         lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip
