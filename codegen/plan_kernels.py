@@ -22,9 +22,11 @@ rule-based config (``"rule"``). The database is only read here: compile never tu
 Per kernel: ``<name>.cu`` (``.cpp`` AscendC for ascend950, no cubin: bisheng is not available) and, for
 CUDA targets, ``<name>.cubin`` compiled with the local nvcc, plus ``manifest.json`` with family, program,
 args, kwargs, config, its source, the files' sha256 and the SASS matrix-instruction counts. Builds run in
-a process pool; lowering is cached on disk by a hash of the spec, the target, tilelang's version and the
-family's source files, and nvcc by tilelang_backend's content hash, so an unchanged second compile only
-copies files.
+a process pool, in two phases: lower every spec not on disk (longest first), then compile the distinct
+sources in batches, one cicc per #include prelude (tilelang_backend.compile_cubins: nvcc's time is mostly the
+headers) and the SASS counts of a batch from one disassembler process. Lowering is cached on disk by a hash
+of the spec, the target, tilelang's version and the family's source files, and nvcc by tilelang_backend's
+content hash, so an unchanged second compile only copies files.
 """
 
 from __future__ import annotations
@@ -555,17 +557,6 @@ def _mma_counts(opcodes: dict) -> dict:
 _MAY_MMA = re.compile(r"mma|gemm", re.IGNORECASE)
 
 
-def _sass_mma_counts(cubin: Path, source: str) -> dict:
-    """The cubin's SASS matrix-instruction counts. A source that names no MMA or GEMM (TileLang emits either an
-    mma intrinsic or a tl::gemm template for every matrix instruction) has none: {} without disassembling it (a
-    cuobjdump process is ~0.3 CPU s; 78 of the 40-layer V4.1's 139 kernels are element-wise or reductions)."""
-    from deepinfer.codegen import tilelang_backend as tb
-
-    if not _MAY_MMA.search(source):
-        return {}
-    return _mma_counts(tb.count_opcodes(tb.dump_sass(cubin)))
-
-
 def _tilelang_version() -> str | None:
     """tilelang's installed version without importing it (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -653,10 +644,12 @@ class _CpuClock:
         return round(spent, 3)
 
 
-def _lower_by_program(spec: KernelSpec, target: str, tgt, tl_version: str) -> str:
+def _lower_by_program(spec: KernelSpec, target: str, tgt, tl_version: str, defer: bool = False) -> str | None:
     """The spec's lowered source, cached by the program's TIR text (+ target, tilelang): keys that differ only in
-    arguments the program does not read (a symbolic dim's bucket, the pools of sparse_attn_decode's ws program)
-    lower once."""
+    arguments the program does not read (a symbolic dim's bucket, sparse_attn_decode's batch and pools) lower
+    once. While a process lowers a program its cache file has a ``.lowering`` mark beside it; ``defer``: another
+    process holds that mark, so None (the caller comes back when the cache has the text) instead of a second
+    lowering of the same program at the same time (0.1-8 CPU s)."""
     from deepinfer.codegen import tilelang_backend as tb
 
     prog = _make_program(spec, target)
@@ -664,15 +657,25 @@ def _lower_by_program(spec: KernelSpec, target: str, tgt, tl_version: str) -> st
     path = tb.cache_dir() / target / "by_program" / f"tir-{tb.content_hash(prog.script(), target, tl_version)}{ext}"
     if path.exists():
         return path.read_text()
-    text = tb.lower(prog, tgt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tb._atomic_write(path, text.encode())
+    mark = path.with_suffix(".lowering")
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        if defer:
+            return None
+    try:  # not deferring: lower even under another's mark (one left by an interrupted compile, say)
+        text = tb.lower(prog, tgt)
+        tb._atomic_write(path, text.encode())
+    finally:
+        mark.unlink(missing_ok=True)
     return text
 
 
-def build_one(spec: KernelSpec, target: str) -> dict:
-    """Worker: lower (cached by spec hash, then by program text), write, nvcc (cached by source text), SASS counts.
-    Returns paths in the cache, wall and CPU seconds by phase."""
+def lower_one(spec: KernelSpec, target: str, defer: bool = False) -> dict:
+    """Worker: the spec's lowered source (cached by spec hash, then by program text), written to the cache.
+    Returns its path, wall and CPU seconds, or the error; with ``defer`` {"deferred": True} when another process
+    is lowering the same program (_lower_by_program)."""
     import tilelang
 
     from deepinfer.codegen import tilelang_backend as tb
@@ -680,30 +683,74 @@ def build_one(spec: KernelSpec, target: str) -> dict:
 
     t0 = time.perf_counter()
     clock = _CpuClock()
-    tgt = get_target(target)
     try:
         src = _spec_source_path(spec, target, str(tilelang.__version__))
         hit = src.exists()
         if not hit:
-            text = _lower_by_program(spec, target, tgt, str(tilelang.__version__))
+            text = _lower_by_program(spec, target, get_target(target), str(tilelang.__version__), defer)
+            if text is None:
+                return {"name": spec.name, "deferred": True}
             src.parent.mkdir(parents=True, exist_ok=True)
             tb._atomic_write(src, text.encode())
-        lower_s = round(time.perf_counter() - t0, 3)
-        out = {"name": spec.name, "source": str(src), "lower_cached": hit, "lower_s": lower_s,
-               "cpu": {"lower": clock.lap()}}  # fmt: skip
-        if tgt.is_cuda:
-            cubin = tb.compile_cubin(_shared_source(src.read_text(), target), tgt)
-            out["cpu"]["nvcc"] = clock.lap()
-            counts = cubin.with_suffix(".mma.json")
-            if not counts.exists():
-                tb._atomic_write(counts, json.dumps(_sass_mma_counts(cubin, src.read_text())).encode())
-            out["cpu"]["sass"] = clock.lap()
-            out.update(cubin=str(cubin), mma=json.loads(counts.read_text()))
     except Exception as e:  # recorded in the manifest; the node then runs its fallback at run time
-        msg = str(e).strip().splitlines()
-        return {"name": spec.name, "error": f"{type(e).__name__}: {msg[-1][:300] if msg else ''}"}
-    out["seconds"] = round(time.perf_counter() - t0, 3)
-    return out
+        return {"name": spec.name, "error": _one_line(e)}
+    return {"name": spec.name, "source": str(src), "lower_cached": hit, "lower_s": round(time.perf_counter() - t0, 3),
+            "cpu": {"lower": clock.lap()}}  # fmt: skip
+
+
+def _one_line(e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[-1][:300] if msg else ''}"
+
+
+def compile_batch(sources: list[str], target: str) -> dict:
+    """Worker: cubins and SASS matrix-instruction counts of lowered sources (content-named, _shared_source):
+    tilelang_backend.compile_cubins (one cicc per #include prelude, ptxas per source), then the counts of the
+    sources that name an MMA or GEMM from one disassembler process. Returns {"cubins": {source: cubin path or
+    {"error": ...}}, "wall": seconds, "cpu": {"nvcc": .., "sass": ..}}."""
+    from deepinfer.codegen import tilelang_backend as tb
+    from deepinfer.codegen.targets import get_target
+
+    t0 = time.perf_counter()
+    clock, tgt = _CpuClock(), get_target(target)
+    try:
+        built = tb.compile_cubins([Path(s) for s in sources], tgt)
+    except Exception as e:  # not one source's nvcc error (compile_cubins reports those): every source fails
+        built = {Path(s): _one_line(e) for s in sources}
+    cpu = {"nvcc": clock.lap()}
+    cubins = {str(s): {"error": c} if isinstance(c, str) else {"cubin": str(c)} for s, c in built.items()}
+    todo = [(s, Path(c["cubin"])) for s, c in cubins.items() if "cubin" in c]
+    todo = [(s, c) for s, c in todo if not c.with_suffix(".mma.json").exists()]
+    may = [(s, c) for s, c in todo if _MAY_MMA.search(Path(s).read_text())]
+    counts = dict(zip([c for _, c in may], tb.count_opcodes_many([c for _, c in may], tgt), strict=True))
+    for _, cubin in todo:  # a source that names no MMA or GEMM has none: {} without disassembling it
+        tb._atomic_write(cubin.with_suffix(".mma.json"), json.dumps(_mma_counts(counts.get(cubin, {}))).encode())
+    cpu["sass"] = clock.lap()
+    return {"cubins": cubins, "wall": round(time.perf_counter() - t0, 3), "cpu": cpu}
+
+
+# What one lowering costs (CPU s on a 2-core Xeon, session 10; tilelang 0.1.15), by family.program: the order in
+# which the process pool takes the specs (longest first, so no long lowering starts last). Only an ordering:
+# a family not listed counts DEFAULT_LOWER_S.
+LOWER_COST_S = {
+    "sparse_attn_decode.program": 6.0,
+    "topk_select.program": 5.0,
+    "moe_grouped_gemm.program": 2.0,
+    "fp8_gemm.program": 1.7,
+    "hyper_connection.pre_program": 1.8,
+    "hyper_connection.pre_partial_program": 1.7,
+    "rope.program": 0.9,
+    "moe_grouped_gemm.swab_program": 0.8,
+}
+DEFAULT_LOWER_S = 0.3
+
+
+def longest_first(items: list, key) -> list:
+    """items by their family.program's LOWER_COST_S, largest first; within one family spread_families' order
+    (two processes seldom lower the same program at once: the TIR-keyed cache then answers the second)."""
+    spread = spread_families(items, key)
+    rank = {id(it): n for n, it in enumerate(spread)}
+    return sorted(spread, key=lambda it: (-LOWER_COST_S.get(key(it), DEFAULT_LOWER_S), rank[id(it)]))
 
 
 def spread_families(items: list, key) -> list:
@@ -717,6 +764,36 @@ def spread_families(items: list, key) -> list:
         ranked.append(((seen[fam] + 0.5) / counts[fam], fam, n, it))
         seen[fam] += 1
     return [r[-1] for r in sorted(ranked, key=lambda r: r[:3])]
+
+
+NVCC_HEADER_CHARS = 100_000  # a batch's fixed nvcc cost (its #include prelude: ~1.5 CPU s) in source characters
+
+
+def plan_batches(sources: list[Path], jobs: int) -> list[list[Path]]:
+    """Lowered sources into compile_batch calls: one per #include prelude (compile_cubins' groups), a large
+    group split so that the batches spread over ``jobs`` processes; largest first (nvcc's time goes with the
+    source's length: ~10-15 us a character on top of the prelude's ~1.5 s)."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    groups: dict[str, list[tuple[int, Path]]] = {}
+    for src in dict.fromkeys(sources):
+        text = src.read_text()
+        try:
+            prelude = tb.split_source(text)[0]
+        except tb.BatchError:
+            prelude = f"\0{src}"  # compiled alone
+        groups.setdefault(prelude, []).append((len(text), src))
+    share = max(1.0, (sum(n for g in groups.values() for n, _ in g) + NVCC_HEADER_CHARS * len(groups)) / jobs)
+    batches = []
+    for group in groups.values():
+        k = max(1, min(len(group), round(sum(n for n, _ in group) / share)))
+        bins: list[list] = [[0, []] for _ in range(k)]
+        for n, src in sorted(group, key=lambda x: -x[0]):  # largest source into the lightest bin
+            light = min(bins, key=lambda b: b[0])
+            light[0] += n
+            light[1].append(src)
+        batches += bins
+    return [b[1] for b in sorted(batches, key=lambda b: -b[0])]
 
 
 def sha256_file(path: Path) -> str:
@@ -736,48 +813,54 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+class _Workers:
+    """map() in ``jobs`` spawned processes (one pool for the lowering and the nvcc phases: each process imports
+    torch and tilelang once), or in this process when jobs is 1."""
+
+    def __init__(self, jobs: int):
+        self.jobs, self.pool = jobs, None
+
+    def __enter__(self):
+        if self.jobs > 1:
+            import multiprocessing as mp
+
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def map(self, fn, items: list, *args) -> list:
+        if self.pool is None or len(items) <= 1:
+            return [fn(it, *args) for it in items]
+        return list(self.pool.map(fn, items, *[[a] * len(items) for a in args]))
+
+
 def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: int | None = None,
                   mode: str = "bound", skipped: dict | None = None,
                   max_model_len: int | None = None) -> dict:  # fmt: skip
-    """Build every spec (process pool) and copy its files into out_dir; returns the manifest (also written).
-    max_model_len: the engine's the sm90 specs were derived for (recorded: the engine's default then)."""
+    """Build every spec and copy its files into out_dir; returns the manifest (also written). Two phases in one
+    process pool: lower the specs not on disk (longest first), then compile their distinct sources in batches
+    (plan_batches / compile_batch). max_model_len: the engine's the sm90 specs were derived for (recorded)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    clock = _CpuClock()
     tl_version = _tilelang_version()
     results = [cached_build(s, target, tl_version) for s in specs]
-    todo = spread_families([i for i, r in enumerate(results) if r is None], key=lambda i: specs[i].family)
+    todo = longest_first([i for i, r in enumerate(results) if r is None], key=lambda i: _cost_key(specs[i]))
     jobs = max(1, min(jobs or usable_cores(), len(todo) or 1))
-    if jobs == 1 or len(todo) <= 1:
-        built = [build_one(specs[i], target) for i in todo]
-    else:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-            built = list(pool.map(build_one, [specs[i] for i in todo], [target] * len(todo)))
-    for i, res in zip(todo, built, strict=True):
-        results[i] = res
-    entries = []
-    for spec, res in zip(specs, results, strict=True):
-        ent = {"name": spec.name, "family": spec.family, "program": spec.program, "args": list(spec.args)}
-        ent.update(kwargs=spec.kwargs, config=spec.config, config_source=spec.source, nodes=spec.nodes)
-        if "error" in res:
-            ent["error"] = res["error"]
-        else:
-            files = {}
-            src = Path(res["source"])
-            for kind, path in (("source", src), ("cubin", Path(res["cubin"]) if "cubin" in res else None)):
-                if path is None:
-                    continue
-                dest = out_dir / f"{spec.name}{'.cubin' if kind == 'cubin' else src.suffix}"
-                shutil.copyfile(path, dest)
-                files[kind] = {"file": dest.name, "sha256": sha256_file(dest)}
-            ent.update(files=files, lower_cached=res["lower_cached"], build_s=res["seconds"])
-            if "cpu" in res:
-                ent["cpu_s"] = res["cpu"]
-            if "mma" in res:
-                ent["sass_mma"] = res["mma"]
-        entries.append(ent)
+    batches: list = []
+    with _Workers(jobs) as workers:
+        for i, res in zip(todo, workers.map(lower_one, [specs[i] for i in todo], target, jobs > 1), strict=True):
+            results[i] = res
+        later = [i for i in todo if results[i].get("deferred")]  # their program was being lowered: cached now
+        for i, res in zip(later, workers.map(lower_one, [specs[i] for i in later], target), strict=True):
+            results[i] = res
+        if todo and _is_cuda(target):
+            batches = _compile_lowered([results[i] for i in todo], target, jobs, workers)
+    entries = [_entry(spec, res, out_dir) for spec, res in zip(specs, results, strict=True)]
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": 1,
@@ -785,7 +868,7 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
         "mode": mode,
         "jobs": jobs,
         "build_s": round(time.perf_counter() - t0, 3),
-        "phases_s": _phases(target, built),
+        "phases_s": _phases(target, [results[i] for i in todo], batches, clock.lap()),
         "kernels": entries,
         "not_built": skipped or {},
         **({"max_model_len": max_model_len} if max_model_len else {}),
@@ -794,18 +877,85 @@ def build_kernels(specs: list[KernelSpec], target: str, out_dir: Path, *, jobs: 
     return manifest
 
 
-def _phases(target: str, built: list) -> dict:
-    """Seconds by phase: key derivation (sm90), and over the kernels built in this call (summed over the
-    processes) lowering and nvcc + SASS counts, wall and CPU (the CPU seconds of lowering, nvcc, SASS counts)."""
+def _cost_key(spec: KernelSpec) -> str:
+    return f"{spec.family}.{spec.program}"
+
+
+def _is_cuda(target: str) -> bool:
+    from deepinfer.codegen.targets import get_target
+
+    return get_target(target).is_cuda
+
+
+def _compile_lowered(lowered: list[dict], target: str, jobs: int, workers: _Workers) -> list[dict]:
+    """The nvcc phase: each lowered result gets its cubin and SASS counts (or an error); returns the batches'
+    reports. The sources go by content (_shared_source: specs that lower alike share one cubin); each batch's
+    wall and CPU seconds are shared among its sources by length (what one source cost alone is not measured)."""
+    ok = [r for r in lowered if "error" not in r]
+    shared = {id(r): _shared_source(Path(r["source"]).read_text(), target) for r in ok}
+    batches = plan_batches(list(shared.values()), jobs)
+    reports = workers.map(compile_batch, [[str(s) for s in b] for b in batches], target)
+    per_source: dict[str, dict] = {}
+    for batch, rep in zip(batches, reports, strict=True):
+        sizes = {str(s): len(s.read_text()) for s in batch}
+        total = sum(sizes.values()) or 1
+        for s, built in rep["cubins"].items():
+            share = sizes[s] / total
+            per_source[s] = {**built, "wall": rep["wall"] * share, "cpu": {k: v * share for k, v in rep["cpu"].items()}}
+    charged: set = set()  # a source's cost is charged to the first spec that uses it
+    for r in ok:
+        s = str(shared[id(r)])
+        built = per_source[s]
+        if "error" in built:
+            r["error"] = built["error"]
+            continue
+        cubin = Path(built["cubin"])
+        r.update(cubin=str(cubin), mma=json.loads(cubin.with_suffix(".mma.json").read_text()))
+        first = s not in charged
+        charged.add(s)
+        r["nvcc_s"] = round(built["wall"], 3) if first else 0.0
+        r["cpu"].update({k: round(v, 3) if first else 0.0 for k, v in built["cpu"].items()})
+    return reports
+
+
+def _entry(spec: KernelSpec, res: dict, out_dir: Path) -> dict:
+    """The manifest entry of one spec: its files copied into out_dir with their sha256."""
+    ent = {"name": spec.name, "family": spec.family, "program": spec.program, "args": list(spec.args)}
+    ent.update(kwargs=spec.kwargs, config=spec.config, config_source=spec.source, nodes=spec.nodes)
+    if "error" in res:
+        ent["error"] = res["error"]
+        return ent
+    files = {}
+    src = Path(res["source"])
+    for kind, path in (("source", src), ("cubin", Path(res["cubin"]) if "cubin" in res else None)):
+        if path is None:
+            continue
+        dest = out_dir / f"{spec.name}{'.cubin' if kind == 'cubin' else src.suffix}"
+        shutil.copyfile(path, dest)
+        files[kind] = {"file": dest.name, "sha256": sha256_file(dest)}
+    seconds = res.get("seconds", res.get("lower_s", 0.0) + res.get("nvcc_s", 0.0))
+    ent.update(files=files, lower_cached=res["lower_cached"], build_s=round(seconds, 3))
+    if "cpu" in res:
+        ent["cpu_s"] = res["cpu"]
+    if "mma" in res:
+        ent["sass_mma"] = res["mma"]
+    return ent
+
+
+def _phases(target: str, built: list, batches: list, cpu_total: float) -> dict:
+    """Seconds by phase: key derivation (sm90), and over the kernels built in this call lowering (summed over
+    the processes) and nvcc + SASS counts (summed over the batches), wall and CPU (the CPU seconds of lowering,
+    nvcc, SASS counts); cpu_total: every CPU second of build_kernels, this process's and its workers' (their
+    start-up and imports included: what a loaded machine must find)."""
     ok = [r for r in built if "error" not in r]
-    lower = sum(r["lower_s"] for r in ok)
     derive, LAST_DERIVE_S[0] = LAST_DERIVE_S[0], 0.0  # read once: a later build_kernels call derived nothing
     cpu = Counter()
     for r in ok:
         cpu.update(r.get("cpu", {}))
     return {"derive": round(derive, 3) if target == "sm90" else 0.0, "derive_cached": bool(LAST_DERIVE_S[1]),
-            "lower": round(lower, 3), "nvcc": round(sum(r["seconds"] for r in ok) - lower, 3), "built": len(built),
-            "cpu": {k: round(v, 3) for k, v in cpu.items()}}  # fmt: skip
+            "lower": round(sum(r["lower_s"] for r in ok), 3), "nvcc": round(sum(b["wall"] for b in batches), 3),
+            "built": len(built), "batches": len(batches), "cpu": {k: round(v, 3) for k, v in cpu.items()},
+            "cpu_total": round(cpu_total, 3)}  # fmt: skip
 
 
 TOP_BUILDS = 10  # the summary names the costliest builds of a compile
@@ -820,7 +970,11 @@ def _costliest(ents: list) -> list[str]:
         return []
     rows = [f"    {sum(e['cpu_s'].values()):6.1f} s  {e['name']} ("
             + ", ".join(f"{k} {v:.1f}" for k, v in e["cpu_s"].items()) + ")" for e in built]  # fmt: skip
-    return ["  costliest builds (CPU seconds: lowering, nvcc, SASS counts; 0 where a cache answered):", *rows]
+    return [
+        "  costliest builds (CPU seconds: lowering, then nvcc and SASS counts as this source's share of its batch;"
+        " 0 where a cache answered):",
+        *rows,
+    ]
 
 
 def format_manifest(manifest: dict) -> str:
@@ -838,9 +992,11 @@ def format_manifest(manifest: dict) -> str:
     if ph:
         how = "read from the cache" if ph.get("derive_cached") else "derived"
         cpu = ", ".join(f"{k} {v:.1f} s" for k, v in (ph.get("cpu") or {}).items())
+        batches = f" in {ph['batches']} batches" if ph.get("batches") else ""
+        total = f"; all CPU of the build (start-up included) {ph['cpu_total']:.1f} s" if "cpu_total" in ph else ""
         lines.append(f"  phases: keys {how} in {ph['derive']:.1f} s; {ph['built']} kernels not on disk: lowering "
-                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s (summed over the processes)"
-                     + (f"; CPU {cpu}" if cpu else ""))  # fmt: skip
+                     f"{ph['lower']:.1f} s, nvcc + SASS {ph['nvcc']:.1f} s{batches} (summed over the processes)"
+                     + (f"; CPU {cpu}" if cpu else "") + total)  # fmt: skip
     lines += _costliest(ents)
     lines += [f"  failed: {e['name']}: {e['error']}" for e in ents if "error" in e]
     lines += [f"  not built: {k}: {v}" for k, v in manifest.get("not_built", {}).items()]

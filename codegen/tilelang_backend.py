@@ -171,6 +171,7 @@ def compile_cubin(source_path: Path, target: Target) -> Path:
     if out.exists():
         return out
     incs = [f"-I{d}" for d in tilelang_include_dirs()]
+    out.parent.mkdir(parents=True, exist_ok=True)  # (a source outside the cache: compile_cubins' callers)
     tmp = out.with_suffix(f".tmp{os.getpid()}.cubin")
     cmd = [nvcc, *NVCC_FLAGS, f"-arch={target.arch}", *incs, "-o", str(tmp), str(source_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -180,7 +181,175 @@ def compile_cubin(source_path: Path, target: Target) -> Path:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- compile many
+
+# nvcc spends ~2 of a TileLang kernel's ~2.3 CPU seconds on the #include prelude (gcc -E and cicc parsing cute /
+# cutlass / tl_templates), the same text in every source of a family. compile_cubins therefore puts the bodies of
+# sources with one prelude into ONE translation unit (kernels renamed apart, `#line` keeping each body's own file
+# and line numbers), runs cicc on it once (nvcc --ptx), cuts each kernel's entry back out of the PTX under its own
+# name and runs ptxas on that alone: the same flags as compile_cubin's nvcc, so the same code (the cubins' code,
+# constant, shared-memory and symbol sections are byte-identical to compile_cubin's: test_cuda_build); only the
+# debug sections (line tables, the embedded PTX text) differ.
+PTXAS_FLAGS = ("-m64", "--generate-line-info", "-w")  # what nvcc passes ptxas for NVCC_FLAGS (nvcc --dryrun)
+# The archs whose batched code is the one-source code (test_cuda_build compares every section). Not sm_100a: there
+# cicc's code for the tcgen05 GEMMs changed when fp8_gemm and moe_grouped_gemm shared a translation unit (more
+# registers, other address arithmetic: a module-wide optimisation sees the callers of the shared templates).
+BATCH_ARCHS = ("sm_90a",)
+_KERNEL_DEF = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', re.M)
+_GLOBL = re.compile(r"\s*// \.globl\s+(\w+)")
+_ENTRY = re.compile(r"\.visible \.entry (\w+)\(")
+_MODULE_DECL = re.compile(r"^\.(?:extern|shared|global|const|weak)\b.*?(\w+)\s*(?:\[[^\]]*\])?\s*(?:=.*)?;\s*$")
+_RENAMED = re.compile(r"_dk\d+z")
+
+
+class BatchError(RuntimeError):
+    """A batch could not be compiled as one translation unit (its sources are then compiled one by one)."""
+
+
+def split_source(text: str) -> tuple[str, str, int]:
+    """(prelude, body, the body's first line number): TileLang's CUDA source is #includes, then extern "C" kernels."""
+    at = text.find('extern "C"')
+    if at < 0 or not _KERNEL_DEF.search(text, at):
+        raise BatchError('no extern "C" __global__ kernel in the source')
+    return text[:at], text[at:], text.count("\n", 0, at) + 1
+
+
+def _renamed(name: str, n: int) -> str:
+    return f"{name}_dk{n}z"  # the 'z' ends the number: _dk1z is not a prefix of _dk10z
+
+
+def _batch_unit(sources: list[Path]) -> tuple[str, list[list[str]]]:
+    """One translation unit of sources sharing a prelude, and each source's kernel names."""
+    prelude, parts, names = None, [], []
+    for n, src in enumerate(sources):
+        pre, body, line = split_source(src.read_text())
+        if prelude is None:
+            prelude, parts = pre, [pre]
+        elif pre != prelude:
+            raise BatchError(f"{src.name}: a different #include prelude")
+        kernels = sorted(set(_KERNEL_DEF.findall(body)))
+        for k in kernels:
+            body = re.sub(rf"\b{k}\b", _renamed(k, n), body)
+        parts.append(f'#line {line} "{src.resolve()}"\n{body}\n')
+        names.append(kernels)
+    return "".join(parts), names
+
+
+def entry_ptx(ptx: str, keep: set) -> str:
+    """The PTX of a module with only the entries in ``keep``. nvcc writes a header, then for each entry a
+    '// .globl' line, the module-scope declarations first used there and the entry, then the .file table and the
+    debug sections (kept whole). A declaration stays when the kept entries use it, or when it belongs to no
+    entry (the headers' own globals, which a one-source compile also keeps)."""
+    lines = ptx.splitlines(keepends=True)
+    starts = [i for i, ln in enumerate(lines) if _GLOBL.match(ln)]
+    tail = next((i for i, ln in enumerate(lines) if re.match(r"\s*\.file\s", ln) or ln.startswith(".section")),
+                len(lines))  # fmt: skip
+    if not starts or any(re.match(r"(?:\.visible |\.weak )?\.func\b", ln) for ln in lines):
+        raise BatchError("PTX without entries, or with device functions (not cut apart here)")
+    chunks = [lines[a:b] for a, b in zip(starts, starts[1:] + [tail], strict=True)]
+    decls, out = [], list(lines[: starts[0]])
+    for c in chunks:
+        at = next((i for i, ln in enumerate(c) if _ENTRY.match(ln)), None)
+        if at is None:
+            raise BatchError(f"no .entry after {c[0].strip()}")
+        decls += [ln for ln in c[:at] if _MODULE_DECL.match(ln)]
+    for c in chunks:
+        if _GLOBL.match(c[0]).group(1) not in keep:
+            continue
+        at = next(i for i, ln in enumerate(c) if _ENTRY.match(ln))
+        body = "".join(c[at:])
+        used = [d for d in decls if re.search(rf"\b{_MODULE_DECL.match(d).group(1)}\b", body)
+                or not (d.startswith(".extern") or _RENAMED.search(d))]  # fmt: skip
+        out += [c[0], *used, "\n", *c[at:]]
+    return "".join(out + lines[tail:])
+
+
+def _restore_names(ptx: str, kernels: list[str], n: int) -> str:
+    """Each renamed kernel back to its own name, in mangled names too (their length prefix: _ZZ28..._dk0zE8 -> 23)."""
+    for k in kernels:
+        r = _renamed(k, n)
+        ptx = re.sub(rf"(\d*){r}", lambda m, k=k, r=r: (str(len(k)) if m.group(1) == str(len(r)) else m.group(1)) + k,
+                     ptx)  # fmt: skip
+    return ptx
+
+
+def _ptxas_path(nvcc: str) -> str:
+    """The ptxas of nvcc's own toolkit (what nvcc itself runs)."""
+    own = Path(nvcc).resolve().parent / "ptxas"
+    return str(own) if own.exists() else (shutil.which("ptxas") or "ptxas")
+
+
+def _run(cmd: list, what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BatchError(f"{what} failed:\n{proc.stderr[-4000:]}")
+
+
+def _compile_batch(sources: list[Path], target: Target) -> dict[Path, Path]:
+    """One cicc for the sources (one prelude), one ptxas per source; the cubins go where compile_cubin puts them."""
+    import tempfile
+
+    nvcc = nvcc_path()
+    unit, names = _batch_unit(sources)
+    incs = [f"-I{d}" for d in tilelang_include_dirs()]
+    flags = [f for f in NVCC_FLAGS if f != "--cubin"]
+    with tempfile.TemporaryDirectory(prefix="deepinfer-batch-") as tmp:
+        cu, ptx_path = Path(tmp) / "batch.cu", Path(tmp) / "batch.ptx"
+        cu.write_text(unit)
+        _run([nvcc, "--ptx", *flags, f"-arch={target.arch}", *incs, "-o", str(ptx_path), str(cu)], "nvcc --ptx")
+        ptx = ptx_path.read_text()
+        out = {}
+        for n, (src, kernels) in enumerate(zip(sources, names, strict=True)):
+            one = Path(tmp) / f"k{n}.ptx"
+            one.write_text(_restore_names(entry_ptx(ptx, {_renamed(k, n) for k in kernels}), kernels, n))
+            dest = _cubin_path(src, target)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp_cubin = dest.with_suffix(f".tmp{os.getpid()}.cubin")
+            _run([_ptxas_path(nvcc), f"-arch={target.arch}", *PTXAS_FLAGS, "-o", str(tmp_cubin), str(one)],
+                 f"ptxas for {src.name}")  # fmt: skip
+            tmp_cubin.replace(dest)
+            out[src] = dest
+    return out
+
+
+def compile_cubins(sources: list[Path], target: Target) -> dict[Path, Path | str]:
+    """compile_cubin for several sources at once: those not in the cache, grouped by #include prelude, through
+    one cicc per group (see above; BATCH_ARCHS only, other archs one source per nvcc). A group that fails as a
+    whole is compiled source by source, so an error names its own source. Returns {source: cubin, or the error's
+    text}."""
+    if not target.is_cuda:
+        raise ConfigError(f"target {target.name!r} does not compile to cubin")
+    if nvcc_path() is None:
+        raise ConfigError("nvcc not found on PATH; cannot compile CUDA sources")
+    out: dict[Path, Path | str] = {}
+    groups: dict[str, list[Path]] = {}
+    for src in dict.fromkeys(sources):
+        hit = cached_cubin(src, target)
+        if hit is not None:
+            out[src] = hit
+            continue
+        try:
+            if target.arch not in BATCH_ARCHS:
+                raise BatchError(f"{target.arch}: one source per nvcc")
+            groups.setdefault(split_source(src.read_text())[0], []).append(src)
+        except BatchError:
+            groups.setdefault(f"\0{src}", []).append(src)  # compiled alone below
+    for group in groups.values():
+        try:
+            if len(group) < 2:
+                raise BatchError("one source")
+            out.update(_compile_batch(group, target))
+        except BatchError:
+            for src in group:
+                try:
+                    out[src] = compile_cubin(src, target)
+                except (RuntimeError, ConfigError) as e:
+                    out[src] = str(e)
+    return out
+
+
 _SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_ADDR_OP = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")  # with the address
 
 
 def dump_sass(cubin: Path) -> str:
@@ -194,6 +363,66 @@ def dump_sass(cubin: Path) -> str:
 def count_opcodes(sass: str) -> Counter:
     """Count SASS instructions by base mnemonic (`HGMMA.64x128x16.F32.BF16` counts as `HGMMA`)."""
     return Counter(m.group(1) for m in _SASS_OP.finditer(sass))
+
+
+def nvdisasm_path() -> str | None:
+    """The system nvdisasm, else the one the triton wheel carries (beside its cuobjdump)."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    dump = cuobjdump_path()
+    path = Path(dump).parent / "nvdisasm" if dump else None
+    return str(path) if path is not None and path.exists() else None
+
+
+def cubin_sections(cubin: Path) -> dict[str, bytes]:
+    """The cubin's ELF64 sections by name (read from the section headers directly; a NOBITS one -- shared memory --
+    as zeros of its size)."""
+    import struct
+
+    elf = cubin.read_bytes()
+    if elf[:4] != b"\x7fELF":
+        raise ConfigError(f"{cubin.name}: not an ELF cubin")
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx][4]
+    out = {}
+    for name, kind, _, _, offset, size in heads:
+        label = elf[names + name : elf.index(b"\0", names + name)].decode()
+        out[label] = bytes(size) if kind == 8 else elf[offset : offset + size]  # 8: SHT_NOBITS
+    return out
+
+
+def _text_sections(cubin: Path) -> bytes:
+    """The cubin's code: its .text.* sections in file order."""
+    return b"".join(data for name, data in cubin_sections(cubin).items() if name.startswith(".text."))
+
+
+def count_opcodes_many(cubins: list[Path], target: Target) -> list[Counter]:
+    """count_opcodes(dump_sass(c)) for each cubin, from ONE disassembler process: the cubins' code sections laid
+    end to end as a raw instruction binary (nvdisasm --binary), each instruction counted for the cubin whose
+    address range holds it. A cuobjdump process costs ~0.4 CPU s whatever the cubin's size (its nvdisasm's start);
+    the counts are the same (test_cuda_build). Without an nvdisasm: one cuobjdump per cubin."""
+    import tempfile
+    from bisect import bisect_right
+
+    tool = nvdisasm_path()
+    if tool is None or not cubins:
+        return [count_opcodes(dump_sass(c)) for c in cubins]
+    codes = [_text_sections(c) for c in cubins]
+    starts = [sum(len(c) for c in codes[:i]) for i in range(len(codes))]
+    with tempfile.NamedTemporaryFile(suffix=".bin") as raw:
+        raw.write(b"".join(codes))
+        raw.flush()
+        arch = "SM" + target.arch.removeprefix("sm_")  # sm_90a -> SM90a
+        proc = subprocess.run([tool, "--binary", arch, raw.name], capture_output=True, text=True)
+    if proc.returncode != 0:  # an nvdisasm that does not know the arch: one cuobjdump per cubin
+        return [count_opcodes(dump_sass(c)) for c in cubins]
+    counts = [Counter() for _ in cubins]
+    for m in _SASS_ADDR_OP.finditer(proc.stdout):
+        counts[bisect_right(starts, int(m.group(1), 16)) - 1][m.group(2)] += 1
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------- build

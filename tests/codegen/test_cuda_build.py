@@ -5,6 +5,10 @@ SASS names: FP8 wgmma shows up as QGMMA (HGMMA is its fp16/bf16/tf32 sibling); t
 UTCQMMA (UTCHMMA for fp16/bf16). Bulk tensor copies are UTMALDG/UTMASTG.
 """
 
+import re
+import struct
+from pathlib import Path
+
 import pytest
 
 from deepinfer.codegen.kernels import (
@@ -119,6 +123,76 @@ def test_sm90_sparse_attention_uses_bf16_wgmma_and_async_gather(artifacts):
 def test_sm100_sparse_attention_uses_tensor_cores(artifacts):
     # fragment accumulators lower to mma.sync on sm100 (tcgen05 needs a TMEM accumulator: not yet)
     assert artifacts[("sm100", "sparse_attn_decode")].opcodes["HMMA"] > 0
+
+
+# A header-internal object's mangled name carries its translation unit's file name (`<len>_INTERNAL_<hash>_<n>_<file>
+# _cu_<id>`, `<len>_GLOBAL__N__...` alike): a TU of many sources, or a source under another name, differs there only.
+_TU_NAME = re.compile(rb"\d*_(?:INTERNAL|GLOBAL__N_)_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
+_DEBUG = (".debug", ".nv_debug", ".rela.debug", ".rela.nv_debug", ".note.nv.tkinfo")
+
+
+def _is_debug(section: str) -> bool:
+    return section.removeprefix(".nv.merc").startswith(_DEBUG)  # sm100 cubins mirror sections under .nv.merc
+
+
+def _code_of(cubin: Path) -> dict:
+    """A cubin's sections but the debug ones (line tables and the embedded PTX name their source files), its
+    symbol tables as (name, info, other, section, value, size) rows."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    secs = {k: v for k, v in tb.cubin_sections(cubin).items() if not _is_debug(k)}
+    names = secs.pop(".strtab")
+    for table in [k for k in secs if k.endswith("symtab")]:
+        rows = []
+        for at in range(0, len(secs[table]), 24):  # Elf64_Sym
+            name, info, other, shndx, value, size = struct.unpack_from("<IBBHQQ", secs[table], at)
+            label = _TU_NAME.sub(b"<tu>", names[name : names.index(b"\0", name)])
+            rows.append((label, info, other, shndx, value, size))
+        secs[table] = rows
+    return secs
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_batched_nvcc_makes_the_one_source_code(artifacts, target, tmp_path, monkeypatch):
+    """compile_cubins (sm90: the sources of one #include prelude through one cicc, ptxas per kernel cut out of the
+    PTX; sm100: one nvcc per source, see BATCH_ARCHS) makes the code one nvcc per source makes: every non-debug
+    section and every symbol equal; and the SASS counts from one disassembler process equal cuobjdump's per cubin."""
+    from deepinfer.codegen import tilelang_backend as tb
+    from deepinfer.codegen.targets import get_target
+
+    monkeypatch.setenv("DEEPINFER_CODEGEN_CACHE", str(tmp_path / "cache"))  # nothing cached: every cubin built
+    sources = {}
+    for name in NAMES:
+        sources[name] = tmp_path / f"{name}.cu"
+        sources[name].write_text(artifacts[(target, name)].source)
+    preludes = [tb.split_source(p.read_text())[0] for p in sources.values()]
+    alone = {p for p, pre in zip(sources.values(), preludes, strict=True) if preludes.count(pre) == 1}
+    assert len(alone) < len(sources) - 1, "no prelude shared by two sources: nothing to batch"
+    one_by_one = []
+    real = tb.compile_cubin
+    monkeypatch.setattr(tb, "compile_cubin", lambda src, tgt: one_by_one.append(src) or real(src, tgt))
+    built = tb.compile_cubins(list(sources.values()), get_target(target))
+    assert set(one_by_one) == (alone if target == "sm90" else set(sources.values()))
+    for name, src in sources.items():
+        assert isinstance(built[src], Path), built[src]
+        assert _code_of(built[src]) == _code_of(artifacts[(target, name)].cubin_path), name
+    counts = tb.count_opcodes_many([built[s] for s in sources.values()], get_target(target))
+    assert counts == [artifacts[(target, n)].opcodes for n in sources]
+
+
+def test_a_failing_batch_compiles_its_sources_one_by_one(artifacts, tmp_path, monkeypatch):
+    """One source that nvcc rejects does not take its batch down: the batch is compiled source by source, and
+    the error names that source."""
+    from deepinfer.codegen import tilelang_backend as tb
+    from deepinfer.codegen.targets import get_target
+
+    monkeypatch.setenv("DEEPINFER_CODEGEN_CACHE", str(tmp_path / "cache"))
+    good, bad = tmp_path / "good.cu", tmp_path / "bad.cu"
+    good.write_text(artifacts[("sm90", "rmsnorm")].source)
+    bad.write_text(artifacts[("sm90", "rmsnorm")].source + "\nint not_cuda(;\n")
+    built = tb.compile_cubins([good, bad], get_target("sm90"))
+    assert isinstance(built[good], Path) and built[good].stat().st_size > 1000
+    assert isinstance(built[bad], str) and "nvcc failed for bad.cu" in built[bad]
 
 
 @pytest.mark.parametrize("max_rows", [0, 64])

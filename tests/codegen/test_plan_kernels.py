@@ -178,3 +178,65 @@ def test_specs_with_the_same_program_lower_once_and_share_one_cubin(env, tmp_pat
     assert len(set(compiled)) == 1 and len(list(cache.glob("sm90/*.cubin"))) == 1, compiled
     for e in ents:
         assert (tmp_path / "out" / e["files"]["cubin"]["file"]).stat().st_size > 0 and e["sass_mma"] == {}
+
+
+def _source(path, prelude: str, kernel: str, size: int):
+    body = f'extern "C" __global__ void {kernel}(float* X) {{\n' + "  X[0] = 1.0f;\n" * (size // 16) + "}\n"
+    path.write_text(prelude + body)
+    return path
+
+
+def test_batches_hold_one_prelude_and_spread_a_large_group_over_the_processes(tmp_path):
+    """plan_batches: every source in exactly one batch; a batch's sources share their #include prelude (one cicc
+    parses it once); a group several times a process's share is split, a small one is not; largest first."""
+    big = [_source(tmp_path / f"g{i}.cu", "#include <a.h>\n\n", f"k{i}", 200_000) for i in range(6)]
+    small = [_source(tmp_path / f"s{i}.cu", "#include <b.h>\n\n", f"k{i}", 20_000) for i in range(2)]
+    odd = tmp_path / "odd.cu"
+    odd.write_text("__global__ void not_extern_c() {}\n")  # no extern "C" kernel: compiled on its own
+    batches = plan_kernels.plan_batches(big + small + [odd], jobs=2)
+    assert sorted(str(s) for b in batches for s in b) == sorted(str(s) for s in big + small + [odd])
+    for b in batches:
+        assert len({s.read_text().split("extern")[0] for s in b}) == 1
+    assert [len(b) for b in batches if b[0] in big] == [3, 3]  # 1.1 M of the 1.5 M characters: two batches
+    assert [sorted(b) for b in batches if b[0] in small] == [sorted(small)]  # 37 k characters: one batch
+    assert [odd] in batches
+    sizes = [sum(len(s.read_text()) for s in b) for b in batches]
+    assert sizes == sorted(sizes, reverse=True)
+    assert len(plan_kernels.plan_batches(big, jobs=1)) == 1
+
+
+def test_lowering_order_is_longest_first():
+    """The pool takes the costliest lowerings first (a 6 s attention lowering started last would leave the other
+    process idle), and within one family keeps spread_families' order."""
+    items = ["rmsnorm_quant.program", "moe_grouped_gemm.swab_program", "sparse_attn_decode.program",
+             "rmsnorm_quant.program", "sparse_attn_decode.program", "unlisted.program"]  # fmt: skip
+    order = plan_kernels.longest_first(list(range(len(items))), key=lambda i: items[i])
+    costs = [plan_kernels.LOWER_COST_S.get(items[i], plan_kernels.DEFAULT_LOWER_S) for i in order]
+    assert costs == sorted(costs, reverse=True) and sorted(order) == list(range(len(items)))
+    assert [items[i] for i in order[:2]] == ["sparse_attn_decode.program"] * 2
+
+
+def test_a_program_another_process_is_lowering_is_deferred_not_lowered_twice(tmp_path, monkeypatch):
+    """lower_one(defer=True) finds another process's `.lowering` mark on the program's cache file: it returns
+    "deferred" without lowering (build_kernels asks again once the first round is done); without defer it lowers
+    (a mark an interrupted compile left behind must not block the build), and the mark is gone afterwards."""
+    from deepinfer.codegen.kernels import rope
+
+    monkeypatch.setenv("DEEPINFER_CODEGEN_CACHE", str(tmp_path / "cache"))
+    spec = plan_kernels.KernelSpec("rope", "program", (None, 2, 64, 256), {"rope_dim": 64}, {}, "t")
+    monkeypatch.setattr(plan_kernels, "_make_program", lambda spec, target: rope.program(
+        None, 2, 64, 256, rope_dim=64, inverse=False, target=target))  # fmt: skip
+    lowered = []
+    real_lower = tb.lower
+    monkeypatch.setattr(tb, "lower", lambda *a: lowered.append(1) or real_lower(*a))
+    script = plan_kernels._make_program(spec, "sm90").script()
+    import tilelang
+
+    path = tb.cache_dir() / "sm90" / "by_program" / f"tir-{tb.content_hash(script, 'sm90', tilelang.__version__)}.cu"
+    path.parent.mkdir(parents=True)
+    mark = path.with_suffix(".lowering")
+    mark.touch()
+    assert plan_kernels.lower_one(spec, "sm90", defer=True) == {"name": spec.name, "deferred": True}
+    assert not lowered and not path.exists()
+    res = plan_kernels.lower_one(spec, "sm90")
+    assert "error" not in res and len(lowered) == 1 and path.exists() and not mark.exists(), res
