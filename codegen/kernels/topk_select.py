@@ -223,6 +223,7 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     first chunk's loads issued before the row's limit and the workspace's zeroing) 455.0 us = 54.8% vs 459.5 at
     C65536, 206.7 vs 207.9 at C16384 (DEEPINFER_TOPK_EAGER=0: without); measured slower: a persistent grid
     (611.8; removed), tail_split (487.7), rsel at 128 threads (278.6 at C16384: 141 registers).
+    DEEPINFER_TOPK_SEARCH=n: the prefill rows' bound searched every n-th chunk (`HistConfig.search`; 1 by default).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -237,7 +238,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                              ffs=True, fast=fast)  # fmt: skip
             if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":  # (rsel: slower at 128 threads)
                 cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256,
-                              eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk)
+                              eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk,
+                              search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", "1")))
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
