@@ -644,6 +644,22 @@ class _CpuClock:
         return round(spent, 3)
 
 
+def _device_spec(spec: KernelSpec) -> KernelSpec:
+    """The spec with the keyword arguments its family declares grid-only (a module's GRID_ONLY_KWARGS: they reach
+    the launch grid, not the device code) at the family's value: the same CUDA source, one lowering for them all."""
+    import dataclasses
+
+    mod = importlib.import_module(f"deepinfer.codegen.kernels.{spec.family}")
+    neutral = getattr(mod, "GRID_ONLY_KWARGS", {}).get(spec.program, {})
+    if not any(k in spec.kwargs and spec.kwargs[k] != v for k, v in neutral.items()):
+        return spec
+    kwargs = {k: neutral.get(k, v) for k, v in spec.kwargs.items()}
+    key = spec.key
+    if key is not None:
+        key = dataclasses.replace(key, kwargs=tuple((k, neutral.get(k, v)) for k, v in key.kwargs))
+    return dataclasses.replace(spec, kwargs=kwargs, key=key)
+
+
 def _lower_by_program(spec: KernelSpec, target: str, tgt, tl_version: str, defer: bool = False) -> str | None:
     """The spec's lowered source, cached by the program's TIR text (+ target, tilelang): keys that differ only in
     arguments the program does not read (a symbolic dim's bucket, sparse_attn_decode's batch and pools) lower
@@ -652,7 +668,7 @@ def _lower_by_program(spec: KernelSpec, target: str, tgt, tl_version: str, defer
     lowering of the same program at the same time (0.1-8 CPU s)."""
     from deepinfer.codegen import tilelang_backend as tb
 
-    prog = _make_program(spec, target)
+    prog = _make_program(_device_spec(spec), target)
     ext = ".cpp" if target == "ascend950" else ".cu"
     path = tb.cache_dir() / target / "by_program" / f"tir-{tb.content_hash(prog.script(), target, tl_version)}{ext}"
     if path.exists():

@@ -587,6 +587,12 @@ def _wide_swizzle_hook() -> None:
     GemmWGMMA.infer_layout = infer_layout
 
 
+# Keyword arguments of the factories that reach only the launch grid, never the device code, with a value to lower
+# them at: plan_kernels lowers one program for all their values (the 40-layer V4.1's batched decode buckets ask for
+# slots 6, 12, 24, 48, 96: five lowerings of one CUDA source before). test_moe_swab_slot_map checks the sources equal.
+GRID_ONLY_KWARGS = {"swab_program": {"slots": 0}}
+
+
 def swab_program(
     M: int,
     N: int,

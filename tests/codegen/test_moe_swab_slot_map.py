@@ -215,6 +215,23 @@ def test_sm90_source_reads_the_map_once_and_the_grid_has_the_slots(tilelang_requ
     assert 'T.thread_binding(96, thread="blockIdx.y")' in script
 
 
+@pytest.mark.parametrize("persistent", [0, 264])
+def test_slots_reach_only_the_grid_so_the_compile_lowers_them_once(tilelang_required, persistent):
+    """GRID_ONLY_KWARGS' claim: the sm90 CUDA source is the same for every slots value (0 = all E, the decode
+    buckets' 6 .. 96), so plan_kernels lowers swab_program at slots 0 for every spec that differs only there."""
+    from deepinfer.codegen import plan_kernels as pk
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = mg.SwabConfig(64, 16, 128, 4, 4, persistent=persistent)
+    args = (384 * 16, 2 * 2304, 5120, 384)
+    kw = {"fmt": "fp8", "max_rows": 16, "swiglu_limit": 10.0, "glu_split": True, "slot_map": True}
+    sources = {s: tb.lower(mg.swab_program(*args, cfg=cfg, slots=s, **kw), "sm90") for s in (0, 6, 96)}
+    assert sources[0] == sources[6] == sources[96]
+    spec = pk.KernelSpec("moe_grouped_gemm", "swab_program", args, {**kw, "slots": 6}, dataclasses.asdict(cfg), "t")
+    assert pk._device_spec(spec).kwargs == {**kw, "slots": 0} and spec.kwargs["slots"] == 6
+    assert pk._device_spec(pk._device_spec(spec)) == pk._device_spec(spec)
+
+
 def _random_e4m3(shape, dev) -> torch.Tensor:
     """Random e4m3 codes without NaNs, one byte per element (bit 6 cleared: exponent <= 7, |w| <= 1.875)."""
     return (torch.randint(0, 256, shape, dtype=torch.uint8, device=dev) & 0xBF).view(torch.float8_e4m3fn)
