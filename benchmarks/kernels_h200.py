@@ -1273,16 +1273,19 @@ def case_ipos_candidates(row: Row, B: int, mml: int, ratio: int, form: str, quic
 
 # ---------------------------------------------------------------------------------------------- candidate_blocks
 # `--only "candidate_blocks"` (helper D, session 10): layer 20's candidate level (V4.1, MODEL_SPEC §2.13: 2048 blocks
-# of 8 entries, ratio 1) on codegen/kernels/candidate_blocks.py (Triton: the visible blocks' maxima -- fused into the
-# sort's program when the cache is one tile (C 4096), else a launch of its own -- then one sort a row) at B1 / B64 /
-# B256, a context of 4096 or 65536 tokens in a cache of C entries. Rows: "kernel" (CUDA-graph replay; the vs-eager
-# column: the op's reference, eager, with its host sync), "sync-free" (the torch form the batched step ran before,
-# runtime/cuda_graphs.candidate_blocks, as a CUDA-graph replay), "cfg <tag>" (B64, the config space). Every row's ids
-# equal the op's reference (scores -inf past the visible columns, as index_scores writes them). %limit: the visible
-# scores read once + the i64 ids written.
+# of 8 entries, ratio 1) on codegen/kernels/candidate_blocks.py (Triton: the visible blocks' maxima, one sort a row of
+# up to 512 visible blocks, longer rows merged -- the module docstring) at B1 / B64 / B256, a context of 4096, 16384
+# or 65536 tokens in a cache of C entries. Rows: "kernel" (CUDA-graph replay; vs eager: the op's reference, eager,
+# with its host sync), "sync-free" (the torch form the batched step ran before, runtime/cuda_graphs.candidate_blocks,
+# CUDA-graph replay), "cfg <tag>" (B64, the config space). Every row's ids equal the op's reference (scores -inf past
+# the visible columns). %limit: the visible scores read once + the i64 ids written.
+# H200 call 2 (7f89b74; the first form: fused at C4096, sorts of up to 4096 keys in passes), us, kernel / sync-free:
+# ctx4096 C4096 B1 14.0 / 72.0, B64 14.8 / 78.4 (unfused 11.1), B256 21.7 / 93.2; ctx4096 C65536 9.9 / 97.2, 11.1 /
+# 199.6, 16.4 / 497.2; ctx65536 291.2 / 100.2, 284.0 / 212.2, 428.0 / 512.5 (a 4096-key tl.sort ~90 us: the merge).
 
 CAND_TOPK, CAND_BLOCK = 2048, 8
-CAND_SHAPES = ((4096, 4096), (4096, 65536), (65536, 65536))  # (context, cache columns C)
+CAND_SHAPES = ((4096, 4096), (4096, 65536), (16384, 65536), (65536, 65536))  # (context, cache columns C)
+CAND_CFG_SHAPES = ((4096, 4096), (65536, 65536))  # the config space's rows (B64)
 
 
 def _cand_inputs(B: int, ctx: int, C: int):
@@ -1332,6 +1335,7 @@ def candidate_blocks_cases():
                 run = functools.partial(case_candidate_blocks, B=B, ctx=ctx, C=C, form=form)
                 out.append((f"candidate_blocks {form}", f"B{B} ctx{ctx} C{C}",
                             lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    for ctx, C in CAND_CFG_SHAPES:
         for cfg in cb.config_space(64, C, CAND_BLOCK, CAND_TOPK)[1:]:
             run = functools.partial(case_candidate_blocks, B=64, ctx=ctx, C=C, form="cfg", cfg=cfg)
             out.append(("candidate_blocks cfg", f"B64 ctx{ctx} C{C}", lambda r, q, d, run=run: run(r, quick=q, dry=d)))

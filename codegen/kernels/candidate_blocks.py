@@ -1,4 +1,4 @@
-"""candidate_blocks (the first level of V4.1's two-level indexer, MODEL_SPEC §2.13) as one or two Triton launches.
+"""candidate_blocks (the first level of V4.1's two-level indexer, MODEL_SPEC §2.13) in 1-4 Triton launches.
 
     lim_t     = min((p_t + 1) // ratio, C)                       visible columns of row t (follows the sequence)
     bmax[t,b] = max(S[t, j] for j in block b, j < lim_t)       (-inf: no visible entry)
@@ -18,15 +18,21 @@ visible columns (index scores are never NaN).
    inverted (larger first), above its id (ties: the lower id first) -- sorted in registers (tl.sort, bitonic): an
    ascending key order IS the op's order, and the ids are read back from the keys' low half. The sort's size is
    the level of a ladder (`smallest`, 2 x smallest, ..., `chunk`) that holds the row's visible blocks, chosen at run
-   time (a 4k context in a 64k cache sorts 512 keys, not 4096). A row of up to `chunk` blocks is one sort.
-   Longer rows (a long context with a large cache) go in passes: the running best KP (= topk_blocks rounded up
-   to a power of two) keys, kept sorted in a scratch row, are sorted again together with the next chunk - KP
-   blocks; the first KP keys of a pass are the best of everything seen (keys are unique).
-   The passes follow the row's visible blocks (a runtime loop bound), not the cache.
+   time (a 2k context sorts 256 keys, not 512). A row of up to `chunk` (512) blocks is one sort.
+3. Longer rows (`long`; a context above 4k tokens at block 8): tl.sort costs ~5 us for 512 keys but ~90 us for 4096
+   (H200), so they are not sorted whole. "merge" (the default): the selection's program writes the row's
+   min(visible, topk_blocks) winners' keys to a scratch row in id order, without sorting -- past topk_blocks blocks
+   the topk_blocks-th best score key is found by a radix select (4 passes over the row's maxima, 8-bit digits, a
+   256-bin histogram each) and the keys below it are kept with the first of its ties by id --; `_chunk_sort_kernel`
+   (grid rows x KP / 512) sorts them 512 at a time; `_merge_kernel` (grid rows x KP / 128) places each winner at the
+   number of keys below it, summed over the sorted chunks by binary searches (keys are unique), and writes its id
+   there. "radix": the same winners, then one sort of KP keys by the row's program. "passes": the running best KP
+   keys, kept sorted in a scratch row, sorted again together with the next chunk - KP blocks (chunk > KP).
+   Every mode follows the row's visible blocks (runtime loop bounds), not the cache.
 
-`fused` (the default when the whole cache is one tile of <= FUSE_MAX scores: max_model_len 4096 at block 8 is 512
-x 8): the selection's program computes its row's maxima itself (`_maxima`, the block-max kernel's code): one launch,
-no scratch.
+`fused` (opt-in, for a cache that is one tile of <= FUSE_MAX scores: max_model_len 4096 at block 8 is 512 x 8): the
+selection's program computes its row's maxima itself (`_maxima`, the block-max kernel's code): one launch, no scratch
+-- but one program reads the row, and on the H200 it lost (B64 ctx4096: 14.8 us vs 11.1 for the two launches).
 
 -inf blocks (and masked lanes) keep the key of -inf and come out as -1, which is where the reference puts them
 (after every finite score). The sort's keys hold ids < 2^31.
@@ -45,10 +51,13 @@ except ImportError:  # pragma: no cover
     triton = tl = None
 
 FAMILY = "candidate_blocks"
-# blocks one selection pass sorts at most by default: 4096 int64 keys (8 warps: 128 registers, no spill). 8192 (16
-# warps) sorts a 64k context at once instead of in 3 passes, but its Triton build took 142 s vs 76 s (2 CPU cores)
-CHUNK_MAX = 4096
+# The sort (tl.sort, bitonic through shared memory) is what costs. H200, session 10 call 2 (B64): a row of 512 keys
+# ~5 us, 4096 keys ~90 us (a 64k context in 3 passes: 284 us), 8192 at 16 warps 221 us -- the torch form 212 us.
+CHUNK = 512  # the largest sort of the default ladder; longer rows: LONG_MODES["merge"]
+CHUNK_MAX = 4096  # (the "passes" mode) blocks one selection pass sorts at most
 FUSE_MAX = 8192  # scores a fused selection program loads as one tile at most (the default mml 4096: 512 x 8)
+LONG_MODES = {"passes": 0, "radix": 1, "merge": 2}  # rows of more than `chunk` visible blocks (see the docstring)
+MERGE_TILE = 128  # winners one merge program places
 
 
 @dataclass(frozen=True)
@@ -59,12 +68,13 @@ class Config:
     sort_warps: int = 8
     smallest: int = 256  # the smallest sort of the selection's ladder (= chunk: one size, whatever the row holds)
     fused: bool = False  # (one-pass rows) the sort's program computes the maxima itself: one launch, no scratch
-    radix: bool = False  # rows of more than `chunk` blocks by a radix select + one KP sort, not passes of sorts
+    long: str = "merge"  # rows of more than `chunk` visible blocks: "merge", "radix" or "passes" (LONG_MODES)
+    merge_chunk: int = 512  # ("merge") winners one program sorts; each winner's rank by binary searches in the rest
 
     @property
     def tag(self) -> str:
-        flags = ("f" if self.fused else "") + ("r" if self.radix else "")
-        return f"b{self.bnb}w{self.max_warps}c{self.chunk}s{self.sort_warps}l{self.smallest}{flags}"
+        long = {"merge": f"m{self.merge_chunk}", "radix": "r", "passes": "p"}[self.long]
+        return f"b{self.bnb}w{self.max_warps}c{self.chunk}s{self.sort_warps}l{self.smallest}{'f' * self.fused}{long}"
 
 
 def _pow2(n: int) -> int:
@@ -75,42 +85,45 @@ def n_blocks(C: int, block: int) -> int:
     return -(-C // block)
 
 
-def sort_chunk(nb: int, k: int, chunk: int = 0) -> int:
-    """Keys a selection pass sorts: the whole row (rounded up to a power of two) when it fits in `chunk`
-    (default CHUNK_MAX, at least KP), else `chunk` (multi-pass: at least 2 KP, so a pass adds new blocks)."""
+def sort_chunk(nb: int, k: int, chunk: int = 0, long: str = "merge") -> int:
+    """The largest sort of a row: the whole row (rounded up to a power of two) when it fits in `chunk` (default
+    CHUNK, or for "passes" CHUNK_MAX and at least KP), else `chunk` ("passes": at least 2 KP, so a pass adds blocks)."""
     kp, nbp = _pow2(k), _pow2(nb)
+    if long != "passes":
+        return min(nbp, chunk or CHUNK)
     cap = max(chunk or CHUNK_MAX, kp)
     return nbp if nbp <= cap else max(cap, 2 * kp)
 
 
 def default_config(T_: int, C: int, block: int, k: int) -> Config:
-    """One rule (no tuning yet): bnb 256 blocks a block-max program (2048 scores at block 8), the sort's warps
-    by its size (~16 keys a thread, 4..16 warps), fused when the whole cache is one tile of <= FUSE_MAX scores."""
-    nb = n_blocks(C, block)
-    ch = sort_chunk(nb, k)
-    fused = _pow2(nb) <= ch and ch * _pow2(block) <= FUSE_MAX
-    return Config(bnb=256, max_warps=4, chunk=ch, sort_warps=min(16, max(4, ch // 512)), fused=fused)
+    """One rule (H200 call 2, B64 ctx4096: two launches 11.1 us vs fused 14.8, 4 warps): bnb 256 blocks a block-max
+    program (2048 scores at block 8), rows of up to CHUNK blocks sorted by their program, longer ones merged."""
+    return Config(bnb=256, max_warps=4, chunk=sort_chunk(n_blocks(C, block), k), sort_warps=4)
 
 
 def config_space(T_: int, C: int, block: int, k: int) -> list[Config]:
-    """The default first; block-max tiles of 128 / 512 blocks, the sort on 4 / 8 / 16 warps, no ladder (one sort
-    size), and for long rows the whole row in one sort of up to 8192 keys, passes of 2 KP, or the radix select."""
+    """The default first; fused, block-max tiles of 128 / 512 blocks, the sort on 8 / 16 warps, no ladder (one sort
+    size), and for long rows the radix select + one sort, merges of 256-key chunks, or passes of sorts."""
     d = default_config(T_, C, block, k)
-    nbp, kp = _pow2(n_blocks(C, block)), _pow2(k)
-    out = [d, replace(d, fused=False), replace(d, bnb=128), replace(d, bnb=512), replace(d, smallest=d.chunk)]
-    out += [replace(d, sort_warps=w) for w in (4, 8, 16)]
+    nbp = _pow2(n_blocks(C, block))
+    out = [d, replace(d, bnb=128), replace(d, bnb=512), replace(d, smallest=d.chunk)]
+    out += [replace(d, sort_warps=w) for w in (8, 16)]
+    if nbp <= d.chunk and d.chunk * _pow2(block) <= FUSE_MAX:  # (fused: a cache of one tile)
+        out += [replace(d, fused=True), replace(d, fused=True, sort_warps=16)]
     if nbp > d.chunk:
-        out += [replace(d, chunk=min(nbp, 2 * CHUNK_MAX), sort_warps=16), replace(d, chunk=2 * kp)]
-        out.append(replace(d, radix=True))
+        out += [replace(d, long="radix"), replace(d, merge_chunk=256)]
+        out.append(replace(d, long="passes", chunk=4096, sort_warps=8))
     return list(dict.fromkeys(out))
 
 
 def check_config(C: int, block: int, k: int, cfg: Config) -> None:
     """Raises ValueError naming what a config cannot take."""
-    ch = cfg.chunk or sort_chunk(n_blocks(C, block), k)
-    if ch & (ch - 1) or cfg.bnb & (cfg.bnb - 1):
-        raise ValueError(f"candidate_blocks: chunk {ch} and bnb {cfg.bnb} must be powers of two")
-    if _pow2(n_blocks(C, block)) > ch and ch <= _pow2(k):
+    ch = cfg.chunk or sort_chunk(n_blocks(C, block), k, long=cfg.long)
+    if cfg.long not in LONG_MODES:
+        raise ValueError(f"candidate_blocks: long must be one of {sorted(LONG_MODES)}, not {cfg.long!r}")
+    if ch & (ch - 1) or cfg.bnb & (cfg.bnb - 1) or cfg.merge_chunk & (cfg.merge_chunk - 1):
+        raise ValueError(f"candidate_blocks: chunk {ch}, bnb {cfg.bnb} and merge_chunk must be powers of two")
+    if cfg.long == "passes" and _pow2(n_blocks(C, block)) > ch and ch <= _pow2(k):
         raise ValueError(f"candidate_blocks: a multi-pass chunk ({ch}) must exceed topk_blocks rounded up ({_pow2(k)})")
     if cfg.fused and ch * _pow2(block) > FUSE_MAX:
         raise ValueError(f"candidate_blocks: a fused tile of {ch} x {_pow2(block)} scores exceeds {FUSE_MAX}")
@@ -198,26 +211,26 @@ if triton is not None:
             tl.store(out_ptr + row * K + f, tl.full([KP], -1, tl.int64), mask=(f >= N) & (f < K))
 
     @triton.jit
-    def _select_radix(bmax_ptr, best_ptr, out_ptr, row, NB, nvis, K: tl.constexpr, KP: tl.constexpr,
-                      CH: tl.constexpr):  # fmt: skip
-        """A row of more than CH (> K) blocks: the K-th best 32-bit score key by a radix select (4 passes over the
-        row's maxima, 8-bit digits, one 256-bin histogram each), then one pass that writes the K winners' 64-bit
-        keys to the row's scratch (those better than the K-th, then the K-th's ties by id, the lowest first), and
-        one sort of KP keys."""
-        bins = tl.arange(0, 256)
-        prefix = tl.full((), 0, tl.int64)  # the K-th key's digits found so far
-        rank = tl.full((), K, tl.int32)  # its rank among the keys that share them
-        for p in tl.static_range(4):
-            hist = tl.zeros([256], tl.int32)
-            for start in range(0, nvis, CH):
-                i = start + tl.arange(0, CH)
-                u = _unsigned(tl.load(bmax_ptr + row * NB + i, mask=i < nvis, other=float("-inf")))
-                match = (i < nvis) & ((u >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-                hist += tl.histogram(((u >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
-            cum = tl.cumsum(hist, 0)
-            digit = tl.sum((cum < rank).to(tl.int32), 0)  # the bin holding the rank-th key
-            rank -= tl.sum(tl.where(bins < digit, hist, 0), 0)
-            prefix = prefix | (digit.to(tl.int64) << (24 - 8 * p))
+    def _winners(bmax_ptr, best_ptr, row, NB, nvis, K: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr):
+        """The row's min(nvis, K) best blocks' 64-bit keys written to its scratch row in id order, no sort: with more
+        than K visible blocks, the K-th best 32-bit score key by a radix select (4 passes over the row's maxima,
+        8-bit digits, a 256-bin histogram each), then the keys better than it and the first of its ties by id."""
+        prefix = tl.full((), 2**32, tl.int64)  # (<= K blocks: every key is below it)
+        rank = tl.full((), 0, tl.int32)
+        if nvis > K:
+            bins = tl.arange(0, 256)
+            prefix = tl.full((), 0, tl.int64)  # the K-th key's digits found so far
+            rank = tl.full((), K, tl.int32)  # its rank among the keys that share them
+            for p in tl.static_range(4):
+                hist = tl.zeros([256], tl.int32)
+                for start in range(0, nvis, CH):
+                    i = start + tl.arange(0, CH)
+                    u = _unsigned(tl.load(bmax_ptr + row * NB + i, mask=i < nvis, other=float("-inf")))
+                    match = (i < nvis) & ((u >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                    hist += tl.histogram(((u >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+                digit = tl.sum((tl.cumsum(hist, 0) < rank).to(tl.int32), 0)  # the bin holding the rank-th key
+                rank -= tl.sum(tl.where(bins < digit, hist, 0), 0)
+                prefix = prefix | (digit.to(tl.int64) << (24 - 8 * p))
         taken = tl.full((), 0, tl.int32)
         ties = tl.full((), 0, tl.int32)
         for start in range(0, nvis, CH):
@@ -226,23 +239,27 @@ if triton is not None:
             u = _unsigned(v)
             eq = (i < nvis) & (u == prefix)
             sel = ((i < nvis) & (u < prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rank))
-            at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(best_ptr + row * KP + at, _keys(v, i), mask=sel)
+            tl.store(best_ptr + row * KP + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, _keys(v, i), mask=sel)
             taken += tl.sum(sel.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
+
+    @triton.jit
+    def _sort_winners(best_ptr, out_ptr, row, nvis, K: tl.constexpr, KP: tl.constexpr):
+        """("radix") the winners sorted by one program: KP keys."""
         tl.debug_barrier()  # (the CTA's stores are visible to its loads)
         j = tl.arange(0, KP)
-        s = tl.sort(tl.load(best_ptr + row * KP + j, mask=j < K, other=0x7FFFFFFFFFFFFFFF))
+        s = tl.sort(tl.load(best_ptr + row * KP + j, mask=j < tl.minimum(nvis, K), other=0x7FFFFFFFFFFFFFFF))
         tl.store(out_ptr + row * K + j, tl.where((s >> 32) >= 0x7F800000, -1, s & 0xFFFFFFFF), mask=j < K)
 
     @triton.jit
     def _select_kernel(s_ptr, s_stride, bmax_ptr, pos_ptr, best_ptr, out_ptr, C, NB, ratio, BLOCK: tl.constexpr,
                        BLKP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr, LADDER: tl.constexpr,
-                       MULTI: tl.constexpr, FUSED: tl.constexpr, RADIX: tl.constexpr):  # fmt: skip
+                       MULTI: tl.constexpr, FUSED: tl.constexpr, LONG: tl.constexpr):  # fmt: skip
         """One program a row: the sort's size is the level of the ladder CH >> (LADDER - 1), ..., CH / 2, CH that
-        holds the row's visible blocks (a runtime branch: a 4k context in a 64k cache sorts 512 keys, not 8192);
-        the top level takes every longer row in passes (MULTI). FUSED (a cache of few blocks): one launch, the
-        maxima computed by the sort's program from the scores."""
+        holds the row's visible blocks (a runtime branch: a 4k context in a 64k cache sorts 512 keys, not 8192).
+        Longer rows (MULTI: the cache has them): LONG 0, passes of CH-key sorts; 1, the winners (radix select) and
+        one KP-key sort; 2, the winners only (the chunk-sort and merge kernels order them). FUSED (a cache of few
+        blocks): one launch, the maxima computed by the sort's program from the scores."""
         row = tl.program_id(0).to(tl.int64)
         lim = _visible(pos_ptr, row, C, ratio)
         nvis = (lim + BLOCK - 1) // BLOCK
@@ -250,19 +267,59 @@ if triton is not None:
             lo_ok = nvis >= 0  # (the lowest level: every row up to its size)
             if lvl > 0:
                 lo_ok = nvis > (CH >> (LADDER - lvl))
-            hi_ok = nvis >= 0  # (the top level: every longer row, in passes)
+            hi_ok = nvis >= 0  # (the top level: every longer row too)
             if lvl < LADDER - 1:
                 hi_ok = nvis <= (CH >> (LADDER - 1 - lvl))
             if lo_ok & hi_ok:
-                if RADIX and MULTI and lvl == LADDER - 1:  # (rows of more than CH blocks: a radix select)
+                if MULTI and LONG > 0 and lvl == LADDER - 1:
                     if nvis <= CH:
                         _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK, BLKP, K,
                                     KP, CH, False, FUSED)  # fmt: skip
                     else:
-                        _select_radix(bmax_ptr, best_ptr, out_ptr, row, NB, nvis, K, KP, CH)
+                        _winners(bmax_ptr, best_ptr, row, NB, nvis, K, KP, CH)
+                        if LONG == 1:
+                            _sort_winners(best_ptr, out_ptr, row, nvis, K, KP)
                 else:
                     _select_row(s_ptr, s_stride, bmax_ptr, best_ptr, out_ptr, row, NB, lim, nvis, BLOCK, BLKP, K, KP,
                                 CH >> (LADDER - 1 - lvl), MULTI and lvl == LADDER - 1, FUSED)  # fmt: skip
+
+    @triton.jit
+    def _chunk_sort_kernel(pos_ptr, best_ptr, sorted_ptr, C, ratio, BLOCK: tl.constexpr, K: tl.constexpr,
+                           KP: tl.constexpr, CH: tl.constexpr, MC: tl.constexpr):  # fmt: skip
+        """("merge") grid (rows, KP / MC), rows of more than CH blocks: the winners MC at a time sorted (the largest
+        key past them)."""
+        row = tl.program_id(0).to(tl.int64)
+        nvis = (_visible(pos_ptr, row, C, ratio) + BLOCK - 1) // BLOCK
+        if nvis > CH:
+            j = tl.program_id(1) * MC + tl.arange(0, MC)
+            keys = tl.load(best_ptr + row * KP + j, mask=j < tl.minimum(nvis, K), other=0x7FFFFFFFFFFFFFFF)
+            tl.store(sorted_ptr + row * KP + j, tl.sort(keys))
+
+    @triton.jit
+    def _merge_kernel(pos_ptr, sorted_ptr, out_ptr, C, ratio, BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      CH: tl.constexpr, MC: tl.constexpr, RT: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
+        """("merge") grid (rows, KP / RT): a winner's place in the op's order is the number of keys below it, summed
+        over the sorted chunks (a lower-bound binary search of STEPS loads in each; keys are unique); out[place] is
+        its id (-1 for a -inf block), and the places past the winners are -1."""
+        row = tl.program_id(0).to(tl.int64)
+        nvis = (_visible(pos_ptr, row, C, ratio) + BLOCK - 1) // BLOCK
+        if nvis > CH:
+            e = tl.program_id(1) * RT + tl.arange(0, RT)
+            key = tl.load(sorted_ptr + row * KP + e)
+            place = tl.zeros([RT], tl.int32)
+            for c in tl.static_range(KP // MC):
+                lo = tl.zeros([RT], tl.int32)
+                hi = tl.full([RT], MC, tl.int32)
+                for _ in tl.static_range(STEPS):
+                    go = lo < hi
+                    mid = (lo + hi) // 2
+                    below = tl.load(sorted_ptr + row * KP + c * MC + mid, mask=go, other=0x7FFFFFFFFFFFFFFF) < key
+                    lo = tl.where(go & below, mid + 1, lo)
+                    hi = tl.where(go & ~below, mid, hi)
+                place += lo
+            ids = tl.where((key >> 32) >= 0x7F800000, -1, key & 0xFFFFFFFF)
+            tl.store(out_ptr + row * K + place, ids, mask=(key != 0x7FFFFFFFFFFFFFFF) & (place < K))
+            tl.store(out_ptr + row * K + e, tl.full([RT], -1, tl.int64), mask=(e >= tl.minimum(nvis, K)) & (e < K))
 
 
 def block_max_jit(interpret: bool = False):
@@ -273,6 +330,14 @@ def block_max_jit(interpret: bool = False):
 def select_jit(interpret: bool = False):
     """The selection @triton.jit kernel (the AOT factory form)."""
     return _select_kernel
+
+
+def chunk_sort_jit(interpret: bool = False):
+    return _chunk_sort_kernel
+
+
+def merge_jit(interpret: bool = False):
+    return _merge_kernel
 
 
 def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ratio: int, topk_blocks: int,
@@ -287,7 +352,7 @@ def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ra
     cfg = cfg or default_config(t, c, block, k)
     check_config(c, block, k, cfg)
     nb, kp = n_blocks(c, block), _pow2(k)
-    ch = cfg.chunk or sort_chunk(nb, k)
+    ch = cfg.chunk or sort_chunk(nb, k, long=cfg.long)
     out = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     if t == 0 or k == 0:
         return out
@@ -296,6 +361,7 @@ def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ra
     pos = positions.contiguous()
     multi = _pow2(nb) > ch
     fused = cfg.fused and not multi
+    long = LONG_MODES[cfg.long] if multi else 0
     bmax = torch.empty(t, 1 if fused else nb, dtype=torch.float32, device=s.device)
     best = torch.empty(t, kp if multi else 1, dtype=torch.int64, device=s.device)
     if c and not fused:
@@ -303,6 +369,13 @@ def triton_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ra
                                                   BLKP=_pow2(block), BNB=cfg.bnb, num_warps=cfg.max_warps)  # fmt: skip
     ladder = max(1, (ch // min(cfg.smallest, ch)).bit_length())
     _select_kernel[(t,)](s, s.stride(0), bmax, pos, best, out, c, nb, ratio, BLOCK=block, BLKP=_pow2(block), K=k,
-                         KP=kp, CH=ch, LADDER=ladder, MULTI=multi, FUSED=fused, RADIX=cfg.radix,
+                         KP=kp, CH=ch, LADDER=ladder, MULTI=multi, FUSED=fused, LONG=long,
                          num_warps=cfg.sort_warps)  # fmt: skip
+    if long == LONG_MODES["merge"]:
+        mc, rt = min(cfg.merge_chunk, kp), min(MERGE_TILE, kp)
+        ordered = torch.empty(t, kp, dtype=torch.int64, device=s.device)
+        _chunk_sort_kernel[(t, kp // mc)](pos, best, ordered, c, ratio, BLOCK=block, K=k, KP=kp, CH=ch, MC=mc,
+                                          num_warps=max(1, min(8, mc // 128)))  # fmt: skip
+        _merge_kernel[(t, kp // rt)](pos, ordered, out, c, ratio, BLOCK=block, K=k, KP=kp, CH=ch, MC=mc, RT=rt,
+                                     STEPS=mc.bit_length(), num_warps=4)  # fmt: skip
     return out

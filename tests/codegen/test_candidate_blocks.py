@@ -49,25 +49,27 @@ def check(s, pos, *, ratio, k, block, cfg=None):
 @pytest.mark.parametrize("fused", [True, False])
 def test_matches_the_reference(interpret, kind, ratio, block, fused):
     """Rows: nothing visible (padding -1, position 0 at ratio > 1), one entry, a partial block, fewer visible
-    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block. The default is fused
-    (the cache is one tile); unfused: the block-max kernel, then the selection."""
+    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block. Fused: one launch; not:
+    the block-max kernel, then the selection (the default)."""
     c, k = 301, 24
     pos = torch.tensor([-1, 0, 1, 9 * ratio, 60 * ratio + 1, 200 * ratio, c * ratio - 1])
     cfg = cb.default_config(len(pos), c, block, k)
-    assert cfg.fused
     check(scores(kind, len(pos), c, seed=ratio * 10 + block), pos, ratio=ratio, k=k, block=block,
           cfg=replace(cfg, fused=fused))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["rand", "ties", "limits"])
-@pytest.mark.parametrize("radix", [False, True])
-def test_every_ladder_level_and_the_passes(interpret, kind, radix):
-    """A ladder 8, 16, 32, 64 (k = 12: KP 16) with 64-key passes of 48 new blocks (or the radix select past 64):
-    one row per level, rows of 1-3 passes past the top, one ending exactly at a pass boundary, k not a power of
-    two; "ties": the k-th score shared by many blocks (the radix select takes the lowest ids of them)."""
+@pytest.mark.parametrize("long", ["merge", "radix", "passes"])
+def test_every_ladder_level_and_the_long_rows(interpret, kind, long):
+    """k = 12 (KP 16). merge / radix: a ladder 4, 8 and rows past it of up to k visible blocks (every one a winner)
+    and more (the radix select), merged from sorted chunks of 4; passes: a ladder 8, 16, 32, 64 and 64-key passes
+    of 48 new blocks, rows of 1-3 passes past the top, one ending exactly at a pass boundary. "ties": the k-th score
+    shared by many blocks (the lowest ids of them win)."""
     c, block, k = 1000, 4, 12
-    cfg = cb.Config(bnb=16, chunk=64, sort_warps=2, smallest=8, radix=radix)
-    nvis = torch.tensor([0, 5, 8, 9, 16, 17, 32, 33, 64, 65, 112, 160, 250])
+    cfg = cb.Config(bnb=16, chunk=8, sort_warps=2, smallest=4, long=long, merge_chunk=4)
+    if long == "passes":
+        cfg = replace(cfg, chunk=64, smallest=8)
+    nvis = torch.tensor([0, 3, 5, 8, 9, 12, 13, 16, 17, 32, 33, 64, 65, 112, 160, 250])
     check(scores(kind, len(nvis), c, seed=3), nvis * block - 1, ratio=1, k=k, block=block, cfg=cfg)
 
 
@@ -109,14 +111,16 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="scores \\[T, C\\] and positions \\[T\\]"):
         cb.triton_candidate_blocks(torch.zeros(8), torch.zeros(1, dtype=torch.long), ratio=1, topk_blocks=2, block=4)
     with pytest.raises(ValueError, match="multi-pass chunk"):
-        cb.check_config(4096, 8, 512, cb.Config(chunk=256))
+        cb.check_config(4096, 8, 512, cb.Config(chunk=256, long="passes"))
+    with pytest.raises(ValueError, match="long must be one of"):
+        cb.check_config(4096, 8, 512, cb.Config(long="sort"))
 
 
 def test_configs():
     """The real dims: 512 blocks (mml 4096) sort at once; 8192 (mml 65536) in passes of 4096; every config of
     the space is valid and the default comes first."""
     d4, d64 = cb.default_config(64, 4096, 8, 2048), cb.default_config(64, 65536, 8, 2048)
-    assert (d4.chunk, d4.fused, d64.chunk, d64.sort_warps, d64.fused) == (512, True, 4096, 8, False)
+    assert (d4.chunk, d4.fused, d64.chunk, d64.long, d64.sort_warps) == (512, False, 512, "merge", 4)
     for c in (4096, 65536, 1 << 20):
         space = cb.config_space(64, c, 8, 2048)
         assert space[0] == cb.default_config(64, c, 8, 2048) and len(set(space)) == len(space)
@@ -126,7 +130,8 @@ def test_configs():
 
 
 def test_compiles_for_hopper_without_spills():
-    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps; fused or not) and the block maxima."""
+    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps; fused or not), the block maxima, and
+    the long rows' chunk sort (512 keys) and merge (4 chunks x 10 binary-search steps)."""
     sig = {"s_ptr": "*fp32", "s_stride": "i64", "bmax_ptr": "*fp32", "pos_ptr": "*i64", "best_ptr": "*i64",
            "out_ptr": "*i64", "C": "i32", "NB": "i32", "ratio": "i32"}  # fmt: skip
     for fused in (True, False):
@@ -138,6 +143,15 @@ def test_compiles_for_hopper_without_spills():
            "ratio": "i32"}  # fmt: skip
     ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "block_max_jit", sig,
                                dict(BLOCK=8, BLKP=8, BNB=256), num_warps=4)  # fmt: skip
+    assert ".target sm_90a" in ptx and spill_free(report), report
+    common = dict(BLOCK=8, K=2048, KP=2048, CH=512, MC=512)
+    sig = {"pos_ptr": "*i64", "best_ptr": "*i64", "sorted_ptr": "*i64", "C": "i32", "ratio": "i32"}
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "chunk_sort_jit", sig, common,
+                               num_warps=4)  # fmt: skip
+    assert ".target sm_90a" in ptx and spill_free(report), report
+    sig = {"pos_ptr": "*i64", "sorted_ptr": "*i64", "out_ptr": "*i64", "C": "i32", "ratio": "i32"}
+    ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "merge_jit", sig,
+                               dict(common, RT=128, STEPS=10), num_warps=4)  # fmt: skip
     assert ".target sm_90a" in ptx and spill_free(report), report
 
 
