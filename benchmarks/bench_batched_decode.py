@@ -480,11 +480,13 @@ class _Replay:
             if x is None or x in self.ex.params or x in ROW_FEEDS:  # the same in both runs
                 args.append(actual)
                 continue
-            if x not in rows or not rows[x].is_floating_point():
+            if x not in rows:
                 return None  # a pool, an index or a graph input: not a row-wise node
             mine = rows[x][b : b + 1]
-            if mine.shape != actual.shape or _rel(actual, mine) > REPLAY_INPUT_REL:
-                return None  # its inputs already differ beyond rounding: nothing to explain here
+            if mine.shape != actual.shape or mine.dtype != actual.dtype:
+                return None
+            if not (_rel(actual, mine) <= REPLAY_INPUT_REL if mine.is_floating_point() else torch.equal(actual, mine)):
+                return None  # its inputs already differ beyond rounding (or in a choice): nothing to explain here
             args.append(mine)
         outs = self.ex._run_node(self.step, args, self.attrs, self.t)
         return dict(zip(self.step.outputs, outs))
