@@ -100,6 +100,14 @@ def test_a_flip_inside_a_row_wise_op_is_pinned_by_its_replay(bbd):
         got = bbd._pinned("y", y, "row_op", [x], (rows, 0), flips, replay)
         assert torch.equal(got, rows["y"]) == pinned and (flips == [("y", "row_op, replayed", 1, 3)]) == pinned
         assert ("y" in unexplained) == (ex.bug != 0)  # the bug: replayed, and still off on the batched rows
+    # the same op in the batched graph, off on the same rows by a rounding step (its own T = B arithmetic): pinned as
+    # T-dependent; off by more (rows mixed: a real bug), or another op there (the rewrite's): not
+    for bug, batched_op, pinned in ((1e-3, "row_op", True), (0.5, "row_op", False), (1e-3, "other_op", False)):
+        ex, flips = _RowOp(bug=bug), []
+        (y,) = ex._run_node(step, [x_pinned], {}, 1)
+        pin = ({**rows, "__ops__": {"y": batched_op}}, 0)
+        got = bbd._pinned("y", y, "row_op", [x_pinned], pin, flips, bbd._Replay(ex, step, [x_pinned], {}, 1, pin, {}))
+        assert torch.equal(got, rows["y"]) == pinned and bool(flips) == pinned, (bug, batched_op)
 
 
 @pytest.fixture(scope="module")
