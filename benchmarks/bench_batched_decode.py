@@ -413,6 +413,7 @@ def _row_values(ex, feeds: dict, n: int, pin: tuple | None = None) -> dict:
     env, t = bind_symbols(ex.graph, feeds), int(feeds["tokens"].shape[0])
     vals = {**feeds, **{p.name: ex.params[p.name] for p in ex.graph.params}}
     out: dict = {"__order__": [], "__flips__": [], "__replayed__": {}}
+    final = {v.name for v in ex.graph.outputs}
     with ex.sync_free_scope(t):
         for step in ex.steps:
             args = [None if x is None else vals[x] for x in step.inputs]
@@ -420,8 +421,8 @@ def _row_values(ex, feeds: dict, n: int, pin: tuple | None = None) -> dict:
             outs = ex._run_node(step, args, attrs, t)
             if pin is not None:
                 replay = _Replay(ex, step, args, attrs, t, pin, out["__replayed__"])
-                outs = [_pinned(name, o, step.node.op, args, pin, out["__flips__"], replay)
-                        for name, o in zip(step.outputs, outs)]  # fmt: skip
+                outs = [o if name in final else _pinned(name, o, step.node.op, args, pin, out["__flips__"], replay)
+                        for name, o in zip(step.outputs, outs)]  # fmt: skip (the graph's outputs: compared, not pinned)
             vals.update(zip(step.outputs, outs))
             choice = step.node.op in CHOICE_OPS
             for name, o in zip(step.outputs, outs):
