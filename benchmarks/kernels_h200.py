@@ -1883,7 +1883,7 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0, w
     sad = sparse_attn_decode
     pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
-    if cfg.num_split > 1:
+    if cfg.num_split > 1 and not getattr(cfg, "pair", False):  # (Config.pair: one kernel, the single pass's call)
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         if wide_combine:  # the candidate combine (same signature)
             progs = (progs[0], sad.combine_program_wide(B, HEADS, HEAD_DIM, cfg.num_split, target="sm90",
@@ -2673,14 +2673,14 @@ def _s8_rows(B: int | None = None, what: str | None = None, prefix: str = "spars
             and (what is None or r["what"] == what)]  # fmt: skip
 
 
-def case_attn_s8_summary(row: Row, quick: bool, dry: bool, prefix: str = "sparse_attn s8"):
+def case_attn_s8_summary(row: Row, quick: bool, dry: bool, prefix: str = "sparse_attn s8", batches=S7_BATCHES):
     """Per batch: the 4k-operand rows fastest first (% of the HBM copy bandwidth measured now, do_bench and after a
     read flush) and each variant against the batch's default; then the per-block fits (time = fixed + slope x
     64-entry blocks by least squares) of the read-flush and compute-only probes. prefix: the rows' group."""
     if dry:
         return
     hbm = _summary_bandwidth(quick, f"{prefix} summary", "do_bench, then after a read flush")
-    for B in S7_BATCHES:
+    for B in batches:
         rows = _s8_rows(B, "4k", prefix)
         base = next((r for r in rows if r["row"].endswith(" default")), None)
         for i, r in enumerate(sorted(rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)):
@@ -2985,21 +2985,24 @@ def attn_s9_trace_cases():
 
 def case_attn_s10(row: Row, B: int, cfg, quick: bool, dry: bool):
     """case_attn_s7 (checked, do_bench and read flush); an evict_first config's output is also compared bit for bit
-    with the same config without it (only the copies' L2 policy differs: anything else is a bug)."""
+    with the same config without it (only the copies' L2 policy differs: anything else is a bug); a q_regs config's
+    with the same config without it, reported (RS and SS wgmma should agree bit for bit; the check is the reference)."""
     case_attn_s7(row, B, cfg, quick, dry)
-    if not cfg.evict_first:
-        return
-    plain = dataclasses.replace(cfg, evict_first=False)
-    kernels = [_s7_kernel(B, plain, dry), _s7_kernel(B, cfg, dry)]
-    if dry:
-        return
-    q, kv, idx, sink, _, _ = s7_operands(B)
-    outs = [torch.full_like(q, float("nan")) for _ in kernels]
-    for kernel, out in zip(kernels, outs):
-        kernel(q, kv, idx, sink, out)
-    if not torch.equal(*outs):
-        raise AssertionError(f"{cfg.tag}'s output differs from {plain.tag}'s")
-    row.check += " bit-equal"
+    for field, must in (("evict_first", True), ("q_regs", False)):
+        if not getattr(cfg, field):
+            continue
+        plain = dataclasses.replace(cfg, **{field: False})
+        kernels = [_s7_kernel(B, plain, dry), _s7_kernel(B, cfg, dry)]
+        if dry:
+            continue
+        q, kv, idx, sink, _, _ = s7_operands(B)
+        outs = [torch.full_like(q, float("nan")) for _ in kernels]
+        for kernel, out in zip(kernels, outs):
+            kernel(q, kv, idx, sink, out)
+        same = torch.equal(*outs)
+        if must and not same:
+            raise AssertionError(f"{cfg.tag}'s output differs from {plain.tag}'s")
+        row.check += f" {'bit-equal' if same else 'differs from'} {plain.tag}"
 
 
 def attn_s10_cases():
@@ -3023,6 +3026,57 @@ def attn_s10_cases():
     add(64, split, "split 2")
     add(64, rep(split, evict_first=True), "split 2")
     out.append(("sparse_attn s10 summary", "-", lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s10")))
+    return out
+
+
+def attn_s10r2_cases():
+    """`--only "attn s10r2"` (session 10, round 2): evict_first where call 2 did not measure it -- the small batches'
+    split passes (B1 x20, B16 x5, B32 x4 + the combine kernel) with and without it (bit-equal), and a prefill chunk
+    (T4096 k640 on the persistent grid: its tokens re-read the chunk's pools from L2, so evict_first may cost there);
+    the B128 / B256 defaults (evict_first on since call 2) next to the same configs without it; Config.q_regs on the
+    B64 / 128 / 256 defaults (reported bit-equal or not to the default: RS and SS wgmma); then the summary."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    out = []
+    add = _attn_row_adder(out, "sparse_attn s10r2", case_attn_s10)
+    for B in (1, 16, 32, 128, 256):
+        add(B, sad.sm90_config(B, 640), "default")
+    for B in (1, 16, 32):
+        add(B, rep(sad.sm90_config(B, 640), evict_first=True))
+    for B in (128, 256):
+        add(B, rep(sad.sm90_config(B, 640), evict_first=False))
+    pre = sad.prefill_config(4096, 640)
+    for cfg in (pre, rep(pre, evict_first=True)):
+        out.append((f"sparse_attn s10r2 prefill {cfg.tag}", "T4096 H64 k640",
+                    lambda r, q, d, c=cfg: case_attn_prefill(r, 4096, 640, q, d, c, 0, 2, False)))
+    for B in (64, 128, 256):  # Config.q_regs (new): Q's left half in WG0's registers, its QK^T half an RS wgmma
+        add(B, rep(sad.sm90_config(B, 640), q_regs=True))
+    add(256, rep(sad.sm90_config(128, 640), q_regs=True), "single pass")  # (B128's config: two waves at B256)
+    add(64, sad.sm90_config(64, 640), "default")
+    out.append(("sparse_attn s10r2 summary", "-",
+                lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s10r2", (1, 16, 32, 64, 128, 256))))
+    return out
+
+
+def attn_s10_pair_cases():
+    """`--only "attn s10 pair"` (after the other s10 rows: a new cluster program, so a device fault there cannot
+    poison them): test_sparse_attn_s10.py's gpu test kernels built first (build only), then at B64 and B48 the default
+    next to Config.pair (tag "c": a request's two chunks as one 2-CTA cluster, folded in shared memory over DSMEM;
+    checked against the reference, not bit-equal: another rounding) with and without evict_first (bit-equal to pair
+    alone); B64 also split 2 + the combine kernel (session 9's B64 default); then the summary."""
+    sad = sparse_attn_decode
+    rep = dataclasses.replace
+    pair = sad.Config(64, sad.WS_THREADS, 2, 2, True, pair=True)
+    out = _build_only_rows("sparse_attn s10 pair build", [(B, c) for B in (64, 48) for c in (
+        sad.sm90_config(B, 640), pair, rep(pair, evict_first=True))])  # fmt: skip
+    add = _attn_row_adder(out, "sparse_attn s10 pair", case_attn_s10)
+    for B in (64, 48):
+        add(B, sad.sm90_config(B, 640), "default")
+        add(B, pair)
+        add(B, rep(pair, evict_first=True))
+    add(64, sad.Config(64, sad.WS_THREADS, 2, 2, True), "split 2")
+    out.append(("sparse_attn s10 pair summary", "-",
+                lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s10 pair", (64, 48))))  # fmt: skip
     return out
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
@@ -4652,6 +4706,8 @@ def cases(quick: bool):
     out += [] if quick else attn_gputest_cases()
     out += [] if quick else attn_s9r2_cases()
     out += [] if quick else attn_s10_cases()
+    out += [] if quick else attn_s10r2_cases()
+    out += [] if quick else attn_s10_pair_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)

@@ -18,8 +18,8 @@ def _configs(fp8: bool = False) -> dict:
 
 def test_defaults_keep_the_measured_choices():
     got = {b: c.tag for b, c in _configs().items()}
-    # session 9: o_smem on the one-pass configs, B64 unsplit (H200 call 3)
-    assert got[64] == "wsn64s2o" and got[128] == "wsn64s2o" and got[256] == "wsn64s2p132o", got
+    # session 9: o_smem on the one-pass configs, B64 unsplit (H200 call 3); session 10: evict_first from B128 (call 2)
+    assert got[64] == "wsn64s2o" and got[128] == "wsn64s2of" and got[256] == "wsn64s2p132of", got
     assert _configs(fp8=True)[64].num_split > 1 and not any(c.o_smem for c in _configs(fp8=True).values())
     assert not any(c.partial_bf16 or c.l2_prefetch for c in _configs().values())
 
@@ -42,7 +42,7 @@ def test_l2_prefetch_switch_reaches_the_single_pass_only(monkeypatch):
     for b in BATCHES:
         single = before[b].num_split == 1 and not before[b].persist  # persist takes no prefetch (Config check)
         assert after[b] == (dataclasses.replace(before[b], l2_prefetch=1) if single else before[b]), b
-    assert after[128].tag == "wsn64s2pf1o" and after[256].persist
+    assert after[128].tag == "wsn64s2pf1of" and after[256].persist
 
 
 def test_unsplit_switch_reaches_b64_and_up_only(monkeypatch):
@@ -59,7 +59,7 @@ def test_env_form_sets_the_switches(monkeypatch):
         monkeypatch.setattr(sad, name, getattr(sad, name))
     sad.apply_decode_switches("UNSPLIT_MIN_B=64, PERSIST_MIN_B=0,SPLIT_PARTIAL_BF16=1")
     assert (sad.UNSPLIT_MIN_B, sad.PERSIST_MIN_B, sad.SPLIT_PARTIAL_BF16) == (64, 0, True)
-    assert sad.sm90_config(64, 640).tag == "wsn64s2o" and sad.sm90_config(256, 640).tag == "wsn64s2o"
+    assert sad.sm90_config(64, 640).tag == "wsn64s2o" and sad.sm90_config(256, 640).tag == "wsn64s2of"
     assert sad.sm90_config(16, 640).partial_bf16
     with pytest.raises(ValueError, match="not one of"):
         sad.apply_decode_switches("PERSIST=0")
@@ -75,19 +75,21 @@ def test_o_smem_switch_reaches_the_one_pass_bf16_configs(monkeypatch):
     for b in BATCHES:
         fits = before[b].num_split == 1 and before[b].block_n == 64
         assert after[b] == dataclasses.replace(before[b], o_smem=fits), (b, after[b].tag)
-    assert after[128].tag == "wsn64s2o" and after[256].tag == "wsn64s2p132o" and not after[16].o_smem
+    assert after[128].tag == "wsn64s2of" and after[256].tag == "wsn64s2p132of" and not after[16].o_smem
     assert _configs(fp8=True) == before8 and not any(c.o_smem for c in before8.values())
 
 
-def test_evict_first_switch_reaches_every_bf16_decode_config(monkeypatch):
-    """DECODE_EVICT_FIRST (session 10, off until measured): Config.evict_first on every bf16 decode config -- split,
-    single pass and the persistent grid alike -- on no FP8-KV one, and never on prefill (a chunk's tokens re-read
-    their pools from L2)."""
-    before, before8 = _configs(), _configs(fp8=True)
-    assert not any(c.evict_first for c in before.values())
-    monkeypatch.setattr(sad, "DECODE_EVICT_FIRST", 1)
-    after = _configs()
-    for b in BATCHES:
-        assert after[b] == dataclasses.replace(before[b], evict_first=True), (b, after[b].tag)
-    assert after[128].tag == "wsn64s2of" and after[256].tag == "wsn64s2p132of" and after[16].num_split > 1
-    assert _configs(fp8=True) == before8 and not sad.prefill_config(8192, 640).evict_first
+def test_evict_first_from_b128_on_bf16_decode_only(monkeypatch):
+    """EVICT_FIRST_MIN_B (session 10: 128, H200 call 2): Config.evict_first on the bf16 decode configs of >= 128
+    requests (single pass, persistent grid) and nothing else -- no smaller batch, no FP8-KV config, never prefill (a
+    chunk's tokens re-read their pools from L2); 0 takes it off, 1 puts it on every bf16 decode config."""
+    on = _configs()
+    assert {b for b, c in on.items() if c.evict_first} == {b for b in BATCHES if b >= 128}
+    assert not any(c.evict_first for c in _configs(fp8=True).values()) and not sad.prefill_config(8192, 640).evict_first
+    monkeypatch.setattr(sad, "EVICT_FIRST_MIN_B", 0)
+    off = _configs()
+    assert not any(c.evict_first for c in off.values())
+    assert all(on[b] == dataclasses.replace(off[b], evict_first=b >= 128) for b in BATCHES)
+    monkeypatch.setattr(sad, "EVICT_FIRST_MIN_B", 1)
+    assert all(c == dataclasses.replace(off[b], evict_first=True) for b, c in _configs().items())
+    assert _configs()[16].num_split > 1 and _configs()[16].evict_first  # a split pass too
