@@ -199,3 +199,30 @@ def test_q_regs_sm90_build(codegen_cache, nvcc_required, persist):
     plain, rs = arts[False], arts[True]
     assert "tl::wgmma_rs<" not in plain.source and "tl::wgmma_rs<" in rs.source and "ptx_ldmatrix" in rs.source
     assert rs.opcodes["LDL"] + rs.opcodes["STL"] <= plain.opcodes["LDL"] + plain.opcodes["STL"]
+
+
+@pytest.mark.parametrize("builder", ["emulated_kernel", "c_target_kernel"])
+def test_pair_binding_runs_as_one_kernel_behind_the_adapter(monkeypatch, builder):
+    """A pair config bound to a sparse_attention node (as DECODE_PAIR would bind it): one kernel key (no combine), the
+    single pass's call; the docstring stand-in and the c-target mirror against the node's reference (bf16 operands)."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+
+    if builder == "c_target_kernel":
+        pytest.importorskip("tilelang")
+    monkeypatch.setattr(ka, "EMULATE", True)
+    g = torch.Generator().manual_seed(5)
+    t, h, d = 2, 64, 128  # (a power of two: the c-target mirror's batch is static, the sm90 one's symbolic)
+    q, sink = torch.randn(t, h, d, generator=g), torch.randn(h, generator=g)
+    win_kv, cmp_kv = torch.randn(50, d, generator=g), torch.randn(200, d, generator=g)
+    win_idx, cmp_idx = torch.randint(0, 50, (t, 64), generator=g), torch.randint(0, 200, (t, 64), generator=g)
+    cmp_idx[-1] = -1  # a query whose second chunk is all invalid
+    args = [q, sink, win_kv, win_idx, cmp_kv, cmp_idx]
+    config = dataclasses.asdict(PAIR)
+    call = ka.Call("sparse_attention", {"scale": d**-0.5}, args, [f"a{i}" for i in range(6)], [False] * 6, config, {})
+    adapter = ka.adapter_for("sparse_attn_decode", call.op)
+    keys = adapter.keys(call)
+    assert len(keys) == 1 and dict(dict(keys[0].kwargs)["cfg"])["pair"]
+    got = adapter.run(call, [getattr(ka, builder)(k) for k in keys])[0]
+    ref = get_op("sparse_attention").run(call.args, call.attrs)[0]
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
