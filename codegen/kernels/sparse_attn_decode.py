@@ -320,12 +320,16 @@ EVICT_FIRST_MIN_B = 128
 # CTAs) takes Config.pair (the two chunks' CTAs a cluster, folded in shared memory). Not yet measured (kernels_h200
 # --only "attn s10 pair").
 DECODE_PAIR = 0
+# Session 10: 1 = every bf16 ws decode config takes Config.q_regs (Q's left half in WG0's registers). Not yet measured
+# (kernels_h200 --only "attn s10r2").
+DECODE_Q_REGS = 0
 
 
 def _chain_options(cfg: Config, B: int) -> Config:
-    """DECODE_O_SMEM / EVICT_FIRST_MIN_B applied to a bf16 ws decode config for B requests."""
-    o_smem = bool(DECODE_O_SMEM) and cfg.num_split == 1 and cfg.block_n == WS_HEADS
-    return dataclasses.replace(cfg, o_smem=o_smem, evict_first=bool(EVICT_FIRST_MIN_B) and B >= EVICT_FIRST_MIN_B)
+    """DECODE_O_SMEM / EVICT_FIRST_MIN_B / DECODE_Q_REGS applied to a bf16 ws decode config for B requests."""
+    o_smem = bool(DECODE_O_SMEM) and cfg.num_split == 1 and cfg.block_n == WS_HEADS and not cfg.pair
+    return dataclasses.replace(cfg, o_smem=o_smem, evict_first=bool(EVICT_FIRST_MIN_B) and B >= EVICT_FIRST_MIN_B,
+                               q_regs=bool(DECODE_Q_REGS) and not cfg.lookahead)  # fmt: skip
 
 
 def _decode_options(cfg: Config, B: int) -> Config:
@@ -346,7 +350,7 @@ def _decode_options(cfg: Config, B: int) -> Config:
 PERSIST_MIN_B = 256
 
 DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_O_SMEM",
-                   "EVICT_FIRST_MIN_B", "DECODE_PAIR")
+                   "EVICT_FIRST_MIN_B", "DECODE_PAIR", "DECODE_Q_REGS")
 # "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
 DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
 

@@ -93,3 +93,14 @@ def test_evict_first_from_b128_on_bf16_decode_only(monkeypatch):
     monkeypatch.setattr(sad, "EVICT_FIRST_MIN_B", 1)
     assert all(c == dataclasses.replace(off[b], evict_first=True) for b, c in _configs().items())
     assert _configs()[16].num_split > 1 and _configs()[16].evict_first  # a split pass too
+
+
+def test_q_regs_switch_reaches_every_bf16_decode_config(monkeypatch):
+    """DECODE_Q_REGS (session 10, off until measured): Config.q_regs on every bf16 decode config (split, single pass,
+    persistent grid), no FP8-KV one, never prefill."""
+    before, before8 = _configs(), _configs(fp8=True)
+    assert not any(c.q_regs for c in before.values())
+    monkeypatch.setattr(sad, "DECODE_Q_REGS", 1)
+    after = _configs()
+    assert all(after[b] == dataclasses.replace(before[b], q_regs=True) for b in BATCHES)
+    assert _configs(fp8=True) == before8 and not sad.prefill_config(8192, 640).q_regs
