@@ -2,7 +2,7 @@
 it build what the engine then uses, and how long does it take?
 
     python3 benchmarks/engine_prebuild.py [--model deepseek-v4.1-flash:tiny] [--jobs 14] [--max-model-len 512]
-                                          [--tokens 16] [--cache-dir DIR] [--dry-run]
+                                          [--tokens 16] [--cache-dir DIR] [--keep-cache] [--no-warm] [--dry-run]
 
 Steps (one process; TILELANG_CACHE_DIR is --cache-dir, emptied first, so the first engine builds cold):
   1. compile the model for sm90 with no kernels (`deepinfer compile --kernels none`): the plan only;
@@ -34,6 +34,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt")
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "deepinfer-prebuild-check"),
                     help="TILELANG_CACHE_DIR for this run (emptied first: a cold start)")  # fmt: skip
+    ap.add_argument("--keep-cache", action="store_true", help="do not empty --cache-dir first (not a cold start)")
     ap.add_argument("--no-warm", action="store_true", help="the cold engine only (no second engine on the warm cache)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: compile and derive the keys, build nothing")
     return ap.parse_args(argv)
@@ -52,7 +53,8 @@ PROMPTS = [[0, 5, 17, 300, 42], [0, 9000, 12, 77, 5, 6, 7, 1000, 2], [0, *range(
 def main(argv=None) -> int:
     args = parse(argv)
     if not args.dry_run:
-        shutil.rmtree(args.cache_dir, ignore_errors=True)
+        if not args.keep_cache:
+            shutil.rmtree(args.cache_dir, ignore_errors=True)
         os.environ["TILELANG_CACHE_DIR"] = args.cache_dir  # before TileLang is imported
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _checkout  # noqa: F401  (`deepinfer` importable from a checkout)
