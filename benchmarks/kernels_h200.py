@@ -3688,6 +3688,15 @@ def _topk_s10_r1_rows():
     return [(4096, 65536, d64), *probes, (4096, 16384, ts.default_config(4096, 16384, IDX_TOPK))]
 
 
+def _topk_s10_r3_rows():
+    """(T, C, cfg) rows "topk_select s10 r3" (the final call): the default at T4096 C65536 since session 10 (the bound
+    searched on every 4th chunk; call 3, same run: 424.3 us = 58.8% vs 443.8 searching every chunk), checked exact
+    (heavy ties, real scores twice). Its kernel is test_gpu_prefill_default_exact's: s10build builds it."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    return [(4096, 65536, ts.default_config(4096, 65536, IDX_TOPK))]
+
+
 def _topk_s10_r2_rows():
     """(T, C, cfg) rows "topk_select s10 r2" (round 2; unmeasured): per CTA a 64k row is ~43 us (16 chunks of ~2.2 us,
     then ~8 us of final selection and output) at 3 CTAs an SM, and the loop runs far below the SM's issue rate: each
@@ -3735,13 +3744,16 @@ def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     row.check = f"stage probe (no top-k); do_bench {bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3:.1f} us"
 
 
-TOPK_S10_TEST = "gpu_lean or (topk_select_ties and default)"  # the GPU tie tests' -k (test_topk_select.py, families)
+# the GPU tie tests' -k (tests/codegen/test_topk_select.py and test_gpu_new_families.py)
+TOPK_S10_TEST = "gpu_lean or gpu_prefill_default or (topk_select_ties and default)"
 
 
 def topk_s10_test_configs() -> list[tuple[int, int, str]]:
     """(T, C, which) of every kernel the GPU tie tests TOPK_S10_TEST select build: test_gpu_lean_compact_exact's
-    (`topk_s8_test_config`) and the families' default tie test's (`topk_tie_config(..., "default")`)."""
-    return [(T_, C, "lean") for T_, C in TOPK_S8_TEST_SHAPES] + [(T_, C, "default") for T_, C in TOPK_TIE_SHAPES]
+    (`topk_s8_test_config`), the families' default tie test's (`topk_tie_config(..., "default")`) and
+    test_gpu_prefill_default_exact's (the default at T4096 C65536: also the "topk_select s10 r3" row's kernel)."""
+    return ([(T_, C, "lean") for T_, C in TOPK_S8_TEST_SHAPES] + [(T_, C, "default") for T_, C in TOPK_TIE_SHAPES]
+            + [(4096, 65536, "default")])  # fmt: skip
 
 
 def case_topk_s10_testbuild(row: Row, T_: int, C: int, which: str, quick: bool, dry: bool):
@@ -3876,7 +3888,7 @@ def _indexer_cases(quick: bool):
             cfg = dataclasses.replace(ts.default_config(4096, 65536, IDX_TOPK), eager=eager)
             out.append(("indexer topk default s9", f"T4096 C65536 k{IDX_TOPK}",
                         lambda r, q, d, c=cfg: case_topk_s9(r, 4096, 65536, c, None, False, q, d)))
-        for group, rows in (("r1", _topk_s10_r1_rows()), ("r2", _topk_s10_r2_rows())):
+        for group, rows in (("r1", _topk_s10_r1_rows()), ("r2", _topk_s10_r2_rows()), ("r3", _topk_s10_r3_rows())):
             for T_, C, cfg in rows:
                 out.append((f"topk_select s10 {group}", f"T{T_} C{C} k{IDX_TOPK}",
                             lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip

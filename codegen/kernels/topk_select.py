@@ -62,6 +62,12 @@ row's first chunk fetched into registers before this row's output or final selec
 first-chunk latency between rows): 611.8 us, 553.5 without rsel -- its row loop cost nvcc ~20 registers (111 uncapped
 vs 90), spills at the 80 of 3 CTAs an SM. With positions, a row's segments past its limit do no selection and hand
 nothing on (the filter program's exit at once), and the row's last live segment merges only the live ones' slots.
+Session 10 (H200 calls 2-3, T4096 C65536, same runs, exact): TileLang's sync planner had put a barrier in every
+iteration of the final selection's staging loop, inside a per-thread branch (divergent on heavy ties: the GPU tie
+test hung); without it 442.8 us = 56.3%. Stage probes then: the chunk loop alone 363.9 us, up to the final selection
+407.3, the read alone 237.7, the first chunk real and the others read 256.9. The bound's bin search is one warp's
+extra work on its chunk's critical path: on every 4th chunk only (`HistConfig.search`, the default at 64k+ columns)
+424.3 us = 58.8% (the loop alone 344.0).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -223,7 +229,12 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     first chunk's loads issued before the row's limit and the workspace's zeroing) 455.0 us = 54.8% vs 459.5 at
     C65536, 206.7 vs 207.9 at C16384 (DEEPINFER_TOPK_EAGER=0: without); measured slower: a persistent grid
     (611.8; removed), tail_split (487.7), rsel at 128 threads (278.6 at C16384: 141 registers).
-    DEEPINFER_TOPK_SEARCH=n: the prefill rows' bound searched every n-th chunk (`HistConfig.search`; 1 by default).
+    Session 10 (H200 call 3, same run, exact): the 256-thread rows of 64k+ columns search the bound on every 4th
+    chunk only (`search`): 424.3 us = 58.8% vs 443.8 (search 2: 430.7; the chunk loop alone 344.0 vs 363.9); the
+    128-thread C16384 rows keep every chunk (search 2 there: 261.5 vs 195.0 us -- 2048-score chunks, a 2560-entry
+    buffer: the lagging bound's extra pushes fill it, and it is cut). Measured slower at C65536: 8 scores a thread at
+    4 CTAs x 256 (620.2) or 2 x 512 (952.1), 128-thread CTAs at 4 (672.5) or 5 with rsel (662.3).
+    DEEPINFER_TOPK_SEARCH=n: the prefill rows' bound searched every n-th chunk (1: every chunk).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -239,7 +250,7 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
             if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":  # (rsel: slower at 128 threads)
                 cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256,
                               eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk,
-                              search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", "1")))
+                              search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4 if nt == 256 and C >= 65536 else 1)))
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)

@@ -271,18 +271,12 @@ def test_c_target_hist_row_start(c_row_start_kernel, kind):
     assert torch.equal(_run_c(kernel, s, 16, pos, cfg), want)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T_,C", [(264, 16384), (64, 65536), (1, 65536)])
-@pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
-def test_gpu_lean_compact_exact(kb, T_, C, kind):
-    """lean + compact + wscan + rsel on the H200 against topk_entries' set: the tie test's "fast" program per shape
-    (T264: one CTA a row, eager, compact staged and selected in registers -- or not: all-zero rows have every key at
-    the bound; T64 / T1: 8 segments a row, lean and wscan only, the dead ones idle) on heavy ties, all zeros (buffer
-    overflows mid-chunk) and randn, causal limits anywhere in a chunk; run twice (the arrival counters reset)."""
-    cfg = kb.topk_s8_test_config(T_, C)
-    assert cfg.eager == (T_ == 264)
+def _gpu_exact(kb, T_: int, C: int, cfg, kind: str, seed: int) -> None:
+    """`cfg`'s kernel on the H200 against topk_entries' set (ts.reference), run twice (the arrival counters reset):
+    heavy ties ("ints": 7 values, -0.0 next to +0.0), all zeros or randn, causal limits anywhere in a chunk (random
+    positions: rows with none, fewer than k and all columns visible)."""
     kern = kb.build(ts.program(T_, C, k=512, ratio=2, cfg=cfg, target="sm90"))
-    g = torch.Generator().manual_seed(T_ + 1)
+    g = torch.Generator().manual_seed(seed)
     s = {"ints": lambda: torch.randint(-3, 4, (T_, C), generator=g).float(), "zeros": lambda: torch.zeros(T_, C),
          "randn": lambda: torch.randn(T_, C, generator=g)}[kind]()  # fmt: skip
     s[:, ::5] = torch.where(s[:, ::5] == 0, -0.0, s[:, ::5])
@@ -296,6 +290,30 @@ def test_gpu_lean_compact_exact(kb, T_, C, kind):
         kern(s, pos, out, *scratch)
         bad = (out.long() != want).any(1)
         assert not bad.any(), f"{cfg.tag}: {int(bad.sum())} rows differ (first {int(bad.nonzero()[0])})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T_,C", [(264, 16384), (64, 65536), (1, 65536)])
+@pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
+def test_gpu_lean_compact_exact(kb, T_, C, kind):
+    """lean + compact + wscan + rsel on the H200 against topk_entries' set: the tie test's "fast" program per shape
+    (T264: one CTA a row, eager, compact staged and selected in registers -- or not: all-zero rows have every key at
+    the bound; T64 / T1: 8 segments a row, lean and wscan only, the dead ones idle) on heavy ties, all zeros (buffer
+    overflows mid-chunk) and randn, causal limits anywhere in a chunk; run twice (the arrival counters reset)."""
+    cfg = kb.topk_s8_test_config(T_, C)
+    assert cfg.eager == (T_ == 264)
+    _gpu_exact(kb, T_, C, cfg, kind, T_ + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
+def test_gpu_prefill_default_exact(kb, kind):
+    """The prefill default at T4096 C65536 (one 256-thread CTA a row, eager, rsel, the bound searched on every 4th
+    chunk since session 10: a lagging bound pushes more -- all-zero rows overflow the buffer in every chunk) against
+    topk_entries' set, as test_gpu_lean_compact_exact."""
+    cfg = ts.default_config(4096, 65536)
+    assert cfg.search == 4 and cfg.eager and cfg.rsel
+    _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
 def _barrier_between(src: str, first: str, then: str) -> bool:
@@ -376,7 +394,12 @@ def test_hist_default_configs(monkeypatch):
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
-                                                           rsel=True, eager=True, **s8)  # fmt: skip
+                                                           rsel=True, eager=True, search=4, **s8)  # fmt: skip
+    # (session 10: the bound searched on every 4th chunk at 64k+ columns; every chunk at 16k / 32k, or with the switch)
+    assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
+    monkeypatch.setenv("DEEPINFER_TOPK_SEARCH", "1")
+    assert ts.default_config(4096, 65536).search == 1
+    monkeypatch.delenv("DEEPINFER_TOPK_SEARCH")
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
     monkeypatch.setenv("DEEPINFER_TOPK_EAGER", "0")  # (session 9's eager first chunk off)
