@@ -67,6 +67,7 @@ def compile_runs(model: str, runs: list[str], timeout_s: float) -> list[dict]:
     cold, the rest warm): wall and CPU seconds of each child process tree, the manifest's phases."""
     import json
     import resource
+    import signal
     import subprocess
     import tempfile
 
@@ -79,12 +80,20 @@ def compile_runs(model: str, runs: list[str], timeout_s: float) -> list[dict]:
                    "-o", f"{tmp}/plan_{name}"]  # fmt: skip
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                _, stderr = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:  # the compile and its build processes; a row that says so
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                out.append({"run": name, "wall": timeout_s, "cpu": float("nan"), "manifest": None, "failed": []})
+                break
             wall = time.perf_counter() - t0
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
             if proc.returncode != 0:
-                raise SystemExit(f"compile ({name}) failed:\n{proc.stderr[-3000:]}")
+                raise SystemExit(f"compile ({name}) failed:\n{stderr[-3000:]}")
             manifest = json.loads(Path(f"{tmp}/plan_{name}/kernels/manifest.json").read_text())
             failed = [k["name"] for k in manifest["kernels"] if "error" in k]
             out.append({"run": name, "wall": wall, "cpu": cpu, "manifest": manifest, "failed": failed})
@@ -96,6 +105,9 @@ def print_compile_runs(model: str, runs: list[dict]) -> None:
     print(f"{'run':<6}{'wall s':>8}{'limit':>7}{'CPU s':>8}{'kernels':>9}{'built':>7}{'batches':>9}  kernel step CPU s")
     for r in runs:
         m, limit = r["manifest"], COLD_LIMIT_S if r["run"] == "cold" else WARM_LIMIT_S
+        if m is None:
+            print(f"{r['run']:<6}{'> ' + format(r['wall'], '.0f'):>8}{limit:>7.0f}  timed out")
+            continue
         ph = m.get("phases_s", {})
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in ph.get("cpu", {}).items()) or "-"
         print(f"{r['run']:<6}{r['wall']:>8.1f}{limit:>7.0f}{r['cpu']:>8.1f}{len(m['kernels']):>9}"
