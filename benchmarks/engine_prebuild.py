@@ -142,7 +142,7 @@ def engine_run(plan, args, name: str, specs, skipped: dict) -> dict:
         log(f"  request {o.index} failed ({len(o.token_ids)} tokens): {str(o.error)[:400]}")
     llm.close()
     return {"prebuild_s": times.get("prebuild_s", float("nan")), "start_s": start_s, "generate_s": generate_s,
-            "loaded": len(loaded), "lazy": lazy, "errors": times.get("errors") or {},
+            "loaded": len(loaded), "lazy": lazy, "errors": times.get("errors") or {}, "used": list(cache.build_s),
             "finished": len(outs) - len(failed), "requests": len(outs)}  # fmt: skip
 
 
