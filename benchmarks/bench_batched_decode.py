@@ -405,9 +405,10 @@ def _rel(a, b) -> float:
 
 def _row_values(ex, feeds: dict, n: int, pin: tuple | None = None) -> dict:
     """The first n rows of every row-valued float node output of one run of ex (name -> [n, ...], in its dtype),
-    and the (name, op) order under "__order__". ``pin`` = (another run's rows, its row b), for a one-row run:
-    a low-precision output whose row is that run's row b but for rounding flips takes that row (rounding_flips);
-    "__flips__" lists them (name, op, elements flipped, row size)."""
+    and the (name, op) order under "__order__" (and as a dict under "__ops__"). ``pin`` = (another run's rows, its
+    row b), for a one-row run: an output that is that run's row b but for rounding flips, top-k ties or a flip
+    inside a row-wise op (_pinned) takes that row; "__flips__" lists them (name, op, elements moved, row size),
+    "__replayed__" the nodes whose replay on that run's rows still differs (how far)."""
     from deepinfer.ir.interpreter import bind_symbols
 
     env, t = bind_symbols(ex.graph, feeds), int(feeds["tokens"].shape[0])
