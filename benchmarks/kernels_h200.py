@@ -1282,6 +1282,9 @@ def case_ipos_candidates(row: Row, B: int, mml: int, ratio: int, form: str, quic
 # H200 call 2 (7f89b74; the first form: fused at C4096, sorts of up to 4096 keys in passes), us, kernel / sync-free:
 # ctx4096 C4096 B1 14.0 / 72.0, B64 14.8 / 78.4 (unfused 11.1), B256 21.7 / 93.2; ctx4096 C65536 9.9 / 97.2, 11.1 /
 # 199.6, 16.4 / 497.2; ctx65536 291.2 / 100.2, 284.0 / 212.2, 428.0 / 512.5 (a 4096-key tl.sort ~90 us: the merge).
+# Call 3 (baa58ce; the merge, scans of 512 blocks), kernel: ctx4096 C4096 9.4 / 10.5 / 13.6; ctx4096 C65536 12.9 /
+# 14.8 / 22.3; ctx16384 22.8 / 27.4 / 56.0; ctx65536 76.3 / 85.4 / 141.3. cfg B64 ctx65536: 8 sort warps 81.1, bnb 128
+# 83.5, the winners in one sort 135.7, passes of 4096-key sorts 282.7 (both removed). Scans of 2048 blocks since.
 
 CAND_TOPK, CAND_BLOCK = 2048, 8
 CAND_SHAPES = ((4096, 4096), (4096, 65536), (16384, 65536), (65536, 65536))  # (context, cache columns C)

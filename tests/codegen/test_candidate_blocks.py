@@ -1,13 +1,11 @@
 """candidate_blocks (V4.1's first indexer level) on codegen/kernels/candidate_blocks.py: exact against the op's
 reference (ir/ops/v41.py CandidateBlocks) in Triton's interpreter -- ties (few distinct values, -0.0 next to +0.0),
 +-inf and subnormal scores, rows with no visible entry (position 0 at ratio > 1, padding rows at -1), fewer visible
-blocks than topk_blocks, partial last blocks, every level of the selection's ladder and its multi-pass top level --
+blocks than topk_blocks, partial last blocks, every level of the selection's ladder and the long rows' merge --
 the columns past a row's visible limit never read, the sm_90a build (no spills), and on an H200 the real dims (2048
 blocks of 8) at B1 / B64 / B256 in and out of a CUDA graph."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
@@ -46,29 +44,23 @@ def check(s, pos, *, ratio, k, block, cfg=None):
 
 @pytest.mark.parametrize("kind", ["rand", "ties", "limits"])
 @pytest.mark.parametrize("ratio, block", [(1, 8), (2, 8), (4, 3)])
-@pytest.mark.parametrize("fused", [True, False])
-def test_matches_the_reference(interpret, kind, ratio, block, fused):
+def test_matches_the_reference(interpret, kind, ratio, block):
     """Rows: nothing visible (padding -1, position 0 at ratio > 1), one entry, a partial block, fewer visible
-    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block. Fused: one launch; not:
-    the block-max kernel, then the selection (the default)."""
+    blocks than k, more (k of them chosen), the whole cache. C = 301: a partial last block (the default config:
+    every row one sort)."""
     c, k = 301, 24
     pos = torch.tensor([-1, 0, 1, 9 * ratio, 60 * ratio + 1, 200 * ratio, c * ratio - 1])
-    cfg = cb.default_config(len(pos), c, block, k)
-    check(scores(kind, len(pos), c, seed=ratio * 10 + block), pos, ratio=ratio, k=k, block=block,
-          cfg=replace(cfg, fused=fused))  # fmt: skip
+    check(scores(kind, len(pos), c, seed=ratio * 10 + block), pos, ratio=ratio, k=k, block=block)
 
 
 @pytest.mark.parametrize("kind", ["rand", "ties", "limits"])
-@pytest.mark.parametrize("long", ["merge", "radix", "passes"])
-def test_every_ladder_level_and_the_long_rows(interpret, kind, long):
-    """k = 12 (KP 16). merge / radix: a ladder 4, 8 and rows past it of up to k visible blocks (every one a winner)
-    and more (the radix select), merged from sorted chunks of 4; passes: a ladder 8, 16, 32, 64 and 64-key passes
-    of 48 new blocks, rows of 1-3 passes past the top, one ending exactly at a pass boundary. "ties": the k-th score
-    shared by many blocks (the lowest ids of them win)."""
+@pytest.mark.parametrize("scan", [8, 64])
+def test_every_ladder_level_and_the_long_rows(interpret, kind, scan):
+    """k = 12 (KP 16): a ladder 4, 8 and rows past it of up to k visible blocks (every one a winner) and more (the
+    radix select), merged from sorted chunks of 4; scans of 8 blocks (many loop steps, one ending exactly at a
+    row's end) or 64. "ties": the k-th score shared by many blocks (the lowest ids of them win)."""
     c, block, k = 1000, 4, 12
-    cfg = cb.Config(bnb=16, chunk=8, sort_warps=2, smallest=4, long=long, merge_chunk=4)
-    if long == "passes":
-        cfg = replace(cfg, chunk=64, smallest=8)
+    cfg = cb.Config(bnb=16, chunk=8, sort_warps=2, smallest=4, merge_chunk=4, scan=scan)
     nvis = torch.tensor([0, 3, 5, 8, 9, 12, 13, 16, 17, 32, 33, 64, 65, 112, 160, 250])
     check(scores(kind, len(nvis), c, seed=3), nvis * block - 1, ratio=1, k=k, block=block, cfg=cfg)
 
@@ -102,25 +94,22 @@ def test_columns_past_the_limit_never_count(interpret):
     want = CandidateBlocks.reference(visible(s, pos, 1), pos, **kw)
     assert torch.equal(CandidateBlocks.reference(dirty, pos, **kw), want)
     assert torch.equal(sync_free(dirty, pos, **kw), want)
-    for fused in (True, False):
-        cfg = replace(cb.default_config(4, 512, 8, 16), fused=fused)
-        assert torch.equal(cb.triton_candidate_blocks(dirty, pos, cfg=cfg, **kw), want), fused
+    for cfg in (cb.default_config(4, 512, 8, 16), cb.Config(chunk=8, smallest=4, merge_chunk=4, scan=16)):
+        assert torch.equal(cb.triton_candidate_blocks(dirty, pos, cfg=cfg, **kw), want), cfg  # (short rows, long rows)
 
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="scores \\[T, C\\] and positions \\[T\\]"):
         cb.triton_candidate_blocks(torch.zeros(8), torch.zeros(1, dtype=torch.long), ratio=1, topk_blocks=2, block=4)
-    with pytest.raises(ValueError, match="multi-pass chunk"):
-        cb.check_config(4096, 8, 512, cb.Config(chunk=256, long="passes"))
-    with pytest.raises(ValueError, match="long must be one of"):
-        cb.check_config(4096, 8, 512, cb.Config(long="sort"))
+    with pytest.raises(ValueError, match="must be powers of two"):
+        cb.check_config(4096, 8, 512, cb.Config(scan=1000))
 
 
 def test_configs():
-    """The real dims: 512 blocks (mml 4096) sort at once; 8192 (mml 65536) in passes of 4096; every config of
-    the space is valid and the default comes first."""
+    """The real dims: 512 blocks (mml 4096) sort at once, rows of 8192 (mml 65536) are merged; every config of the
+    space is valid and the default comes first."""
     d4, d64 = cb.default_config(64, 4096, 8, 2048), cb.default_config(64, 65536, 8, 2048)
-    assert (d4.chunk, d4.fused, d64.chunk, d64.long, d64.sort_warps) == (512, False, 512, "merge", 4)
+    assert (d4.chunk, d64.chunk, d64.merge_chunk, d64.scan, d64.sort_warps) == (512, 512, 512, 2048, 4)
     for c in (4096, 65536, 1 << 20):
         space = cb.config_space(64, c, 8, 2048)
         assert space[0] == cb.default_config(64, c, 8, 2048) and len(set(space)) == len(space)
@@ -130,13 +119,13 @@ def test_configs():
 
 
 def test_compiles_for_hopper_without_spills():
-    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps; fused or not), the block maxima, and
-    the long rows' chunk sort (512 keys) and merge (4 chunks x 10 binary-search steps)."""
-    sig = {"s_ptr": "*fp32", "s_stride": "i64", "bmax_ptr": "*fp32", "pos_ptr": "*i64", "best_ptr": "*i64",
-           "out_ptr": "*i64", "C": "i32", "NB": "i32", "ratio": "i32"}  # fmt: skip
-    for fused in (True, False):
+    """The default selection of a 4k cache (sorts of 256 / 512 keys, 4 warps) and of a longer one (+ the winners,
+    scans of 2048), the block maxima, and the long rows' chunk sort (512 keys) and merge (4 chunks x 10 steps)."""
+    sig = {"bmax_ptr": "*fp32", "pos_ptr": "*i64", "best_ptr": "*i64", "out_ptr": "*i64", "C": "i32", "NB": "i32",
+           "ratio": "i32"}  # fmt: skip
+    for long in (False, True):
         ptx, report = compile_sm90("deepinfer.codegen.kernels.candidate_blocks", "select_jit", sig,
-                                   dict(BLOCK=8, BLKP=8, K=2048, KP=2048, CH=512, LADDER=2, MULTI=False, FUSED=fused),
+                                   dict(BLOCK=8, K=2048, KP=2048, CH=512, LADDER=2, LONG=long, SCAN=2048),
                                    num_warps=4)  # fmt: skip
         assert ".target sm_90a" in ptx and spill_free(report), report
     sig = {"s_ptr": "*fp32", "s_stride": "i64", "pos_ptr": "*i64", "bmax_ptr": "*fp32", "C": "i32", "NB": "i32",
