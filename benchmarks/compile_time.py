@@ -80,7 +80,8 @@ def compile_runs(model: str, runs: list[str], timeout_s: float) -> list[dict]:
                    "-o", f"{tmp}/plan_{name}"]  # fmt: skip
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # cwd: not a checkout (its directories would be top-level modules); own session: killed as a whole
+            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)  # fmt: skip
             try:
                 _, stderr = proc.communicate(timeout=timeout_s)
