@@ -1886,7 +1886,7 @@ def _attn_kernel(B: int, topk: int, cfg, fp8: bool, dry: bool, n_win: int = 0, w
     sad = sparse_attn_decode
     pools = dict(n_win=n_win, S_cmp=ATTN_POOL - ATTN_WIN_POOL) if n_win else {}
     S = ATTN_WIN_POOL if n_win else ATTN_POOL
-    if cfg.num_split > 1 and not getattr(cfg, "pair", False):  # (Config.pair: one kernel, the single pass's call)
+    if cfg.num_split > 1:
         progs = sad.split_programs(B, HEADS, HEAD_DIM, S, topk, target="sm90", cfg=cfg, kv_fp8=fp8, **pools)
         if wide_combine:  # the candidate combine (same signature)
             progs = (progs[0], sad.combine_program_wide(B, HEADS, HEAD_DIM, cfg.num_split, target="sm90",
@@ -3061,26 +3061,22 @@ def attn_s10r2_cases():
     return out
 
 
-def attn_s10_pair_cases():
-    """`--only "attn s10 pair"` (after the other s10 rows: a new cluster program, so a device fault there cannot
-    poison them): test_sparse_attn_s10.py's gpu test kernels built first (build only), then at B64 and B48 the default
-    next to Config.pair (tag "c": a request's two chunks as one 2-CTA cluster, folded in shared memory over DSMEM;
-    checked against the reference, not bit-equal: another rounding) with and without evict_first (bit-equal to pair
-    alone); B64 also split 2 + the combine kernel (session 9's B64 default); then the summary."""
+def attn_s10_final_cases():
+    """`--only "attn s10 final"` (session 10, the last call): the defaults at B64 / 128 / 256 (B64: q_regs, B128 /
+    B256: evict_first since calls 2-3) next to B64's previous default (wsn64s2o) and, for a margin at B256, the
+    persistent grid of 128 CTAs (two requests each, none with one) with evict_first; then the summary."""
     sad = sparse_attn_decode
     rep = dataclasses.replace
-    pair = sad.Config(64, sad.WS_THREADS, 2, 2, True, pair=True)
-    out = _build_only_rows("sparse_attn s10 pair build", [(B, c) for B in (64, 48) for c in (
-        sad.sm90_config(B, 640), pair, rep(pair, evict_first=True))])  # fmt: skip
-    add = _attn_row_adder(out, "sparse_attn s10 pair", case_attn_s10)
-    for B in (64, 48):
+    out = []
+    add = _attn_row_adder(out, "sparse_attn s10 final", case_attn_s10)
+    for B in S7_BATCHES:
         add(B, sad.sm90_config(B, 640), "default")
-        add(B, pair)
-        add(B, rep(pair, evict_first=True))
-    add(64, sad.Config(64, sad.WS_THREADS, 2, 2, True), "split 2")
-    out.append(("sparse_attn s10 pair summary", "-",
-                lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s10 pair", (64, 48))))  # fmt: skip
+    add(64, rep(sad.sm90_config(64, 640), q_regs=False))
+    add(256, rep(sad.sm90_config(256, 640), persist=128))
+    out.append(("sparse_attn s10 final summary", "-",
+                lambda r, q, d: case_attn_s8_summary(r, q, d, "sparse_attn s10 final")))  # fmt: skip
     return out
+
 
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
     """V4.1 query RoPE: T tokens x 64 heads x 512, the last 64 channels rotated, YaRN table of 1M positions."""
@@ -4722,7 +4718,7 @@ def cases(quick: bool):
     out += [] if quick else attn_s9r2_cases()
     out += [] if quick else attn_s10_cases()
     out += [] if quick else attn_s10r2_cases()
-    out += [] if quick else attn_s10_pair_cases()
+    out += [] if quick else attn_s10_final_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)

@@ -1891,7 +1891,7 @@ def _symbolic_rows(cfg, h: int, d: int) -> bool:
     """The ws single-pass program's batch is symbolic: it runs on the real query count (the key keeps the bucket)."""
     from deepinfer.codegen.kernels import sparse_attn_decode as sad
 
-    return cfg.ws and (cfg.num_split == 1 or getattr(cfg, "pair", False)) and sad.ws_supported(h, d, "sm90")
+    return cfg.ws and cfg.num_split == 1 and sad.ws_supported(h, d, "sm90")
 
 
 def _ws_pools(cfg, h: int, d: int) -> bool:
@@ -1969,7 +1969,7 @@ class SparseAttnAdapter:
         # the in-kernel merge form (Config.merge) takes an arrival-counter scratch: the adapter runs its chunking
         # as split-K + the combine kernel instead
         names = [f for f in ("block_n", "threads", "num_split", "stages", "ws", "lookahead", "dsplit", "l2_prefetch",
-                             "persist", "partial_bf16", "o_smem", "evict_first", "pair")
+                             "persist", "partial_bf16", "o_smem", "evict_first", "q_regs")
                  if f in vars(sad.Config())]  # fmt: skip
         fields = {f: call.config[f] for f in names if f in call.config}
         cfg = sad.Config(**fields) if fields else sad.sm90_config(t, topk)
@@ -1993,7 +1993,7 @@ class SparseAttnAdapter:
             kw.update(n_win=n_win, S_cmp=s_cmp)
         b = bucket_rows(t, 1)  # queries padded to a power of two (rows of -1 entries give 0): few kernels
         keys = [_key("sparse_attn_decode", "program", (b, h, d, rows, topk), cfg, **kw)]
-        if cfg.num_split > 1 and not getattr(cfg, "pair", False):  # (Config.pair: one kernel, no combine)
+        if cfg.num_split > 1:
             keys.append(_key("sparse_attn_decode", sad.combine_name(b), (b, h, d, cfg.num_split),
                              **sad.combine_kwargs(cfg, h, d)))  # fmt: skip
         if _symbolic_rows(cfg, h, d):  # the ws single pass: one build takes any B (prefill: no padded CTAs)
@@ -2045,7 +2045,7 @@ class SparseAttnAdapter:
             kv, idx = (_bf16_pool(win_kv),), (_pad_idx(win_idx, b),)
         sink = sink.float().contiguous()
         o = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
-        if cfg.num_split == 1 or getattr(cfg, "pair", False):
+        if cfg.num_split == 1:
             _launch_rows(kernels[0], cfg, qb, kv, idx, sink, o)
         else:
             ns = cfg.num_split
@@ -2977,8 +2977,8 @@ def _emulated_attention(key: KernelKey) -> Callable:
 
         return combine
     b, h, d, s, topk = key.args
+    n_win, ns = kw.get("n_win", 0), dict(kw["cfg"])["num_split"]
     cfg = dict(kw["cfg"])
-    n_win, ns = kw.get("n_win", 0), 1 if cfg.get("pair") else cfg["num_split"]  # (Config.pair: the single pass's ABI)
     symbolic = bool(cfg.get("ws")) and ns == 1 and sad.ws_supported(h, d, "sm90")  # any B, as the ws program
 
     def attn(q, *rest):

@@ -59,9 +59,13 @@ Session 8's early_p (P published before the row sum) and lazy_rescale (m rises o
 otherwise) shortened the chain by ~0.1 us a block at most (B128 read flush 38.6 vs 39.7 us; within 1% under do_bench,
 sessions 8 and 9); they and ids_first were removed in session 10.
 Session 10: Config.evict_first (the copies under an L2 evict_first policy, so the gather's misses evict its own lines,
-not the dirty ones do_bench's flush -- or a step's earlier kernels -- leave): B128 40.1 -> 36.9 us = 64.1% of HBM, B256
-persistent 67.6 -> 65.9 us = 71.7% (H200 call 2; on from 128 requests: EVICT_FIRST_MIN_B). Config.pair (B64: a
-request's two chunks as one 2-CTA cluster folding in shared memory, no combine kernel): not yet measured.
+not the dirty ones do_bench's flush -- or a step's earlier kernels -- leave): B128 40.1 -> 36.9 / 37.3 us = 64%, B256
+persistent 67.6 -> 65.9 / 66.0 us = 71.7-71.9% of HBM (H200 calls 2 and 3; on from 128 requests: EVICT_FIRST_MIN_B);
+no gain on the small batches' split passes (B1 / B16 equal, B32 29.1 vs 28.3 us) nor on prefill (T4096 969.5 vs
+962.6 us). Config.q_regs (Q's left half in WG0's registers, an RS wgmma): B64 31.9 vs 32.5 us (on there: Q_REGS_MIN_B),
+slower with evict_first at B128 / B256. Measured and removed: a request's two split-2 chunks as one 2-CTA cluster
+folding their partials in shared memory over DSMEM (no combine kernel; correct): B64 33.3 us vs the unsplit 32.8 (31.0
+with evict_first under do_bench, but 38.0 vs 31.6 after a read flush), B48 30.7 vs split 2 + combine 30.2.
 """
 
 import dataclasses
@@ -145,20 +149,12 @@ class Config:
     # Evict-first lines are the victims of later misses, so the stream recycles its own lines. Same values (bit-equal
     # on the H200). Call 2: B128 40.1 -> 36.9 us, B256 persistent 67.6 -> 65.9 us, B64 unsplit neutral (32.5 / 32.9).
     evict_first: bool = False
-    # ws, bf16 KV, split 2, 64-row blocks in 2 stages (session 10, not yet measured): the two chunks' CTAs of a request
-    # run as one thread-block cluster and fold their partials in shared memory, with no combine kernel and no partials
-    # in HBM. Each CTA leaves its unnormalised fp32 O halves in its own KV ring (a half ring is exactly one 64 x 256
-    # fp32 tile) and its base-2 (max, sum) per head in smem; after a cluster barrier CTA r writes heads 32r .. 32r + 31
-    # of O, reading the partner's values over DSMEM (mapa + ld.shared::cluster), 16-B stores; a second barrier keeps
-    # each CTA's smem alive until its partner has read it. Why: B64 runs 64 CTAs on 132 SMs unsplit (32.5 us = 36%),
-    # and split 2 paid a second launch and 8-17 MB of partials through HBM (33.5 us; session 9's in-kernel fold
-    # through L2 with an arrival counter: 37.8 us).
-    pair: bool = False
-    # ws, bf16 KV (session 10, not yet measured): WG0 keeps Q's left half in registers (a 64 x 256 bf16 wgmma A
-    # fragment: 64 registers a thread) and issues that half of QK^T as an RS wgmma; the right half stays in shared
-    # memory. Why: QK^T reads both operands from shared memory (Q 64 KB + the block 64 KB per 64-row block) and, with PV
-    # and the gather's writes, shared-memory bandwidth bounds the per-block chain (QK^T 0.78 us alone, ~1.2 under PV);
-    # a quarter less traffic for the QK^T on the chain. Same products, same fp32 accumulation order per wgmma k-step.
+    # ws, bf16 KV (session 10; on at Q_REGS_MIN_B .. Q_REGS_MAX_B requests): WG0 keeps Q's left half in registers (a
+    # 64 x 256 bf16 wgmma A fragment: 64 registers a thread) and issues that half of QK^T as an RS wgmma; the right
+    # half stays in shared memory. Why: QK^T reads both operands from shared memory (Q 64 KB + the block 64 KB per
+    # 64-row block) and, with PV and the gather's writes, shared-memory bandwidth bounds the per-block chain (QK^T 0.78
+    # us alone, ~1.2 under PV): a quarter less traffic for the QK^T on the chain. H200 call 3 (bit-equal everywhere):
+    # B64 31.9 vs 32.5 us (read flush 31.3 vs 31.6); with evict_first B128 37.9 vs 37.3, B256 persistent 67.7 vs 66.0.
     q_regs: bool = False
 
     def __post_init__(self):
@@ -177,11 +173,7 @@ class Config:
         assert not self.o_smem or (self.ws and (self.num_split == 1 or self.partial_bf16) and self.block_n == WS_HEADS
                                    and self.copy == "cp"), "o_smem: ws, 64-row blocks, bf16 partials"  # fmt: skip
         assert not self.evict_first or (self.ws and self.copy == "cp"), "evict_first: the ws program's cp.async"
-        assert not self.pair or (self.ws and self.num_split == 2 and self.block_n == WS_HEADS and self.stages == 2
-                                 and not (self.persist or self.partial_bf16 or self.o_smem or self.trace or self.skip
-                                          or self.lookahead or self.l2_prefetch) and self.copy == "cp"), \
-            "pair: the ws split-2 pass, 64-row blocks in 2 stages, its own epilogue"  # fmt: skip
-        assert not self.q_regs or (self.ws and not (self.lookahead or self.trace) and self.copy == "cp"), "q_regs"
+        assert not self.q_regs or (self.ws and not self.lookahead and self.copy == "cp"), "q_regs: ws, no lookahead"
         if self.copy == "bulk":  # unswizzled rows: only the gather-only diagnostic can run it
             assert self.ws and {"qk", "pv"} <= set(self.skipped) , "bulk: a ws diagnostic"
 
@@ -202,7 +194,6 @@ class Config:
         head += "h" if self.partial_bf16 else ""
         head += "o" if self.o_smem else ""
         head += "f" if self.evict_first else ""
-        head += "c" if self.pair else ""
         head += "r" if self.q_regs else ""
         head += "T" if self.trace else ""
         return head + "".join(f"-no{p}" for p in self.skipped)
@@ -283,9 +274,6 @@ def sm90_config(B: int, topk: int, num_sms: int = 132, *, fp8: bool = False, one
         best = cands[0]  # 64-row blocks when the chunk allows, no lookahead (it spills: see _program_ws)
         if B * ns >= 0.9 * num_sms or (UNSPLIT_MIN_B and B >= UNSPLIT_MIN_B and not fp8):
             break
-    if DECODE_PAIR and best is not None and best.num_split <= 2 and B * 2 <= num_sms and not fp8:
-        if topk % (2 * WS_HEADS) == 0:  # a request's two chunks as one cluster (Config.pair)
-            return _chain_options(Config(WS_HEADS, WS_THREADS, 2, 2, True, pair=True), B)
     if best is not None and PERSIST_MIN_B and B >= PERSIST_MIN_B and not fp8 and persist_fits(best, topk):
         # more requests than SMs
         return _chain_options(Config(best.block_n, WS_THREADS, 1, best.stages, True, persist=num_sms), B)
@@ -314,22 +302,21 @@ DECODE_O_SMEM = 1
 # tokens re-read their chunk's pools from L2). H200 (call 2, kernels_h200 'attn s10', the runtime's 4k operands, every
 # row bit-equal): B128 40.1 -> 36.9 us (59.0 -> 64.1% of HBM; read flush 34.6 / 34.9), B256 persistent 67.6 -> 65.9 us
 # (69.9 -> 71.7%); B64 unsplit 32.5 vs 32.9 (neutral: 64 CTAs do not stream at the HBM rate); B64 split 2 with bf16
-# partials 30.7 -> 28.3 us under do_bench (36.8 / 36.4 after a read flush). Small batches: not measured yet.
+# partials 30.7 -> 28.3 us under do_bench (36.8 / 36.4 after a read flush). Call 3: B1 / B16 splits equal, B32 x4
+# 29.1 vs 28.3 us (slower), prefill T4096 969.5 vs 962.6 us (slower): so from 128 only.
 EVICT_FIRST_MIN_B = 128
-# Session 10: 1 = a bf16 decode batch that runs unsplit or in 2 chunks with 2 CTAs a request fitting one wave (B64: 128
-# CTAs) takes Config.pair (the two chunks' CTAs a cluster, folded in shared memory). Not yet measured (kernels_h200
-# --only "attn s10 pair").
-DECODE_PAIR = 0
-# Session 10: 1 = every bf16 ws decode config takes Config.q_regs (Q's left half in WG0's registers). Not yet measured
-# (kernels_h200 --only "attn s10r2").
-DECODE_Q_REGS = 0
+# Session 10: Config.q_regs on the bf16 ws single pass of Q_REGS_MIN_B .. Q_REGS_MAX_B requests (0: none). H200 call
+# 3 ('attn s10r2', bit-equal): B64 31.9 vs 32.5 us; B128 / B256 (with evict_first) slower; splits not measured.
+Q_REGS_MIN_B = 64
+Q_REGS_MAX_B = 127
 
 
 def _chain_options(cfg: Config, B: int) -> Config:
-    """DECODE_O_SMEM / EVICT_FIRST_MIN_B / DECODE_Q_REGS applied to a bf16 ws decode config for B requests."""
-    o_smem = bool(DECODE_O_SMEM) and cfg.num_split == 1 and cfg.block_n == WS_HEADS and not cfg.pair
+    """DECODE_O_SMEM / EVICT_FIRST_MIN_B / Q_REGS_MIN_B .. MAX_B applied to a bf16 ws decode config for B requests."""
+    o_smem = bool(DECODE_O_SMEM) and cfg.num_split == 1 and cfg.block_n == WS_HEADS
     return dataclasses.replace(cfg, o_smem=o_smem, evict_first=bool(EVICT_FIRST_MIN_B) and B >= EVICT_FIRST_MIN_B,
-                               q_regs=bool(DECODE_Q_REGS) and not cfg.lookahead)  # fmt: skip
+                               q_regs=bool(Q_REGS_MIN_B) and Q_REGS_MIN_B <= B <= Q_REGS_MAX_B and cfg.num_split == 1
+                               and not cfg.lookahead)  # fmt: skip
 
 
 def _decode_options(cfg: Config, B: int) -> Config:
@@ -350,7 +337,7 @@ def _decode_options(cfg: Config, B: int) -> Config:
 PERSIST_MIN_B = 256
 
 DECODE_SWITCHES = ("UNSPLIT_MIN_B", "SPLIT_PARTIAL_BF16", "DECODE_L2_PREFETCH", "PERSIST_MIN_B", "DECODE_O_SMEM",
-                   "EVICT_FIRST_MIN_B", "DECODE_PAIR", "DECODE_Q_REGS")
+                   "EVICT_FIRST_MIN_B", "Q_REGS_MIN_B", "Q_REGS_MAX_B")
 # "UNSPLIT_MIN_B=64,PERSIST_MIN_B=0": the switches set at import, for an A/B of a whole decode step without an edit
 DECODE_SWITCHES_ENV = "DEEPINFER_ATTN_DECODE"
 
@@ -570,47 +557,6 @@ __device__ __forceinline__ void di_cp_async_ef_if(void const* const smem, void c
 """
 
 
-# Config.pair: the cluster barrier (release / acquire: every thread of both CTAs; it orders their shared-memory writes
-# before the partner's reads) and the DSMEM reads of the partner's values at the address of one's own (mapa).
-PAIR_PRELUDE = """
-#include <cuda_bf16.h>
-__device__ __forceinline__ void di_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\\n\\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ unsigned di_peer_addr(void const* smem, unsigned rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote)
-               : "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ float di_peer_f32(void const* smem, unsigned rank) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(di_peer_addr(smem, rank)) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 di_peer_f32x4(void const* smem, unsigned rank) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(di_peer_addr(smem, rank)) : "memory");
-  return v;
-}
-// the fp32 tile is row-major over the half ring's raw bytes (TileLang cannot view its swizzled bf16 layout as fp32)
-__device__ __forceinline__ void di_st_f32(void* tile, int offset, float v) { ((float*)tile)[offset] = v; }
-// 8 outputs a_own * own + a_peer * peer (the partner's 8 floats at the same addresses), tile[offset .. offset + 8),
-// in one 16-B bf16 store (round to nearest even, as the single pass's cast)
-__device__ __forceinline__ void di_pair_out8(void* out, void const* tile, int offset, unsigned rank, float a_own,
-                                             float a_peer) {
-  float const* own = (float const*)tile + offset;
-  float4 x0 = *(float4 const*)own, x1 = *(float4 const*)(own + 4);
-  float4 y0 = di_peer_f32x4(own, rank), y1 = di_peer_f32x4(own + 4, rank);
-  __nv_bfloat162 r[4] = {__floats2bfloat162_rn(a_own * x0.x + a_peer * y0.x, a_own * x0.y + a_peer * y0.y),
-                         __floats2bfloat162_rn(a_own * x0.z + a_peer * y0.z, a_own * x0.w + a_peer * y0.w),
-                         __floats2bfloat162_rn(a_own * x1.x + a_peer * y1.x, a_own * x1.y + a_peer * y1.y),
-                         __floats2bfloat162_rn(a_own * x1.z + a_peer * y1.z, a_own * x1.w + a_peer * y1.w)};
-  *(uint4*)out = *(uint4 const*)r;
-}
-"""
-
 # Config.trace: Trace[b * num_split + sp, slot] (int64). Per CTA: globaltimer (ns) and clock64 at its start, WG0's clock
 # when Q has landed, WG1's clock after its O (or partial) stores and globaltimer then, WG0's clock after its final
 # max / sum; per block j, from TRACE_BLOCK0 + TRACE_PER_BLOCK * j: WG0 ready for block j (before its data wait), its
@@ -673,14 +619,6 @@ class _WsGeom:
 
     def q_col(self, k, t):
         return (k * 128 + t) % (self.D2 // 8) * 8
-
-    # Config.pair's epilogue: CTA `rank` writes heads rank * H/2 .. of each D half; PQ pieces of 8 columns a loader
-    # thread, a warp one head's D2 columns (contiguous) at a time
-    def pair_pieces(self, H: int) -> int:
-        return H // 2 * self.D2 // 8 // 128
-
-    def pair_row(self, H: int, k, t, rank):
-        return rank * (H // 2) + (k * 128 + t) // (self.D2 // 8)
 
 
 class _Src(NamedTuple):
@@ -759,9 +697,7 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     scale = D**-0.5
     c2 = scale * LOG2E
     NEG = -1.0e30
-    pair = cfg.pair  # a split-2 pass whose two CTAs fold their partials in the cluster: the single pass's outputs
-    assert not (pair and kv_fp8), "pair: bf16 KV"
-    split = ns > 1 and not pair  # the split pass's outputs (Op, Mp, Lp) and its combine kernel
+    split = ns > 1
     pre = min(NS, nb)  # blocks loaded before the loop
     SL = NS if kv_fp8 else 1  # staging slots (FP8 only; 1-element dummies otherwise)
     # Python lists: these loops unroll at trace time, so stage indices and branches are static
@@ -777,37 +713,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         """WG0's QK^T operand for Q's left half: q_l (shared), or with Config.q_regs its register fragment q_f. (A call
         at each use, not a variable: a Python name bound to q_l would rename the buffer in the generated source.)"""
         return q_f if cfg.q_regs else q_l
-
-    def alloc_pair_ml():
-        """Config.pair: this CTA's base-2 max (row 0) and sum (row 1) per head, read by the partner too."""
-        return T.alloc_shared((2, H), f32) if pair else None
-
-    def cluster_sync():
-        return T.call_extern("handle", "di_cluster_sync")
-
-    @T.macro
-    def pair_epilogue(O, Sink, b, sp, hf: int, t, o, kvh, ml_s):
-        """Config.pair, a PV warpgroup's epilogue: its unnormalised fp32 half tile into its free half ring (H x D2 fp32,
-        row-major over the ring's bytes), the cluster barrier, then its D half of heads sp * H/2 .. of O from both CTAs'
-        tiles, weighted by exp2(m - M) / (sum of exp2(m_j - M) l_j + exp2(sink - M)), M the max of both m and the
-        sink; the second barrier keeps this CTA's smem until the partner has read it."""
-        w = T.alloc_local((6,), f32)  # own m, peer m, sink (then 1 / den), max M, own weight, peer weight
-        for h, d in T.Parallel(H, D2):
-            T.call_extern("handle", "di_st_f32", kvh.data, h * D2 + d, o[h, d])
-        cluster_sync()
-        for k in T.unroll(g.pair_pieces(H), explicit=True):
-            row, col = g.pair_row(H, k, t, sp), g.q_col(k, t)
-            w[0] = ml_s[0, row]
-            w[1] = T.call_extern(f32, "di_peer_f32", T.access_ptr(ml_s[0, row], "r", 1), 1 - sp)
-            w[2] = Sink[row] * LOG2E
-            w[3] = T.max(T.max(w[0], w[1]), w[2])
-            w[4] = T.exp2(w[0] - w[3])
-            w[5] = T.exp2(w[1] - w[3])
-            w[2] = 1.0 / (w[4] * ml_s[1, row] + w[5] * T.call_extern(f32, "di_peer_f32", T.access_ptr(
-                ml_s[1, row], "r", 1), 1 - sp) + T.exp2(w[2] - w[3]))  # fmt: skip
-            T.call_extern("handle", "di_pair_out8", T.access_ptr(O[b, row, hf * D2 + col], "w", 8), kvh.data,
-                          row * D2 + col, 1 - sp, w[4] * w[2], w[5] * w[2])  # fmt: skip
-        cluster_sync()
 
     def cp_async(dst, src_ptr, n: int):
         """cp.async of n elements (16 B with Config.evict_first, then under its L2 evict_first policy)."""
@@ -1137,8 +1042,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         obuf,
         Trace=None,
         tr_row=0,
-        Sink=None,
-        ml_s=None,
     ):
         T.fill(o, 0.0)
         for k in T.unroll(g.QC, explicit=True):  # this half of Q (WG0 reads both)
@@ -1181,8 +1084,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         if "ostore" in skip or "ovals" in skip:
             if fin_s[0] < 0:  # never (fin_s > 0): keeps O, hence every PV, live without running the stores' code
                 store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
-        elif pair:
-            pair_epilogue(O, Sink, b, sp, hf, t, o, kvh, ml_s)
         else:
             store_outputs(O, Op, b, sp, hf, t, o, kvh, fin_s)
         if hf == 0:
@@ -1214,7 +1115,6 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         alpha_s = T.alloc_shared((NS, H), f32)
         idx_s = T.alloc_shared((NS, bn), i32)
         fin_s = T.alloc_shared((H,), f32)
-        ml_s = alloc_pair_ml()  # Config.pair only
         raw_l = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
         raw_r = T.alloc_shared((SL, bn, D2 if kv_fp8 else 16), "float8_e4m3fn")
         sc_l = T.alloc_shared((SL, bn, g.tpr * 4), "uint8")
@@ -1253,32 +1153,33 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
             if trace:
                 for it in T.serial(rounds):
                     for st in ring:
-                        wg0_block_traced(q_l, q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk, alpha, p_s,
-                                         alpha_s, p_full, p_empty, st, it, Trace, tr_row, tx)  # fmt: skip
+                        wg0_block_traced(q_operand(q_l, q_f), q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l,
+                                         lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it, Trace, tr_row,
+                                         tx)  # fmt: skip
                 for st in tail_blocks:
-                    wg0_block_traced(q_l, q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk, alpha, p_s, alpha_s,
-                                     p_full, p_empty, st, rounds, Trace, tr_row, tx)  # fmt: skip
+                    wg0_block_traced(q_operand(q_l, q_f), q_r, kv_l, kv_r, s0, idx_s, full, m, m_prev, l, lblk,
+                                     alpha, p_s, alpha_s, p_full, p_empty, st, rounds, Trace, tr_row, tx)  # fmt: skip
             elif la:
                 # blocks 0 .. nb-2 issue the next block's QK^T before their softmax (unconditionally: a
                 # wgmma under a data-dependent branch makes ptxas serialise every wgmma, C7518); S[i % 2]
-                qk(q_operand(q_l, q_f), q_r, kv_l, kv_r, s0, idx_s, full, 0, 0, False)
+                qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, 0, 0, False)
                 for it in T.serial(la_rounds):
                     for st in ring:
                         T.wait_wgmma(0)
                         nst, nph = (st + 1, it & 1) if st + 1 < NS else (0, (it + 1) & 1)
                         if st % 2 == 0:
-                            qk(q_operand(q_l, q_f), q_r, kv_l, kv_r, s1, idx_s, full, nst, nph, False)
+                            qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, nst, nph, False)
                             softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it)
                         else:
-                            qk(q_operand(q_l, q_f), q_r, kv_l, kv_r, s0, idx_s, full, nst, nph, False)
+                            qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, nst, nph, False)
                             softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, it)
                 for st in la_tail:
                     T.wait_wgmma(0)
                     if st % 2 == 0:
-                        qk(q_operand(q_l, q_f), q_r, kv_l, kv_r, s1, idx_s, full, st + 1, la_rounds & 1, False)
+                        qk(q_l, q_r, kv_l, kv_r, s1, idx_s, full, st + 1, la_rounds & 1, False)
                         softmax(s0, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds)
                     else:
-                        qk(q_operand(q_l, q_f), q_r, kv_l, kv_r, s0, idx_s, full, st + 1, la_rounds & 1, False)
+                        qk(q_l, q_r, kv_l, kv_r, s0, idx_s, full, st + 1, la_rounds & 1, False)
                         softmax(s1, m, m_prev, l, lblk, alpha, p_s, alpha_s, p_full, p_empty, st, la_rounds)
                 T.wait_wgmma(0)  # the last block, nb - 1 = la_rounds * NS + len(la_tail)
                 if len(la_tail) % 2 == 0:
@@ -1297,26 +1198,19 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
                 for h in T.Parallel(H):
                     Mp[b, sp, h] = m[h] * scale  # natural-log units, as the combine expects
                     Lp[b, sp, h] = l[h]
-            elif pair:
-                for h in T.Parallel(H):  # base-2 units, read by this CTA's and the partner's PV warpgroups
-                    ml_s[0, h] = m[h] * c2
-                    ml_s[1, h] = l[h]
             else:
                 for h in T.Parallel(H):  # the sink joins the denominator only
                     fin_s[h] = 1.0 / (l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c2))
             T.barrier_arrive(fin)
             stamp(Trace, tr_row, TRACE_FIN, tx)
-            if pair:  # the PV warpgroups' two cluster barriers: every thread of both CTAs takes part
-                cluster_sync()
-                cluster_sync()
         elif tx < 256:  # --------------------------------------------- WG1: PV, left D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 0, tx - 128, o_l, q_l, kv_l, raw_l, sc_l, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, Trace,
-                    tr_row, Sink, ml_s)  # fmt: skip
+                    tr_row)  # fmt: skip
         else:  # ------------------------------------------------------ WG2: PV, right D half + its loads
             pv_role(Q, src, O, Op, b, sp, base, 1, tx - 256, o_r, q_r, kv_r, raw_r, sc_r, stg_idx,
                     idx_s, p_s, alpha_s, fin_s, full, p_full, p_empty, bar_q, fin, rid, buf, obuf, Trace,
-                    tr_row, Sink, ml_s)  # fmt: skip
+                    tr_row)  # fmt: skip
 
     # The batch and the pool sizes are symbolic: one build serves every batch size and KV pool (the tuner
     # still keys on the B bucket; the code does not depend on it).
@@ -1496,14 +1390,12 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
     prelude = BULK_PRELUDE if bulk else (L2_PRELUDE if pf else (TRACE_PRELUDE if trace else None))
     if ef:
         prelude = (prelude or "") + EF_PRELUDE
-    if pair:
-        prelude = (prelude or "") + PAIR_PRELUDE
     kvt = "float8_e4m3fn" if kv_fp8 else bf
     nw, nc = n_win, topk - n_win  # two pools: the window list's and the compressed list's entries
     if n_win:
         return _two_pool_entry(body_p if P else body, B=Bd, H=H, D=D, Sw=Sd, Sc=Sc, nw=nw, nc=nc, ns=ns, kvt=kvt,
                                   fp8=kv_fp8, split=split, prelude=prelude, persist=P, op_dtype=opt,
-                                  trace_slots=trace_slots(nb) if trace else 0, cluster=2 if pair else 0)  # fmt: skip
+                                  trace_slots=trace_slots(nb) if trace else 0)  # fmt: skip
     if P:
 
         @T.prim_func
@@ -1573,29 +1465,20 @@ def _program_ws(B: int, H: int, D: int, S: int, topk: int, *, cfg: Config, kv_fp
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((Bd, H, D), bf),
     ):
-        with _launch(T, (ns, Bd), WS_THREADS, prelude, 2 if pair else 0) as (sp, b):
+        with T.Kernel(ns, Bd, threads=WS_THREADS, prelude=prelude) as (sp, b):
             body(Q, _Src(KV, None, Idx), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws
 
 
-def _launch(T, grid: tuple, threads, prelude, cluster: int = 0):
-    """T.Kernel over grid; cluster > 0: T.ClusterKernel, clusters of that many CTAs along x (Config.pair: a request's
-    two chunks)."""
-    if cluster:
-        return T.ClusterKernel(*grid, cluster_dims=cluster, threads=threads, prelude=prelude)
-    return T.Kernel(*grid, threads=threads, prelude=prelude)
-
-
 def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split: bool, threads=WS_THREADS,
                        act="bfloat16", prelude=None, persist: int = 0, op_dtype="float32",
-                       trace_slots: int = 0, cluster: int = 0):  # fmt: skip
+                       trace_slots: int = 0):  # fmt: skip
     """The two-pool prim_funcs (signatures: `program`) around a CTA body(Q, src, Sink, O, Op, Mp, Lp, sp, b)
     of any of the programs; threads None: TileLang's c target. persist: a grid of that many CTAs, body's b
     is the CTA index (the persistent ws body walks the requests itself). trace_slots (Config.trace, bf16 ws): one
     prim_func for the single and the split pass, (Q, KVw, KVc, IdxW, IdxC, Sink, O, Op, Mp, Lp, Trace) with Trace
-    [B * ns, trace_slots] int64, passed to body as Trace. cluster: the single pass's grid in clusters of that many CTAs
-    along x (Config.pair)."""
+    [B * ns, trace_slots] int64, passed to body as Trace."""
     import tilelang.language as T
 
     f32, i32 = "float32", "int32"
@@ -1700,7 +1583,7 @@ def _two_pool_entry(body, *, B, H, D, Sw, Sc, nw, nc, ns, kvt, fp8: bool, split:
         Sink: T.Tensor((H,), f32),
         O: T.Tensor((B, H, D), act),
     ):
-        with _launch(T, (ns, B), threads, prelude, cluster) as (sp, b):
+        with T.Kernel(ns, B, threads=threads, prelude=prelude) as (sp, b):
             body(Q, _Src(KVw, None, IdxW, KVc, None, IdxC, nw), Sink, O, None, None, None, sp, b)
 
     return sparse_attn_decode_ws2
@@ -1725,8 +1608,7 @@ def _program_ws_cpu(
     scale = D**-0.5
     c2 = scale * LOG2E
     NEG = -1.0e30
-    pair = cfg.pair  # both chunks in one program instance, then the pair epilogue's pieces (pair_fold)
-    split = ns > 1 and not pair
+    split = ns > 1
 
     @T.macro
     def body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
@@ -1802,13 +1684,7 @@ def _program_ws_cpu(
                         for j in T.serial(bn):
                             o[hf, h, d] = o[hf, h, d] + p[st, h, j] * kv[hf, st, j, d]
         for h in T.serial(H):
-            if pair:  # Op, Mp: pair_body's po [chunk, half, H, D2] and pml [chunk, max / sum, H] (base 2)
-                Mp[sp, 0, h] = m[h] * c2
-                Mp[sp, 1, h] = l[h]
-                for hf in T.serial(2):
-                    for d in T.serial(D2):
-                        Op[sp, hf, h, d] = o[hf, h, d]
-            elif split:
+            if split:
                 Mp[b, sp, h] = m[h] * scale
                 Lp[b, sp, h] = l[h]
                 for hf in T.serial(2):
@@ -1836,40 +1712,6 @@ def _program_ws_cpu(
                             else:
                                 O[b, row, hf * D2 + col] = kv[hf, 0, row, col]
 
-    @T.macro
-    def pair_fold(Sink, O, po, pml, b):
-        """Config.pair's epilogue: every (CTA rank, D half, loader thread, piece) of the sm90 program writes its 8
-        outputs from both chunks' partials (the same mapping, weights and order)."""
-        w = T.alloc_local((6,), f32)
-        for rank in T.serial(2):
-            for hf in T.serial(2):
-                for t in T.serial(128):
-                    for k in T.serial(g.pair_pieces(H)):
-                        row, col = g.pair_row(H, k, t, rank), g.q_col(k, t)
-                        w[0] = pml[rank, 0, row]
-                        w[1] = pml[1 - rank, 0, row]
-                        w[2] = Sink[row] * LOG2E
-                        w[3] = T.max(T.max(w[0], w[1]), w[2])
-                        w[4] = T.exp2(w[0] - w[3])
-                        w[5] = T.exp2(w[1] - w[3])
-                        w[2] = 1.0 / (w[4] * pml[rank, 1, row] + w[5] * pml[1 - rank, 1, row] + T.exp2(w[2] - w[3]))
-                        for v in T.serial(8):
-                            O[b, row, hf * D2 + col + v] = (w[4] * w[2] * po[rank, hf, row, col + v]
-                                                            + w[5] * w[2] * po[1 - rank, hf, row, col + v])
-
-    @T.macro
-    def pair_body(Q, src, Sink, O, Op, Mp, Lp, sp, b):
-        """Config.pair (grid (1, B)): the two chunks' programs, then the fold."""
-        po = T.alloc_local((2, 2, H, D2), f32)
-        pml = T.alloc_local((2, 2, H), f32)
-        for chunk in T.serial(2):
-            body(Q, src, Sink, O, po, pml, None, chunk, b)
-        pair_fold(Sink, O, po, pml, b)
-
-    if pair:
-        assert n_win and not kv_fp8, "pair: the two-pool bf16 program"
-        return _two_pool_entry(pair_body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=1,
-                               kvt=f32, fp8=False, split=False, threads=None, act=f32)  # fmt: skip
     if n_win:
         return _two_pool_entry(body, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns,
                                   kvt=f32, fp8=kv_fp8, split=split, threads=None, act=f32)  # fmt: skip

@@ -18,8 +18,9 @@ def _configs(fp8: bool = False) -> dict:
 
 def test_defaults_keep_the_measured_choices():
     got = {b: c.tag for b, c in _configs().items()}
-    # session 9: o_smem on the one-pass configs, B64 unsplit (H200 call 3); session 10: evict_first from B128 (call 2)
-    assert got[64] == "wsn64s2o" and got[128] == "wsn64s2of" and got[256] == "wsn64s2p132of", got
+    # session 9: o_smem on the one-pass configs, B64 unsplit (H200 call 3); session 10: evict_first from B128 (call 2),
+    # q_regs at B64 .. 127 (call 3)
+    assert got[64] == "wsn64s2or" and got[128] == "wsn64s2of" and got[256] == "wsn64s2p132of", got
     assert _configs(fp8=True)[64].num_split > 1 and not any(c.o_smem for c in _configs(fp8=True).values())
     assert not any(c.partial_bf16 or c.l2_prefetch for c in _configs().values())
 
@@ -47,7 +48,7 @@ def test_l2_prefetch_switch_reaches_the_single_pass_only(monkeypatch):
 
 def test_unsplit_switch_reaches_b64_and_up_only(monkeypatch):
     before = _configs()
-    assert before[64].num_split == 1 and before[64].tag == "wsn64s2o"
+    assert before[64].num_split == 1 and before[64].tag == "wsn64s2or"
     monkeypatch.setattr(sad, "UNSPLIT_MIN_B", 0)  # the previous rule: B64 splits in 2 (fp32 partials, no o_smem)
     after = _configs()
     assert after[64].num_split == 2 and after[64].tag == "wsn64s2x2"
@@ -59,7 +60,7 @@ def test_env_form_sets_the_switches(monkeypatch):
         monkeypatch.setattr(sad, name, getattr(sad, name))
     sad.apply_decode_switches("UNSPLIT_MIN_B=64, PERSIST_MIN_B=0,SPLIT_PARTIAL_BF16=1")
     assert (sad.UNSPLIT_MIN_B, sad.PERSIST_MIN_B, sad.SPLIT_PARTIAL_BF16) == (64, 0, True)
-    assert sad.sm90_config(64, 640).tag == "wsn64s2o" and sad.sm90_config(256, 640).tag == "wsn64s2of"
+    assert sad.sm90_config(64, 640).tag == "wsn64s2or" and sad.sm90_config(256, 640).tag == "wsn64s2of"
     assert sad.sm90_config(16, 640).partial_bf16
     with pytest.raises(ValueError, match="not one of"):
         sad.apply_decode_switches("PERSIST=0")
@@ -95,12 +96,13 @@ def test_evict_first_from_b128_on_bf16_decode_only(monkeypatch):
     assert _configs()[16].num_split > 1 and _configs()[16].evict_first  # a split pass too
 
 
-def test_q_regs_switch_reaches_every_bf16_decode_config(monkeypatch):
-    """DECODE_Q_REGS (session 10, off until measured): Config.q_regs on every bf16 decode config (split, single pass,
-    persistent grid), no FP8-KV one, never prefill."""
-    before, before8 = _configs(), _configs(fp8=True)
-    assert not any(c.q_regs for c in before.values())
-    monkeypatch.setattr(sad, "DECODE_Q_REGS", 1)
-    after = _configs()
-    assert all(after[b] == dataclasses.replace(before[b], q_regs=True) for b in BATCHES)
-    assert _configs(fp8=True) == before8 and not sad.prefill_config(8192, 640).q_regs
+def test_q_regs_from_64_to_127_requests_only(monkeypatch):
+    """Q_REGS_MIN_B .. Q_REGS_MAX_B (session 10: 64 .. 127, H200 call 3): Config.q_regs on the bf16 decode configs of
+    that many requests only (B64 unsplit), not the splits below nor the evict_first configs above, no FP8-KV one, never
+    prefill; 0 takes it off."""
+    on = _configs()
+    assert {b for b, c in on.items() if c.q_regs} == {64}
+    assert not any(c.q_regs for c in _configs(fp8=True).values()) and not sad.prefill_config(8192, 640).q_regs
+    monkeypatch.setattr(sad, "Q_REGS_MIN_B", 0)
+    off = _configs()
+    assert all(on[b] == dataclasses.replace(off[b], q_regs=b == 64) for b in BATCHES)
