@@ -234,7 +234,7 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     128-thread C16384 rows keep every chunk (search 2 there: 261.5 vs 195.0 us -- 2048-score chunks, a 2560-entry
     buffer: the lagging bound's extra pushes fill it, and it is cut). Measured slower at C65536: 8 scores a thread at
     4 CTAs x 256 (620.2) or 2 x 512 (952.1), 128-thread CTAs at 4 (672.5) or 5 with rsel (662.3).
-    DEEPINFER_TOPK_SEARCH=n: the prefill rows' bound searched every n-th chunk (1: every chunk).
+    DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -250,7 +250,7 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
             if fast and os.environ.get("DEEPINFER_TOPK_LEAN", "") != "0":  # (rsel: slower at 128 threads)
                 cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256,
                               eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk,
-                              search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4 if nt == 256 and C >= 65536 else 1)))
+                              search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4)) if nt == 256 and C >= 65536 else 1)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)

@@ -309,10 +309,11 @@ def test_gpu_lean_compact_exact(kb, T_, C, kind):
 @pytest.mark.parametrize("kind", ["ints", "zeros", "randn"])
 def test_gpu_prefill_default_exact(kb, kind):
     """The prefill default at T4096 C65536 (one 256-thread CTA a row, eager, rsel, the bound searched on every 4th
-    chunk since session 10: a lagging bound pushes more -- all-zero rows overflow the buffer in every chunk) against
-    topk_entries' set, as test_gpu_lean_compact_exact."""
+    chunk since session 10 -- every n-th with DEEPINFER_TOPK_SEARCH=n: a lagging bound pushes more, all-zero rows
+    overflow the buffer in every chunk) against topk_entries' set, as test_gpu_lean_compact_exact."""
     cfg = ts.default_config(4096, 65536)
-    assert cfg.search == 4 and cfg.eager and cfg.rsel
+    assert cfg.threads == 256 and cfg.eager and cfg.rsel
+    assert cfg.search == int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4))
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -395,10 +396,11 @@ def test_hist_default_configs(monkeypatch):
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, **s8)  # fmt: skip
-    # (session 10: the bound searched on every 4th chunk at 64k+ columns; every chunk at 16k / 32k, or with the switch)
+    # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
+    # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
-    monkeypatch.setenv("DEEPINFER_TOPK_SEARCH", "1")
-    assert ts.default_config(4096, 65536).search == 1
+    monkeypatch.setenv("DEEPINFER_TOPK_SEARCH", "8")
+    assert ts.default_config(4096, 65536).search == 8 and ts.default_config(4096, 16384).search == 1
     monkeypatch.delenv("DEEPINFER_TOPK_SEARCH")
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
