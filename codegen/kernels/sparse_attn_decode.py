@@ -66,6 +66,9 @@ no gain on the small batches' split passes (B1 / B16 equal, B32 29.1 vs 28.3 us)
 slower with evict_first at B128 / B256. Measured and removed: a request's two split-2 chunks as one 2-CTA cluster
 folding their partials in shared memory over DSMEM (no combine kernel; correct): B64 33.3 us vs the unsplit 32.8 (31.0
 with evict_first under do_bench, but 38.0 vs 31.6 after a read flush), B48 30.7 vs split 2 + combine 30.2.
+Next (after session 10): the persistent grid's request boundary -- the next Q is issued only after the last QK^T and
+the next request's block 1 only after the O stores -- and the lockstep start / tail are the fixed costs left at B256;
+a third 64-row stage still needs the 64 KB of Q out of shared memory (q_regs frees no smem: Q is staged through it).
 """
 
 import dataclasses
