@@ -155,6 +155,8 @@ class HistConfig:
     # as tight): it is one warp's extra work on its chunk's critical path -- the other warps wait for it at the chunk's
     # barrier. A bound that lags more pushes more keys, never a wrong one.
     search: int = 1
+    # (GPU, ffs) the output's bitmap words read once into registers (vector loads), not twice word by word
+    emit_regs: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
 
     @property
@@ -170,7 +172,7 @@ class HistConfig:
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
                 + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
-                + (f"q{self.search}" if self.search > 1 else "")
+                + (f"q{self.search}" if self.search > 1 else "") + ("o" if self.emit_regs else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -918,7 +920,8 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
     """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after.
     ffs (GPU): a non-zero word's set bits visited with __ffs (popcount iterations, not 32). warp_scan (GPU): the
     threads' output offsets by a shuffle scan in each warp and the warp totals (one barrier), not T.cumsum (one
-    warp walking all NT counts)."""
+    warp walking all NT counts). wv (GPU, ffs): a per-thread int32 fragment [NT, WPT] -- a thread's WPT bitmap words
+    read once (contiguous: vector loads) and kept in registers for both passes, not read twice word by word."""
     import tilelang.language as T
 
     NW = -(-C // 32)
@@ -928,12 +931,18 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
     full = T.uint32(0xFFFFFFFF)
 
     @T.macro
-    def emit(bitmap, wcnt, wbase, Idx, t, kk):
+    def emit(bitmap, wcnt, wbase, Idx, t, kk, wv=None):
+        assert wv is None or (ffs and not ops.cpu), "wv: the GPU's __ffs output"
         for i in ops.par(NT):
             c = T.alloc_var("int32", init=0)
-            for u in T.serial(WPT):
-                if i * WPT + u < NW:
-                    c = ops.popc_add(c, bitmap[T.min(i * WPT + u, NW - 1)])
+            if wv is not None:
+                for u in T.unroll(WPT):
+                    wv[i, u] = T.if_then_else(i * WPT + u < NW, bitmap[T.min(i * WPT + u, NW - 1)], 0)
+                    c = c + T.call_extern("int32", "__popc", wv[i, u])
+            else:
+                for u in T.serial(WPT):
+                    if i * WPT + u < NW:
+                        c = ops.popc_add(c, bitmap[T.min(i * WPT + u, NW - 1)])
             if WSCAN:  # wbase[i]: the count before thread i in its warp; wcnt[w]: warp w's total
                 incl = T.alloc_var("int32", init=c)
                 for d in (1, 2, 4, 8, 16):
@@ -962,7 +971,15 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
                 for w in T.unroll(NWARP):
                     if w < i // 32:
                         p = p + wcnt[w]
-            for u in T.serial(WPT):
+            if wv is not None:
+                for u in T.unroll(WPT):
+                    rest = T.alloc_var("int32", init=wv[i, u])
+                    nset = T.alloc_var("int32", init=T.call_extern("int32", "__popc", rest))
+                    for _b in T.serial(nset):
+                        Idx[t, p] = (i * WPT + u) * 32 + T.call_extern("int32", "__ffs", rest) - 1
+                        p = p + 1
+                        rest = T.bitwise_and(rest, rest - 1)
+            for u in T.serial(WPT if wv is None else 0):
                 w = i * WPT + u
                 if w < NW:
                     word = bitmap[T.min(w, NW - 1)]
@@ -1657,6 +1674,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     reg_select = _make_reg_select(ops, NT, QR) if RSEL else None
     block_sum, red_total = _make_block_sum(NT)
     EAGER = cfg.eager  # (check_config: one segment a row, C >= a chunk)
+    EMIT_REGS = cfg.emit_regs and cfg.ffs and not ops.cpu
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
@@ -1916,6 +1934,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
+            wv = ops.fr((NT, -(-NW // NT)), "int32") if EMIT_REGS else None  # (emit_regs) a thread's output words
             if RSEL:  # (rsel) the staged members in registers
                 rk = ops.fr((NT, QR), "int32")
                 ri = ops.fr((NT, QR), "int32")
@@ -2113,7 +2132,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 else:
                     nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
                     mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
-                emit(bitmap, wcnt, wbase, Idx, t, stb[3])
+                emit(bitmap, wcnt, wbase, Idx, t, stb[3], wv)
 
     return topk_select_hist
 
