@@ -3692,16 +3692,16 @@ def _topk_s10_r3_rows():
     searched on every 4th chunk; call 3, same run: 424.3 us = 58.8% vs 443.8 searching every chunk) next to sparser
     searches -- each search removed was worth ~2 us in call 3 -- on every 6th / 8th / 16th chunk; the lagging bound
     pushes more: ~3.5k / ~4.8k / ~8k entries a row against the 4608-entry buffer (a full buffer is cut to its top-k:
-    exact, slower), so search 8 also with a 5632-entry buffer (+8 KB shared: 3 CTAs still fit). Every row checked
-    exact (heavy ties, real scores twice). The default's kernel is test_gpu_prefill_default_exact's (s10build builds
+    exact, slower; a 5632-entry buffer would hold search 8's, +8 KB shared). Every row checked exact (heavy ties, real
+    scores twice). The default's kernel is test_gpu_prefill_default_exact's (s10build builds
     it), search 8's the one that test runs with DEEPINFER_TOPK_SEARCH=8. Last, the default with `emit_regs` (the
     output's 8 bitmap words a thread read once into registers, not twice word by word from shared memory)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    return [(4096, 65536, c) for c in (d64, rep(d64, search=6), rep(d64, search=8), rep(d64, search=8, buf=5632),
-                                       rep(d64, search=16), rep(d64, emit_regs=True))]  # fmt: skip
+    return [(4096, 65536, c) for c in (d64, rep(d64, search=6), rep(d64, search=8), rep(d64, search=16),
+                                       rep(d64, emit_regs=True))]  # fmt: skip
 
 
 def _topk_s10_r2_rows():
