@@ -128,7 +128,8 @@ def engine_run(plan, args, name: str, specs, skipped: dict) -> dict:
     lazy = {k: s for k, s in other.items() if k not in by_design}
     loaded = {k: s for k, s in cache.build_s.items() if k in pre}
     log(f"{name}: engine start {start_s:.1f} s (prebuild {times.get('prebuild_s', float('nan')):.1f} s, "
-        f"{len(times.get('errors') or {})} errors); generated {len(outs)} x {args.tokens} tokens in "
+        f"{len(times.get('errors') or {})} errors); generated {sum(len(o.token_ids) for o in outs)} of "
+        f"{len(outs)} x {args.tokens} tokens in "
         f"{generate_s:.1f} s; "
         f"kernels used: {len(loaded)} pre-built (loaded in {sum(loaded.values()):.1f} s, slowest "
         f"{max(loaded.values(), default=0):.2f} s), {len(lazy)} LAZY ({sum(lazy.values()):.1f} s), "
