@@ -3633,6 +3633,15 @@ def _topk_s9_rows():
     ]  # fmt: skip
 
 
+def _topk_prefill_operands(T_, C, pos):
+    """(positions on the GPU, the indexer's reference scores [T_, C], an int32 output [T_, IDX_TOPK]) for a prefill
+    top-k row."""
+    q, w, k, ks, _ = _idx_inputs(T_, C)
+    pos = pos.cuda()
+    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    return pos, _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5), out
+
+
 def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bool, dry: bool):
     """One "indexer topk s9" row: topk_select (cfg or the default; split: topk_select.tail_split's launches) on the
     fp32 reference scores of real-shaped FP8 inputs, every row checked exact against topk_entries (heavy ties, then
@@ -3650,10 +3659,7 @@ def case_topk_s9(row: Row, T_: int, C: int, cfg, visible, split: bool, quick: bo
     row.peak = "fp8"
     if dry:
         return
-    q, w, k, ks, _ = _idx_inputs(T_, C)
-    pos = pos.cuda()
-    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
-    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    pos, s, out = _topk_prefill_operands(T_, C, pos)
     scratch = [ts.make_scratch(n, C, IDX_TOPK, c, "cuda") for _, n, c in launches]
 
     def run_on(x):
@@ -3742,10 +3748,7 @@ def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     row.peak = "fp8"
     if dry:
         return
-    q, w, k, ks, _ = _idx_inputs(T_, C)
-    pos = pos.cuda()
-    s = _idx_ref_scores(q, w, k, ks, pos, IDX_DIM**-0.5)
-    out = torch.empty(T_, IDX_TOPK, device="cuda", dtype=torch.int32)
+    pos, s, out = _topk_prefill_operands(T_, C, pos)
     scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
     row.ms = _bench_read_flush(lambda: kern(s, pos, out, *scratch), quick)
     row.check = f"stage probe (no top-k); do_bench {bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3:.1f} us"
