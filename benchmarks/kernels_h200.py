@@ -2863,9 +2863,15 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
     anything else is a bug). (Config.fuse_combine, the in-kernel fold of split 2, measured 37.8 us at
     B64 vs 33.5 with the combine kernel in session 9's call 3, is gone.)"""
     case_attn_s7(row, B, cfg, quick, dry)
-    if not cfg.o_smem:
-        return
-    plain = dataclasses.replace(cfg, o_smem=False)
+    if cfg.o_smem:
+        _check_vs_plain(row, B, cfg, "o_smem", dry, must_equal=True)
+
+
+def _check_vs_plain(row: Row, B: int, cfg, field: str, dry: bool, must_equal: bool):
+    """Runs `cfg` and the same config with `field` off on the same operands (runtime's 4k) and compares the outputs
+    bit for bit: raises on a difference when `must_equal` (the option stores the same values another way), else
+    reports it in row.check. Dry: builds both kernels only."""
+    plain = dataclasses.replace(cfg, **{field: False})
     kernels = [_s7_kernel(B, plain, dry), _s7_kernel(B, cfg, dry)]
     if dry:
         return
@@ -2873,9 +2879,10 @@ def case_attn_s9(row: Row, B: int, cfg, quick: bool, dry: bool):
     outs = [torch.full_like(q, float("nan")) for _ in kernels]
     for kernel, out in zip(kernels, outs):
         kernel(q, kv, idx, sink, out)
-    if not torch.equal(*outs):
+    same = torch.equal(*outs)
+    if must_equal and not same:
         raise AssertionError(f"{cfg.tag}'s output differs from {plain.tag}'s")
-    row.check += " bit-equal"
+    row.check += f" {'bit-equal' if same else 'differs from'} {plain.tag}"
 
 
 def attn_s9_cases():
@@ -2992,20 +2999,8 @@ def case_attn_s10(row: Row, B: int, cfg, quick: bool, dry: bool):
     with the same config without it, reported (RS and SS wgmma should agree bit for bit; the check is the reference)."""
     case_attn_s7(row, B, cfg, quick, dry)
     for field, must in (("evict_first", True), ("q_regs", False)):
-        if not getattr(cfg, field):
-            continue
-        plain = dataclasses.replace(cfg, **{field: False})
-        kernels = [_s7_kernel(B, plain, dry), _s7_kernel(B, cfg, dry)]
-        if dry:
-            continue
-        q, kv, idx, sink, _, _ = s7_operands(B)
-        outs = [torch.full_like(q, float("nan")) for _ in kernels]
-        for kernel, out in zip(kernels, outs):
-            kernel(q, kv, idx, sink, out)
-        same = torch.equal(*outs)
-        if must and not same:
-            raise AssertionError(f"{cfg.tag}'s output differs from {plain.tag}'s")
-        row.check += f" {'bit-equal' if same else 'differs from'} {plain.tag}"
+        if getattr(cfg, field):
+            _check_vs_plain(row, B, cfg, field, dry, must_equal=must)
 
 
 def attn_s10_cases():
