@@ -10,10 +10,17 @@ index / candidate source roles (sources kept with their sharers), real weight fo
 with 32x32 ue8m0 blocks, routed experts FP4 in the checkpoint -> FP8 on sm90 by the convert pass, or kept FP4
 with --experts fp4: the W4A8 swap-AB programs), all 384 experts. Default layers 0, 2, 3, 20, 21, 24: SWA only;
 ratio-2 kv source; ratio-2 sharer; ratio-1 kv/index/candidate source; ratio-1 sharer; ratio-1 index source.
-Engram layers (1, 14) are left out: their tables are 384M rows x 8 heads x 256 per layer (~100 GB each in FP8),
-more than the GPU; 8 MoE layers (~13.6 GB of FP8 experts each) would also pass the ~100 GB memory target, so 6
-layers. Random weights are generated ON THE GPU (normal values rounded to E4M3 with power-of-two block scales;
-FP4 experts as random codes), experts directly in the stacked layout the grouped GEMMs read.
+Engram layers (1, 14) fit one per GPU: a table is 384M rows x 256 FP8 values + 8 ue8m0 scale bytes a row (101.4 GB),
+beside ~16.6 GB of other weights (embedding and head included); both in one slice need ~225 GiB. The run estimates the
+slice's memory (memory_estimate: tables, weights, caches, workspace; --dry-run prints it against an H200) and refuses
+with the numbers before it allocates. The table is filled in place on the device in 2^28-value chunks (no
+temporary of its size) and is the one tensor the compiled plan, the eager references and torch.compile all read
+(each case logs the peak memory since the weights were made); its roofline bytes are the rows a step gathers (24
+rows of 264 B a token), not the table. A slice's k-th Engram layer gets the model's k-th table size and the hash
+multipliers of its new number (the same work, other row ids). 8 MoE layers (~13.6 GB of FP8 experts each) would
+also pass the ~100 GB memory target, so 6 layers. Random weights are generated ON THE GPU (normal values rounded
+to E4M3 with power-of-two block scales; FP4 experts as random codes), experts directly in the stacked layout the
+grouped GEMMs read.
 
 Kernel binding for the slice: select_kernels buckets T = 1, 64, 256 (decode) and 4096 (prefill); the decode
 attention kernel and the swap-AB masked MoE are used up to T = 256 here (the default plan stops at 64).
@@ -69,6 +76,8 @@ os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "d
 
 import torch  # noqa: E402
 
+from deepinfer.errors import DeepInferError  # noqa: E402
+
 DEFAULT_LAYERS = (0, 2, 3, 20, 21, 24)
 T0 = time.time()
 
@@ -82,22 +91,26 @@ def log(msg: str) -> None:
 
 def slice_config(layers=DEFAULT_LAYERS, preset: str = "real") -> dict:
     """The V4.1-Flash config (real dims, or a smaller preset for the CPU smoke mode) cut to `layers` (renumbered
-    0..n-1), roles kept, Engram and MTP off."""
-    from deepinfer.models.presets import preset_config
+    0..n-1), roles kept (Engram layers too), MTP off."""
+    from deepinfer.models.presets import engram_num_embeddings, preset_config
 
     cfg = preset_config("deepseek-v4.1-flash", preset)
     t = cfg["text_config"]
     layers = sorted(layers)
     new = {old: i for i, old in enumerate(layers)}
-    if set(layers) & set(t.get("engram_layer_ids", [])):
-        raise ValueError(f"Engram layers {t['engram_layer_ids']} do not fit one GPU (~100 GB tables each)")
     t["num_hidden_layers"] = len(layers)
     t["compress_ratios"] = [t["compress_ratios"][i] for i in layers]
     t["kv_source_layer_ids"] = [new[s] for s in t["kv_source_layer_ids"] if s in new]
     t["index_source_layer_ids"] = [new[s] for s in t["index_source_layer_ids"] if s in new]
     cs = t.get("candidate_source_layer_id", -1)
     t["candidate_source_layer_id"] = new.get(cs, -1)
-    t["engram_layer_ids"], t["engram_num_embeddings"] = [], []
+    # Engram layers kept (renumbered): the table of the k-th kept layer is the model's k-th table (its primes are
+    # drawn per Engram layer in order, so a slice of layer 14 alone gets layer 1's 384,006,168 rows, 10,514 fewer
+    # than layer 14's) and its hash multipliers are those of its new number: the same work, other row ids
+    kept = [i for i in t.get("engram_layer_ids", []) if i in new]
+    t["engram_layer_ids"] = [new[i] for i in kept]
+    sizes = (t["engram_vocab_size"], len(kept), t["engram_max_ngram_size"], t["engram_n_heads"])
+    t["engram_num_embeddings"] = engram_num_embeddings(*sizes) if kept else []
     t["dspark_target_layer_ids"], t["num_nextn_predict_layers"] = [], 0
     return cfg
 
@@ -139,6 +152,56 @@ def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8", preset: str = "real
     return opt
 
 
+# ---------------------------------------------------------------------------------------------- memory
+
+GiB = float(1 << 30)
+H200_FREE_GIB = 139.0  # free device memory of an H200 with a CUDA context (the dry run's figure)
+# beyond weights and caches: activations and kernel temporaries (a prefill's MoE and index scores), CUDA graph pools,
+# torch.compile's buffers, the eager references' per-expert temporaries (session 9's 3-layer slices peaked ~6 GiB over)
+WORKSPACE_GIB = 8.0
+
+
+class SliceMemoryError(DeepInferError):
+    """The slice's weights, caches and workspace exceed the device's free memory (one-line message)."""
+
+
+def _param_bytes(p) -> int:
+    return math.prod(int(d) for d in p.shape) * p.type.dtype.itemsize
+
+
+def memory_estimate(g, max_positions: int, moe_glu: str = "auto") -> dict[str, float]:
+    """Bytes the slice will hold on the device, from the graph alone (nothing allocated): the Engram tables and
+    their scales, the other weights, one sequence's caches at max_positions, the MoE's interleaved w1|w3 copies
+    where --moe-glu on forces them (auto makes them only while memory allows), and WORKSPACE_GIB."""
+    from deepinfer.runtime.session import allocate_caches
+
+    engram = sum(_param_bytes(p) for p in g.params if ".engram.embed." in p.name)
+    weights = sum(_param_bytes(p) for p in g.params) - engram
+    caches = sum(t.numel() * t.element_size() for t in allocate_caches(g, max_positions, device="meta").values())
+    glu = 0
+    if moe_glu == "on":
+        glu = sum(n.attrs["n_experts"] * _param_bytes(n.inputs[9]) * 2 for n in g.nodes
+                  if n.op == "moe_grouped_experts" and n.inputs[9] is not None)  # fmt: skip
+    est = {"engram_tables": float(engram), "other_weights": float(weights), "caches": float(caches),
+           "glu_copies": float(glu), "workspace": WORKSPACE_GIB * GiB}  # fmt: skip
+    est["total"] = sum(est.values())
+    return est
+
+
+def describe_memory(est: dict[str, float]) -> str:
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.1f}" for k, v in est.items() if k != "total" and v)
+    return f"~{est['total'] / GiB:.1f} GiB ({parts})"
+
+
+def check_fits(est: dict[str, float], free_bytes: float, layers) -> None:
+    """SliceMemoryError naming the numbers when the estimate exceeds the free device memory."""
+    if est["total"] > free_bytes:
+        hint = " (one Engram layer per GPU: e.g. --layers 1 on one, --layers 14 on another)"
+        hint = hint if est["engram_tables"] else ""
+        raise SliceMemoryError(f"bench_slice: layers {list(layers)} need {describe_memory(est)} on the device, "
+                               f"{free_bytes / GiB:.1f} GiB free{hint}")  # fmt: skip
+
+
 def gpu_weights(g, device="cuda", seed: int = 0) -> dict:
     """Random weights in the checkpoint formats, made on the device; experts stacked as the grouped GEMM reads."""
     from deepinfer.ir import dtypes as dt
@@ -169,11 +232,12 @@ def gpu_weights(g, device="cuda", seed: int = 0) -> dict:
     return params
 
 
-def _fp8(shape, device) -> torch.Tensor:
-    """N(0, 1) * 16 in E4M3 (codes well inside the range), chunked to bound the fp32 temporary."""
+def _fp8(shape, device, step: int = 1 << 28) -> torch.Tensor:
+    """N(0, 1) * 16 in E4M3, filled in place `step` values at a time (the temporaries are 2 x 512 MB of bf16, also
+    for a 98e9-value Engram table). No NaN code (0x7F / 0xFF, what |x| > 448 would round to): torch's normal samples
+    come from Box-Muller on finite-precision uniforms (|z| < 9), so |x| < 150."""
     out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
     flat = out.view(-1)
-    step = 1 << 28
     for i in range(0, flat.numel(), step):
         j = min(flat.numel(), i + step)
         flat[i:j] = (torch.randn(j - i, device=device, dtype=torch.bfloat16) * 16).to(torch.float8_e4m3fn)
@@ -269,14 +333,41 @@ def layer_roofline(g, params, t: int, head_rows: int | None = None) -> dict[str,
             acc[0] += active * per_expert + sb
             acc[1] += 2.0 * t * (k * per_expert + sb)
             continue
-        if n.op in ("embedding", "engram_embed"):
-            acc[0] += t * params[pnames[0]].shape[-1] * params[pnames[0]].element_size() if pnames else 0
+        if n.op == "embedding":
+            acc[0] += t * _row_bytes(params[pnames[0]]) if pnames else 0
+            continue
+        if n.op == "engram_embed":
+            acc[0] += engram_rows_bytes(n, params, pnames, t)
             continue
         b = sum(params[x].numel() * params[x].element_size() for x in pnames)
         acc[0] += b
         if n.op in ("linear_fp8", "linear", "grouped_out_proj", "swiglu_gate_up", "fused_attention"):
             acc[1] += 2.0 * rows * sum(params[x].numel() for x in pnames if params[x].dim() == 2)
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _row_bytes(p: torch.Tensor) -> int:
+    return p[0].numel() * p.element_size() if p.dim() else 0
+
+
+def engram_rows_bytes(n, params, pnames: list, t: int) -> int:
+    """An engram_embed node's bytes: the rows it gathers, not its table -- per token K ids (3 n-gram sizes x 8 heads
+    = 24 at V4.1's dims), each one FP8 row (256 B) and its ue8m0 scales (8 B); rows shared by two tokens are
+    counted twice (random hashes of a 384M-row table seldom collide)."""
+    k = int(n.inputs[2].shape[1])
+    return t * k * sum(_row_bytes(params[x]) for x in pnames)
+
+
+def engram_bytes(g, params, t: int) -> dict[str, int]:
+    """Per layer: the Engram rows' bytes of t tokens (engram_rows_bytes); layers without Engram are absent."""
+    from deepinfer.runtime.cuda_executor import plan_steps
+
+    out: dict[str, int] = {}
+    for step in plan_steps(g):
+        if step.node.op == "engram_embed":
+            pnames = [nm for nm, is_p in zip(step.inputs, step.param_inputs) if is_p]
+            out[step.layer] = out.get(step.layer, 0) + engram_rows_bytes(step.node, params, pnames, t)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -648,11 +739,19 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, mo
     g = select_logit_rows(slice_graph(layers, experts, preset, moe_format))
     moe_act = describe_act_groups(g.meta) or f"MoE experts {experts} (no FP4 -> FP8 conversion)"
     log(f"--moe-format {moe_format}: {moe_act}")
+    est = memory_estimate(g, max_positions, moe_glu)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the limits' buffers
+        free = torch.cuda.mem_get_info()[0]
+        log(f"memory: the slice needs {describe_memory(est)}; {free / GiB:.1f} GiB free")
+        check_fits(est, free, layers)
+    t0 = time.time()
     params = gpu_weights(g, device=device)
     if device == "cuda":
         torch.cuda.synchronize()
         log(f"slice layers {list(layers)} ({experts} experts): {len(g.nodes)} nodes, weights "
-            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU")  # fmt: skip
+            f"{torch.cuda.memory_allocated() / GiB:.1f} GiB on the GPU, made in {time.time() - t0:.1f} s")  # fmt: skip
+        torch.cuda.reset_peak_memory_stats()
     comp = GraphExecutor(g, params, kernels=kernels, sync_free="always", max_positions=max_positions)
     comp.prep_cache[GLU_POLICY] = moe_glu  # the fused SwiGLU's interleaved w1|w3 copies (kernel_adapters)
     comp.prep_cache[MAX_POSITIONS] = max_positions  # rope tables sized once: no host read of the positions
@@ -739,6 +838,9 @@ def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode, pr
             f"{k} {v:.2f}" for k, v in list(comp.op_times.items())[:10]))  # fmt: skip
         if kind == "decode" and t > 1:
             row["note"] = "one sequence, T new tokens (see module doc)"
+        if st.device == "cuda":  # a copy of an Engram table (~101 GB) would show here, if it did not fail first
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+            log(f"{row['case']}: peak device memory {row['peak_gib']:.1f} GiB since the weights were made")
         log(f"{row['case']}: executor {total_c:.2f} ms, graphs {row.get('graph_total_ms', float('nan')):.2f} ms, "
             f"eager {total_e:.2f} ms, {row['tok_s']:.0f} tok/s")  # fmt: skip
     except Exception as e:
@@ -1094,6 +1196,7 @@ def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, ba
     there is one), and the KV bytes a true batch of t sequences would add (see _kv_bytes)."""
     roof = layer_roofline(st.g, st.params, t, feeds["logit_rows"].numel() if "logit_rows" in feeds else None)
     kv = _kv_bytes(st.comp, feeds)
+    engram = engram_bytes(st.g, st.params, t)
     rows = {}
     for layer, ms in layers_c.items():
         b, f = roof.get(layer, (0.0, 0.0))
@@ -1105,6 +1208,8 @@ def _layer_rows(st: Setup, t: int, feeds: dict, layers_c, layers_e, graph_ms, ba
              "tok_s": t / (ours * 1e-3), "roofline_pct": 100 * bound_ms / ours if ours else 0.0,
              "bound_ms": bound_ms, "bytes": b, "flops": f, "kv_bytes_per_seq": kv.get(layer, 0),
              "kv_extra_bytes": extra, "roofline_with_kv_pct": 100 * with_kv_ms / ours if ours else 0.0}  # fmt: skip
+        if layer in engram:
+            r["engram_bytes"] = engram[layer]
         r.update(base.get(layer, {}))
         torch_eager = min(x for x in (r["eager_ms"], r.get("line_ms", float("inf"))) if x == x)
         r["torch_eager_ms"] = torch_eager
@@ -1199,6 +1304,9 @@ def _print_notes(r: dict) -> None:
                          f"eager with +-1 ulp inputs: {_fmt(floor, '.1e')})")  # fmt: skip
         if m.get("line_vs_exec") is not None:
             notes.append(f"straight line vs executor references: rel err {m['line_vs_exec']:.1e}")
+        if m.get("engram_bytes"):
+            notes.append(f"Engram rows gathered {m['engram_bytes'] / 1e3:.1f} KB of the {m['bytes'] / 1e6:.1f} MB "
+                         f"the roofline counts (not the table)")  # fmt: skip
         if m.get("kv_bytes_per_seq"):
             notes.append(f"KV read per sequence {m['kv_bytes_per_seq'] / 1e6:.1f} MB: a true batch of "
                          f"{r['tokens']} sequences adds {m['kv_extra_bytes'] / 1e6:.0f} MB "
@@ -1310,13 +1418,25 @@ def dry_run(args) -> int:
     """The slice graph and its kernel bindings at every bucket, on the CPU (what the H200 run will execute)."""
     from deepinfer.passes.convert_fp4_to_fp8 import describe_act_groups
     from deepinfer.passes.select_kernels import format_kernel_report
+    from deepinfer.passes.select_logit_rows import select_logit_rows
 
     t0 = time.time()
     g = slice_graph(_ints(args.layers), args.experts, getattr(args, "preset", "real"), moe_formats(args.moe_format)[0])
     log(f"slice graph: {len(g.nodes)} nodes in {time.time() - t0:.1f} s")
     log(f"--moe-format {args.moe_format}: {describe_act_groups(g.meta) or 'no FP4 -> FP8 conversion'}")
     print(format_kernel_report(g))
+    est = memory_estimate(select_logit_rows(g), _max_positions(args), getattr(args, "moe_glu", "auto"))
+    try:
+        check_fits(est, H200_FREE_GIB * GiB, _ints(args.layers))
+        log(f"memory: needs {describe_memory(est)}: fits an H200 ({H200_FREE_GIB:.0f} GiB free)")
+    except SliceMemoryError as e:
+        log(f"memory: does not fit an H200: {e}")
     return 0
+
+
+def _max_positions(args) -> int:
+    """The cached length the run sizes its caches and rope tables for (run(): max context + max batch + prefill)."""
+    return max(_ints(args.context) or (0,)) + max(_ints(args.batches) or (1,)) + args.prefill
 
 
 def main(argv=None) -> int:
@@ -1329,7 +1449,11 @@ def main(argv=None) -> int:
         print("bench_slice: error: needs a CUDA device (an H200; --preset tiny is the CPU smoke mode); this machine "
               "has none", file=sys.stderr)  # fmt: skip
         return 2
-    run_from_args(args)
+    try:
+        run_from_args(args)
+    except SliceMemoryError as e:
+        print(e, file=sys.stderr)
+        return 2
     return 0
 
 
