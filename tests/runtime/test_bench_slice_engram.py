@@ -93,3 +93,16 @@ def test_compiled_and_eager_executors_read_the_one_table(bs, monkeypatch):
     scale = st.params["layers.0.engram.embed.scale"]
     s = st.comp.prep_cache[("engram_s", "layers.0.engram.embed.scale")]
     assert s.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()  # the kernel's bytes: a view
+
+
+def test_a_slice_that_does_not_fit_is_one_line_and_exit_2(bs, monkeypatch, capsys):
+    est = bs.memory_estimate(bs.slice_graph((1, 14)), 4096 + 64)
+
+    def refuse(args):
+        bs.check_fits(est, bs.H200_FREE_GIB * bs.GiB, (1, 14))
+
+    monkeypatch.setattr(bs, "run_from_args", refuse)
+    monkeypatch.setattr(bs.torch.cuda, "is_available", lambda: True)  # past main's no-device check
+    assert bs.main(["--layers", "1,14"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench_slice: error: layers [1, 14] need ~") and "free" in err
