@@ -15,7 +15,7 @@ beside ~16.6 GB of other weights (embedding and head included); both in one slic
 slice's memory (memory_estimate: tables, weights, caches, workspace; --dry-run prints it against an H200) and refuses
 with the numbers before it allocates. The table is filled in place on the device in 2^28-value chunks (no
 temporary of its size) and is the one tensor the compiled plan, the eager references and torch.compile all read
-(each case logs the peak memory since the weights were made); its roofline bytes are the rows a step gathers (24
+(each case logs its peak allocated memory); its roofline bytes are the rows a step gathers (24
 rows of 264 B a token), not the table. A slice's k-th Engram layer gets the model's k-th table size and the hash
 multipliers of its new number (the same work, other row ids). 8 MoE layers (~13.6 GB of FP8 experts each) would
 also pass the ~100 GB memory target, so 6 layers. Random weights are generated ON THE GPU (normal values rounded
@@ -155,9 +155,10 @@ def slice_graph(layers=DEFAULT_LAYERS, experts: str = "fp8", preset: str = "real
 # ---------------------------------------------------------------------------------------------- memory
 
 GiB = float(1 << 30)
-H200_FREE_GIB = 139.0  # free device memory of an H200 with a CUDA context (the dry run's figure)
+H200_FREE_GIB = 139.0  # an H200's memory, about 139 GiB: the dry run's figure (a run reads the device's free memory)
 # beyond weights and caches: activations and kernel temporaries (a prefill's MoE and index scores), CUDA graph pools,
-# torch.compile's buffers, the eager references' per-expert temporaries (session 9's 3-layer slices peaked ~6 GiB over)
+# torch.compile's buffers, the eager references' per-expert temporaries -- an allowance, not a measurement: each case
+# logs its peak (the weights included) to check it against
 WORKSPACE_GIB = 8.0
 
 
@@ -851,7 +852,7 @@ def _case(st: Setup, kind, t, ctx, reps, jobs, end, compile_on, compile_mode, pr
             row["note"] = "one sequence, T new tokens (see module doc)"
         if st.device == "cuda":  # a copy of an Engram table (~101 GB) would show here, if it did not fail first
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-            log(f"{row['case']}: peak device memory {row['peak_gib']:.1f} GiB since the weights were made")
+            log(f"{row['case']}: peak device memory {row['peak_gib']:.1f} GiB allocated (the weights included)")
         log(f"{row['case']}: executor {total_c:.2f} ms, graphs {row.get('graph_total_ms', float('nan')):.2f} ms, "
             f"eager {total_e:.2f} ms, {row['tok_s']:.0f} tok/s")  # fmt: skip
     except Exception as e:
