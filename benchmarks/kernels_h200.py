@@ -3705,6 +3705,58 @@ def _topk_s10_r3_rows():
                                        rep(d64, emit_regs=True))]  # fmt: skip
 
 
+# (helper A, session 11) the bound's search schedules of "topk_select s11 r1" (`search_at`: chunk indices, T4096
+# C65536 = 16 chunks); a CPU model (the real scores' keys, fine bins, search at chunk a applying from chunk a + 1)
+# gives the pushes a row: default {3,7,11,15} ~3520, g2 ~3370, g1 ~3200, g3 ~3130 (every chunk ~2990)
+TOPK_S11_SCHEDULES = {"g2": (2, 4, 8, 15), "g1": (2, 3, 5, 9, 15), "g3": (2, 3, 4, 6, 9, 15)}
+
+
+def _topk_s11_r1_rows():
+    """(T, C, cfg) rows "topk_select s11 r1" (helper A, session 11, issue 6: >= 60% of HBM, <= ~415 us at T4096
+    C65536; session 10: 424.6 us = 58.4%). Session 10's search counts (every chunk / 2nd / 4th / 6th: 443.8 / 430.7 /
+    424.3 / 430.7 us) say both a search (~4-6 us) and the pushes of a lagging bound cost; the default's chunks 1-3 push
+    ~1640 keys against the first chunk's bound alone. So schedules dense early, sparse late (`search_at`,
+    TOPK_S11_SCHEDULES: a search at chunk 2 halves chunk 3's pushes): g2 (4 searches, as many as the default), g1 (5),
+    g3 (6); then the default and g1 with `emit_regs` (session 10: -2.0 us once). g1's kernel is the one
+    test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SEARCH_AT=2,3,5,9,15. Every row checked exact (heavy
+    ties, real scores twice)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    rep = dataclasses.replace
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    sched = [rep(d64, search_at=TOPK_S11_SCHEDULES[g]) for g in ("g2", "g1", "g3")]
+    return [(4096, 65536, c) for c in (d64, *sched, rep(d64, emit_regs=True), rep(sched[1], emit_regs=True))]
+
+
+def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
+    """A "topk_select s11" clock row (HistConfig.clock: the real program, then each row's checkpoint clocks in its
+    first output entries -- not a top-k): the kernel timed as `case_topk_s10` times a probe, then one run on the same
+    real scores and every stage's mean cycles a row (the CTA's critical path: thread 0 after the stage's barrier),
+    printed as one line: ws (zeroing; eager: the first chunk's loads issued), c0 (the first chunk: its loads, count,
+    bound, push), c1..c15 (the fused chunks), stage / select (the final selection), mark / emit (the output)."""
+    from deepinfer.codegen.kernels import indexer_topk as it
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    row.kernel += " " + cfg.tag
+    kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
+    pos = _idx_positions(T_, C)
+    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
+    row.peak = "fp8"
+    if dry:
+        return
+    pos, s, out = _topk_prefill_operands(T_, C, pos)
+    scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
+    row.ms = _bench_read_flush(lambda: kern(s, pos, out, *scratch), quick)
+    names = ts.hist_clock_points(cfg)
+    kern(s, pos, out, *scratch)
+    torch.cuda.synchronize()
+    cyc = out[:, : len(names)].long().diff(dim=1).double().mean(0).tolist()  # (int32 clocks: differences wrap right)
+    stages = " ".join(f"{n} {c:.0f}" for n, c in zip(names[1:], cyc))
+    print(f"clock {cfg.tag}: cycles a row, mean of {T_}: {stages} | total {sum(cyc):.0f}")
+    us = bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3
+    row.check = f"clock probe (no top-k): {sum(cyc):.0f} cycles a row; do_bench {us:.1f} us"
+
+
 def _topk_s10_r2_rows():
     """(T, C, cfg) rows "topk_select s10 r2" (round 2; unmeasured): per CTA a 64k row is ~43 us (16 chunks of ~2.2 us,
     then ~8 us of final selection and output) at 3 CTAs an SM, and the loop runs far below the SM's issue rate: each
@@ -3897,6 +3949,9 @@ def _indexer_cases(quick: bool):
             for T_, C, cfg in rows:
                 out.append((f"topk_select s10 {group}", f"T{T_} C{C} k{IDX_TOPK}",
                             lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
+        for T_, C, cfg in _topk_s11_r1_rows():
+            out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",
                         lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip

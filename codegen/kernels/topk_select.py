@@ -155,6 +155,10 @@ class HistConfig:
     # as tight): it is one warp's extra work on its chunk's critical path -- the other warps wait for it at the chunk's
     # barrier. A bound that lags more pushes more keys, never a wrong one.
     search: int = 1
+    # (fused) the chunks whose bin search runs, as chunk indices (the search during chunk `it` reads the counts of
+    # chunks 0 .. it - 1 and the part of `it` counted so far); overrides `search` when not empty. Dense early: the
+    # first fused chunks push ~k keys each against the first chunk's bound, the later ones few against any bound.
+    search_at: tuple[int, ...] = ()
     # (GPU, ffs) the output's bitmap words read once into registers (vector loads), not twice word by word
     emit_regs: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
@@ -172,7 +176,8 @@ class HistConfig:
                 + ("v" if self.fast else "") + ("t" if self.trim else "") + ("l" if self.lean else "")
                 + (f"z{self.compact}" if self.compact else "") + ("w" if self.wscan else "")
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
-                + (f"q{self.search}" if self.search > 1 else "") + ("o" if self.emit_regs else "")
+                + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
+                + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
                 + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
 
 
@@ -209,6 +214,10 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST, HIST_DIAG_SELECT), cfg
         assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
         assert cfg.search >= 1 and (cfg.search == 1 or cfg.fused), "search: the fused loop's bin search"
+        nch = cfg.seg // cfg.chunk
+        assert not cfg.search_at or (cfg.fused and list(cfg.search_at) == sorted(set(cfg.search_at))
+                                     and 1 <= cfg.search_at[0] and cfg.search_at[-1] < nch), (
+            f"search_at {cfg.search_at}: ascending fused chunk indices in [1, {nch})")  # fmt: skip
         assert not cfg.eager or (n_segments(C, cfg) == 1 and C >= cfg.chunk), "eager: whole first chunks, one segment"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
@@ -236,7 +245,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     128-thread C16384 rows keep every chunk (search 2 there: 261.5 vs 195.0 us -- 2048-score chunks, a 2560-entry
     buffer: the lagging bound's extra pushes fill it, and it is cut). Measured slower at C65536: 8 scores a thread at
     4 CTAs x 256 (620.2) or 2 x 512 (952.1), 128-thread CTAs at 4 (672.5) or 5 with rsel (662.3).
-    DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk).
+    DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
+    DEEPINFER_TOPK_SEARCH_AT=2,3,5,9,15: at those chunks (`search_at`; with n > 1 only).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -253,6 +263,9 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                 cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256,
                               eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk,
                               search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4)) if nt == 256 and C >= 65536 else 1)
+                at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", "")
+                if at and cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
+                    cfg = replace(cfg, search_at=tuple(int(a) for a in at.split(",")))
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -1680,6 +1693,14 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
         return sg * SEG + it * CH
 
     def searching(it, first):  # (fused) whether chunk `it` (>= first) runs the bound's bin search (`search`)
+        if cfg.search_at:  # (chunks before `first` have no bin search to run)
+            hits = [a for a in cfg.search_at if a >= first]
+            if not hits:
+                return it < 0  # (never)
+            cond = it == hits[0]
+            for a in hits[1:]:
+                cond = T.Or(cond, it == a)
+            return cond
         return it >= first if cfg.search == 1 else T.And(it >= first, (NCH - 1 - it) % cfg.search == 0)
 
     def at_least(kc, beta):

@@ -231,12 +231,22 @@ def c_search_kernel(tilelang_required):
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
-@pytest.mark.parametrize("which", ["lean", "rsel", "search"])
+@pytest.fixture(scope="module")
+def c_search_at_kernel(tilelang_required):
+    """The rsel program with the bound's bin search at chunk 2 only (`search_at`: during the 2nd of the 3 fused
+    chunks, from the counts of chunks 0-1; the last chunk pushes against that bound, and the final selection too)."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search_at=(2,))
+    return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
+
+
+@pytest.mark.parametrize("which", ["lean", "rsel", "search", "search_at"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_lean_compact(request, which, kind):
-    """lean + compact (+ rsel, + a bin search every 2nd chunk) exact, ties included. Row 2 sees 701 columns: the
-    limit falls inside the third (fused) chunk and inside a float4, whose invisible columns 701..703 hold the row's
-    largest scores -- never taken. Run twice."""
+    """lean + compact (+ rsel, + a bin search every 2nd chunk or at chunk 2 only) exact, ties included. Row 2 sees
+    701 columns: the limit falls inside the third (fused) chunk and inside a float4, whose invisible columns 701..703
+    hold the row's largest scores -- never taken. Run twice."""
     kernel, cfg = request.getfixturevalue(f"c_{which}_kernel")
     s = _scores(kind, 4, 1024, seed=5)
     s[:, 701:704] = 1e30
@@ -314,6 +324,8 @@ def test_gpu_prefill_default_exact(kb, kind):
     cfg = ts.default_config(4096, 65536)
     assert cfg.threads == 256 and cfg.eager and cfg.rsel
     assert cfg.search == int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4))
+    at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", "")
+    assert cfg.search_at == (tuple(int(a) for a in at.split(",")) if at and cfg.search > 1 else ())
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -402,6 +414,9 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_SEARCH", "8")
     assert ts.default_config(4096, 65536).search == 8 and ts.default_config(4096, 16384).search == 1
     monkeypatch.delenv("DEEPINFER_TOPK_SEARCH")
+    monkeypatch.setenv("DEEPINFER_TOPK_SEARCH_AT", "2,3,5,9,15")  # (a schedule: the same rows only)
+    assert ts.default_config(4096, 65536).search_at == (2, 3, 5, 9, 15) and not ts.default_config(4096, 16384).search_at
+    monkeypatch.delenv("DEEPINFER_TOPK_SEARCH_AT")
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
     monkeypatch.setenv("DEEPINFER_TOPK_EAGER", "0")  # (session 9's eager first chunk off)
