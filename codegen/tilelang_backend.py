@@ -431,7 +431,13 @@ def count_opcodes_many(cubins: list[Path], target: Target) -> list[Counter]:
 def build(name: str, prim_func, target: Target | str, *, sass: bool = True) -> Artifact:
     """Lower, write, and (for CUDA) compile and disassemble one kernel."""
     tgt = get_target(target) if isinstance(target, str) else target
-    source = lower(prim_func, tgt)
+    return build_source(name, lower(prim_func, tgt), tgt, sass=sass)
+
+
+def build_source(name: str, source: str, target: Target | str, *, sass: bool = True) -> Artifact:
+    """build() of an already lowered source: write, and (for CUDA) compile and disassemble it. Touches no TileLang
+    state, so callers may run it in threads (nvcc and cuobjdump are subprocesses) while lowering the next kernel."""
+    tgt = get_target(target) if isinstance(target, str) else target
     art = Artifact(name=name, target=tgt.name, source=source, source_path=write_source(name, tgt, source))
     if tgt.is_cuda:
         art.cubin_path = compile_cubin(art.source_path, tgt)
