@@ -1345,6 +1345,76 @@ def candidate_blocks_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- engram_hash
+# `--only "engram_hash s11"` (helper C, session 11): V4.1's Engram row ids (layer 1's attributes: 3 n-gram orders x 8
+# heads, the tokenizer's compressed map) on codegen/kernels/engram_hash.py (one Triton launch) at a decode step of
+# one sequence (T 1 / 64), B sequences of one token (batched_engram_hash, B 64 / 256) and a 4096-token prefill.
+# Rows: "kernel" (CUDA-graph replay; vs eager: the op's reference, eager, its token map copied to the device each
+# call as the reference does), "torch graph" (the reference replayed as a CUDA graph, the token map served once:
+# what a decode layer's graph ran before, 0.140 ms of layer 1 at T 64 in session 11's bench_slice). Every row's ids
+# equal the reference's. %limit: the ids and histories read, N map entries a row gathered, the ids written (a few
+# KB: launch-bound, the time is the figure).
+
+ENGRAM_HASH_SHAPES = ((1, False), (64, False), (4096, False), (64, True), (256, True))  # (rows, batched)
+
+
+def _engram_hash_operands(t: int, batched: bool):
+    from deepinfer.models import deepseek_v41 as m41
+    from deepinfer.models.presets import engram_primes, preset_config
+
+    cfg = m41.parse_config(preset_config("deepseek-v4.1-flash", "real"))
+    primes = engram_primes(cfg.engram_vocab_size, len(cfg.engram_layers), cfg.engram_max_ngram, cfg.engram_n_heads)
+    attrs = dict(multipliers=m41.engram_multipliers(cfg, 1), primes=[p for n in primes[0] for p in n],
+                 n_heads=cfg.engram_n_heads, pad_id=cfg.engram_pad_id, vocab=cfg.vocab_size,
+                 compressed_vocab=cfg.engram_compressed_vocab, image_token_id=cfg.image_token_id)  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(t)
+    toks = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
+    hist = torch.randint(0, cfg.vocab_size, ((cfg.engram_max_ngram - 1) * (t if batched else 1),), device="cuda",
+                         generator=g)  # fmt: skip
+    hist[: cfg.engram_max_ngram - 1] = -1  # (a new sequence's first token)
+    return toks, hist, attrs
+
+
+def case_engram_hash(row: Row, t: int, batched: bool, form: str, quick: bool, dry: bool):
+    from deepinfer.codegen.kernels import engram_hash as eh
+    from deepinfer.runtime import cuda_graphs as cg
+
+    row.bytes_, row.peak = eh.roofline(t, 4, 24, batched), "bf16"
+    if dry and not (torch.cuda.is_available() and form == "kernel"):
+        return
+    toks, hist, attrs = _engram_hash_operands(t, batched)
+    cmap, consts, pad = eh.device_tables(attrs, "cuda")
+    kw = dict(n_heads=attrs["n_heads"], pad_class=pad, image_token_id=attrs["image_token_id"], batched=batched)
+    fn = functools.partial(eh.triton_engram_hash, toks, hist, cmap, consts, **kw)
+    if dry:  # (-j on the GPU host: the prebuild workers JIT-compile the kernel into Triton's disk cache)
+        fn()
+        return
+    want = eh.reference(toks, hist, batched=batched, **attrs)
+    if form == "torch graph":
+        memo: dict = {}
+
+        def fn():
+            with cg.HostSyncGuard(memo=memo):  # the token map's host -> device copy made once, then served
+                return eh.reference(toks, hist, batched=batched, **attrs)
+
+    if not torch.equal(fn(), want):
+        raise AssertionError(f"engram_hash ({form}) differs from the op's reference")
+    row.check = "= reference"
+    row.ms = bench_device(fn, quick)
+    if form == "kernel":
+        row.eager_ms = bench(lambda: eh.reference(toks, hist, batched=batched, **attrs), quick)
+
+
+def engram_hash_s11_cases():
+    out = []
+    for t, batched in ENGRAM_HASH_SHAPES:
+        for form in ("kernel", "torch graph"):
+            run = functools.partial(case_engram_hash, t=t, batched=batched, form=form)
+            out.append((f"engram_hash s11 {form}", f"{'B' if batched else 'T'}{t}",
+                        lambda r, q, d, run=run: run(r, quick=q, dry=d)))  # fmt: skip
+    return out
+
+
 def case_linear_bf16(row: Row, T_: int, N: int, K: int, quick: bool, dry: bool):
     """linear (f32 x, bf16 weight) on linear_bf16's kernel; check vs the op's reference (fp32 copy of the weight,
     the eager column) to 1e-5 of the output's maximum: both are fp32 sums of K exact products in different orders,
@@ -4770,6 +4840,7 @@ def cases(quick: bool):
     out += indexer_length_cases()
     out += indexer_pos_s9_cases()
     out += candidate_blocks_cases()
+    out += engram_hash_s11_cases()
     out += moe_layout_cases()
     out += attn_cases(quick)
     out += [] if quick else attn_s7_cases()

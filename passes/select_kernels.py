@@ -242,6 +242,19 @@ def bind_engram_gate(c: _Ctx):
     return "engram", "gate_program", {"T": t, "n": n, "D": d}, asdict(cfg), ("block_d", "threads")
 
 
+def bind_engram_hash(c: _Ctx):
+    """engram_hash / batched_engram_hash -> codegen/kernels/engram_hash: one Triton launch (the compressed-map
+    lookups and every order's hashes; runtime/kernel_adapters.EngramHashAdapter), the reference's ids exactly; CUDA
+    targets only."""
+    from deepinfer.codegen.kernels import engram_hash
+
+    if c.target.name not in ("sm90", "sm100"):
+        raise Fallback("the Engram hash kernel is Triton on CUDA")
+    (t,) = c.shape(c.node.inputs[0])
+    cfg = engram_hash.default_config(t)
+    return "engram_hash", "triton", {"T": t, "K": len(c.node.attrs["primes"])}, asdict(cfg), ()  # exact (integers)
+
+
 def bind_compressor(c: _Ctx):
     a, inputs = c.node.attrs, c.node.inputs
     pair = c.node.op == "pair_compressor_keys"
@@ -482,6 +495,8 @@ BINDERS: dict[str, Callable] = {
     "rope": bind_rope,
     "engram_embed": bind_engram_embed,
     "engram_gate": bind_engram_gate,
+    "engram_hash": bind_engram_hash,
+    "batched_engram_hash": bind_engram_hash,  # a batched graph bound by select_kernels itself
     "pair_compressor_keys": bind_compressor,  # pooling + norm in the kernel; RoPE, wk GEMM, k_norm in torch
     "compressor_keys": bind_compressor,
     "batched_pair_compressor_keys": bind_batched_pair_compressor,

@@ -2689,6 +2689,38 @@ class EngramGateAdapter:
         return [y.to(x.dtype)]
 
 
+class EngramHashAdapter:
+    """engram_hash / batched_engram_hash through codegen/kernels/engram_hash: one Triton launch instead of ~75 small
+    int64 torch ones. Its tables (the compressed token map and the multipliers | primes | offsets) are made once per
+    attribute set into the call cache, before any capture (a decode graph's warm-up runs first): no host -> device
+    copy in a step. No TileLang kernel (keys: none). On CPU tensors the kernel runs under Triton's interpreter when
+    it is on for the adapters, else the op's reference."""
+
+    family = "engram_hash"
+    ops = ("engram_hash", "batched_engram_hash")
+
+    def keys(self, call: Call) -> list[KernelKey]:
+        _cuda_only(call)
+        return []
+
+    def run(self, call: Call, kernels: list) -> list[torch.Tensor]:
+        from deepinfer.codegen.kernels import engram_hash
+        from deepinfer.ir.registry import get_op
+
+        tokens, history = call.args
+        a = call.attrs
+        if not _triton_on(tokens):
+            return get_op(call.op).run([tokens, history], a)
+        k = ("engram_hash_tables", tuple(a["multipliers"]), tuple(a["primes"]), a["vocab"], a["compressed_vocab"],
+             a["pad_id"], str(tokens.device))  # fmt: skip
+        if k not in call.cache:
+            call.cache[k] = engram_hash.device_tables(a, tokens.device)
+        cmap, consts, pad_class = call.cache[k]
+        return [engram_hash.triton_engram_hash(tokens, history, cmap, consts, n_heads=int(a["n_heads"]),
+                                               pad_class=pad_class, image_token_id=int(a["image_token_id"]),
+                                               batched=call.op == "batched_engram_hash")]  # fmt: skip
+
+
 BATCHED_PAIR_COMPRESSOR = BatchedPairCompressorAdapter()
 
 ADAPTERS: dict[str, object] = {
@@ -2706,6 +2738,7 @@ ADAPTERS: dict[str, object] = {
     "act_quant": (FakeQuantAdapter(), DequantAdapter()),
     "cache_rows": ScatterRowsAdapter(),
     "candidate_blocks": CandidateBlocksAdapter(),
+    "engram_hash": EngramHashAdapter(),
     "indexer_topk": (IndexScoresAdapter(), BatchedIndexScoresAdapter()),
     "linear_bf16": LinearBF16Adapter(),
 }

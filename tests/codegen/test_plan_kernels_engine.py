@@ -18,7 +18,8 @@ MODELS = ["deepseek-v4.1-flash:tiny", "deepseek-v4-flash:tiny"]
 TRITON_OPS = {"act_quant.dequant_fp8", "act_quant.fake_quant_fp8", "cache_rows.scatter_rows", "linear_bf16.linear",
               "compressor.pair_compressor_keys", "compressor.compressor_keys",
               "compressor.batched_pair_compressor_keys", "indexer_topk.index_scores",
-              "indexer_topk.batched_index_scores", "candidate_blocks.candidate_blocks"}  # fmt: skip
+              "indexer_topk.batched_index_scores", "candidate_blocks.candidate_blocks", "engram_hash.engram_hash",
+              "engram_hash.batched_engram_hash"}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,7 +140,8 @@ def test_every_family_not_built_has_a_reason_that_holds(plans, specs, emulate, m
             assert where == "moe_grouped_gemm.moe_grouped_experts at T=4096" and "device data" in reason, where
     # the Triton ones ask for no key on real CPU tensors either (same adapters, same decision)
     seen = {k.family for k in _runtime_keys_one_sequence(plan, params, 1)}
-    assert not seen & {"act_quant", "cache_rows", "linear_bf16", "indexer_topk", "compressor", "candidate_blocks"}, seen
+    assert not seen & {"act_quant", "cache_rows", "linear_bf16", "indexer_topk", "compressor", "candidate_blocks",
+                       "engram_hash"}, seen  # fmt: skip
 
 
 def test_a_spec_is_the_runtime_key_and_builds_through_its_factory(specs, monkeypatch):
