@@ -439,10 +439,24 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
     act = "float32" if mem.cpu else "bfloat16"
     scale = D**-0.5
     NEG = -3.0e38
+    # The MMA tiles M by 16 rows: fewer heads (the small preset's 8) are padded with zero query rows that are never
+    # stored (each head's row is computed alone: the real rows' numbers do not change); the padded rows' warps go
+    # along N, so the CTA takes at most one warp per 16 x 8 tile of the QK^T block (8 heads, 32-row blocks: 128
+    # threads). 64 heads: HP = H and the given threads (the same program as before).
+    HP = -(-H // 16) * 16
+    threads = min(cfg.threads, 32 * (HP // 16) * (bn // 8))
+
+    @T.macro
+    def load_q(Q, b, q_s):
+        if HP == H:
+            T.copy(Q[b, 0, 0], q_s)
+        else:
+            for h, d in mem.par(HP, D):
+                q_s[h, d] = T.if_then_else(h < H, Q[b, T.min(h, H - 1), d], T.cast(0, act))
 
     @T.macro
     def body(Q, src, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l):
-        T.copy(Q[b, 0, 0], q_s)
+        load_q(Q, b, q_s)
         T.clear(o)
         T.clear(l)
         T.fill(m, NEG)
@@ -472,29 +486,41 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
 
     @T.macro
     def cta(Q, src, Sink, O, Op, Mp, Lp, sp, b):
-        q_s = mem.shared((H, D), act)
+        q_s = mem.shared((HP, D), act)
         kv_s = mem.shared((bn, D), act)
-        p_s = mem.shared((H, bn), act)
-        s = mem.fragment((H, bn), "float32")
-        o = mem.fragment((H, D), "float32")
-        m = mem.fragment((H,), "float32")
-        m_new = mem.fragment((H,), "float32")
-        l_blk = mem.fragment((H,), "float32")
-        l = mem.fragment((H,), "float32")
+        p_s = mem.shared((HP, bn), act)
+        s = mem.fragment((HP, bn), "float32")
+        o = mem.fragment((HP, D), "float32")
+        m = mem.fragment((HP,), "float32")
+        m_new = mem.fragment((HP,), "float32")
+        l_blk = mem.fragment((HP,), "float32")
+        l = mem.fragment((HP,), "float32")
         body(Q, src, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l)
-        if ns == 1:
+        if ns == 1 and HP == H:
             for h, d in mem.par(H, D):
                 # the sink joins the denominator only (it has no value row)
                 O[b, h, d] = T.cast(o[h, d] / (l[h] + T.exp(Sink[h] - m[h])), act)
-        else:
+        elif ns == 1:
+            for h, d in mem.par(HP, D):
+                if h < H:  # (the padded rows are not stored)
+                    O[b, h, d] = T.cast(o[h, d] / (l[h] + T.exp(Sink[h] - m[h])), act)
+        elif HP == H:
             T.copy(o, Op[b, sp, 0, 0])
             for h in mem.par(H):
                 Mp[b, sp, h] = m[h]
                 Lp[b, sp, h] = l[h]
+        else:
+            for h, d in mem.par(HP, D):
+                if h < H:
+                    Op[b, sp, h, d] = o[h, d]
+            for h in mem.par(HP):
+                if h < H:
+                    Mp[b, sp, h] = m[h]
+                    Lp[b, sp, h] = l[h]
 
     if n_win:
         return _two_pool_entry(cta, B=B, H=H, D=D, Sw=S, Sc=S_cmp or S, nw=n_win, nc=topk - n_win, ns=ns, kvt=act,
-                               fp8=False, split=ns > 1, threads=None if mem.cpu else cfg.threads, act=act)  # fmt: skip
+                               fp8=False, split=ns > 1, threads=None if mem.cpu else threads, act=act)  # fmt: skip
     if ns == 1:
 
         @T.prim_func
@@ -505,7 +531,7 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
             Sink: T.Tensor((H,), "float32"),
             O: T.Tensor((B, H, D), act),
         ):
-            with T.Kernel(B, threads=cfg.threads) as b:
+            with T.Kernel(B, threads=threads) as b:
                 cta(Q, _Src(KV, None, Idx), Sink, O, None, None, None, 0, b)
 
         return sparse_attn_decode
@@ -519,7 +545,7 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
         Mp: T.Tensor((B, ns, H), "float32"),
         Lp: T.Tensor((B, ns, H), "float32"),
     ):
-        with T.Kernel(ns, B, threads=cfg.threads) as (sp, b):
+        with T.Kernel(ns, B, threads=threads) as (sp, b):
             cta(Q, _Src(KV, None, Idx), None, None, Op, Mp, Lp, sp, b)
 
     return sparse_attn_decode_split
