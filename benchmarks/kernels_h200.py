@@ -3789,13 +3789,15 @@ def _topk_s11_r1_rows():
     TOPK_S11_SCHEDULES: a search at chunk 2 halves chunk 3's pushes): g2 (4 searches, as many as the default), g1 (5),
     g3 (6); then the default and g1 with `emit_regs` (session 10: -2.0 us once). g1's kernel is the one
     test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SEARCH_AT=2,3,5,9,15. Every row checked exact (heavy
-    ties, real scores twice)."""
+    ties, real scores twice). Last, two clock probes (`case_topk_clock`: not a top-k): the default's and g1's stage
+    cycles a row -- the pushes' and the searches' cost chunk by chunk, the final selection's and the output's."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
     sched = [rep(d64, search_at=TOPK_S11_SCHEDULES[g]) for g in ("g2", "g1", "g3")]
-    return [(4096, 65536, c) for c in (d64, *sched, rep(d64, emit_regs=True), rep(sched[1], emit_regs=True))]
+    clock = [rep(d64, clock=True), rep(sched[1], clock=True)]  # (probes: each stage's cycles a row)
+    return [(4096, 65536, c) for c in (d64, *sched, rep(d64, emit_regs=True), rep(sched[1], emit_regs=True), *clock)]
 
 
 def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
@@ -4020,8 +4022,9 @@ def _indexer_cases(quick: bool):
                 out.append((f"topk_select s10 {group}", f"T{T_} C{C} k{IDX_TOPK}",
                             lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, cfg in _topk_s11_r1_rows():
+            case = case_topk_clock if cfg.clock else case_topk_s10
             out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
-                        lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
+                        lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",
                         lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip

@@ -162,6 +162,9 @@ class HistConfig:
     # (GPU, ffs) the output's bitmap words read once into registers (vector loads), not twice word by word
     emit_regs: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
+    # (GPU, one segment a row; diagnostics: not a top-k) the real program, then Idx[t, :hist_clock_points] = the SM
+    # clock at its checkpoints (`hist_clock_points`) minus the first: each stage's cycles on the CTA's critical path
+    clock: bool = False
 
     @property
     def chunk(self) -> int:
@@ -178,7 +181,7 @@ class HistConfig:
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
-                + (f"-{self.diag}" if self.diag else ""))  # fmt: skip
+                + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
@@ -189,6 +192,14 @@ class HistConfig:
 HIST_DIAGS = ("read", "count", "push")
 HIST_DIAG_FIRST = "first"
 HIST_DIAG_SELECT = "select"
+
+
+def hist_clock_points(cfg: HistConfig) -> list[str]:
+    """(HistConfig.clock) the names of the checkpoints whose clocks a row's Idx[t, :n] holds (relative to the first):
+    the CTA's start, its workspace zeroed (+ the first chunk's loads issued, eager), the end of every chunk (its
+    pushes; the fused ones after their barrier), the final selection's members staged, selected, the output's bitmap
+    marked, the output written."""
+    return ["start", "ws", *(f"c{i}" for i in range(cfg.seg // cfg.chunk)), "stage", "select", "mark", "emit"]
 
 
 def hist_buffer(C: int, k: int, cfg: HistConfig) -> int:
@@ -213,6 +224,8 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
         assert cfg.diag in ("", *HIST_DIAGS, HIST_DIAG_FIRST, HIST_DIAG_SELECT), cfg
         assert cfg.diag != HIST_DIAG_FIRST or cfg.fused, "diag first: the fused loop's later chunks read only"
+        assert not cfg.clock or (n_segments(C, cfg) == 1 and cfg.compact and not cfg.diag
+                                 and len(hist_clock_points(cfg)) <= k), "clock: the real one-segment compact program"
         assert cfg.search >= 1 and (cfg.search == 1 or cfg.fused), "search: the fused loop's bin search"
         nch = cfg.seg // cfg.chunk
         assert not cfg.search_at or (cfg.fused and list(cfg.search_at) == sorted(set(cfg.search_at))
@@ -1629,6 +1642,15 @@ __device__ __forceinline__ int tl_topk_opaque(int x) {
 }
 """
 
+# (HistConfig.clock) the SM clock, kept in place relative to the memory operations around it
+_CLOCK_PRELUDE = r"""
+__device__ __forceinline__ int tl_topk_clock() {
+  int c;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory");
+  return c;
+}
+"""
+
 
 def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, target: str, has_pos: bool = True):
     """`program` for a HistConfig: the same arguments and output, a histogram bound instead of the group maxima.
@@ -1673,6 +1695,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     KT = _round_up(k, NT)  # the cut's staging area (it keeps at most k entries)
     helpers = cfg.l2_ahead > 0 or cfg.fused or cfg.rsel or cfg.compact
     prelude = _L2_PREFETCH_PRELUDE if helpers and not ops.cpu else None
+    if cfg.clock and not ops.cpu:
+        prelude = (prelude or "") + _CLOCK_PRELUDE
     DIAG, FUSED, NWARP = cfg.diag, cfg.fused, NT // 32
     fused = _make_fused(ops, NT, E, BUF, io.warp_reserve)
     put = _make_put(ops)
@@ -1688,6 +1712,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     block_sum, red_total = _make_block_sum(NT)
     EAGER = cfg.eager  # (check_config: one segment a row, C >= a chunk)
     EMIT_REGS = cfg.emit_regs and cfg.ffs and not ops.cpu
+    CLOCK = cfg.clock and not ops.cpu  # (the `c` target has no SM clock: there the program is the real one)
+    NCLK = len(hist_clock_points(cfg))
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
         return sg * SEG + it * CH
@@ -1917,6 +1943,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             Arrive[t] = 0
         ops.barrier()
 
+    @T.macro
+    def tick(clk, n):
+        """(clock) every thread keeps the SM clock as checkpoint n in its own array (local memory: no shared
+        access the sync planner would fence, no buffer its storage planner could alias); thread 0's are written out."""
+        if CLOCK:
+            clk[n] = T.call_extern("int32", "tl_topk_clock")
+
     def row_limit(Pos, t):  # row t's visible columns
         return T.min((Pos[t] + 1) // ratio, C) if has_pos else C
 
@@ -1956,6 +1989,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
             wv = ops.fr((NT, -(-NW // NT)), "int32") if EMIT_REGS else None  # (emit_regs) a thread's output words
+            clk = T.alloc_local((NCLK,), "int32") if CLOCK else None  # (clock) the checkpoints' clocks
+            tick(clk, 0)
             if RSEL:  # (rsel) the staged members in registers
                 rk = ops.fr((NT, QR), "int32")
                 ri = ops.fr((NT, QR), "int32")
@@ -1991,6 +2026,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 if DIAG in ("read", HIST_DIAG_FIRST):
                     rc[i] = NONE
             ops.barrier()  # (shared atomics next)
+            tick(clk, 1)
             if not EAGER:  # (eager: its loads were issued before the limit and the workspace)
                 if c0_of(sg, 0) < lim:  # the first chunk in flight; each later one is fetched a chunk ahead
                     fetch_chunk(S, t, c0_of(sg, 0), lim, xr)
@@ -2103,8 +2139,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
                         push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
                              raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
+                tick(clk, 2 + it)
             if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
                 stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
+                tick(clk, NCLK - 4)
                 if ctl[2] <= STAGE:
                     staged = 1
                     nsel = (ctl[2] + NT - 1) // NT
@@ -2124,6 +2162,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 elif staged == 0:
                     select_b(key_u(bufk, hist_f, staged, ctl), id_u(bufi, hist_f, staged), k, stb, stb2, hist, cum,
                              bc, ra, rb, rc, r1, nsel)  # fmt: skip
+                tick(clk, NCLK - 3)
             if DIAG == "read":  # (diagnostics) something the stage computed, so that none of it is dead code
                 for i in ops.par(NT):
                     if i < k:
@@ -2153,7 +2192,14 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 else:
                     nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
                     mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
+                tick(clk, NCLK - 2)
                 emit(bitmap, wcnt, wbase, Idx, t, stb[3], wv)
+                if CLOCK:  # (after every thread's output stores: thread 0's clocks replace the first entries)
+                    tick(clk, NCLK - 1)
+                    ops.barrier()
+                    if T.get_thread_binding(0) == 0:
+                        for u in T.serial(NCLK):
+                            Idx[t, u] = clk[u] - clk[0]
 
     return topk_select_hist
 

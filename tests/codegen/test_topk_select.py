@@ -527,6 +527,24 @@ def test_sm90_staging_loop_has_no_barrier(tilelang_required):
     assert "__syncthreads" not in src[loop:put], "a barrier inside the staging loop"
 
 
+def test_sm90_lowers_clock_probe(tilelang_required):
+    """HistConfig.clock (diagnostics): the real program plus thread 0's SM clock at the checkpoints hist_clock_points
+    names -- the start, the workspace, every chunk (one site in the chunk loop), the staged members, the selection,
+    the marks and the output -- written over the row's first entries after a barrier; only one-segment compact
+    programs take it (bad configs: one-line errors)."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.HistConfig(64, 8, 1024, fused=2, fast=True, lean=True, compact=128, clock=True)
+    names = ts.hist_clock_points(cfg)
+    assert names[:3] == ["start", "ws", "c0"] and names[-4:] == ["stage", "select", "mark", "emit"] and len(names) == 8
+    src = tb.lower(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="sm90"), tb.get_target("sm90"))
+    assert src.count("= tl_topk_clock();") == 7 and "clk[(it + 2)] = tl_topk_clock();" in src
+    assert "(clk[u" in src and "tl_topk_clock" not in tb.lower(
+        ts.program(4, 1024, k=16, ratio=2, cfg=replace(cfg, clock=False), target="sm90"), tb.get_target("sm90"))
+    with pytest.raises(AssertionError, match="clock"):
+        ts.check_config(1024, 16, replace(cfg, compact=0))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_sm90_build_hist_prefill(codegen_cache, nvcc_required, fused):
     """The histogram-bound program at the prefill shape (one 256-thread CTA streams a 64k row, two chunks
