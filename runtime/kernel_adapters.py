@@ -3052,6 +3052,25 @@ def _untile_gate_up(w: torch.Tensor, half: int, dim: int = 1) -> torch.Tensor:
     return v.transpose(dim, dim + 1).reshape(shape).contiguous()
 
 
+def swab_rows(key: KernelKey, meta: torch.Tensor) -> torch.Tensor:
+    """swab_program's expert of each of its M rows, -1 for the rows it need not compute (its docstring: rows past an
+    expert's count in the masked layout, or of an expert no grid slot reaches, hold junk or are not written): the
+    rows its emulation writes, and the only ones a kernel-vs-emulation check may compare (gpu_e2e.PairedKernels)."""
+    from deepinfer.codegen.kernels import moe_grouped_gemm as mg
+
+    kw = dict(key.kwargs)
+    e, max_rows = key.args[3], kw.get("max_rows", 0)
+    counts = meta[:e] if max_rows else meta
+    rows = mg.row_experts(counts, max_rows or dict(kw["cfg"])["block_t"], masked=bool(max_rows)).to(meta.device)
+    if max_rows:  # the experts the grid's slots reach (slot s: SlotExpert[s], or the s-th expert with tokens)
+        n_slots = kw.get("slots") or e
+        named = meta[e:][:n_slots] if kw.get("slot_map", False) else torch.nonzero(counts > 0).flatten()[:n_slots]
+        reached = torch.zeros(e + 1, dtype=torch.bool, device=rows.device)
+        reached[named.long().to(rows.device)] = True
+        rows = torch.where(reached[rows], rows, -1)
+    return rows
+
+
 def _emulated_swab(key: KernelKey) -> Callable:
     """swab_program's contract from its docstring: C = A @ B[e(row)]^T per row (masked: Counts, or with slot_map
     Counts ++ SlotExpert, and only the experts the grid's slots name; contiguous: TileExpert per block_t rows),
@@ -3075,14 +3094,7 @@ def _emulated_swab(key: KernelKey) -> Callable:
         meta_n = (2 * e + 1 if slot_map else e) if max_rows else m // cfg["block_t"]
         out_n = n // 2 if limit is not None else n
         _check_abi(key, (a, (m, k)), (sa_t, (-(-k // ag), m)), (b, b_shape), (meta, (meta_n,)), (outs[0], (m, out_n)))
-        counts = meta[:e] if max_rows else meta
-        rows = mg.row_experts(counts, max_rows or cfg["block_t"], masked=bool(max_rows)).to(a.device)
-        if max_rows:  # the experts the grid's slots reach (slot s: SlotExpert[s], or the s-th expert with tokens)
-            n_slots = kw.get("slots") or e
-            named = meta[e:][:n_slots] if slot_map else torch.nonzero(counts > 0).flatten()[:n_slots]
-            reached = torch.zeros(e + 1, dtype=torch.bool, device=rows.device)
-            reached[named.long().to(rows.device)] = True
-            rows = torch.where(reached[rows], rows, -1)
+        rows = swab_rows(key, meta).to(a.device)
         if fp4:
             packed = b.view(torch.uint8).view(e, n, k // 2)
             scale = sb.transpose(1, 2).view(torch.float8_e8m0fnu)

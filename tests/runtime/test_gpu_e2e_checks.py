@@ -95,3 +95,43 @@ def test_formats_entries_parse_with_their_weights():
     for bad in ("deepseek-v4.1-flash=tiny:trained", "deepseek-v4.1-flash"):
         with pytest.raises(SystemExit):
             g.parse_formats(bad)
+
+
+def test_swab_rows_past_an_experts_count_are_not_compared():
+    """swab_program over the masked layout (E experts x max_rows): rows past an expert's count are junk in the
+    kernel (its docstring) and left untouched by the emulation, so the buffer's own junk stays there; only the live
+    rows (kernel_adapters.swab_rows: expert counts 2 and 0 and 3 of 4 rows) are compared -- C's rows and the SwiGLU
+    scales' columns. The junk's differing elements are counted apart (shown, not judged); a wrong live row is
+    flagged. (s11 call 3: the small e2e's swab_program 'off' by rel L2 155 with 70% of FP8 codes differing.)"""
+    from deepinfer.runtime import kernel_adapters as ka
+
+    e, max_rows, n = 3, 4, 8
+    key = ka._key("moe_grouped_gemm", "swab_program", (e * max_rows, 2 * n, 32, e), None, max_rows=max_rows,
+                  fmt="fp8", act_group=32, weight_block=32, swiglu_limit=10.0)  # fmt: skip
+    counts = torch.tensor([2, 0, 3], dtype=torch.int32)
+    live = ka.swab_rows(key, counts) >= 0
+    assert live.tolist() == [True, True, False, False] + [False] * 4 + [True, True, True, False]
+
+    def swab(junk: float, live_error: float = 0.0):
+        def run(a, sa_t, b, sb, meta, c, scales):
+            c[live], scales[:, live] = a[live] * (1 + live_error), 1.0  # the live rows' values
+            if junk:  # a kernel writes whatever it computed into the rows past the counts
+                c[~live], scales[:, ~live] = junk, junk
+
+        return run
+
+    def operands():
+        a = torch.randn(e * max_rows, n)
+        return [a, None, None, None, counts, torch.full((e * max_rows, n), 7.0), torch.full((1, e * max_rows), 7.0)]
+
+    paired = _paired(swab(junk=float("nan")), swab(junk=0.0))
+    paired.ka = SimpleNamespace(build_kernel=paired.ka.build_kernel, emulated_kernel=paired.ka.emulated_kernel,
+                                swab_rows=ka.swab_rows)  # fmt: skip
+    paired(key)(*operands())
+    rec = paired.err["moe_grouped_gemm.swab_program"]
+    assert _off(paired) == [] and rec[3] == 0 and rec[4] == 7 * n + 7  # C's 7 dead rows, the scales' 7 columns
+    wrong = _paired(swab(junk=0.0, live_error=0.05), swab(junk=0.0))
+    wrong.ka = SimpleNamespace(build_kernel=wrong.ka.build_kernel, emulated_kernel=wrong.ka.emulated_kernel,
+                               swab_rows=ka.swab_rows)  # fmt: skip
+    wrong(key)(*operands())
+    assert _off(wrong) == ["moe_grouped_gemm.swab_program"]
