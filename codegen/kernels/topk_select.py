@@ -238,6 +238,26 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
     assert not cfg.filter or (e % cfg.group == 0 and cfg.chunk // cfg.group >= 2 * k and cfg.cap >= k), cfg
 
 
+# the bound's search schedules by name (`search_schedule`): chunk indices for a segment of n chunks, the last always
+# (the final bound as tight as every chunk's); "g1": the chunks after 1, 2, 4, 8, ... counted (2, 3, 5, 9, 15 of 16),
+# "g2": at 2, 4, 8, ... (2, 4, 8, 15 of 16). Session 11's CPU model of the real scores' pushes a row at 16 chunks:
+# g1 ~3200, g2 ~3370, every 4th ~3520 (the first chunks push ~k each against the first chunk's bound)
+SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())],
+                    "g2": lambda n: [1 << m for m in range(1, n.bit_length())]}  # fmt: skip
+PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
+PREFILL_EMIT_REGS = False  # those rows' emit_regs
+
+
+def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
+    """`HistConfig.search_at` for a segment of nch chunks: "" none (every `search`-th chunk), a SEARCH_SCHEDULES
+    name, or chunk indices "2,3,5,9,15" (as they are)."""
+    if not spec:
+        return ()
+    if spec in SEARCH_SCHEDULES:
+        return tuple(sorted({a for a in SEARCH_SCHEDULES[spec](nch) if 2 <= a < nch - 1} | {nch - 1}))
+    return tuple(int(a) for a in spec.split(","))
+
+
 def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistConfig:
     """The histogram-bound program for long rows. Many rows (prefill): one CTA streams a row, two chunks
     prefetched into L2; 256 threads (80 registers: 3 CTAs an SM) for 64k rows, 128 for 16k rows (H200: 761.6 us
@@ -259,7 +279,9 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     buffer: the lagging bound's extra pushes fill it, and it is cut). Measured slower at C65536: 8 scores a thread at
     4 CTAs x 256 (620.2) or 2 x 512 (952.1), 128-thread CTAs at 4 (672.5) or 5 with rsel (662.3).
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
-    DEEPINFER_TOPK_SEARCH_AT=2,3,5,9,15: at those chunks (`search_at`; with n > 1 only).
+    DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
+    "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
+    PREFILL_EMIT_REGS.
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -276,9 +298,10 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                 cfg = replace(cfg, l2_ahead=0, lean=True, compact=2048, wscan=True, rsel=nt == 256,
                               eager=os.environ.get("DEEPINFER_TOPK_EAGER", "") != "0" and C >= cfg.chunk,
                               search=int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4)) if nt == 256 and C >= 65536 else 1)
-                at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", "")
-                if at and cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
-                    cfg = replace(cfg, search_at=tuple(int(a) for a in at.split(",")))
+                if cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
+                    at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", PREFILL_SEARCH_AT)
+                    regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
+                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)

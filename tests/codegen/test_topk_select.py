@@ -324,8 +324,9 @@ def test_gpu_prefill_default_exact(kb, kind):
     cfg = ts.default_config(4096, 65536)
     assert cfg.threads == 256 and cfg.eager and cfg.rsel
     assert cfg.search == int(os.environ.get("DEEPINFER_TOPK_SEARCH", 4))
-    at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", "")
-    assert cfg.search_at == (tuple(int(a) for a in at.split(",")) if at and cfg.search > 1 else ())
+    at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", ts.PREFILL_SEARCH_AT)  # (and the schedule / emit_regs switches)
+    assert cfg.search_at == (ts.search_schedule(at, 16) if cfg.search > 1 else ())
+    assert cfg.emit_regs == (os.environ.get("DEEPINFER_TOPK_EMIT_REGS", str(int(ts.PREFILL_EMIT_REGS))) == "1")
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -406,8 +407,10 @@ def test_hist_default_configs(monkeypatch):
     s8 = dict(lean=True, compact=2048, wscan=True)
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
+    at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
-                                                           rsel=True, eager=True, search=4, **s8)  # fmt: skip
+                                                           rsel=True, eager=True, search=4, search_at=at,
+                                                           emit_regs=regs, **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
@@ -416,7 +419,18 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.delenv("DEEPINFER_TOPK_SEARCH")
     monkeypatch.setenv("DEEPINFER_TOPK_SEARCH_AT", "2,3,5,9,15")  # (a schedule: the same rows only)
     assert ts.default_config(4096, 65536).search_at == (2, 3, 5, 9, 15) and not ts.default_config(4096, 16384).search_at
+    monkeypatch.setenv("DEEPINFER_TOPK_SEARCH_AT", "g1")  # (by name: the same at 16 chunks, scaled at 32)
+    assert ts.default_config(4096, 65536).search_at == (2, 3, 5, 9, 15)
+    assert ts.default_config(4096, 131072).search_at == (2, 3, 5, 9, 17, 31)
+    monkeypatch.setenv("DEEPINFER_TOPK_SEARCH_AT", "")
+    assert ts.default_config(4096, 65536).search_at == ()
     monkeypatch.delenv("DEEPINFER_TOPK_SEARCH_AT")
+    monkeypatch.setenv("DEEPINFER_TOPK_EMIT_REGS", "1")
+    assert ts.default_config(4096, 65536).emit_regs and not ts.default_config(4096, 16384).emit_regs
+    monkeypatch.setenv("DEEPINFER_TOPK_EMIT_REGS", "0")
+    assert not ts.default_config(4096, 65536).emit_regs
+    monkeypatch.delenv("DEEPINFER_TOPK_EMIT_REGS")
+    assert ts.search_schedule("g2", 16) == (2, 4, 8, 15) and ts.search_schedule("g1", 4) == (2, 3)
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
     monkeypatch.setenv("DEEPINFER_TOPK_EAGER", "0")  # (session 9's eager first chunk off)
