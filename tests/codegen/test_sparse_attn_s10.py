@@ -15,17 +15,9 @@ import pytest
 import torch
 
 from deepinfer.codegen.kernels import sparse_attn_decode as sad
+from tests.codegen._ws_build import build_ws
 
 WS64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-
-
-def _build_ws(name, func):
-    import tvm
-
-    from deepinfer.codegen import tilelang_backend as tb
-
-    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):
-        return tb.build(name, func, "sm90")
 
 
 def test_evict_first_config_names_and_validates():
@@ -62,8 +54,7 @@ def test_evict_first_sm90_build(codegen_cache, nvcc_required, persist, spills):
     base = dataclasses.replace(WS64, o_smem=True, persist=persist)
     arts = {}
     for cfg in (base, dataclasses.replace(base, evict_first=True)):
-        arts[cfg.evict_first] = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(
-            256, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
+        arts[cfg.evict_first] = build_ws(256, cfg, n_win=128)
     plain, ef = arts[False], arts[True]
     n_plain, n_bounded, _, _ = _copies(plain.source)
     assert n_plain > 0 and n_bounded > 0 and "di_cp_async_ef" not in plain.source
@@ -106,8 +97,7 @@ def test_q_regs_sm90_build(codegen_cache, nvcc_required, persist):
     base = dataclasses.replace(WS64, o_smem=True, evict_first=True, persist=persist)
     arts = {}
     for cfg in (base, dataclasses.replace(base, q_regs=True)):
-        arts[cfg.q_regs] = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(
-            256, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
+        arts[cfg.q_regs] = build_ws(256, cfg, n_win=128)  # (the plain one: test_evict_first_sm90_build's)
     plain, rs = arts[False], arts[True]
     assert "tl::wgmma_rs<" not in plain.source and "tl::wgmma_rs<" in rs.source and "ptx_ldmatrix" in rs.source
     assert rs.opcodes["LDL"] + rs.opcodes["STL"] <= plain.opcodes["LDL"] + plain.opcodes["STL"]

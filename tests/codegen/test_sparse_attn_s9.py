@@ -15,17 +15,9 @@ import pytest
 import torch
 
 from deepinfer.codegen.kernels import sparse_attn_decode as sad
+from tests.codegen._ws_build import build_ws
 
 WS64 = sad.Config(64, sad.WS_THREADS, 1, 2, True)
-
-
-def _build_ws(name, func):
-    import tvm
-
-    from deepinfer.codegen import tilelang_backend as tb
-
-    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):
-        return tb.build(name, func, "sm90")
 
 
 def _sass_ops(art) -> list[str]:
@@ -99,8 +91,7 @@ def test_o_smem_split_cpu_mirror_and_build(tilelang_required, codegen_cache, nvc
     assert torch.equal(outs[0], outs[1]) and (outs[1] - sad.reference_f64_loops(q, kv, idx, sink)).abs().max() < 1e-5
     cfg = sad.Config(64, 384, 2, 2, True, partial_bf16=True, o_smem=True)
     assert cfg.tag == "wsn64s2x2ho"
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
-                                                                n_win=128))  # fmt: skip
+    art = build_ws(64, cfg, n_win=128)
     stores = [o for o in _sass_ops(art) if o.startswith("STG")]
     assert art.opcodes["LDL"] + art.opcodes["STL"] == 0 and sum(o.endswith(".128") for o in stores) == 32
     assert "*(uint4*)(Op +" in art.source
@@ -110,8 +101,7 @@ def test_o_smem_sm90_build(codegen_cache, nvcc_required):
     """Two pools, the B128 blocking: no spills; O leaves in 16-B stores (16 a PV thread, 32 in the code) and no
     4-B ones; the tile's writes are ordered by the warpgroups' own named barriers (ids 1, 2) only."""
     cfg = dataclasses.replace(WS64, o_smem=True)
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
-                                                                n_win=128))  # fmt: skip
+    art = build_ws(128, cfg, n_win=128)
     ops = _sass_ops(art)
     assert art.opcodes["LDL"] + art.opcodes["STL"] == 0 and art.opcodes["HGMMA"] > 0
     stores = [o for o in ops if o.startswith("STG")]
@@ -123,8 +113,7 @@ def test_o_smem_persistent_sm90_build(codegen_cache, nvcc_required):
     """The persistent grid with o_smem: only STG.128 stores; the next request's gather into the last stage
     follows the stores (after a named barrier), its other gathers stay in the last round."""
     cfg = dataclasses.replace(WS64, o_smem=True, persist=132)
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(256, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg,
-                                                                n_win=128))  # fmt: skip
+    art = build_ws(256, cfg, n_win=128)  # (test_sparse_attn_s10's plain persistent build: one build)
     stores = [o for o in _sass_ops(art) if o.startswith("STG")]
     # 16 a warpgroup; ptxas may share one copy of the two warpgroups' identical store tails
     assert len(stores) in (16, 2 * 16) and all(o.endswith(".128") for o in stores), stores
@@ -147,8 +136,7 @@ def test_ostore_ovals_skips_and_tail_stamps_build(codegen_cache, nvcc_required):
     counts = {}
     for skip in ("", "ostore", "ovals"):
         cfg = dataclasses.replace(WS64, trace=True, skip=skip)
-        art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", sad.program(128, 64, 512, 1 << 18, 640, target="sm90",
-                                                                    cfg=cfg, n_win=128))  # fmt: skip
+        art = build_ws(128, cfg, n_win=128)  # (skip "": test_sparse_attn_ws's trace build at one split)
         counts[skip] = art.opcodes["HGMMA"]
         assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
         stamped = {int(m) for m in re.findall(r"\+ \(int64_t\)(\d+)\)\] = di_clock\(\)", art.source)}

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from deepinfer.codegen.kernels import sparse_attn_decode as sad
+from tests.codegen._ws_build import build_ws, ws_program
 
 
 @pytest.mark.parametrize("fp8,bn", [(False, 64), (False, 32), (True, 32)])
@@ -118,15 +119,6 @@ def test_ws_cpu_mirror_odd_blocks_64_rows(tilelang_required):
     assert (out - sad.reference_f64_loops(q, kv, idx, sink)).abs().max() < 1e-5
 
 
-def _build_ws(name, func):
-    import tvm
-
-    from deepinfer.codegen import tilelang_backend as tb
-
-    with tvm.transform.PassContext(config=sad.WS_PASS_CONFIGS):  # what tilelang.compile applies from the attr
-        return tb.build(name, func, "sm90")
-
-
 @pytest.mark.parametrize(
     "cfg,fp8,n_win",
     [
@@ -140,9 +132,9 @@ def _build_ws(name, func):
     ids=["bf16_n64s2x2", "fp8_n32s2", "bf16_two_pools_n64s2"],
 )
 def test_ws_sm90_builds_without_spills(codegen_cache, nvcc_required, cfg, fp8, n_win):
-    func = sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, kv_fp8=fp8, n_win=n_win)
-    assert dict(func.attrs["tilelang_pass_configs"]) == sad.WS_PASS_CONFIGS
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_{int(fp8)}_{n_win}", func)
+    func = ws_program(64, cfg, n_win, fp8)
+    assert dict(func.attrs["tilelang_pass_configs"]) == sad.WS_PASS_CONFIGS  # (build_ws applies them, as tilelang does)
+    art = build_ws(64, cfg, n_win, fp8)
     if n_win:  # both pools gathered by cp.async, both index lists read
         assert re.search(r"cp_async_gs\w*<16>\([^;]*KVw\[", art.source)
         assert re.search(r"cp_async_gs\w*<16>\([^;]*KVc\[", art.source)
@@ -241,7 +233,7 @@ def test_diagnostic_build_leaves_out_its_parts(codegen_cache, nvcc_required):
     """Every global load that arms the ring and every wgmma left out: only the Q copies remain (16 of 16 B a
     thread in each PV warpgroup's code) and no HGMMA -- the build a 'sparse_attn diag' row times."""
     cfg = sad.Config(64, 384, 1, 2, True, skip="gather,ids,qk,pv")
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}", sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg))
+    art = build_ws(64, cfg)
     assert art.opcodes["HGMMA"] == 0 and art.opcodes["LDGSTS"] == 2 * 16
     assert art.opcodes["SYNCS"] > 0  # the ring's barriers stay: the skeleton's own cost is what is timed
 
@@ -279,7 +271,7 @@ def test_bulk_copy_diagnostic_build(codegen_cache, nvcc_required):
     """copy="bulk" (diagnostic, no QK^T / PV): rows by 1-D bulk copies (UBLKCP) whose bytes the ring barrier
     expects, no wgmma, no proxy fence before the (absent) MMAs."""
     cfg = sad.Config(64, 384, 1, 2, True, skip="qk,pv", copy="bulk")
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}", sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg))
+    art = build_ws(128, cfg)
     assert art.opcodes["UBLKCP"] > 0 and art.opcodes["HGMMA"] == 0
     assert "expect_transaction(32768)" in art.source  # 64 half-rows of 512 B per barrier phase
 
@@ -301,8 +293,7 @@ def test_l2_prefetch_sm90_build(codegen_cache, nvcc_required):
     prefetches (UBLKPF) of half-rows, their row ids in one more id slot; no spills. The targets are blocks 2+ of
     a chunk, entries >= 128 = n_win: TileLang proves them all in the compressed pool."""
     cfg = sad.Config(64, 384, 2, 2, True, l2_prefetch=2)
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p",
-                    sad.program(64, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128))  # fmt: skip
+    art = build_ws(64, cfg, n_win=128)
     assert "UBLKPF" in art.sass and art.opcodes["HGMMA"] > 0 and art.opcodes["LDGSTS"] > 0
     calls = re.findall(r"di_prefetch_l2\(\(&\((\w+)\[[^;]*\), (\d+)\);", art.source)
     assert calls and all(pool == "KVc" and size == "512" for pool, size in calls), "half-rows (512 B)"
@@ -336,9 +327,8 @@ def test_trace_sm90_build_stamps_every_block(codegen_cache, nvcc_required, ns):
     """Config.trace: a trailing int64 Trace argument; thread 0 of WG0 stamps 4 events a block and thread 0 of WG1
     2 (6 slots a block, TRACE_BLOCK0 on), plus the CTA's start / Q / fin / end stamps; no spills."""
     cfg = sad.Config(64, 384, ns, 2, True, trace=True)
-    func = sad.program(128, 64, 512, 1 << 18, 640, target="sm90", cfg=cfg, n_win=128)
-    assert func.params[-1].name.startswith("Trace")
-    art = _build_ws(f"sparse_attn_ws_{cfg.tag}_2p", func)
+    assert ws_program(128, cfg, n_win=128).params[-1].name.startswith("Trace")
+    art = build_ws(128, cfg, n_win=128)  # (ns 1: also test_sparse_attn_s9's tail-stamp build)
     assert art.opcodes["LDL"] + art.opcodes["STL"] == 0
     slots = sad.trace_slots(640 // ns // 64)
     stamped = {int(m) for m in re.findall(r"\+ \(int64_t\)(\d+)\)\] = di_clock\(\)", art.source)}
