@@ -165,6 +165,9 @@ class HistConfig:
     # (GPU, one segment a row; diagnostics: not a top-k) the real program, then Idx[t, :hist_clock_points] = the SM
     # clock at its checkpoints (`hist_clock_points`) minus the first: each stage's cycles on the CTA's critical path
     clock: bool = False
+    # (probe; the output stays exact) xbar more CTA barriers after each fused chunk's, back to back like the three
+    # TileLang's sync planner adds to a fused chunk: their cost is what peeling the first chunk could save
+    xbar: int = 0
 
     @property
     def chunk(self) -> int:
@@ -181,7 +184,8 @@ class HistConfig:
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
-                + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else ""))  # fmt: skip
+                + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
+                + (f"-xb{self.xbar}" if self.xbar else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
@@ -2116,6 +2120,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                                            fl, tmp,
                                                            hist_f, hist_c)  # fmt: skip
                                     ops.barrier()
+                                    if cfg.xbar:  # (probe) what a barrier more costs
+                                        for _x in T.serial(cfg.xbar):
+                                            ops.barrier()
                                     if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
                                         # the buffer's complete part (below the lowest failed start) is cut below,
                                         # then the keys without room pushed (mode 2)
