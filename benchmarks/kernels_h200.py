@@ -3829,6 +3829,25 @@ def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     row.check = f"clock probe (no top-k): {sum(cyc):.0f} cycles a row; do_bench {us:.1f} us"
 
 
+def _topk_s11_r2_rows():
+    """(T, C, cfg) rows "topk_select s11 r2" (the last timing call). Call 4 (b1e4b52, same run, exact): default 423.2 us
+    = 58.9%, + emit_regs 422.8; the schedules lose (g1 430.4, g2 430.7, g3 432.6: a search ~400-500 cycles a row,
+    more than the pushes it saves). Its clock probe (cycles a row, 75.4k in all; ~2.8k a chunk is the HBM pace: late
+    chunks): ws 779, c0 8076, c1-c3 ~4.2k, ..., stage 2942, select 5721, mark 827, emit 4545. The output reads each
+    thread's 8 contiguous bitmap words -- lanes 4 apart in one bank, 8-way conflicts, twice. So: `skew` (the words at
+    w + w // 8: conflict-free) with emit_regs (the words once, unrolled, into registers) -- the candidate default --,
+    skew alone, and the default with 3 barriers more a fused chunk (`xbar`: what the 3 planner barriers a chunk cost,
+    i.e. what peeling the first chunk could save); the candidate's clock probe last. The candidate's kernel is the
+    one test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SKEW=1 DEEPINFER_TOPK_EMIT_REGS=1."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    rep = dataclasses.replace
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    cand = rep(d64, skew=True, emit_regs=True)
+    rows = (d64, cand, rep(d64, skew=True), rep(d64, xbar=3), rep(cand, clock=True))
+    return [(4096, 65536, c) for c in rows]
+
+
 def _topk_s10_r2_rows():
     """(T, C, cfg) rows "topk_select s10 r2" (round 2; unmeasured): per CTA a 64k row is ~43 us (16 chunks of ~2.2 us,
     then ~8 us of final selection and output) at 3 CTAs an SM, and the loop runs far below the SM's issue rate: each
@@ -4021,10 +4040,11 @@ def _indexer_cases(quick: bool):
             for T_, C, cfg in rows:
                 out.append((f"topk_select s10 {group}", f"T{T_} C{C} k{IDX_TOPK}",
                             lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
-        for T_, C, cfg in _topk_s11_r1_rows():
-            case = case_topk_clock if cfg.clock else case_topk_s10
-            out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
-                        lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
+        for group, rows in (("r1", _topk_s11_r1_rows()), ("r2", _topk_s11_r2_rows())):
+            for T_, C, cfg in rows:
+                case = case_topk_clock if cfg.clock else case_topk_s10
+                out.append((f"topk_select s11 {group}", f"T{T_} C{C} k{IDX_TOPK}",
+                            lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",
                         lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip

@@ -161,6 +161,9 @@ class HistConfig:
     search_at: tuple[int, ...] = ()
     # (GPU, ffs) the output's bitmap words read once into registers (vector loads), not twice word by word
     emit_regs: bool = False
+    # the output bitmap's words at skewed slots (`skewed`): the output's per-thread word reads without the 8-way bank
+    # conflicts of thread i's words 8 i .. 8 i + 7 (H200 clock probe, session 11: the output ~4.5k cycles a row)
+    skew: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
     # (GPU, one segment a row; diagnostics: not a top-k) the real program, then Idx[t, :hist_clock_points] = the SM
     # clock at its checkpoints (`hist_clock_points`) minus the first: each stage's cycles on the CTA's critical path
@@ -184,6 +187,7 @@ class HistConfig:
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
+                + ("k" if self.skew else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
                 + (f"-xb{self.xbar}" if self.xbar else ""))  # fmt: skip
 
@@ -250,6 +254,7 @@ SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())
                     "g2": lambda n: [1 << m for m in range(1, n.bit_length())]}  # fmt: skip
 PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
+PREFILL_SKEW = False  # those rows' skew
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -285,7 +290,7 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
-    PREFILL_EMIT_REGS.
+    PREFILL_EMIT_REGS; DEEPINFER_TOPK_SKEW=1 / 0: their `skew`, default PREFILL_SKEW.
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -305,7 +310,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                 if cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
                     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", PREFILL_SEARCH_AT)
                     regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
-                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs)
+                    skew = os.environ.get("DEEPINFER_TOPK_SKEW", "1" if PREFILL_SKEW else "0") == "1"
+                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, skew=skew)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -969,12 +975,19 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
     return reg_select
 
 
-def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan: bool = False):
+def skewed(w, skew: bool):
+    """The output bitmap's slot of word w: w + w // 8 with skew, so that thread i's 8 contiguous words (9 i + u) and
+    a warp's lanes fall in distinct banks (9 is odd) -- unskewed, lanes 4 apart share a bank (8-way conflicts)."""
+    return w + w // 8 if skew else w
+
+
+def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan: bool = False, skew: bool = False):
     """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after.
     ffs (GPU): a non-zero word's set bits visited with __ffs (popcount iterations, not 32). warp_scan (GPU): the
     threads' output offsets by a shuffle scan in each warp and the warp totals (one barrier), not T.cumsum (one
     warp walking all NT counts). wv (GPU, ffs): a per-thread int32 fragment [NT, WPT] -- a thread's WPT bitmap words
-    read once (contiguous: vector loads) and kept in registers for both passes, not read twice word by word."""
+    read once (contiguous: vector loads) and kept in registers for both passes, not read twice word by word. skew:
+    the bitmap's words at `skewed` slots (with wv: scalar loads, conflict-free, unrolled)."""
     import tilelang.language as T
 
     NW = -(-C // 32)
@@ -990,12 +1003,12 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
             c = T.alloc_var("int32", init=0)
             if wv is not None:
                 for u in T.unroll(WPT):
-                    wv[i, u] = T.if_then_else(i * WPT + u < NW, bitmap[T.min(i * WPT + u, NW - 1)], 0)
+                    wv[i, u] = T.if_then_else(i * WPT + u < NW, bitmap[skewed(T.min(i * WPT + u, NW - 1), skew)], 0)
                     c = c + T.call_extern("int32", "__popc", wv[i, u])
             else:
                 for u in T.serial(WPT):
                     if i * WPT + u < NW:
-                        c = ops.popc_add(c, bitmap[T.min(i * WPT + u, NW - 1)])
+                        c = ops.popc_add(c, bitmap[skewed(T.min(i * WPT + u, NW - 1), skew)])
             if WSCAN:  # wbase[i]: the count before thread i in its warp; wcnt[w]: warp w's total
                 incl = T.alloc_var("int32", init=c)
                 for d in (1, 2, 4, 8, 16):
@@ -1035,7 +1048,7 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
             for u in T.serial(WPT if wv is None else 0):
                 w = i * WPT + u
                 if w < NW:
-                    word = bitmap[T.min(w, NW - 1)]
+                    word = bitmap[skewed(T.min(w, NW - 1), skew)]
                     if ffs and not ops.cpu:
                         # (the loop bound in a register: a shared load in a loop extent broke TileLang's sync
                         # planner when a thread owns one word -- C 2048 at 128 threads)
@@ -1057,7 +1070,7 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
     return emit
 
 
-def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
+def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int, skew: bool = False):
     """The streamed programs' shared pieces: chunk loads (thread i's j-th score of a chunk: float4 j // 4, strided
     by the threads) and keys, warp-aggregated pushes into a shared buffer, the buffer back into registers (EB a
     thread), the bitmap marking of selected columns (NW words), L2 reads of other CTAs' scratch."""
@@ -1109,18 +1122,18 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
 
     @T.macro
     def mark(bitmap, idf, takef, Q, unroll=True):
-        for w in ops.par(NW):
+        for w in ops.par(bitmap_words(NW, skew)):
             bitmap[w] = 0
         ops.barrier()  # (shared atomics next)
         for i in ops.par(NT):
             for q in ops.unroll(Q) if unroll else T.serial(Q):
                 if takef(i, q):
                     c = idf(i, q)
+                    b = skewed(c // 32, skew)
                     if ops.cpu:
-                        bitmap[c // 32] = T.bitwise_or(bitmap[c // 32], T.shift_left(1, c % 32))
+                        bitmap[b] = T.bitwise_or(bitmap[b], T.shift_left(1, c % 32))
                     else:
-                        T.evaluate(T.call_extern("int32", "atomicOr", T.address_of(bitmap[c // 32]),
-                                                 T.shift_left(1, c % 32)))  # fmt: skip
+                        T.evaluate(T.call_extern("int32", "atomicOr", T.address_of(bitmap[b]), T.shift_left(1, c % 32)))
         ops.barrier()
 
     @T.macro
@@ -1222,13 +1235,18 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
     )
 
 
-def _select_workspace(ops: _Ops, NT: int, NW: int, n_bc: int):
+def bitmap_words(NW: int, skew: bool) -> int:
+    """Shared slots of an output bitmap of NW words (`skewed`: one more every 8)."""
+    return NW + NW // 8 + 1 if skew else NW
+
+
+def _select_workspace(ops: _Ops, NT: int, NW: int, n_bc: int, skew: bool = False):
     """Both programs' selection and output workspace, allocated in the calling kernel: the radix histogram, the
     reductions' scratch, n_bc bin/arrival words, control words, the output bitmap (NW words) and its per-thread
     counts/bases, and the per-thread reduction fragments ra, rb, rc, r1."""
     return (
         ops.sh((NB,), "int32"), ops.sh((cum_size(NT),), "int32"), ops.sh((n_bc,), "int32"), ops.sh((4,), "int32"),
-        ops.sh((NW,), "int32"), ops.sh((NT,), "int32"), ops.sh((NT,), "int32"),
+        ops.sh((bitmap_words(NW, skew),), "int32"), ops.sh((NT,), "int32"), ops.sh((NT,), "int32"),
         ops.fr((NT,), "int32"), ops.fr((NT,), "int32"), ops.fr((NT,), "int32"), ops.fr((1,), "int32"),
     )  # fmt: skip
 
@@ -1713,9 +1731,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     sh = scratch_shapes(T_, C, k, cfg)
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
-    emit = _make_emit(ops, NT, C, k, cfg.ffs, cfg.wscan)
+    emit = _make_emit(ops, NT, C, k, cfg.ffs, cfg.wscan, cfg.skew)
     count, threshold = _make_hist_bound(ops, NT)
-    io = _make_row_io(ops, NT, E, NW, EB)
+    io = _make_row_io(ops, NT, E, NW, EB, cfg.skew)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
@@ -1995,7 +2013,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
             hist_f = ops.sh((HB,), "int32")
             hist_c = ops.sh((NB,), "int32")
-            hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 8)
+            hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 8, cfg.skew)
             bufk = ops.sh((BUF,), "int32")
             bufi = ops.sh((BUF,), "int32")
             stb = T.alloc_local((4,), "int32")
