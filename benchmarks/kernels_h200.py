@@ -3836,15 +3836,19 @@ def _topk_s11_r2_rows():
     chunks): ws 779, c0 8076, c1-c3 ~4.2k, ..., stage 2942, select 5721, mark 827, emit 4545. The output reads each
     thread's 8 contiguous bitmap words -- lanes 4 apart in one bank, 8-way conflicts, twice. So: `skew` (the words at
     w + w // 8: conflict-free) with emit_regs (the words once, unrolled, into registers) -- the candidate default --,
-    skew alone, and the default with 3 barriers more a fused chunk (`xbar`: what the 3 planner barriers a chunk cost,
-    i.e. what peeling the first chunk could save); the candidate's clock probe last. The candidate's kernel is the
-    one test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SKEW=1 DEEPINFER_TOPK_EMIT_REGS=1."""
+    and the default with 3 barriers more a fused chunk (`xbar`: what the 3 planner barriers a chunk cost,
+    i.e. what peeling the first chunk could save). The first chunk (8.1k cycles, ~5.3k over the stream's pace) counts
+    4096 keys into a few hot coarse bins (~14 lanes of a warp on one address): `coarse_agg` (the coarse counts
+    warp-aggregated, __match_any_sync) alone and with the candidate; the clock probe of all three last. The kernel of
+    row 4 (skew + emit_regs + coarse_agg) is the one test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SKEW=1
+    DEEPINFER_TOPK_EMIT_REGS=1 DEEPINFER_TOPK_COARSE_AGG=1."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
     cand = rep(d64, skew=True, emit_regs=True)
-    rows = (d64, cand, rep(d64, skew=True), rep(d64, xbar=3), rep(cand, clock=True))
+    agg = rep(cand, coarse_agg=True)
+    rows = (d64, cand, rep(d64, coarse_agg=True), agg, rep(d64, xbar=3), rep(agg, clock=True))
     return [(4096, 65536, c) for c in rows]
 
 

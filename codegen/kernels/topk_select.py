@@ -164,6 +164,9 @@ class HistConfig:
     # the output bitmap's words at skewed slots (`skewed`): the output's per-thread word reads without the 8-way bank
     # conflicts of thread i's words 8 i .. 8 i + 7 (H200 clock probe, session 11: the output ~4.5k cycles a row)
     skew: bool = False
+    # (GPU) the first chunk's coarse histogram counts warp-aggregated (`_make_hist_bound`; clock probe, session 11: the
+    # first chunk 8.1k cycles a row, ~5.3k over the stream's pace)
+    coarse_agg: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
     # (GPU, one segment a row; diagnostics: not a top-k) the real program, then Idx[t, :hist_clock_points] = the SM
     # clock at its checkpoints (`hist_clock_points`) minus the first: each stage's cycles on the CTA's critical path
@@ -187,7 +190,7 @@ class HistConfig:
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
-                + ("k" if self.skew else "")
+                + ("k" if self.skew else "") + ("c" if self.coarse_agg else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
                 + (f"-xb{self.xbar}" if self.xbar else ""))  # fmt: skip
 
@@ -255,6 +258,7 @@ SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())
 PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
 PREFILL_SKEW = False  # those rows' skew
+PREFILL_COARSE_AGG = False  # those rows' coarse_agg
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -290,7 +294,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
-    PREFILL_EMIT_REGS; DEEPINFER_TOPK_SKEW=1 / 0: their `skew`, default PREFILL_SKEW.
+    PREFILL_EMIT_REGS; DEEPINFER_TOPK_SKEW=1 / 0: their `skew`, default PREFILL_SKEW; DEEPINFER_TOPK_COARSE_AGG=1 / 0:
+    their `coarse_agg`, default PREFILL_COARSE_AGG.
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -311,7 +316,9 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", PREFILL_SEARCH_AT)
                     regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
                     skew = os.environ.get("DEEPINFER_TOPK_SKEW", "1" if PREFILL_SKEW else "0") == "1"
-                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, skew=skew)
+                    agg = os.environ.get("DEEPINFER_TOPK_COARSE_AGG", "1" if PREFILL_COARSE_AGG else "0") == "1"
+                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, skew=skew,
+                                  coarse_agg=agg)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -1458,23 +1465,37 @@ def _make_count_key(ops: _Ops):
     return count_key
 
 
-def _make_hist_bound(ops: _Ops, NT: int):
+def _make_hist_bound(ops: _Ops, NT: int, coarse_agg: bool = False):
     """Macros of the histogram bound (`hist_program`): count(hist_f, hist_c, keyf, Q, beta) adds the members >= beta
     of a per-thread key set to the fine (HB bins: the key's top 12 bits) and coarse (NB bins: top 8 bits)
     histograms; threshold(...) finds the fine bin holding rank r from the top: the coarse bin by find_bin's
-    shuffle scan, then its HSUB fine bins (one thread each, no scan of all HB bins)."""
+    shuffle scan, then its HSUB fine bins (one thread each, no scan of all HB bins). coarse_agg (GPU): count's coarse
+    bins warp-aggregated (__match_any_sync: one atomicAdd of the lanes' number a bin and warp instruction) -- a
+    chunk's keys crowd a few coarse bins (real scores: ~14 lanes of a warp on one address), where per-lane shared
+    atomics serialise."""
     import tilelang.language as T
 
     find_bin = _make_find_bin(NT)
     count_key = _make_count_key(ops)
     NWARP = NT // 32
+    AGG = coarse_agg and not ops.cpu
+    full = T.uint32(0xFFFFFFFF)
 
     @T.macro
     def count(hist_f, hist_c, keyf, Q, beta):
         for i in ops.par(NT):
             for q in ops.unroll(Q):
                 kq = keyf(i, q)
-                if T.And(kq != NONE, kq >= beta):
+                if AGG:  # (every lane takes the match: not-counted keys as bin -1, which no lane adds)
+                    f = T.alloc_var("int32", init=T.shift_right(kq, HSHIFT) + HB // 2)
+                    cb = T.alloc_var("int32", init=T.if_then_else(T.And(kq != NONE, kq >= beta), f // HSUB, -1))
+                    same = T.alloc_var("int32", init=T.call_extern("int32", "__match_any_sync", full, cb))
+                    if cb >= 0:
+                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
+                        if T.call_extern("int32", "__ffs", same) - 1 == i % 32:
+                            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[cb]),
+                                                     T.call_extern("int32", "__popc", same)))
+                elif T.And(kq != NONE, kq >= beta):
                     count_key(hist_f, hist_c, kq)
 
     @T.macro
@@ -1732,7 +1753,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
     emit = _make_emit(ops, NT, C, k, cfg.ffs, cfg.wscan, cfg.skew)
-    count, threshold = _make_hist_bound(ops, NT)
+    count, threshold = _make_hist_bound(ops, NT, cfg.coarse_agg)
     io = _make_row_io(ops, NT, E, NW, EB, cfg.skew)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
     arrive = io.arrive

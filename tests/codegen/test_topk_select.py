@@ -329,6 +329,7 @@ def test_gpu_prefill_default_exact(kb, kind):
     assert cfg.search_at == (ts.search_schedule(at, 16) if cfg.search > 1 else ())
     assert cfg.emit_regs == (os.environ.get("DEEPINFER_TOPK_EMIT_REGS", str(int(ts.PREFILL_EMIT_REGS))) == "1")
     assert cfg.skew == (os.environ.get("DEEPINFER_TOPK_SKEW", str(int(ts.PREFILL_SKEW))) == "1")
+    assert cfg.coarse_agg == (os.environ.get("DEEPINFER_TOPK_COARSE_AGG", str(int(ts.PREFILL_COARSE_AGG))) == "1")
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -412,7 +413,8 @@ def test_hist_default_configs(monkeypatch):
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
-                                                           emit_regs=regs, skew=ts.PREFILL_SKEW, **s8)  # fmt: skip
+                                                           emit_regs=regs, skew=ts.PREFILL_SKEW,
+                                                           coarse_agg=ts.PREFILL_COARSE_AGG, **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
@@ -437,6 +439,9 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_SKEW", "0")
     assert not ts.default_config(4096, 65536).skew
     monkeypatch.delenv("DEEPINFER_TOPK_SKEW")
+    monkeypatch.setenv("DEEPINFER_TOPK_COARSE_AGG", "1")
+    assert ts.default_config(4096, 65536).coarse_agg and not ts.default_config(4096, 16384).coarse_agg
+    monkeypatch.delenv("DEEPINFER_TOPK_COARSE_AGG")
     assert ts.search_schedule("g2", 16) == (2, 4, 8, 15) and ts.search_schedule("g1", 4) == (2, 3)
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
