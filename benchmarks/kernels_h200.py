@@ -3790,7 +3790,12 @@ def _topk_s11_r1_rows():
     g3 (6); then the default and g1 with `emit_regs` (session 10: -2.0 us once). g1's kernel is the one
     test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SEARCH_AT=2,3,5,9,15. Every row checked exact (heavy
     ties, real scores twice). Last, two clock probes (`case_topk_clock`: not a top-k): the default's and g1's stage
-    cycles a row -- the pushes' and the searches' cost chunk by chunk, the final selection's and the output's."""
+    cycles a row -- the pushes' and the searches' cost chunk by chunk, the final selection's and the output's.
+    H200 call 4 (b1e4b52, HBM copy 4.27 TB/s, every row exact): default 423.2 us = 58.9% | g2 430.7 | g1 430.4 | g3
+    432.6 | + emit_regs 422.8 | g1 + emit_regs 429.1; clock (cycles a row) default: ws 779 c0 8076 c1 4200 c2 4133 c3
+    4582 c4 3618 ... c12 2792 ... c15 3270 stage 2942 select 5721 mark 827 emit 4545, total 75385; g1 76531. Call 5
+    (round 2, rows removed with their options): default 423.8 | skewed bitmap + emit_regs 427.9 | warp-aggregated
+    first-chunk coarse counts 434.9 | both 439.0 | default + 3 barriers a fused chunk (`xbar`) 429.5."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
@@ -3827,29 +3832,6 @@ def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     print(f"clock {cfg.tag}: cycles a row, mean of {T_}: {stages} | total {sum(cyc):.0f}")
     us = bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3
     row.check = f"clock probe (no top-k): {sum(cyc):.0f} cycles a row; do_bench {us:.1f} us"
-
-
-def _topk_s11_r2_rows():
-    """(T, C, cfg) rows "topk_select s11 r2" (the last timing call). Call 4 (b1e4b52, same run, exact): default 423.2 us
-    = 58.9%, + emit_regs 422.8; the schedules lose (g1 430.4, g2 430.7, g3 432.6: a search ~400-500 cycles a row,
-    more than the pushes it saves). Its clock probe (cycles a row, 75.4k in all; ~2.8k a chunk is the HBM pace: late
-    chunks): ws 779, c0 8076, c1-c3 ~4.2k, ..., stage 2942, select 5721, mark 827, emit 4545. The output reads each
-    thread's 8 contiguous bitmap words -- lanes 4 apart in one bank, 8-way conflicts, twice. So: `skew` (the words at
-    w + w // 8: conflict-free) with emit_regs (the words once, unrolled, into registers) -- the candidate default --,
-    and the default with 3 barriers more a fused chunk (`xbar`: what the 3 planner barriers a chunk cost,
-    i.e. what peeling the first chunk could save). The first chunk (8.1k cycles, ~5.3k over the stream's pace) counts
-    4096 keys into a few hot coarse bins (~14 lanes of a warp on one address): `coarse_agg` (the coarse counts
-    warp-aggregated, __match_any_sync) alone and with the candidate; the clock probe of all three last. The kernel of
-    row 4 (skew + emit_regs + coarse_agg) is the one test_gpu_prefill_default_exact runs with DEEPINFER_TOPK_SKEW=1
-    DEEPINFER_TOPK_EMIT_REGS=1 DEEPINFER_TOPK_COARSE_AGG=1."""
-    from deepinfer.codegen.kernels import topk_select as ts
-
-    rep = dataclasses.replace
-    d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    cand = rep(d64, skew=True, emit_regs=True)
-    agg = rep(cand, coarse_agg=True)
-    rows = (d64, cand, rep(d64, coarse_agg=True), agg, rep(d64, xbar=3), rep(agg, clock=True))
-    return [(4096, 65536, c) for c in rows]
 
 
 def _topk_s10_r2_rows():
@@ -4044,11 +4026,10 @@ def _indexer_cases(quick: bool):
             for T_, C, cfg in rows:
                 out.append((f"topk_select s10 {group}", f"T{T_} C{C} k{IDX_TOPK}",
                             lambda r, q, d, T_=T_, C=C, c=cfg: case_topk_s10(r, T_, C, c, q, d)))  # fmt: skip
-        for group, rows in (("r1", _topk_s11_r1_rows()), ("r2", _topk_s11_r2_rows())):
-            for T_, C, cfg in rows:
-                case = case_topk_clock if cfg.clock else case_topk_s10
-                out.append((f"topk_select s11 {group}", f"T{T_} C{C} k{IDX_TOPK}",
-                            lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
+        for T_, C, cfg in _topk_s11_r1_rows():
+            case = case_topk_clock if cfg.clock else case_topk_s10
+            out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",
                         lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip

@@ -68,6 +68,17 @@ test hung); without it 442.8 us = 56.3%. Stage probes then: the chunk loop alone
 407.3, the read alone 237.7, the first chunk real and the others read 256.9. The bound's bin search is one warp's
 extra work on its chunk's critical path: on every 4th chunk only (`HistConfig.search`, the default at 64k+ columns)
 424.3 us = 58.8% (the loop alone 344.0).
+Session 11 (H200 calls 4-5, T4096 C65536, same runs, exact): the default 423.2 / 423.8 us = 58.9% / 58.5%. The clock
+probe (`HistConfig.clock`, cycles a row of 75.4k, ~1.81 GHz): ws 779, the first chunk 8076, chunks 1-3 ~4.2k, 4-7
+~3.6k, 8-11 ~3.2k, 12-15 ~2.8k (the HBM pace: 3 CTAs x 16 KB / 2.8k cycles an SM = 4.2 TB/s), a bin search ~400-500
+more; the staged members 2942, the selection 5721, the marks 827, the output 4545. Measured and not taken: search
+schedules dense early (`search_at`; g1 2,3,5,9,15: 430.4, g2 2,4,8,15: 430.7, g3 2,3,4,6,9,15: 432.6 -- a search costs
+more than the early pushes it saves); emit_regs 422.8 (noise). Measured and removed: the output bitmap's words skewed
+to w + w // 8 (conflict-free reads: the output 3744 cycles, but the marks and the stage slower; with emit_regs 427.9),
+the first chunk's coarse counts warp-aggregated with __match_any_sync (434.9: its first chunk 10.1k cycles). Probe
+`HistConfig.xbar` (3 more back-to-back barriers a fused chunk): 429.5 -- so the 3 that TileLang's planner adds a fused
+chunk (hoisted out of the first chunk's and the overflow cut's branches) cost ~5.7 us: peeling the first chunk out of
+the loop is the next lever, with the tail (selection + output ~14k cycles a row) and the first chunk.
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -161,12 +172,6 @@ class HistConfig:
     search_at: tuple[int, ...] = ()
     # (GPU, ffs) the output's bitmap words read once into registers (vector loads), not twice word by word
     emit_regs: bool = False
-    # the output bitmap's words at skewed slots (`skewed`): the output's per-thread word reads without the 8-way bank
-    # conflicts of thread i's words 8 i .. 8 i + 7 (H200 clock probe, session 11: the output ~4.5k cycles a row)
-    skew: bool = False
-    # (GPU) the first chunk's coarse histogram counts warp-aggregated (`_make_hist_bound`; clock probe, session 11: the
-    # first chunk 8.1k cycles a row, ~5.3k over the stream's pace)
-    coarse_agg: bool = False
     diag: str = ""  # diagnostics only (wrong output): the per-chunk work cut down to a stage, see HIST_DIAGS
     # (GPU, one segment a row; diagnostics: not a top-k) the real program, then Idx[t, :hist_clock_points] = the SM
     # clock at its checkpoints (`hist_clock_points`) minus the first: each stage's cycles on the CTA's critical path
@@ -190,7 +195,6 @@ class HistConfig:
                 + ("r" if self.rsel else "") + ("a" if self.eager else "")
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
-                + ("k" if self.skew else "") + ("c" if self.coarse_agg else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
                 + (f"-xb{self.xbar}" if self.xbar else ""))  # fmt: skip
 
@@ -257,8 +261,6 @@ SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())
                     "g2": lambda n: [1 << m for m in range(1, n.bit_length())]}  # fmt: skip
 PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
-PREFILL_SKEW = False  # those rows' skew
-PREFILL_COARSE_AGG = False  # those rows' coarse_agg
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -291,11 +293,12 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     128-thread C16384 rows keep every chunk (search 2 there: 261.5 vs 195.0 us -- 2048-score chunks, a 2560-entry
     buffer: the lagging bound's extra pushes fill it, and it is cut). Measured slower at C65536: 8 scores a thread at
     4 CTAs x 256 (620.2) or 2 x 512 (952.1), 128-thread CTAs at 4 (672.5) or 5 with rsel (662.3).
+    Session 11 (H200 calls 4-5, same runs, exact: 423.2 / 423.8 us): search schedules dense early 430.4-432.6,
+    emit_regs 422.8 (noise) -- not taken (module docstring: the clock probe's stage costs).
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
-    PREFILL_EMIT_REGS; DEEPINFER_TOPK_SKEW=1 / 0: their `skew`, default PREFILL_SKEW; DEEPINFER_TOPK_COARSE_AGG=1 / 0:
-    their `coarse_agg`, default PREFILL_COARSE_AGG.
+    PREFILL_EMIT_REGS.
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -315,10 +318,7 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                 if cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
                     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", PREFILL_SEARCH_AT)
                     regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
-                    skew = os.environ.get("DEEPINFER_TOPK_SKEW", "1" if PREFILL_SKEW else "0") == "1"
-                    agg = os.environ.get("DEEPINFER_TOPK_COARSE_AGG", "1" if PREFILL_COARSE_AGG else "0") == "1"
-                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, skew=skew,
-                                  coarse_agg=agg)
+                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs)
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -982,19 +982,12 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
     return reg_select
 
 
-def skewed(w, skew: bool):
-    """The output bitmap's slot of word w: w + w // 8 with skew, so that thread i's 8 contiguous words (9 i + u) and
-    a warp's lanes fall in distinct banks (9 is odd) -- unskewed, lanes 4 apart share a bank (8-way conflicts)."""
-    return w + w // 8 if skew else w
-
-
-def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan: bool = False, skew: bool = False):
+def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan: bool = False):
     """Macro: the marked columns of `bitmap` (C bits) -> Idx[t, 0:kk] in ascending column order, -1 after.
     ffs (GPU): a non-zero word's set bits visited with __ffs (popcount iterations, not 32). warp_scan (GPU): the
     threads' output offsets by a shuffle scan in each warp and the warp totals (one barrier), not T.cumsum (one
     warp walking all NT counts). wv (GPU, ffs): a per-thread int32 fragment [NT, WPT] -- a thread's WPT bitmap words
-    read once (contiguous: vector loads) and kept in registers for both passes, not read twice word by word. skew:
-    the bitmap's words at `skewed` slots (with wv: scalar loads, conflict-free, unrolled)."""
+    read once (contiguous: vector loads) and kept in registers for both passes, not read twice word by word."""
     import tilelang.language as T
 
     NW = -(-C // 32)
@@ -1010,12 +1003,12 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
             c = T.alloc_var("int32", init=0)
             if wv is not None:
                 for u in T.unroll(WPT):
-                    wv[i, u] = T.if_then_else(i * WPT + u < NW, bitmap[skewed(T.min(i * WPT + u, NW - 1), skew)], 0)
+                    wv[i, u] = T.if_then_else(i * WPT + u < NW, bitmap[T.min(i * WPT + u, NW - 1)], 0)
                     c = c + T.call_extern("int32", "__popc", wv[i, u])
             else:
                 for u in T.serial(WPT):
                     if i * WPT + u < NW:
-                        c = ops.popc_add(c, bitmap[skewed(T.min(i * WPT + u, NW - 1), skew)])
+                        c = ops.popc_add(c, bitmap[T.min(i * WPT + u, NW - 1)])
             if WSCAN:  # wbase[i]: the count before thread i in its warp; wcnt[w]: warp w's total
                 incl = T.alloc_var("int32", init=c)
                 for d in (1, 2, 4, 8, 16):
@@ -1055,7 +1048,7 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
             for u in T.serial(WPT if wv is None else 0):
                 w = i * WPT + u
                 if w < NW:
-                    word = bitmap[skewed(T.min(w, NW - 1), skew)]
+                    word = bitmap[T.min(w, NW - 1)]
                     if ffs and not ops.cpu:
                         # (the loop bound in a register: a shared load in a loop extent broke TileLang's sync
                         # planner when a thread owns one word -- C 2048 at 128 threads)
@@ -1077,7 +1070,7 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
     return emit
 
 
-def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int, skew: bool = False):
+def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
     """The streamed programs' shared pieces: chunk loads (thread i's j-th score of a chunk: float4 j // 4, strided
     by the threads) and keys, warp-aggregated pushes into a shared buffer, the buffer back into registers (EB a
     thread), the bitmap marking of selected columns (NW words), L2 reads of other CTAs' scratch."""
@@ -1129,18 +1122,18 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int, skew: bool = Fals
 
     @T.macro
     def mark(bitmap, idf, takef, Q, unroll=True):
-        for w in ops.par(bitmap_words(NW, skew)):
+        for w in ops.par(NW):
             bitmap[w] = 0
         ops.barrier()  # (shared atomics next)
         for i in ops.par(NT):
             for q in ops.unroll(Q) if unroll else T.serial(Q):
                 if takef(i, q):
                     c = idf(i, q)
-                    b = skewed(c // 32, skew)
                     if ops.cpu:
-                        bitmap[b] = T.bitwise_or(bitmap[b], T.shift_left(1, c % 32))
+                        bitmap[c // 32] = T.bitwise_or(bitmap[c // 32], T.shift_left(1, c % 32))
                     else:
-                        T.evaluate(T.call_extern("int32", "atomicOr", T.address_of(bitmap[b]), T.shift_left(1, c % 32)))
+                        T.evaluate(T.call_extern("int32", "atomicOr", T.address_of(bitmap[c // 32]),
+                                                 T.shift_left(1, c % 32)))  # fmt: skip
         ops.barrier()
 
     @T.macro
@@ -1242,18 +1235,13 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int, skew: bool = Fals
     )
 
 
-def bitmap_words(NW: int, skew: bool) -> int:
-    """Shared slots of an output bitmap of NW words (`skewed`: one more every 8)."""
-    return NW + NW // 8 + 1 if skew else NW
-
-
-def _select_workspace(ops: _Ops, NT: int, NW: int, n_bc: int, skew: bool = False):
+def _select_workspace(ops: _Ops, NT: int, NW: int, n_bc: int):
     """Both programs' selection and output workspace, allocated in the calling kernel: the radix histogram, the
     reductions' scratch, n_bc bin/arrival words, control words, the output bitmap (NW words) and its per-thread
     counts/bases, and the per-thread reduction fragments ra, rb, rc, r1."""
     return (
         ops.sh((NB,), "int32"), ops.sh((cum_size(NT),), "int32"), ops.sh((n_bc,), "int32"), ops.sh((4,), "int32"),
-        ops.sh((bitmap_words(NW, skew),), "int32"), ops.sh((NT,), "int32"), ops.sh((NT,), "int32"),
+        ops.sh((NW,), "int32"), ops.sh((NT,), "int32"), ops.sh((NT,), "int32"),
         ops.fr((NT,), "int32"), ops.fr((NT,), "int32"), ops.fr((NT,), "int32"), ops.fr((1,), "int32"),
     )  # fmt: skip
 
@@ -1465,37 +1453,23 @@ def _make_count_key(ops: _Ops):
     return count_key
 
 
-def _make_hist_bound(ops: _Ops, NT: int, coarse_agg: bool = False):
+def _make_hist_bound(ops: _Ops, NT: int):
     """Macros of the histogram bound (`hist_program`): count(hist_f, hist_c, keyf, Q, beta) adds the members >= beta
     of a per-thread key set to the fine (HB bins: the key's top 12 bits) and coarse (NB bins: top 8 bits)
     histograms; threshold(...) finds the fine bin holding rank r from the top: the coarse bin by find_bin's
-    shuffle scan, then its HSUB fine bins (one thread each, no scan of all HB bins). coarse_agg (GPU): count's coarse
-    bins warp-aggregated (__match_any_sync: one atomicAdd of the lanes' number a bin and warp instruction) -- a
-    chunk's keys crowd a few coarse bins (real scores: ~14 lanes of a warp on one address), where per-lane shared
-    atomics serialise."""
+    shuffle scan, then its HSUB fine bins (one thread each, no scan of all HB bins)."""
     import tilelang.language as T
 
     find_bin = _make_find_bin(NT)
     count_key = _make_count_key(ops)
     NWARP = NT // 32
-    AGG = coarse_agg and not ops.cpu
-    full = T.uint32(0xFFFFFFFF)
 
     @T.macro
     def count(hist_f, hist_c, keyf, Q, beta):
         for i in ops.par(NT):
             for q in ops.unroll(Q):
                 kq = keyf(i, q)
-                if AGG:  # (every lane takes the match: not-counted keys as bin -1, which no lane adds)
-                    f = T.alloc_var("int32", init=T.shift_right(kq, HSHIFT) + HB // 2)
-                    cb = T.alloc_var("int32", init=T.if_then_else(T.And(kq != NONE, kq >= beta), f // HSUB, -1))
-                    same = T.alloc_var("int32", init=T.call_extern("int32", "__match_any_sync", full, cb))
-                    if cb >= 0:
-                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
-                        if T.call_extern("int32", "__ffs", same) - 1 == i % 32:
-                            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[cb]),
-                                                     T.call_extern("int32", "__popc", same)))
-                elif T.And(kq != NONE, kq >= beta):
+                if T.And(kq != NONE, kq >= beta):
                     count_key(hist_f, hist_c, kq)
 
     @T.macro
@@ -1752,9 +1726,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     sh = scratch_shapes(T_, C, k, cfg)
 
     select_b = _make_select(ops, NT, EB, True, unroll=False)  # (the buffer stays in shared memory)
-    emit = _make_emit(ops, NT, C, k, cfg.ffs, cfg.wscan, cfg.skew)
-    count, threshold = _make_hist_bound(ops, NT, cfg.coarse_agg)
-    io = _make_row_io(ops, NT, E, NW, EB, cfg.skew)
+    emit = _make_emit(ops, NT, C, k, cfg.ffs, cfg.wscan)
+    count, threshold = _make_hist_bound(ops, NT)
+    io = _make_row_io(ops, NT, E, NW, EB)
     ld_cg, mark, push, fetch_chunk, chunk_keys = io.ld_cg, io.mark, io.push, io.fetch_chunk, io.chunk_keys
     arrive = io.arrive
     key_c, id_c = io.key_c, io.id_c
@@ -2034,7 +2008,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 T.annotate_min_blocks_per_sm(cfg.min_blocks)
             hist_f = ops.sh((HB,), "int32")
             hist_c = ops.sh((NB,), "int32")
-            hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 8, cfg.skew)
+            hist, cum, bc, ctl, bitmap, wcnt, wbase, ra, rb, rc, r1 = _select_workspace(ops, NT, NW, 8)
             bufk = ops.sh((BUF,), "int32")
             bufi = ops.sh((BUF,), "int32")
             stb = T.alloc_local((4,), "int32")

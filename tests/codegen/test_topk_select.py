@@ -234,11 +234,10 @@ def c_search_kernel(tilelang_required):
 @pytest.fixture(scope="module")
 def c_search_at_kernel(tilelang_required):
     """The rsel program with the bound's bin search at chunk 2 only (`search_at`: during the 2nd of the 3 fused
-    chunks, from the counts of chunks 0-1; the last chunk pushes against that bound, and the final selection too)
-    and the output bitmap's words at skewed slots (`skew`: 37 slots for 32 words, 1 word a thread)."""
+    chunks, from the counts of chunks 0-1; the last chunk pushes against that bound, and the final selection too)."""
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
-    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search_at=(2,), skew=True)
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search_at=(2,))
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
@@ -328,8 +327,6 @@ def test_gpu_prefill_default_exact(kb, kind):
     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", ts.PREFILL_SEARCH_AT)  # (and the schedule / emit_regs switches)
     assert cfg.search_at == (ts.search_schedule(at, 16) if cfg.search > 1 else ())
     assert cfg.emit_regs == (os.environ.get("DEEPINFER_TOPK_EMIT_REGS", str(int(ts.PREFILL_EMIT_REGS))) == "1")
-    assert cfg.skew == (os.environ.get("DEEPINFER_TOPK_SKEW", str(int(ts.PREFILL_SKEW))) == "1")
-    assert cfg.coarse_agg == (os.environ.get("DEEPINFER_TOPK_COARSE_AGG", str(int(ts.PREFILL_COARSE_AGG))) == "1")
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -413,8 +410,7 @@ def test_hist_default_configs(monkeypatch):
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
-                                                           emit_regs=regs, skew=ts.PREFILL_SKEW,
-                                                           coarse_agg=ts.PREFILL_COARSE_AGG, **s8)  # fmt: skip
+                                                           emit_regs=regs, **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
@@ -434,14 +430,6 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_EMIT_REGS", "0")
     assert not ts.default_config(4096, 65536).emit_regs
     monkeypatch.delenv("DEEPINFER_TOPK_EMIT_REGS")
-    monkeypatch.setenv("DEEPINFER_TOPK_SKEW", "1")
-    assert ts.default_config(4096, 65536).skew and not ts.default_config(4096, 16384).skew
-    monkeypatch.setenv("DEEPINFER_TOPK_SKEW", "0")
-    assert not ts.default_config(4096, 65536).skew
-    monkeypatch.delenv("DEEPINFER_TOPK_SKEW")
-    monkeypatch.setenv("DEEPINFER_TOPK_COARSE_AGG", "1")
-    assert ts.default_config(4096, 65536).coarse_agg and not ts.default_config(4096, 16384).coarse_agg
-    monkeypatch.delenv("DEEPINFER_TOPK_COARSE_AGG")
     assert ts.search_schedule("g2", 16) == (2, 4, 8, 15) and ts.search_schedule("g1", 4) == (2, 3)
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
