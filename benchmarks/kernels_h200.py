@@ -3811,27 +3811,19 @@ def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     real scores and every stage's mean cycles a row (the CTA's critical path: thread 0 after the stage's barrier),
     printed as one line: ws (zeroing; eager: the first chunk's loads issued), c0 (the first chunk: its loads, count,
     bound, push), c1..c15 (the fused chunks), stage / select (the final selection), mark / emit (the output)."""
-    from deepinfer.codegen.kernels import indexer_topk as it
     from deepinfer.codegen.kernels import topk_select as ts
 
-    row.kernel += " " + cfg.tag
-    kern = build(ts.program(T_, C, k=IDX_TOPK, ratio=2, cfg=cfg, target="sm90"))
-    pos = _idx_positions(T_, C)
-    row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
-    row.peak = "fp8"
-    if dry:
+    probe = _topk_probe(row, T_, C, cfg, quick, dry)
+    if probe is None:
         return
-    pos, s, out = _topk_prefill_operands(T_, C, pos)
-    scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
-    row.ms = _bench_read_flush(lambda: kern(s, pos, out, *scratch), quick)
+    run, out = probe
     names = ts.hist_clock_points(cfg)
-    kern(s, pos, out, *scratch)
+    run()
     torch.cuda.synchronize()
     cyc = out[:, : len(names)].long().diff(dim=1).double().mean(0).tolist()  # (int32 clocks: differences wrap right)
     stages = " ".join(f"{n} {c:.0f}" for n, c in zip(names[1:], cyc))
     print(f"clock {cfg.tag}: cycles a row, mean of {T_}: {stages} | total {sum(cyc):.0f}")
-    us = bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3
-    row.check = f"clock probe (no top-k): {sum(cyc):.0f} cycles a row; do_bench {us:.1f} us"
+    row.check = f"clock probe (no top-k): {sum(cyc):.0f} cycles a row; do_bench {bench(run, quick) * 1e3:.1f} us"
 
 
 def _topk_s10_r2_rows():
@@ -3862,6 +3854,14 @@ def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     on the same real scores, unchecked."""
     if not cfg.diag:
         return case_topk_s9(row, T_, C, cfg, None, False, quick, dry)
+    probe = _topk_probe(row, T_, C, cfg, quick, dry)
+    if probe is not None:
+        row.check = f"stage probe (no top-k); do_bench {bench(probe[0], quick) * 1e3:.1f} us"
+
+
+def _topk_probe(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
+    """A top-k probe's kernel (cfg.diag or cfg.clock: not a top-k, unchecked) built and timed as `case_topk_s9` times
+    a row (read-only flush) on the indexer's real scores: None when dry, else (a call of it, its output)."""
     from deepinfer.codegen.kernels import indexer_topk as it
     from deepinfer.codegen.kernels import topk_select as ts
 
@@ -3871,11 +3871,15 @@ def case_topk_s10(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     row.bytes_, row.flops = ts.roofline(T_, C, IDX_TOPK, visible=it.visible_entries(pos, 2, C))
     row.peak = "fp8"
     if dry:
-        return
+        return None
     pos, s, out = _topk_prefill_operands(T_, C, pos)
     scratch = ts.make_scratch(T_, C, IDX_TOPK, cfg, "cuda")
-    row.ms = _bench_read_flush(lambda: kern(s, pos, out, *scratch), quick)
-    row.check = f"stage probe (no top-k); do_bench {bench(lambda: kern(s, pos, out, *scratch), quick) * 1e3:.1f} us"
+
+    def run():
+        kern(s, pos, out, *scratch)
+
+    row.ms = _bench_read_flush(run, quick)
+    return run, out
 
 
 # the GPU tie tests' -k (tests/codegen/test_topk_select.py and test_gpu_new_families.py)
