@@ -4993,15 +4993,74 @@ def sweep_cases():
     return sorted(out, key=lambda c: _sweep_risk(c[0]))  # stable: table order inside each risk class
 
 
-def selected(sweep: bool, quick: bool, only: str, shape: str) -> list:
-    """The rows --only (kernel name) and --shape (shape column) select, in table order."""
-    return [c for c in (sweep_cases() if sweep else cases(quick)) if only in c[0] and shape in c[1]]
+# `--families`: issue 6's table -- one row per kernel family and form at the current defaults (real V4.1-Flash shapes;
+# V4's 128x128 format where the family has it), every row checked against its reference on fresh random inputs and
+# timed against the limits measured at the start of the same run. (family, kernel name, shape): a name ending in
+# "*" is a prefix (the row's config tag follows it), else the row's whole name; the first row of the full table that
+# matches is taken (the table lists each family's default first).
+FAMILY_ROWS = [
+    ("1 FP8 GEMM, V4 128x128 blocks", "fp8_gemm g128 *", "4096x32768x1280"),
+    ("1 FP8 GEMM, V4.1 32x32 blocks (SM90: per-32 promotion)", "fp8_gemm g32 *", "4096x32768x1280"),
+    ("1 FP8 GEMM, V4.1, decode", "fp8_gemm g32 *", "64x32768x1280"),
+    ("2 MoE grouped prefill, V4 128x128", "moe_grouped_gemm ws g128 ws 128x256 pp *", "EP8 8192 tok"),
+    ("2 MoE grouped prefill, V4.1 32x32 (SM90: per-32 promotion)", "moe_grouped_gemm g32 *", "EP8 8192 tok"),
+    ("2 MoE grouped prefill, W4A8 + SwiGLU", "moe_grouped_gemm w4a8 +swiglu *", "EP8 4096 tok"),
+    ("2 MoE masked decode, SwiGLU (real routing)", "moe decode real swiglu map", "T64"),
+    ("2 MoE masked decode, down (real routing)", "moe decode real down map", "T64"),
+    ("2 MoE masked decode, W4A8", "moe_grouped_gemm masked w4a8 swab", "EP8 decode 64 tok"),
+    ("3 MoE routing", "moe_routing", "4096x384 k6"),
+    ("3 MoE routing, decode", "moe_routing", "64x384 k6"),
+    ("3 MoE permute (layout)", "moe_layout layout", "T8192 k6 E384 D5120"),
+    ("4 sparse attention decode B64", "sparse_attn s10 final B64 *", "B64 H64 k640 4k"),
+    ("4 sparse attention decode B256", "sparse_attn s10 final B256 *", "B256 H64 k640 4k"),
+    ("4 sparse attention prefill", "sparse_attn s10r2 prefill wsn64s2p132", "T4096 H64 k640"),
+    ("5 indexer scores, prefill", "prefill index_scores f32 tf32x3 c128w8", "T8192 C8192 r1"),
+    ("5 indexer scores, decode", "decode small index_scores f32 tf32x3 c128w8", "T64 C4160 r1"),
+    ("5 top-k select, prefill", "topk_select s11 r1", "T4096 C65536 k512"),
+    ("5 top-k select, decode", "indexer_topk_select", "T64 C65536 k512"),
+    ("6 compressor ratio 2", "compressor r2", "4096x512"),
+    ("6 compressor ratio 1", "compressor r1", "4096x512"),
+    ("6 pair compressor keys, decode", "batched pair_compressor_keys", "B64 d512 di128"),
+    ("7 hyper-connection pre", "hc_pre", "4096x4x5120"),
+    ("7 hyper-connection post", "hc_post", "4096x4x5120"),
+    ("7 hyper-connection post + pre, decode", "decode small hc_post_pre (post+split, f32 io)", "64x4x5120"),
+    ("8 RMSNorm", "rmsnorm", "4096x5120"),
+    ("8 RMSNorm + FP8 quant", "rmsnorm+fp8 quant g32", "4096x5120"),
+    ("8 RoPE", "rope", "4096x64x512 r64"),
+    ("8 Engram gather", "engram_embed", "4096x24x256 fp8"),
+    ("8 Engram gate", "engram_gate", "4096x4x5120"),
+    ("8 Engram hash", "engram_hash s11 kernel", "T4096"),
+]
+
+
+def _family_match(pattern: str, name: str) -> bool:
+    return name.startswith(pattern[:-1]) if pattern.endswith("*") else name == pattern
+
+
+def family_cases() -> list:
+    """`FAMILY_ROWS`' rows of the full table, in that order, each renamed "<family>: <row's kernel>"; a pattern that
+    matches no row is an error (the table changed under it)."""
+    table = cases(False)
+    out = []
+    for family, pattern, shape in FAMILY_ROWS:
+        row = next((c for c in table if c[1] == shape and _family_match(pattern, c[0])), None)
+        if row is None:
+            raise SystemExit(f"--families: no row {pattern!r} at shape {shape!r} for {family!r}")
+        out.append((f"{family}: {row[0]}", row[1], row[2]))
+    return out
+
+
+def selected(sweep: bool, quick: bool, only: str, shape: str, families: bool = False) -> list:
+    """The rows --only (kernel name) and --shape (shape column) select, in table order (--families: in
+    FAMILY_ROWS' order)."""
+    rows = family_cases() if families else (sweep_cases() if sweep else cases(quick))
+    return [c for c in rows if only in c[0] and shape in c[1]]
 
 
 def _prebuild(job):
     """Worker: build selected row `index` only (dry run) so the main process finds it in TileLang's cache."""
-    sweep, quick, only, shape, index = job
-    name, _, run = selected(sweep, quick, only, shape)[index]
+    sweep, quick, only, shape, families, index = job
+    name, _, run = selected(sweep, quick, only, shape, families)[index]
     try:
         run(Row(name, ""), True, True)
         return ""
@@ -5009,13 +5068,14 @@ def _prebuild(job):
         return f"{name}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def prebuild(sweep: bool, quick: bool, only: str, shape: str, jobs: int) -> None:
+def prebuild(sweep: bool, quick: bool, only: str, shape: str, jobs: int, families: bool = False) -> None:
     import multiprocessing as mp
 
     t0 = time.time()
-    n = len(selected(sweep, quick, only, shape))
+    n = len(selected(sweep, quick, only, shape, families))
     with mp.get_context("spawn").Pool(jobs) as pool:
-        errs = [e for e in pool.map(_prebuild, [(sweep, quick, only, shape, i) for i in range(n)]) if e]
+        jobs_ = [(sweep, quick, only, shape, families, i) for i in range(n)]
+        errs = [e for e in pool.map(_prebuild, jobs_) if e]
     print(f"pre-built {n} kernels in {time.time() - t0:.0f} s with {jobs} processes; {len(errs)} failed")
     for e in errs:
         print("  build error:", e)
@@ -5054,10 +5114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="", help="substring filter on the shape column (e.g. 4096x32768x)")
     ap.add_argument("--gemm-sweep", action="store_true", help="FP8 GEMM formulations at V4/V4.1 prefill shapes")
     ap.add_argument("-j", "--jobs", type=int, default=0, help="pre-build all kernels in this many processes")
+    ap.add_argument("--families", action="store_true",
+                    help="issue 6's table: one row per kernel family at its defaults (FAMILY_ROWS)")
     args = ap.parse_args(argv)
-    todo = selected(args.gemm_sweep, args.quick, args.only, args.shape)
+    todo = selected(args.gemm_sweep, args.quick, args.only, args.shape, args.families)
     if args.jobs > 0:  # only the rows --only selects
-        prebuild(args.gemm_sweep, args.quick, args.only, args.shape, args.jobs)
+        prebuild(args.gemm_sweep, args.quick, args.only, args.shape, args.jobs, args.families)
     dry = args.dry_run or not torch.cuda.is_available()
     if dry and not args.dry_run:
         print("no CUDA device: building only (--dry-run)")
