@@ -496,19 +496,12 @@ def program(B: int, H: int, D: int, S: int, topk: int, *, target: str, cfg: Conf
         l_blk = mem.fragment((HP,), "float32")
         l = mem.fragment((HP,), "float32")
         body(Q, src, b, sp, q_s, kv_s, p_s, s, o, m, m_new, l_blk, l)
-        if ns == 1 and HP == H:
-            for h, d in mem.par(H, D):
-                # the sink joins the denominator only (it has no value row)
-                O[b, h, d] = T.cast(o[h, d] / (l[h] + T.exp(Sink[h] - m[h])), act)
-        elif ns == 1:
+        # One store path for every head count: the padded rows (h >= H) are never stored; at HP == H the guard is
+        # true over the whole loop and TVM's simplifier removes it (the 64-head CUDA is the unguarded store's).
+        if ns == 1:
             for h, d in mem.par(HP, D):
-                if h < H:  # (the padded rows are not stored)
+                if h < H:  # the sink joins the denominator only (it has no value row)
                     O[b, h, d] = T.cast(o[h, d] / (l[h] + T.exp(Sink[h] - m[h])), act)
-        elif HP == H:
-            T.copy(o, Op[b, sp, 0, 0])
-            for h in mem.par(H):
-                Mp[b, sp, h] = m[h]
-                Lp[b, sp, h] = l[h]
         else:
             for h, d in mem.par(HP, D):
                 if h < H:
