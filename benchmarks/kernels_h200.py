@@ -621,6 +621,67 @@ def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool, spread
     os.environ.pop(moe_grouped_gemm.MASKED_ROWS_SPREAD_ENV)
 
 
+# `--only "masked_rows s12 B"` (session 12, helper B): moe_grouped_gemm.masked_rows at the decode buckets T 64 / 128 /
+# 256 (top-6: P = 384 / 768 / 1536 pairs, 32 / 64 / 128 rank chunks). cceee7d made walks of more than 32 chunks a
+# runtime loop (the 128-chunk unroll took ~170 s to compile); T 64 is timed unrolled (the default) and as the loop.
+# Each row: the kernel's device time (one call replayed as a CUDA graph, as the decode graph runs it) vs its torch
+# formulation (masked_rows_reference, same replay) as the eager column, checked bit for bit; the check column also
+# holds the first launch's seconds with an empty Triton cache (compile + load: the stall an engine's first step at
+# that bucket sees) and a relaunch served from Triton's disk cache (a restarted process).
+
+
+def _first_launch_s(fn) -> tuple[float, float]:
+    """(seconds of fn's first call with an empty Triton disk cache and a fresh masked_rows JIT object, seconds of the
+    call after dropping only the JIT object: served from the disk cache)."""
+    import tempfile
+
+    old = os.environ.get("TRITON_CACHE_DIR")
+    times = []
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["TRITON_CACHE_DIR"] = d
+        try:
+            for _ in range(2):
+                moe_grouped_gemm._masked_rows_kernel.cache_clear()  # (its compiled kernels live on the JIT object)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        finally:
+            os.environ.pop("TRITON_CACHE_DIR") if old is None else os.environ.update(TRITON_CACHE_DIR=old)
+    return times[0], times[1]
+
+
+def case_masked_rows_s12b(row: Row, tokens: int, loop: bool, quick: bool, dry: bool):
+    mg = moe_grouped_gemm
+    row.bytes_ = float(tokens * TOPK * 8 * 3 + 4 * (2 * EXPERTS + 1))
+    if dry:  # (nothing to prebuild: the row times the cold compile itself)
+        return
+    gen = torch.Generator().manual_seed(tokens)
+    e_kept = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).reshape(-1).cuda()
+    e_kept[1::7] = EXPERTS  # merged duplicates (the spare expert E), as the adapter passes them
+    max_rows = -(-tokens // 16) * 16
+    saved = mg.UNROLL_MAX_CHUNKS
+    mg.UNROLL_MAX_CHUNKS = 0 if loop else saved  # 0: every walk a runtime loop
+    try:
+        cold, disk = _first_launch_s(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False))
+        got, want = mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), mg.masked_rows_reference(e_kept, EXPERTS,
+                                                                                                      max_rows)
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            raise AssertionError("masked_rows differs from its torch formulation")
+        row.check = f"exact; 1st launch {cold:.2f} s cold, {disk:.2f} s disk-cached"
+        row.ms = bench_device(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), quick)
+    finally:
+        mg.UNROLL_MAX_CHUNKS = saved
+    row.eager_ms = bench_device(lambda: mg.masked_rows_reference(e_kept, EXPERTS, max_rows), quick)
+
+
+def masked_rows_s12b_cases():
+    return [(f"masked_rows s12 B T{t} {'loop' if loop else 'default'}", f"T{t} k{TOPK} E{EXPERTS}",
+             lambda r, q, d, t=t, loop=loop: case_masked_rows_s12b(r, t, loop, q, d))
+            for t, loop in ((64, False), (64, True), (128, False), (256, False))]  # fmt: skip
+
+
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):
     kernel = build(rmsnorm_quant.program(M, D, group=32, quant=quant, eps=EPS, target="sm90"))
     row.bytes_, row.flops = rmsnorm_quant.roofline(M, D, 32 if quant else None)
@@ -3143,6 +3204,47 @@ def attn_s10_final_cases():
     return out
 
 
+# ---------------------------------------------------------------------------------------------- sparse_attn s12 B
+# `--only "sparse_attn s12 B"` (session 12, helper B): the portable program's output store folded into one guarded
+# path (d2ee335; its lowered 64-head sm90 CUDA is unchanged up to the AllReduce workspaces' names). The 64-head decode
+# defaults (the ws program: untouched by the fold) at B64 / B256 on the runtime's 4k operands as the anchor to session
+# 11 (31.7 / 65.8 us), and the portable program at 64 heads -- the code the fold changed -- at B64 (split 2: the
+# split store) and B128 / B256 (one pass: the single store) under attn_cases' protocol (random rows of a 256K pool;
+# earlier n32t256s2x2 B64 45.7 us, n32t256s2 B128 71.6 us); every row checked; the summary gives each row's share of
+# the HBM copy bandwidth measured in the same run.
+
+
+def case_attn_s12b(row: Row, B: int, cfg, quick: bool, dry: bool):
+    """The ws default: case_attn_s7 (4k operands, do_bench and read flush); the portable program: case_attn_decode's
+    random pool (its pool sizes are fixed at build time, so it cannot take s7's per-batch pools), recorded too."""
+    if cfg.ws:
+        case_attn_s7(row, B, cfg, quick, dry)
+    else:
+        case_attn_s7_random(row, B, 640, cfg, quick, dry, n_win=0)
+
+
+def case_attn_s12b_summary(row: Row, quick: bool, dry: bool):
+    if dry:
+        return
+    hbm = _summary_bandwidth(quick, "sparse_attn s12 B summary", "do_bench; 4k: also after a read flush")
+    for r in _s8_rows(prefix="sparse_attn s12 B"):
+        pct, read_pct = _s7_pct(r["bytes"], r["ms"], hbm), _s7_pct(r["bytes"], r["read_ms"], hbm)
+        read = f"read-flush {r['read_ms'] * 1e3:6.1f} us {read_pct}" if r["what"] == "4k" else ""
+        print(f"  B{r['B']:<4} {r['row']:<44} {r['what']:<12} {r['ms'] * 1e3:7.1f} us {pct}  {read}  err {r['check']}")
+    row.check = "summary printed above"
+
+
+def attn_s12b_cases():
+    sad = sparse_attn_decode
+    out = []
+    for B, cfg, what, shape in [(B, sad.sm90_config(B, 640), "default", "4k") for B in (64, 256)] + [
+            (B, sad.portable_split_config(B, 640), "portable", "rnd") for B in (64, 128, 256)]:  # fmt: skip
+        out.append((f"sparse_attn s12 B B{B} {cfg.tag} {what}", f"B{B} H64 k640 {shape}",
+                    lambda r, q, d, B=B, cfg=cfg: case_attn_s12b(r, B, cfg, q, d)))  # fmt: skip
+    out.append(("sparse_attn s12 B summary", "-", case_attn_s12b_summary))
+    return out
+
+
 def case_rope(row: Row, T_: int, inverse: bool, quick: bool, dry: bool):
     """V4.1 query RoPE: T tokens x 64 heads x 512, the last 64 channels rotated, YaRN table of 1M positions."""
     from deepinfer.ir.ops.attention import rope_inv_freq
@@ -4863,6 +4965,8 @@ def cases(quick: bool):
     out += [] if quick else attn_s10_cases()
     out += [] if quick else attn_s10r2_cases()
     out += [] if quick else attn_s10_final_cases()
+    out += [] if quick else attn_s12b_cases()
+    out += [] if quick else masked_rows_s12b_cases()
     out += new_family_cases(quick)
     out += grouped_ws_cases(quick)  # last: the newest programs (a fault poisons the CUDA context for later rows)
     out += grouped_v41g128_cases(quick)
