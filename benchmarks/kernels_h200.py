@@ -682,8 +682,9 @@ def masked_rows_s12b_cases():
             for t, loop in ((64, False), (64, True), (128, False), (256, False))]  # fmt: skip
 
 
-def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool):
-    kernel = build(rmsnorm_quant.program(M, D, group=32, quant=quant, eps=EPS, target="sm90"))
+def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool, cfg=None):
+    cfg = cfg or rmsnorm_quant.Config()
+    kernel = build(rmsnorm_quant.program(M, D, group=32, quant=quant, eps=EPS, target="sm90", cfg=cfg))
     row.bytes_, row.flops = rmsnorm_quant.roofline(M, D, 32 if quant else None)
     if dry:
         return
@@ -4896,6 +4897,23 @@ def cache_bf16_cases():
             for B in (64, 256) for mode in CACHE_S9_MODES]  # fmt: skip
 
 
+def rmsnorm_s12_cases() -> list:
+    """`--only "rmsnorm s12"`: every config of the space at V4.1's hidden size, 4096 rows, with and without the
+    quantisation (session 12: the quantising program's rows padded to 256 groups ran 161.6 us = 9.4% at the
+    default (1, 128); rmsnorm_quant.row_width keeps one-row CTAs unpadded), the binding's pick marked."""
+    from deepinfer.passes.select_kernels import bind_rmsnorm_config
+
+    out = []
+    for quant in (True, False):
+        pick = bind_rmsnorm_config(4096, HIDDEN, quant, 132)
+        for cfg in rmsnorm_quant.config_space(4096, HIDDEN, quant=quant):
+            name = f"rmsnorm s12 {'quant ' if quant else ''}{cfg.block_m}x{cfg.threads}"
+            name += " (bound)" if cfg == pick else ""
+            out.append((name, f"4096x{HIDDEN}",
+                        lambda r, q, d, c=cfg, qu=quant: case_rmsnorm(r, 4096, HIDDEN, qu, q, d, c)))  # fmt: skip
+    return out
+
+
 def cases(quick: bool):
     """(kernel, shape text, callable(row, quick, dry)) in table order."""
     gemms = [(4096, Q_LORA, HIDDEN), (4096, HEADS * HEAD_DIM, Q_LORA), (64, HEADS * HEAD_DIM, Q_LORA)]
@@ -4920,6 +4938,7 @@ def cases(quick: bool):
         )
     )
     out += grouped_cases(quick)
+    out += rmsnorm_s12_cases()
     out += shared_prefill_cases()
     out += batched_pair_keys_cases()
     if not quick:  # a small sweep: what the autotuner would search

@@ -133,19 +133,26 @@ def _bind_moe_w4a8(c: _Ctx, t: int, d: int, inter: int, topk: int):
     return "moe_grouped_gemm", "swab_program", shape, asdict(cfg), ("block_k",)
 
 
-def bind_rmsnorm(c: _Ctx):
+def bind_rmsnorm_config(m: int, d: int, quant: bool, sm_count: int):
+    """The rmsnorm(_quant) config for m rows of d: None when the space is empty."""
     from deepinfer.codegen.kernels import rmsnorm_quant
 
+    space = rmsnorm_quant.config_space(m, d, quant=quant)
+    if not space:
+        return None
+    # Few rows: many threads per row (parallelism inside the row); many rows: fewer threads, rows per block.
+    want_threads = max(cf.threads for cf in space) if m < sm_count else min(cf.threads for cf in space)
+    rows_per_block = (lambda cf: cf.block_m) if m >= 4096 else (lambda cf: -cf.block_m)
+    return max((cf for cf in space if cf.threads == want_threads), key=rows_per_block)
+
+
+def bind_rmsnorm(c: _Ctx):
     x = c.node.inputs[0]
     m, d = c.rows(x), c.shape(x)[-1]
-    space = rmsnorm_quant.config_space(m, d)
-    if not space:
-        raise Fallback(f"rmsnorm_quant has no config for D={d}")
-    # Few rows: many threads per row (parallelism inside the row); many rows: fewer threads, rows per block.
-    want_threads = max(cf.threads for cf in space) if m < c.target.sm_count else min(cf.threads for cf in space)
-    rows_per_block = (lambda cf: cf.block_m) if m >= 4096 else (lambda cf: -cf.block_m)
-    cfg = max((cf for cf in space if cf.threads == want_threads), key=rows_per_block)
     quant = c.node.op == "rmsnorm_quant_fp8"
+    cfg = bind_rmsnorm_config(m, d, quant, c.target.sm_count)
+    if cfg is None:
+        raise Fallback(f"rmsnorm_quant has no config for D={d}")
     return "rmsnorm_quant", "program", {"M": m, "D": d, "quant": quant}, asdict(cfg), ("threads",)
 
 

@@ -748,7 +748,7 @@ class RMSNormAdapter:
         if d % group:
             raise Decline(f"D={d} is not a multiple of the group {group}")
         cfg = rmsnorm_quant.Config(**{f: call.config[f] for f in ("block_m", "threads") if f in call.config})
-        width = rmsnorm_quant.padded_width(d, group)
+        width = rmsnorm_quant.row_width(d, group, cfg.block_m, quant)
         cfg = rmsnorm_quant.Config(cfg.block_m, _norm_threads(cfg.block_m * width, cfg.threads))
         rows = bucket_rows(m, max(cfg.block_m, 16))
         io = {"io": "float32"} if x.dtype == torch.float32 else {}  # fp32 in memory, the bf16 kernel's numbers
@@ -780,9 +780,9 @@ class RMSNormAdapter:
 
 
 def _norm_threads(elems: int, threads: int) -> int:
-    """The most threads, up to the binding's, that split a block's (padded, power-of-two wide) row fragments
-    evenly. The kernel pads rows to a power-of-two group count (rmsnorm_quant.padded_width), so every
-    power-of-two thread count up to the block's elements lays out and reduces (D=1280 included)."""
+    """The most threads, up to the binding's, that split a block's row fragments (rmsnorm_quant.row_width wide)
+    evenly: D for one row a CTA (every such count that divides it lays out and reduces, D=1280 included), a
+    power-of-two group count for the quantising program's multi-row blocks."""
     while threads > 32 and elems % threads:
         threads //= 2
     return threads

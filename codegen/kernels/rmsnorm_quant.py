@@ -32,22 +32,33 @@ class Config:
 
 
 def padded_width(D: int, group: int = 32) -> int:
-    """The row width the CUDA kernel holds: D rounded up to a power-of-two number of groups.
+    """D rounded up to a power-of-two number of groups (see row_width: the quantising program at block_m > 1).
 
     TileLang lays the row fragments out from their shapes, and its cross-thread reduces (XOR butterfly)
     need a power-of-two number of threads per reduced row: with D/group groups not a power of two (D=1280:
-    40 groups of 32) some (block_m, threads) pairs got 40-thread reduces and failed to lower. Padding the row
-    with zeros to a power-of-two group count keeps every extent a power of two; zeros change neither the sum of
-    squares nor a group's amax, and the padded columns are never stored.
+    40 groups of 32) some (block_m > 1, threads) pairs of the quantising program got 40-thread group reduces and
+    failed to lower. Padding the row with zeros to a power-of-two group count keeps every extent a power of two;
+    zeros change neither the sum of squares nor a group's amax, and the padded columns are never stored.
     """
     g = ceil_div(D, group)
     return (1 << (g - 1).bit_length()) * group
 
 
-def config_space(M: int, D: int, group: int = 32) -> list[Config]:
+def row_width(D: int, group: int, block_m: int, quant: bool) -> int:
+    """The row width the CUDA program holds: D itself for one row a CTA or without the quantisation (every such
+    config lowers at D = 512..7168, including 40 groups at 1280: session 12's sweep), else `padded_width`.
+    The padded program's row loads are scalar and clamped (min(j, D - 1)): at D=5120 (160 groups padded to 256)
+    it ran 161.6 us against ~38 us unpadded on the H200 for 4096 rows (session 12 call 1)."""
+    return D if block_m == 1 or not quant else padded_width(D, group)
+
+
+def config_space(M: int, D: int, group: int = 32, quant: bool = True) -> list[Config]:
     # registers: a thread holds at most 160 fp32 elements of each row fragment
-    Dp = padded_width(D, group)
-    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if bm * Dp // t <= 160 and bm * Dp % t == 0]
+    def fits(bm: int, t: int) -> bool:
+        w = row_width(D, group, bm, quant)
+        return bm * w // t <= 160 and bm * w % t == 0
+
+    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if fits(bm, t)]
 
 
 def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config(),
@@ -64,7 +75,7 @@ def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str,
     act = "float32" if mem.cpu else "bfloat16"  # activation dtype; fp32 on CPU (numerics check)
     xdt = "float32" if io == "float32" else act  # X's and Y's dtype in memory
     qdt = "float32" if mem.cpu else "float8_e4m3fn"  # = torch.float8_e4m3fn (same DLPack code)
-    Dp = padded_width(D, group)  # row fragments are Dp wide (see padded_width); columns >= D are zeros
+    Dp = row_width(D, group, bm, quant)  # row fragments are Dp wide (see row_width); columns >= D are zeros
     Gp = Dp // group
 
     @T.macro  # inlined into both prim_funcs below

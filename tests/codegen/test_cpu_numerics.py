@@ -29,15 +29,15 @@ def test_fp8_gemm_c_target(cpu, ag, wb):
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("D", [256, 1280])  # 1280: V4.1 q_lora_rank, 40 groups (padded to 64 in the kernel)
+# 1280: V4.1 q_lora_rank, 40 groups (padded to 64 by the quantising program at block_m 2, unpadded at block_m 1)
+@pytest.mark.parametrize("D, block_m", [(256, 2), (1280, 2), (1280, 1), (5120, 1)])
 @pytest.mark.parametrize("quant", [False, True])
-def test_rmsnorm_c_target(cpu, quant, D):
+def test_rmsnorm_c_target(cpu, quant, D, block_m):
     M, g = 6, 32
     torch.manual_seed(0)
     x, w = torch.randn(M, D) * 2, torch.rand(D) + 0.5
-    kernel = cpu(
-        rmsnorm_quant.program(M, D, group=g, quant=quant, eps=1e-6, target="cpu", cfg=rmsnorm_quant.Config(2, 128))
-    )
+    cfg = rmsnorm_quant.Config(block_m, 128)
+    kernel = cpu(rmsnorm_quant.program(M, D, group=g, quant=quant, eps=1e-6, target="cpu", cfg=cfg))
     if not quant:
         y = torch.empty(M, D)
         kernel(x, w, y)
@@ -48,6 +48,14 @@ def test_rmsnorm_c_target(cpu, quant, D):
     rq, rs = rmsnorm_quant.reference(x, w, 1e-6, group=g)
     assert torch.equal(s.T, rs)  # power-of-two scales agree exactly
     assert torch.equal(q.to(torch.float8_e4m3fn).float(), rq.float())  # the CPU run stops before the fp8 cast
+
+
+def test_rmsnorm_row_width():
+    """Only the quantising program's multi-row blocks pad the row to a power-of-two group count."""
+    assert rmsnorm_quant.row_width(5120, 32, 1, True) == 5120  # 160 groups: the padded form ran 4x slower
+    assert rmsnorm_quant.row_width(1280, 32, 2, True) == 2048  # 40 groups -> 64
+    assert rmsnorm_quant.row_width(1280, 32, 2, False) == 1280
+    assert rmsnorm_quant.row_width(4096, 32, 4, True) == 4096  # already a power of two
 
 
 def test_moe_routing_c_target(cpu):
