@@ -205,7 +205,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         llm = LLM(plan=plan, target=plan.target, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   cuda_graphs=not args.no_cuda_graphs, prebuild_jobs=jobs,
-                  batched_decode=False if args.no_batched_decode else None)  # fmt: skip
+                  batched_decode=False if args.no_batched_decode else None,
+                  graph_warmup=False if args.no_graph_warmup else None)  # fmt: skip
     else:
         args.target, args.dump_ir = "cpu", None
         plan = _compile(args)
@@ -359,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-batched-decode", action="store_true",
                    help="sm90 plans: decode each sequence with its own one-sequence steps instead of one batched "
                    "step for all (the default; also DEEPINFER_BATCHED_DECODE=0)")  # fmt: skip
+    r.add_argument("--no-graph-warmup", action="store_true",
+                   help="sm90 plans: capture each decode batch size's CUDA graph at its first use, inside a request, "
+                   "instead of all at startup (the default; also DEEPINFER_GRAPH_WARMUP=0)")  # fmt: skip
     r.set_defaults(func=cmd_run)
 
     t = sub.add_parser("tune", help="autotune kernels for a target and fill the tuning database")

@@ -188,8 +188,10 @@ class BatchedDecodeGraphs:
     re-layouts), then -- with the slots refilled by the engine's ``fill``, as the step updates them in place --
     it is captured and replayed once; the replay must reproduce the eager logits, else the bucket stays eager
     with the reason (a failed capture too). Before the first capture one step runs under HostSyncGuard in record
-    mode, naming any host read (then that bucket stays eager). ``ex``: the runner's one-sequence executor, whose
-    kernel cache and prepared weights (re-layouts) the batched executor shares."""
+    mode, naming any host read (then that bucket stays eager). ``warm_up()`` does every bucket's first use at once,
+    on padding rows (the engine calls it at start, so no request waits for a bucket's kernels and capture).
+    ``ex``: the runner's one-sequence executor, whose kernel cache and prepared weights (re-layouts) the batched
+    executor shares."""
 
     def __init__(self, ex: GraphExecutor, graph: Graph, params: Mapping[str, torch.Tensor], max_len: int, device,
                  *, enabled: bool = True, buckets=None, backend=None):  # fmt: skip
@@ -218,6 +220,8 @@ class BatchedDecodeGraphs:
         self.memo: dict = {}
         self.replays = {b: 0 for b in self.buckets}
         self.capture_s: dict[int, float] = {}
+        self.warm_s: dict[int, float] = {}  # buckets captured (or tried) by warm_up: its seconds
+        self.warm_errors: dict[int, str] = {}
         self.eager_steps = self.batches = 0
 
     def bucket(self, n: int) -> int:
@@ -310,6 +314,37 @@ class BatchedDecodeGraphs:
                 refill()
                 self._step(b)
 
+    # -- warm-up -----------------------------------------------------------------------------------------
+    def warm_up(self) -> str:
+        """Every bucket's first use now (cuda_graphs.warm_up_buckets), on padding rows only: the same eager step,
+        host-read check, capture and replay check as at first use, over slots that all hold the padding step
+        (token 0 at position 0 over initial caches). The slots are scratch -- the engine's ``fill`` rewrites a
+        sequence's slot before every step -- so no live sequence's cache is touched; afterwards every slot holds
+        its initial value again (the state of a bucket never used), so the first real step computes what it
+        would have computed without the warm-up. Returns the one-line summary the engine logs."""
+        from deepinfer.runtime import cuda_graphs as cg
+
+        if self.backend is None:
+            return f"decode graphs: nothing to warm up ({self.off_reason})"
+        try:
+            return cg.warm_up_buckets(self, self._warm_one)
+        finally:
+            self._reset_slots()
+
+    def _warm_one(self, b: int) -> None:
+        padding = lambda: self._pad(0, b, again=True)  # noqa: E731
+        padding()
+        self._capture(b, b, padding)
+
+    def _reset_slots(self) -> None:
+        """Every slot to its initial value: what allocate gave, token 0 at position 0 (padding)."""
+        for k in self.names:
+            self.caches[k].fill_(self.init[k])
+        self.tok.zero_()
+        self.pos.zero_()
+        self.logits.zero_()
+        self.padded = [True] * self.max_bucket
+
     def _guarded_step(self, b: int) -> list[dict]:
         from deepinfer.runtime import cuda_graphs as cg
 
@@ -334,13 +369,18 @@ class BatchedDecodeGraphs:
 
     # -- report ------------------------------------------------------------------------------------------
     def report(self) -> str:
+        from deepinfer.runtime import cuda_graphs as cg
+
         lines = [f"decode graphs: {self.off_reason or 'on'}; buckets {', '.join(map(str, self.buckets))}; static "
                  f"caches for max_model_len {self.max_len}; one batched step per bucket"]  # fmt: skip
         for b in self.buckets:
             if b in self.graphs:
-                lines.append(f"  bucket {b:>2}: captured in {self.capture_s[b]:.2f} s, {self.replays[b]} replays")
+                lines.append(f"  bucket {b:>2}: captured in {self.capture_s[b]:.2f} s{cg.warm_note(self, b)}, "
+                             f"{self.replays[b]} replays")  # fmt: skip
             elif b in self.failed:
                 lines.append(f"  bucket {b:>2}: eager -- {self.failed[b]}")
+            elif b in self.warm_errors:
+                lines.append(f"  bucket {b:>2}: warm-up raised ({self.warm_errors[b]}); left to its first use")
         lines.append(f"  decode batches: {self.batches}, {sum(self.replays.values())} replayed, "
                      f"{self.eager_steps} eager")  # fmt: skip
         return "\n".join(lines)

@@ -622,6 +622,16 @@ class CudaRunner:
         of single-token steps (cuda_graphs.DecodeGraphs.run)."""
         return self.graphs.run(tokens, positions, fill)
 
+    def warm_up(self, log: Callable[[str], None] = print) -> str | None:
+        """Capture every decode bucket's CUDA graph now, on padding rows (the engine's start: no request then waits
+        mid-serving for a bucket's kernel loads, JIT compiles and capture); logs and returns the one-line summary,
+        or None where decode graphs are off (nothing to capture)."""
+        if self.graphs is None or self.graphs.backend is None:
+            return None
+        line = self.graphs.warm_up()
+        log(line)
+        return line
+
     def report(self) -> str:
         text = self.exec.report()
         if self.logit_rows_off:

@@ -19,6 +19,12 @@ eager, with the reason in the report -- never silently. Before the first capture
 ``HostSyncGuard`` in "record" mode, which names the op and the source line of every host read, so a failure
 is reported precisely rather than as a CUDA capture error.
 
+Warm-up (``warm_up()``; the engine calls it at start unless GRAPH_WARMUP_ENV=0 or graph_warmup=False): the same
+first use for every bucket at once, on padding slots only, so no request waits mid-serving for a bucket's kernels
+(TileLang loads, Triton JIT compiles) and its capture. The slots are scratch (the engine's ``fill`` rewrites a
+sequence's slot before every step), so warming up between steps touches no live sequence's cache; afterwards
+every slot holds its initial value again, as before any use.
+
 Sync-free references (``sync_free_references``, entered by GraphExecutor for T=1 steps): a reference that
 reads device values on the host cannot be captured. The ops' own references were made sync-free where this
 package owns them (the compressors); for the others the decode path uses equivalents with identical numbers:
@@ -43,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import os
 import threading
 import time
 import traceback
@@ -52,12 +59,16 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepinfer.errors import DeepInferError
 from deepinfer.ir import dtypes as dt
 from deepinfer.ir.ops.moe import EXPERT_FORMATS, MoEExperts, _expert_weight, swiglu
 from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows
 
 BUCKETS = (1, 2, 4, 8, 16)
 REPLAY_TOL = 1e-3  # relative max-abs tolerance of the capture-time replay check (bitwise equality is expected)
+# "0": each decode bucket is captured at its first use (the request that first fills it waits for its kernels'
+# loads / JIT compiles and the capture) instead of at engine start (warm_up_buckets; EngineConfig.graph_warmup)
+GRAPH_WARMUP_ENV = "DEEPINFER_GRAPH_WARMUP"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,6 +404,57 @@ def _flat(outs) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Warm-up: every bucket captured at engine start
+# ---------------------------------------------------------------------------------------------------
+
+
+def graph_warmup_from_env() -> bool:
+    """GRAPH_WARMUP_ENV: unset or "1" captures every decode bucket at engine start (the default), "0" each at its
+    first use."""
+    value = os.environ.get(GRAPH_WARMUP_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise DeepInferError(f"{GRAPH_WARMUP_ENV}={value!r}: expected 0 (capture at first use) or 1 (at start)")
+    return value != "0"
+
+
+def warm_up_buckets(graphs, warm_one: Callable[[int], None]) -> str:
+    """``warm_one(b)`` (the bucket's first use, on padding slots) for every bucket of ``graphs`` (DecodeGraphs or
+    BatchedDecodeGraphs) not yet captured nor failed, its seconds into graphs.warm_s. A bucket whose capture fails
+    stays eager with its reason (graphs.failed), as at first use; one whose warm-up raises (its padding step: a
+    kernel that cannot run) is left to its first use, where a raising step falls back as before (the executor runs
+    the items one by one), the error in graphs.warm_errors. Returns the one-line summary the engine logs."""
+    t0, done = time.perf_counter(), []
+    for b in graphs.buckets:
+        if b in graphs.graphs or b in graphs.failed or graphs.blocked:
+            continue
+        t = time.perf_counter()
+        try:
+            warm_one(b)
+        except Exception as e:
+            graphs.warm_errors[b] = _one_line(e)
+        graphs.warm_s[b] = time.perf_counter() - t
+        done.append(b)
+    return _warm_up_line(graphs, done, time.perf_counter() - t0)
+
+
+def _warm_up_line(graphs, done: list[int], total_s: float) -> str:
+    if not done:
+        return f"decode graphs: nothing to warm up ({graphs.blocked or 'every bucket captured or eager already'})"
+    per = ", ".join(f"{b}: {graphs.warm_s[b]:.2f}" for b in done)
+    captured = ", ".join(str(b) for b in done if b in graphs.graphs) or "none"
+    line = f"decode graphs warmed up in {total_s:.1f} s: buckets {captured} captured (seconds per bucket {per})"
+    eager = [f"{b} ({graphs.failed[b][:120]})" for b in done if b in graphs.failed]
+    if eager:
+        line += f"; eager: {'; '.join(eager)}"
+    if graphs.blocked:
+        line += f"; every bucket eager: {graphs.blocked[:120]}"
+    left = [f"{b} ({graphs.warm_errors[b]})" for b in done if b in graphs.warm_errors]
+    if left:
+        line += f"; warm-up raised, left to first use: {'; '.join(left)}"
+    return line
+
+
+# ---------------------------------------------------------------------------------------------------
 # Decode graphs
 # ---------------------------------------------------------------------------------------------------
 
@@ -438,6 +500,8 @@ class DecodeGraphs:
         self.replays: Counter = Counter()
         self.capture_s: dict[int, float] = {}
         self.replay_err: dict[int, float] = {}
+        self.warm_s: dict[int, float] = {}  # buckets captured (or tried) by warm_up: its seconds
+        self.warm_errors: dict[int, str] = {}
         self.eager_steps = 0
         self.batches = 0
 
@@ -534,6 +598,19 @@ class DecodeGraphs:
         with HostSyncGuard(memo=self.memo):
             return self._steps(b)
 
+    def warm_up(self) -> str:
+        """Every bucket's first use now, on padding slots (warm_up_buckets); the one-line summary. The steps are
+        functional (the slots' caches are inputs, not written), so the padding slots keep their initial values."""
+        if self.backend is None:
+            return f"decode graphs: nothing to warm up ({self.off_reason})"
+        return warm_up_buckets(self, self._warm_one)
+
+    def _warm_one(self, b: int) -> None:
+        self._ensure(b)
+        self._pad(0, b)
+        self._steps(b)
+        self._capture(b, b, self.logits[:b].cpu())
+
     def _check_host_reads(self) -> str | None:
         """One eager step of slot 0 recording every host read (and making the memoised host -> device copies
         before any capture); the reason capture cannot work, or None."""
@@ -561,13 +638,23 @@ class DecodeGraphs:
             lines.append(f"  not captured (every bucket eager): {self.blocked}")
         for b in self.buckets:
             if b in self.graphs:
-                lines.append(f"  bucket {b:>2}: captured in {self.capture_s[b]:.2f} s, {self.replays[b]} replays "
-                             f"(capture check: max |replay - eager| {self.replay_err[b]:.2g})")  # fmt: skip
+                lines.append(f"  bucket {b:>2}: captured in {self.capture_s[b]:.2f} s{warm_note(self, b)}, "
+                             f"{self.replays[b]} replays (capture check: max |replay - eager| "
+                             f"{self.replay_err[b]:.2g})")  # fmt: skip
             elif b in self.failed:
                 lines.append(f"  bucket {b:>2}: eager -- {self.failed[b]}")
+            elif b in self.warm_errors:
+                lines.append(f"  bucket {b:>2}: warm-up raised ({self.warm_errors[b]}); left to its first use")
         lines.append(f"  decode batches: {self.batches}, {sum(self.replays.values())} replayed, "
                      f"{self.eager_steps} eager")  # fmt: skip
         return "\n".join(lines)
+
+
+def warm_note(graphs, b: int) -> str:
+    """A report's note on bucket b of DecodeGraphs / BatchedDecodeGraphs: captured at start, or at first use."""
+    if b in graphs.warm_s and b not in graphs.warm_errors:
+        return f" (warmed up at start: {graphs.warm_s[b]:.2f} s in all)"
+    return " (at first use)"
 
 
 def _one_line(e: BaseException) -> str:

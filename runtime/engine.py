@@ -52,6 +52,9 @@ class EngineConfig:
     # sm90: build the kernels this engine looks up in this many processes before the first request (TileLang's disk
     # cache then serves every lookup; 0: each kernel builds at its first call, in the request's time)
     prebuild_jobs: int = 0
+    # sm90 with cuda_graphs: capture every decode bucket's graph at start, on padding rows (None: on a CUDA device
+    # unless DEEPINFER_GRAPH_WARMUP=0); False: each at its first use, inside the request that first fills it
+    graph_warmup: bool | None = None
 
 
 @dataclass
@@ -135,6 +138,7 @@ class LLM:
             self.kv,
         )  # fmt: skip
         self.executor = Executor(runner, self.kv)
+        self.graph_warmup = _warm_up_decode_graphs(runner, self.kv.device, self.config)  # its log line, or None
         self._seed_rng = random.Random(self.config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._errors: list[Sequence] = []  # rejected at submission, reported on the next step
@@ -366,6 +370,23 @@ def _runner(plan: Plan, params: dict, config: EngineConfig | None = None, max_mo
     graphs = config.cuda_graphs if config is not None else True
     batched = config.batched_decode if config is not None else None  # runtime/batched_decode.py (the default)
     return CudaRunner(plan.graph, params, max_model_len=max_model_len, cuda_graphs=graphs, batched_decode=batched)
+
+
+def _warm_up_decode_graphs(runner, kv_device, config: EngineConfig) -> str | None:
+    """The runner's decode graphs captured now (CudaRunner.warm_up): with config.graph_warmup None, where they are
+    CUDA graphs (a runner on a CUDA device: the stall it moves to the start exists there) unless the variable says
+    0; with True, also on another device (tests: the emulated graph backend); never with False, nor where the
+    executor will not decode through them (KV pools on another device: every item goes through forward). Returns
+    the line it logged, or None."""
+    from deepinfer.runtime.cuda_graphs import graph_warmup_from_env
+    from deepinfer.runtime.executor import _same_device
+
+    warm, device = getattr(runner, "warm_up", None), getattr(runner, "device", None)
+    if warm is None or config.graph_warmup is False or not _same_device(kv_device, device):
+        return None
+    if config.graph_warmup is None and not (getattr(device, "type", None) == "cuda" and graph_warmup_from_env()):
+        return None
+    return warm()
 
 
 def _load_tokenizer():

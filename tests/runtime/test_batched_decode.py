@@ -283,6 +283,113 @@ def test_decode_path_default_env_and_fallback(tiny_v41, monkeypatch):
         runner(batched_decode=True)
 
 
+# ---------------------------------------------------------------------------------------------- warm-up at start
+
+
+def _graphs_llm(model, buckets=(1,)):
+    """An engine on the tiny cpu plan whose runner is the default batched decode path with emulated CUDA graphs
+    (no warm-up: the test calls it)."""
+    from deepinfer.runtime import cuda_graphs as cg
+
+    return _llm(model, buckets=buckets, graph_backend=cg.EmulatedGraphBackend())
+
+
+def _state(graphs) -> dict[str, torch.Tensor]:
+    return {**{k: v.clone() for k, v in graphs.caches.items()}, "tokens": graphs.tok.clone(), "pos": graphs.pos.clone()}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_warm_up_captures_at_start_and_changes_no_result(tiny_v41, monkeypatch):
+    """BatchedDecodeGraphs.warm_up does the bucket's first use on padding rows: captured, named in the line with its
+    seconds. Afterwards every static slot holds its initial value (a stale padding row fails here). Then the first
+    real steps are replays, and every sampled logits row -- and the static slots after the steps -- equal, bit for
+    bit, what the engine computes without warm-up: the same step run eagerly (graphs off; the first use's capture
+    replays the eager step, test_engine_with_batched_decode_graphs_keeps_its_outputs). (An eager bucket: next test.)"""
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
+
+    from .conftest import prompts_of_lengths
+
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
+    eager, warm = _llm(tiny_v41, cuda_graphs=False, buckets=(1,)), _graphs_llm(tiny_v41)
+    eager_dg, dg = eager.executor.runner.graphs, warm.executor.runner.graphs
+    initial = _state(dg)
+    line = warm.executor.runner.warm_up(log=lambda _: None)
+    assert line.startswith("decode graphs warmed up in ") and "buckets 1 captured (seconds per bucket 1: " in line
+    assert list(dg.graphs) == list(dg.warm_s) == [1] and not dg.failed and not dg.warm_errors
+    assert _equal(_state(dg), initial) and all(dg.padded) and not dg.logits.any()
+    prompts = prompts_of_lengths([5], seed=11)
+    want_tokens, want = _greedy_rows(eager, prompts, 3)  # two decode steps, eager
+    got_tokens, got = _greedy_rows(warm, prompts, 3)  # two replays
+    assert got_tokens == want_tokens and _equal(got, want) and _equal(_state(dg), _state(eager_dg))
+    assert dg.eager_steps == 0 and dg.replays[1] == 2 and eager_dg.eager_steps == 2, dg.report()
+    assert "bucket  1: captured" in dg.report() and "warmed up at start" in dg.report(), dg.report()
+
+
+def test_warm_up_between_steps_writes_no_live_sequence(tiny_v41, monkeypatch):
+    """warm_up while a sequence is mid-generation (between engine steps, bucket 1 captured at its first use, bucket
+    2 not yet used) writes nothing of the engine's KV state (block pools and state slots, bit for bit): it runs
+    over the static slots, scratch the engine refills before every step. Bucket 2 stays eager, its reason in the
+    line (the tiny MoE reference reads its routing on the host at T > 1). The sequence then goes on to the tokens
+    and logits of an engine without graphs (the batched step at B = 1, eager: the replay's bits)."""
+    import deepinfer.runtime.executor as ex_mod
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
+
+    from .conftest import prompts_of_lengths
+
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
+    prompt = prompts_of_lengths([5], seed=11)[0]
+    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False), [prompt], 4)
+    llm = _graphs_llm(tiny_v41, buckets=(1, 2))
+    rows, orig = {}, ex_mod.sample_row
+
+    def spy(row, params, seed, position, prompt_ids, output):
+        rows[(tuple(prompt_ids), position)] = row.clone()
+        return orig(row, params, seed, position, prompt_ids, output)
+
+    monkeypatch.setattr(ex_mod, "sample_row", spy)
+    rid = llm.add_request(prompt, _greedy_params(4))
+    llm.step(), llm.step()  # the prefill, then one decode step (bucket 1 captured)
+    kv = {**{("pool", k): v.clone() for k, v in llm.kv.pools.items()},
+          **{("slot", k): v.clone() for k, v in llm.kv.slots.items()}}  # fmt: skip
+    dg = llm.executor.runner.graphs
+    line = llm.executor.runner.warm_up(log=lambda _: None)
+    assert list(dg.warm_s) == [2] and "host" in dg.failed[2] and "buckets none captured" in line, line
+    assert "eager: 2 (the step reads device values on the host" in line, line
+    assert _equal({("pool", k): v for k, v in llm.kv.pools.items()} | {("slot", k): v for k, v in llm.kv.slots.items()},
+                  kv)  # fmt: skip
+    while llm.has_unfinished():
+        llm.step()
+    assert llm._seqs[rid].output_ids == want_tokens[0] and _equal(rows, want)
+
+
+def test_a_warm_up_that_raises_leaves_the_bucket_to_its_first_use(tiny_v41, monkeypatch):
+    """A bucket whose padding step raises at warm-up is neither captured nor marked eager: the line and the report
+    name the error, the slots are reset, and the bucket is captured at its first use as without the warm-up."""
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
+
+    from .conftest import prompts_of_lengths
+
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
+    llm = _graphs_llm(tiny_v41)
+    dg = llm.executor.runner.graphs
+    initial = _state(dg)
+
+    def raising(*args):
+        raise RuntimeError("stand-in kernel failure")
+
+    dg.dec.step = raising
+    line = llm.executor.runner.warm_up(log=lambda _: None)
+    del dg.dec.step  # the class's step again
+    assert "warm-up raised, left to first use: 1 (RuntimeError: stand-in kernel failure)" in line, line
+    assert not dg.graphs and not dg.failed and _equal(_state(dg), initial)
+    assert "bucket  1: warm-up raised (RuntimeError: stand-in kernel failure); left to its first use" in dg.report()
+    tokens, _ = _greedy_rows(llm, prompts_of_lengths([5], seed=11), 3)
+    assert len(tokens[0]) == 3 and list(dg.graphs) == [1] and "(at first use)" in dg.report(), dg.report()
+
+
 @pytest.mark.gpu
 def test_gpu_engine_with_batched_decode_graphs(sm90_tiny, monkeypatch):
     """The engine on the H200 with its default decode path, the batched step (tiny V4.1 sm90 plan): one sequence

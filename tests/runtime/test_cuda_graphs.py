@@ -383,6 +383,90 @@ def test_capture_failure_marks_only_that_bucket(tiny_v41, eager_baseline, path, 
     assert "bucket  1: eager -- capture failed" in llm.executor.runner.report()
 
 
+# ---------------------------------------------------------------------------------------------- warm-up at start
+
+
+def test_one_sequence_path_warm_up_captures_every_bucket_and_changes_no_result(tiny_v41, eager_baseline):
+    """DecodeGraphs.warm_up: the bucket captured on padding slots before any request (its seconds in the line);
+    then every decode step is a replay and the tokens and logits are the eager path's, bit for bit."""
+    llm = _engine(tiny_v41, {"buckets": (1,), "graph_backend": cg.EmulatedGraphBackend(), **SINGLE})
+    logged: list[str] = []
+    line = llm.executor.runner.warm_up(log=logged.append)
+    dg = llm.executor.runner.graphs
+    assert logged == [line] and "buckets 1 captured (seconds per bucket 1: " in line, line
+    assert list(dg.graphs) == list(dg.warm_s) == [1] and all(dg.padded)
+    rec: list = []
+    assert _greedy(llm, PROMPTS[:1], 3, rec) == eager_baseline[0][:1] and _agrees(rec, eager_baseline)
+    assert dg.eager_steps == 0 and dg.replays[1] == 2, dg.report()
+    assert "warmed up at start" in llm.executor.runner.report()
+    assert dg.warm_up() == "decode graphs: nothing to warm up (every bucket captured or eager already)"
+
+
+def test_engine_warms_up_at_start_where_its_graphs_are_cuda_graphs(tiny_v41, monkeypatch, capsys):
+    """When LLM(...) warms its runner's decode graphs up (engine._warm_up_decode_graphs): by default on a CUDA
+    device, not with DEEPINFER_GRAPH_WARMUP=0, nor on another device (the CPU's emulated graphs: tests); always
+    with graph_warmup=True, never with False, nor with the KV pools on another device than the runner (the decode
+    path unused); another value of the variable is an error naming it. Then a real one: LLM(graph_warmup=True) with
+    a CudaRunner on the CPU captures its bucket at start and logs the line."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from deepinfer.errors import DeepInferError
+    from deepinfer.runtime import engine
+    from deepinfer.runtime.engine import EngineConfig
+
+    def warms(device: str, kv_device: str | None = None, **config) -> bool:
+        runner = SimpleNamespace(device=torch.device(device), warm_up=lambda: "warmed")
+        dev = torch.device(kv_device or device)
+        return engine._warm_up_decode_graphs(runner, dev, EngineConfig(**config)) == "warmed"
+
+    monkeypatch.delenv(cg.GRAPH_WARMUP_ENV, raising=False)
+    assert warms("cuda") and warms("cpu", graph_warmup=True)
+    assert not warms("cpu") and not warms("cuda", graph_warmup=False) and not warms("cuda", kv_device="cpu")
+    monkeypatch.setenv(cg.GRAPH_WARMUP_ENV, "0")
+    assert not warms("cuda") and warms("cuda", graph_warmup=True)
+    monkeypatch.setenv(cg.GRAPH_WARMUP_ENV, "yes")
+    with pytest.raises(DeepInferError, match=f"{cg.GRAPH_WARMUP_ENV}='yes'"):
+        warms("cuda")
+    monkeypatch.delenv(cg.GRAPH_WARMUP_ENV)
+
+    def runner(plan_, params_, config, max_model_len):
+        return CudaRunner(plan_.graph, params_, device="cpu", max_model_len=max_model_len, buckets=(1,),
+                          cuda_graphs=config.cuda_graphs, graph_backend=cg.EmulatedGraphBackend())  # fmt: skip
+
+    with mock.patch.object(engine, "_runner", runner):
+        llm = LLM(plan=tiny_v41.plan, params=tiny_v41.params, tokenizer=None, max_model_len=16, overlap=False,
+                  graph_warmup=True)  # fmt: skip
+    assert llm.graph_warmup.startswith("decode graphs warmed up in ") and "buckets 1 captured" in llm.graph_warmup
+    assert llm.graph_warmup in capsys.readouterr().out and list(llm.executor.runner.graphs.graphs) == [1]
+    assert CudaRunner(tiny_v41.plan.graph, tiny_v41.params, device="cpu", max_model_len=16, cuda_graphs=False,
+                      buckets=(1,)).warm_up() is None  # fmt: skip
+
+
+def test_run_no_graph_warmup_reaches_the_engine(monkeypatch, capsys):
+    """`run PLAN --no-graph-warmup` builds the engine with graph_warmup=False; without it None (the default: on
+    unless DEEPINFER_GRAPH_WARMUP=0)."""
+    from types import SimpleNamespace
+
+    from deepinfer.cli import main
+    from deepinfer.errors import DeepInferError
+    from deepinfer.runtime import engine
+    from deepinfer.runtime import plan as plan_mod
+
+    seen: list[dict] = []
+
+    def engine_spy(**kw):
+        seen.append(kw)
+        raise DeepInferError("stopped after the engine's arguments")
+
+    monkeypatch.setattr(plan_mod, "load_plan", lambda path: SimpleNamespace(target="sm90"))
+    monkeypatch.setattr(engine, "LLM", engine_spy)
+    for flags, want in (([], None), (["--no-graph-warmup"], False)):
+        assert main(["run", "a-plan", "--prompt", "Hi", *flags]) == 2
+        assert "stopped after the engine's arguments" in capsys.readouterr().err
+        assert seen[-1]["graph_warmup"] is want
+
+
 # ---------------------------------------------------------------------------------------------- GPU (H200)
 
 
@@ -434,7 +518,8 @@ def test_gpu_decode_graphs_on_off_and_host_caches_agree(sm90_tiny, gpu_kernels, 
 @pytest.mark.parametrize("path", ["batched", "single"])
 def test_gpu_decode_graph_replay_matches_eager_at_every_bucket(sm90_tiny, gpu_kernels, path):
     """Batches of 1, 2, 3 and 8 sequences (buckets 1, 2, 4 with a padding slot, 8), on both decode paths: every
-    step's logits equal the eager ones bit for bit (the same bucket's step, replayed or not)."""
+    step's logits equal the eager ones bit for bit (the same bucket's step, replayed or not) -- the graphs here
+    were all captured by the engine's warm-up, on padding rows, so the first real step is a replay too."""
     plan, params = sm90_tiny
     kw = {"batched_decode": path == "batched"}
     graphs = _gpu_llm(plan, params, gpu_kernels, **kw)
@@ -446,8 +531,8 @@ def test_gpu_decode_graph_replay_matches_eager_at_every_bucket(sm90_tiny, gpu_ke
         _greedy(eager, prompts, 4, want)
         a, b = _rows(got), _rows(want)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), n
-    dg = graphs.executor.runner.graphs
-    assert sorted(dg.graphs) == [1, 2, 4, 8] and not dg.failed, graphs.executor.runner.report()
+    dg = graphs.executor.runner.graphs  # every bucket captured at the engine's start (warm-up), before any request
+    assert sorted(dg.graphs) == sorted(dg.warm_s) == list(cg.BUCKETS) and not dg.failed, graphs.executor.runner.report()
 
 
 def test_buckets_and_padding_choice():
