@@ -467,6 +467,26 @@ def test_run_no_graph_warmup_reaches_the_engine(monkeypatch, capsys):
         assert seen[-1]["graph_warmup"] is want
 
 
+def test_decode_warmup_script_workload_enters_every_bucket(capsys):
+    """benchmarks/decode_warmup.py (the H200 check of the warm-up): its workload's decode batch shrinks 16 -> 1, each
+    size for --steps-per-size steps, so every bucket is entered once and then replayed; --dry-run compiles the tiny
+    V4.1 for sm90 and prints that workload."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_warmup.py"
+    spec = importlib.util.spec_from_file_location("decode_warmup_for_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prompts, max_tokens = mod.workload(3, vocab=500)
+    assert len(prompts) == max(cg.BUCKETS) and all(3 <= len(p) < 16 for p in prompts)
+    sizes = mod.decode_sizes(max_tokens)
+    assert sizes == [n for n in range(16, 0, -1) for _ in range(3)]
+    assert {mod.bucket_of(n) for n in sizes} == set(cg.BUCKETS)
+    assert mod.main(["--dry-run"]) == 0
+    assert "48 decode steps, bucket 16: 24 steps (batch 16..9)" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------- GPU (H200)
 
 
