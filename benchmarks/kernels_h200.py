@@ -3908,6 +3908,23 @@ def _topk_s11_r1_rows():
     return [(4096, 65536, c) for c in (d64, *sched, rep(d64, emit_regs=True), rep(sched[1], emit_regs=True), *clock)]
 
 
+def _topk_s12_r1_rows():
+    """(T, C, cfg) rows "topk_select s12 r1" (helper A, session 12, issue 6: >= 60% of HBM, <= ~415 us at T4096
+    C65536; session 11: 423.2 / 423.8 us = 58.9 / 58.5%). TileLang's sync planner ran 5 barriers a fused chunk, 1
+    needed (probe xbar 3: +5.7 us): `peel` takes the first chunk out of the chunk loop (2 a fused chunk in the lowered
+    CUDA: the planner's loop-top one and the explicit one); `warp_first` finds the peeled first chunk's bound by one
+    warp's bin search (the fused chunks') instead of the CTA threshold's ~8 barriers. The default, peel, peel +
+    warp_first (its kernel: test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=1 DEEPINFER_TOPK_WARP_FIRST=1),
+    every row exact (heavy ties, real scores twice); then the clock probes (`case_topk_clock`, not a top-k) of the
+    default and of peel + warp_first."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    rep = dataclasses.replace
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    peel, both = rep(d64, peel=True), rep(d64, peel=True, warp_first=True)
+    return [(4096, 65536, c) for c in (d64, peel, both, rep(d64, clock=True), rep(both, clock=True))]
+
+
 def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     """A "topk_select s11" clock row (HistConfig.clock: the real program, then each row's checkpoint clocks in its
     first output entries -- not a top-k): the kernel timed as `case_topk_s10` times a probe, then one run on the same
@@ -4136,6 +4153,10 @@ def _indexer_cases(quick: bool):
         for T_, C, cfg in _topk_s11_r1_rows():
             case = case_topk_clock if cfg.clock else case_topk_s10
             out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
+                        lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
+        for T_, C, cfg in _topk_s12_r1_rows():
+            case = case_topk_clock if cfg.clock else case_topk_s10
+            out.append(("topk_select s12 r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",

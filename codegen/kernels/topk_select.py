@@ -179,6 +179,13 @@ class HistConfig:
     # (probe; the output stays exact) xbar more CTA barriers after each fused chunk's, back to back like the three
     # TileLang's sync planner adds to a fused chunk: their cost is what peeling the first chunk could save
     xbar: int = 0
+    # (fused=2 lean fast chunks, compact, one segment) the first chunk's count / bound / push before the chunk loop,
+    # the loop over the fused chunks only: TileLang's sync planner had hoisted the first chunk's and the rare overflow
+    # cut's barriers into every fused chunk (5 a chunk, 1 needed)
+    peel: bool = False
+    # (peel) the first chunk's bound by one warp's bin search (the fused chunks' `warp_threshold`), not the CTA-wide
+    # threshold (find_bin's shuffle scan: ~8 barriers)
+    warp_first: bool = False
 
     @property
     def chunk(self) -> int:
@@ -196,7 +203,8 @@ class HistConfig:
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
-                + (f"-xb{self.xbar}" if self.xbar else ""))  # fmt: skip
+                + (f"-xb{self.xbar}" if self.xbar else "") + ("-peel" if self.peel else "")
+                + ("-wf" if self.warp_first else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
@@ -247,6 +255,9 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
                                      and 1 <= cfg.search_at[0] and cfg.search_at[-1] < nch), (
             f"search_at {cfg.search_at}: ascending fused chunk indices in [1, {nch})")  # fmt: skip
         assert not cfg.eager or (n_segments(C, cfg) == 1 and C >= cfg.chunk), "eager: whole first chunks, one segment"
+        assert not cfg.peel or (cfg.fused == 2 and cfg.fast and cfg.lean and cfg.compact and n_segments(C, cfg) == 1
+                                and not cfg.diag and not cfg.l2_ahead), "peel: fused=2 lean fast compact, one segment"
+        assert not cfg.warp_first or cfg.peel, "warp_first: the peeled first chunk's bound"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
@@ -261,6 +272,8 @@ SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())
                     "g2": lambda n: [1 << m for m in range(1, n.bit_length())]}  # fmt: skip
 PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
+PREFILL_PEEL = False  # those rows' `peel` (the first chunk out of the chunk loop)
+PREFILL_WARP_FIRST = False  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -298,7 +311,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
-    PREFILL_EMIT_REGS.
+    PREFILL_EMIT_REGS; DEEPINFER_TOPK_PEEL=1 / 0 and DEEPINFER_TOPK_WARP_FIRST=1 / 0 (with peel only): their `peel` and
+    `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST (session 12's candidates).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -318,7 +332,10 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                 if cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
                     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", PREFILL_SEARCH_AT)
                     regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
-                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs)
+                    peel = os.environ.get("DEEPINFER_TOPK_PEEL", "1" if PREFILL_PEEL else "0") == "1"
+                    wf = peel and os.environ.get("DEEPINFER_TOPK_WARP_FIRST", "1" if PREFILL_WARP_FIRST else "0") == "1"
+                    cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, peel=peel,
+                                  warp_first=wf)  # fmt: skip
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -806,9 +823,11 @@ def _make_put(ops: _Ops):
     import tilelang.language as T
 
     @T.macro
-    def put(buf, j, v):
+    def put(buf, j, v, hnd=None):
         if ops.cpu:
             buf[j] = v
+        elif hnd is not None:  # (the buffer's start as a pointer handle bound outside the loop: no access at all)
+            T.evaluate(T.call_extern("handle", "tl_topk_putv", hnd, j, v))
         else:
             T.evaluate(T.call_extern("handle", "tl_topk_put", T.address_of(buf[0]), j, v))
 
@@ -1107,9 +1126,10 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
             out[0] = T.call_extern("int32", "atomicAdd", T.address_of(buf[idx]), val)
 
     @T.macro
-    def warp_reserve(ctl, slot, x, lane, out):
+    def warp_reserve(ctl, slot, x, lane, out, ctr=None):
         """out[0] = where this thread's x entries start: an inclusive warp scan of x (shuffles), the warp's
-        total reserved by its last lane with one atomicAdd on ctl[slot], the base broadcast back."""
+        total reserved by its last lane with one atomicAdd on ctl[slot] (or on the counter a pointer handle `ctr`
+        points at: invisible to TileLang's sync planner), the base broadcast back."""
         full = T.uint32(0xFFFFFFFF)
         incl = T.alloc_var("int32", init=x)
         for d in (1, 2, 4, 8, 16):
@@ -1117,7 +1137,10 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
             incl = incl + T.if_then_else(lane >= d, up, 0)
         base = T.alloc_var("int32", init=0)
         if lane == 31:
-            base = T.call_extern("int32", "atomicAdd", T.address_of(ctl[slot]), incl)
+            if ctr is None:
+                base = T.call_extern("int32", "atomicAdd", T.address_of(ctl[slot]), incl)
+            else:
+                base = T.call_extern("int32", "tl_topk_atomic_addv", ctr, incl)
         out[0] = T.call_extern("int32", "__shfl_sync", full, base, 31) + incl - x
 
     @T.macro
@@ -1137,11 +1160,13 @@ def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
         ops.barrier()
 
     @T.macro
-    def push(dst_k, dst_i, base, ctl, slot, keyf, idf, takef, Q, cnt, tmp, unroll=True):
+    def push(dst_k, dst_i, base, ctl, slot, keyf, idf, takef, Q, cnt, tmp, unroll=True, lead=True):
         """Append the taken (key, id) pairs of every thread at dst[base + ...] (slot order is free); the running
         count is ctl[slot] (atomics: every earlier read of it is behind the first barrier, the count and the
-        entries are complete after the second). unroll=False: plain loops (sources in shared memory)."""
-        ops.barrier()
+        entries are complete after the second). unroll=False: plain loops (sources in shared memory). lead=False:
+        without the first barrier (the caller's last one stands for it)."""
+        if lead:
+            ops.barrier()
         for i in ops.par(NT):
             cnt[i] = 0
             for q in ops.unroll(Q) if unroll else T.serial(Q):
@@ -1542,17 +1567,21 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
 
     put = _make_put(ops)
 
+    def rd(buf, j, hnd):  # buf[j], or through a pointer handle to buf (warp_threshold's hh)
+        return buf[j] if hnd is None else T.call_extern("int32", "tl_topk_ldv", hnd, j)
+
     def warp_any(pred):  # (GPU) whether any lane of the warp has pred; the `c` target takes every thread's path
         return T.call_extern("int32", "__any_sync", full, pred) != 0
 
     @T.macro
     def reserve_push(bufk, bufi, ctl, fz, par, keyf, idf, takef, fl, tmp, hist_f=None, hist_c=None, hitx=None,
-                     fm=None):  # fmt: skip
+                     fm=None, hp=None):  # fmt: skip
         """hitx = (xf, thr) (GPU): no key of thread i is taken unless max_q xf(i, q) >= thr (a float): a warp
         where that holds for no lane skips the count, the reservation and the push. fm (lean, no hitx): a
         per-thread int32 fragment for the taken keys as a bit mask -- the count is its popcount (not a chain of
         selects and adds), the push tests its bits and converts each key once; a warp without a key to push
-        skips the reservation and the push."""
+        skips the reservation and the push. hp (GPU): pointer handles (bufk, bufi, ctl[0]) bound before the chunk
+        loop, so that the pushes and the reservation touch no buffer TileLang's sync planner sees in the loop."""
         hitf = None if hitx is None or ops.cpu else hitx
         skip = hitf is not None or (fm is not None and not ops.cpu)  # (warp-uniform) idle warps skip the reservation
         assert fm is None or (hitx is None and E < 32), "the lean mask: one bit a key"
@@ -1584,9 +1613,9 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                 tmp[0] = ctl[0]
                 ctl[0] = ctl[0] + n
             elif not skip:
-                warp_reserve(ctl, 0, n, i % 32, tmp)
+                warp_reserve(ctl, 0, n, i % 32, tmp, None if hp is None else hp[2])
             elif warp_any(n > 0):  # (warp-uniform: the shuffles need every lane) no atomic for an idle warp
-                warp_reserve(ctl, 0, n, i % 32, tmp)
+                warp_reserve(ctl, 0, n, i % 32, tmp, None if hp is None else hp[2])
             p = T.alloc_var("int32", init=tmp[0])
             fl[i] = T.if_then_else(T.And(n > 0, p + n > BUF), 1, 0)
             if fl[i] == 1:
@@ -1605,29 +1634,31 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                     for q in ops.unroll(E):
                         if T.bitwise_and(T.shift_right(mb, q), 1) == 1:
                             kq = T.alloc_var("int32", init=keyf(i, q))
-                            put(bufk, p, kq)
-                            put(bufi, p, idf(i, q))
+                            put(bufk, p, kq, None if hp is None else hp[0])
+                            put(bufi, p, idf(i, q), None if hp is None else hp[1])
                             p = p + 1
                             if hist_f is not None:
                                 count_key(hist_f, hist_c, kq)
                 else:
                     for q in ops.unroll(E):
                         if takef(i, q):
-                            put(bufk, p, keyf(i, q))
-                            put(bufi, p, idf(i, q))
+                            put(bufk, p, keyf(i, q), None if hp is None else hp[0])
+                            put(bufi, p, idf(i, q), None if hp is None else hp[1])
                             p = p + 1
                             if hist_f is not None:  # counted here, not in a loop of its own (fewer registers)
                                 count_key(hist_f, hist_c, keyf(i, q))
 
     @T.macro
-    def warp_threshold(hist_f, hist_c, fz, r, w):
-        """(GPU) warp w: FZ_BETA = max(FZ_BETA, the lowest key of the fine bin holding rank r), when r are counted."""
+    def warp_threshold(hist_f, hist_c, fz, r, w, hf_=None, hc_=None):
+        """(GPU) warp w: FZ_BETA = max(FZ_BETA, the lowest key of the fine bin holding rank r), when r are counted.
+        hf_, hc_: pointer handles to hist_f, hist_c bound before the chunk loop, read through (their data-dependent
+        indices are then no access TileLang's sync planner sees in the loop)."""
         for i in T.Parallel(NT):
             if i // 32 == w:
                 lane = i % 32
                 own = T.alloc_var("int32", init=0)
                 for u in T.unroll(CPL):
-                    own = own + hist_c[lane * CPL + u]
+                    own = own + rd(hist_c, lane * CPL + u, hc_)
                 sfx = T.alloc_var("int32", init=own)  # this lane's bins and the higher lanes'
                 for d in (1, 2, 4, 8, 16):
                     dn = T.call_extern("int32", "__shfl_down_sync", full, sfx, d)
@@ -1637,7 +1668,8 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                     hl = 31 - T.call_extern("int32", "__clz", hits)
                     above = T.call_extern("int32", "__shfl_sync", full, sfx - own, hl)  # < r
                     # that lane's CPL bins, one a lane (read again: at least as many as summed above)
-                    h = T.alloc_var("int32", init=T.if_then_else(lane < CPL, hist_c[hl * CPL + lane % CPL], 0))
+                    h = T.alloc_var("int32", init=T.if_then_else(lane < CPL, rd(hist_c, hl * CPL + lane % CPL, hc_),
+                                                                  0))  # fmt: skip
                     s = T.alloc_var("int32", init=h)
                     for d in (1, 2, 4):
                         dn = T.call_extern("int32", "__shfl_down_sync", full, s, d)
@@ -1649,7 +1681,8 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                         cl = 31 - T.call_extern("int32", "__clz", h2)
                         cb = hl * CPL + cl
                         cabove = T.call_extern("int32", "__shfl_sync", full, s - h, cl)
-                        f = T.alloc_var("int32", init=T.if_then_else(lane < HSUB, hist_f[cb * HSUB + lane % HSUB], 0))
+                        f = T.alloc_var("int32", init=T.if_then_else(
+                            lane < HSUB, rd(hist_f, cb * HSUB + lane % HSUB, hf_), 0))
                         for d in (1, 2, 4, 8):
                             dn = T.call_extern("int32", "__shfl_down_sync", full, f, d)
                             f = f + T.if_then_else(lane + d < HSUB, dn, 0)
@@ -1675,6 +1708,9 @@ __device__ __forceinline__ void tl_topk_prefetch_l2(const float* base, int row, 
 __device__ __forceinline__ int tl_topk_ld(const int* p) { return *(const volatile int*)p; }
 __device__ __forceinline__ void tl_topk_st(int* p, int v) { *(volatile int*)p = v; }
 __device__ __forceinline__ void tl_topk_put(int* p, int j, int v) { p[j] = v; }
+__device__ __forceinline__ void tl_topk_putv(void* p, int j, int v) { ((int*)p)[j] = v; }
+__device__ __forceinline__ int tl_topk_atomic_addv(void* p, int v) { return atomicAdd((int*)p, v); }
+__device__ __forceinline__ int tl_topk_ldv(void* p, int j) { return ((int*)p)[j]; }
 __device__ __forceinline__ int tl_topk_opaque(int x) {
   int y;
   asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
@@ -1753,6 +1789,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     EAGER = cfg.eager  # (check_config: one segment a row, C >= a chunk)
     EMIT_REGS = cfg.emit_regs and cfg.ffs and not ops.cpu
     CLOCK = cfg.clock and not ops.cpu  # (the `c` target has no SM clock: there the program is the real one)
+    PEEL = cfg.peel  # (check_config: fused=2 lean fast compact, one segment)
     NCLK = len(hist_clock_points(cfg))
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
@@ -1823,14 +1860,16 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     kc[i, j] = T.reinterpret(xr[i, j], "int32")
 
     @T.macro
-    def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it):
-        """(fused) FZ_BETA raised to the bound of the counts so far: one warp (it % NWARP) on the GPU."""
+    def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it, hh=None):
+        """(fused) FZ_BETA raised to the bound of the counts so far: one warp (it % NWARP) on the GPU (hh: see
+        warp_threshold)."""
         if ops.cpu:
             threshold(hist_f, hist_c, cum, bc, k, ra, rb)
             if bc[2] >= 0:
                 fz[FZ_BETA] = T.max(fz[FZ_BETA], T.shift_left(bc[2] - HB // 2, HSHIFT))
         else:
-            fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP)
+            fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP, None if hh is None else hh[0],
+                                 None if hh is None else hh[1])  # fmt: skip
 
     def pushed(kc, fl, mode, beta, floor):
         """The chunk keys a push after the chunk's bound (and a cut) takes: mode 1 (the barrier-per-phase path) those
@@ -2073,116 +2112,180 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             if cfg.l2_ahead > 0 and NCH > 1:
                 for a in T.serial(min(cfg.l2_ahead, NCH - 1)):
                     prefetch_l2(S, t, sg, a + 1, lim)
-            # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
-            # row's last CTA) the merge
-            for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
-                cut = 0
-                mode = 1
-                if it < NCH:
-                    if c0_of(sg, it) < lim:
-                        if not FAST:
-                            chunk_keys(c0_of(sg, it), lim, xr, kc)
-                        elif it < OLD_CHUNKS:
-                            chunk_keys(c0_of(sg, it), lim, xr, kc)
-                        else:  # (fast) no key conversion: the bits, compared as floats
-                            raw_bits(xr, kc, c0_of(sg, it), lim)
-                        if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
-                            prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
-                        if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
-                            if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
-                                fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
-                        if DIAG == "read":  # (diagnostics) the keys' per-thread max only
-                            for i in ops.par(NT):
-                                for j in ops.unroll(E):
-                                    rc[i] = T.max(rc[i], kc[i, j])
-                        else:
-                            if it < OLD_CHUNKS:
-                                count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                                ops.barrier()
-                                threshold(hist_f, hist_c, cum, bc, k, ra, rb)
-                                if bc[2] >= 0:
-                                    # the bin's lowest key
-                                    beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
-                                # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
-                                if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
-                                    cut = 1
-                            if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
-                                if it >= OLD_CHUNKS:
-                                    if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
-                                        if searching(it, OLD_CHUNKS + 1):
-                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
-                                    beta = T.max(beta, fused.ld(fz, FZ_BETA))
-                                    for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
-                                        fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
-                                        fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
-                                    if DIAG == "count":
-                                        count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
-                                    elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
-                                        for i in ops.par(NT):
-                                            for j in ops.unroll(E):
-                                                rc[i] = T.max(rc[i], kc[i, j])
-                                    elif FAST:
-                                        c0, bnd = c0_of(sg, it), T.max(beta, floor)
-                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
-                                                           raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
-                                                           None if LEAN else raw_hit(kc, bnd),
-                                                           fm if LEAN else None)  # fmt: skip
-                                    else:  # (the keys without room are not counted: a looser bound, rare)
-                                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc),
-                                                           id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
-                                                           fl, tmp,
-                                                           hist_f, hist_c)  # fmt: skip
-                                    ops.barrier()
-                                    if cfg.xbar:  # (probe) what a barrier more costs
-                                        for _x in T.serial(cfg.xbar):
-                                            ops.barrier()
-                                    if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
-                                        # the buffer's complete part (below the lowest failed start) is cut below,
-                                        # then the keys without room pushed (mode 2)
-                                        for _z in ops.par(1):
-                                            ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
-                                        cut = 1
-                                        mode = 2
-                                    elif FUSED == 1:
-                                        if searching(it, OLD_CHUNKS):
-                                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
-                elif it == NCH:  # (a dead segment: nothing to select or hand on)
-                    cut = T.if_then_else(sg < nlive, 1, 0) if DIAG in ("", HIST_DIAG_SELECT) else 0
-                if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
-                    if T.And(it == NCH + 1, T.And(last == 1, nlive > 1)):
-                        load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive)
-                        beta = NONE
-                        floor = NONE
-                        cut = 1
-                if cut == 1:  # the exact top-k of the buffer's members
-                    if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
+            if PEEL:
+                # (peel, static) the first chunk before the loop, the loop over the fused chunks only: TileLang's
+                # sync planner hoisted the first chunk's and the overflow cut's barriers into every fused chunk
+                # (5 a chunk, 1 needed). The first chunk never cuts: at most a chunk's keys into an empty buffer
+                if c0_of(sg, 0) < lim:
+                    chunk_keys(c0_of(sg, 0), lim, xr, kc)
+                    if NCH > 1:
+                        if c0_of(sg, 1) < lim:
+                            fetch_next(S, t, c0_of(sg, 1), lim, xr)
+                    count(hist_f, hist_c, key_c(kc), E, beta)
+                    ops.barrier()
+                    if cfg.warp_first:  # one warp's bin search (FZ_BETA), not the CTA's threshold (~8 barriers)
+                        bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, 0)
                         ops.barrier()
-                    # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
-                    nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
-                    members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
-                    select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
-                             nqv if cfg.trim else None)  # fmt: skip
-                    if T.Or(it < NCH, T.And(nlive > 1, it == NCH)):  # kept: the buffer cut to it
-                        keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
-                        if stb[3] == k:  # later columns tied with the k-th key lose to it
-                            floor = stb[0] + 1
-                    if NSEG > 1:
-                        if T.And(it == NCH, nlive > 1):
-                            hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
-                            if bc[2] == nlive - 1:
-                                last = 1
-                if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
-                    if not FAST:
-                        if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                    else:
+                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                        if bc[2] >= 0:  # the bin's lowest key
+                            beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
+                    push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, 0)), pushed(kc, fl, 1, beta, floor), E,
+                         rc, tmp, lead=not cfg.warp_first)  # fmt: skip
+                tick(clk, 2)
+                hp = hh = None
+                if not ops.cpu:  # (the fused pushes through these: the loop's visible accesses stay the cut's own)
+                    hk = T.address_of(bufk[0])  # (each bound to a variable here, not inlined into the loop)
+                    hi = T.address_of(bufi[0])
+                    hc = T.address_of(ctl[0])
+                    hp = (hk, hi, hc)
+                    hf = T.address_of(hist_f[0])
+                    hcs = T.address_of(hist_c[0])
+                    hh = (hf, hcs)
+                for it in T.serial(1, NCH):
+                    if c0_of(sg, it) < lim:
+                        c0 = c0_of(sg, it)
+                        raw_bits(xr, kc, c0, lim)
+                        if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                            fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
+                        if searching(it, 2):  # (fused=2) the previous chunk's bin search during this one's pushes
+                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1, hh)
+                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                        for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
+                            fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
+                            fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
+                        fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
+                                           raw_at_least(kc, c0, lim, T.max(beta, floor)), fl, tmp, hist_f, hist_c,
+                                           None, fm, hp)  # fmt: skip
+                        ops.barrier()
+                        if cfg.xbar:  # (probe) what a barrier more costs
+                            for _x in T.serial(cfg.xbar):
+                                ops.barrier()
+                        if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties; CTA-uniform) no room for some keys:
+                            # the buffer's complete part (below the lowest failed start) cut to its top-k, then the
+                            # keys without room pushed against its k-th key (`pushed` mode 2). The complete part's
+                            # size is read from FZ_MINF (no ctl[0] store: one the planner sees here got a barrier
+                            # before the branch); keep sets ctl[0]
+                            members(bufk, fused.ld(fz, FZ_MINF + it % 3), beta, EB)
+                            select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
+                            keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, EB)
+                            if stb[3] == k:  # later columns tied with the k-th key lose to it
+                                floor = stb[0] + 1
+                            push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0), raw_pushed(kc, c0, lim, fl, beta, floor),
+                                 E, rc, tmp)  # fmt: skip
+                    tick(clk, 2 + it)
+            else:
+                # iterations: the chunks, the segment's selection (compact: after the loop), (several segments, the
+                # row's last CTA) the merge
+                for it in T.serial(NCH + (0 if COMPACT else (1 if NSEG == 1 else 2))):
+                    cut = 0
+                    mode = 1
+                    if it < NCH:
+                        if c0_of(sg, it) < lim:
+                            if not FAST:
+                                chunk_keys(c0_of(sg, it), lim, xr, kc)
+                            elif it < OLD_CHUNKS:
+                                chunk_keys(c0_of(sg, it), lim, xr, kc)
+                            else:  # (fast) no key conversion: the bits, compared as floats
+                                raw_bits(xr, kc, c0_of(sg, it), lim)
+                            if NCH > 1 + cfg.l2_ahead:  # (a prefetch never in range failed to lower: "handle vs int32")
+                                prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
+                            if NCH > 1:  # the next chunk's loads fly while this one is counted and pushed
+                                if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
+                                    fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
+                            if DIAG == "read":  # (diagnostics) the keys' per-thread max only
+                                for i in ops.par(NT):
+                                    for j in ops.unroll(E):
+                                        rc[i] = T.max(rc[i], kc[i, j])
+                            else:
+                                if it < OLD_CHUNKS:
+                                    count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                    ops.barrier()
+                                    threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                                    if bc[2] >= 0:
+                                        # the bin's lowest key
+                                        beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
+                                    # this chunk's candidates are counted keys of bins >= bc[2]: at most bc[3]
+                                    if ctl[0] + T.min(bc[3], T.min(CH, lim - c0_of(sg, it))) > BUF:
+                                        cut = 1
+                                if FUSED:  # one barrier: count and push at the bound so far, then one warp raises it
+                                    if it >= OLD_CHUNKS:
+                                        if FUSED == 2:  # the previous chunk's bin search overlaps this chunk's pushes
+                                            if searching(it, OLD_CHUNKS + 1):
+                                                bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1)
+                                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                                        for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
+                                            fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
+                                            fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
+                                        if DIAG == "count":
+                                            count(hist_f, hist_c, key_c(kc), E, T.max(beta, floor))
+                                        elif DIAG == HIST_DIAG_FIRST:  # (diagnostics) the later chunks read only
+                                            for i in ops.par(NT):
+                                                for j in ops.unroll(E):
+                                                    rc[i] = T.max(rc[i], kc[i, j])
+                                        elif FAST:
+                                            c0, bnd = c0_of(sg, it), T.max(beta, floor)
+                                            fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
+                                                               raw_at_least(kc, c0, lim, bnd), fl, tmp, hist_f, hist_c,
+                                                               None if LEAN else raw_hit(kc, bnd),
+                                                               fm if LEAN else None)  # fmt: skip
+                                        else:  # (the keys without room are not counted: a looser bound, rare)
+                                            fused.reserve_push(bufk, bufi, ctl, fz, it % 3, key_c(kc),
+                                                               id_c(c0_of(sg, it)), at_least(kc, T.max(beta, floor)),
+                                                               fl, tmp,
+                                                               hist_f, hist_c)  # fmt: skip
+                                        ops.barrier()
+                                        if cfg.xbar:  # (probe) what a barrier more costs
+                                            for _x in T.serial(cfg.xbar):
+                                                ops.barrier()
+                                        if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties) no room for some keys
+                                            # the buffer's complete part (below the lowest failed start) is cut below,
+                                            # then the keys without room pushed (mode 2)
+                                            for _z in ops.par(1):
+                                                ctl[0] = fused.ld(fz, FZ_MINF + it % 3)
+                                            cut = 1
+                                            mode = 2
+                                        elif FUSED == 1:
+                                            if searching(it, OLD_CHUNKS):
+                                                bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it)
+                    elif it == NCH:  # (a dead segment: nothing to select or hand on)
+                        cut = T.if_then_else(sg < nlive, 1, 0) if DIAG in ("", HIST_DIAG_SELECT) else 0
+                    if NSEG > 1:  # (a static branch: no merge code in one-segment programs)
+                        if T.And(it == NCH + 1, T.And(last == 1, nlive > 1)):
+                            load_segments(bufk, bufi, ctl, CKey, CIdx, CCnt, Arrive, t, nlive)
+                            beta = NONE
+                            floor = NONE
+                            cut = 1
+                    if cut == 1:  # the exact top-k of the buffer's members
+                        if cfg.trim:  # (after a barrier: ctl[0] may come from atomics or one thread)
+                            ops.barrier()
+                        # the buffer's q's the selection visits (trim: its entries' only; not live across the chunks)
+                        nqv = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))
+                        members(bufk, ctl[0], beta, nqv if cfg.trim else EB)
+                        select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1,
+                                 nqv if cfg.trim else None)  # fmt: skip
+                        if T.Or(it < NCH, T.And(nlive > 1, it == NCH)):  # kept: the buffer cut to it
+                            keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, nqv if cfg.trim else EB)
+                            if stb[3] == k:  # later columns tied with the k-th key lose to it
+                                floor = stb[0] + 1
+                        if NSEG > 1:
+                            if T.And(it == NCH, nlive > 1):
+                                hand_on(bufk, bufi, ctl, bc, CKey, CIdx, CCnt, Arrive, t, sg)
+                                if bc[2] == nlive - 1:
+                                    last = 1
+                    if DIAG in ("", "push", HIST_DIAG_FIRST, HIST_DIAG_SELECT):
+                        if not FAST:
+                            if T.And(T.Or(it < OLD_CHUNKS, mode == 2), c0_of(sg, it) < lim):
+                                push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
+                                     pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
+                        elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
                             push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
                                  pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
-                    elif T.And(it < OLD_CHUNKS, c0_of(sg, it) < lim):
-                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, it)),
-                             pushed(kc, fl, mode, beta, floor), E, rc, tmp)  # fmt: skip
-                    elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
-                        push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
-                             raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
-                tick(clk, 2 + it)
+                        elif T.And(mode == 2, c0_of(sg, it) < lim):  # (fast: a fused chunk's raw bits)
+                            push(bufk, bufi, 0, ctl, 0, raw_key(kc), id_c(c0_of(sg, it)),
+                                 raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
+                    tick(clk, 2 + it)
             if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
                 stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
                 tick(clk, NCLK - 4)

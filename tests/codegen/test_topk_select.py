@@ -241,12 +241,24 @@ def c_search_at_kernel(tilelang_required):
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
-@pytest.mark.parametrize("which", ["lean", "rsel", "search", "search_at"])
+@pytest.fixture(scope="module")
+def c_peel_kernel(tilelang_required):
+    """The search program with the first chunk peeled out of the chunk loop (`peel`: the loop runs the fused chunks
+    only, the rare overflow cut inside its branch) and its bound by the fused chunks' bin search (`warp_first`; on
+    the `c` target the CTA threshold's serial scan): tied rows overflow the 288-entry buffer in the fused chunks."""
+    from deepinfer.codegen.tilelang_backend import compile_cpu
+
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search=2, peel=True,
+                        warp_first=True)  # fmt: skip
+    return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
+
+
+@pytest.mark.parametrize("which", ["lean", "rsel", "search", "search_at", "peel"])
 @pytest.mark.parametrize("kind", ["rand", "ints", "const", "ramp", "limits", "step"])
 def test_c_target_hist_lean_compact(request, which, kind):
-    """lean + compact (+ rsel, + a bin search every 2nd chunk or at chunk 2 only) exact, ties included. Row 2 sees
-    701 columns: the limit falls inside the third (fused) chunk and inside a float4, whose invisible columns 701..703
-    hold the row's largest scores -- never taken. Run twice."""
+    """lean + compact (+ rsel, + a bin search every 2nd chunk or at chunk 2 only, + the first chunk peeled) exact,
+    ties included. Row 2 sees 701 columns: the limit falls inside the third (fused) chunk and inside a float4, whose
+    invisible columns 701..703 hold the row's largest scores -- never taken. Run twice."""
     kernel, cfg = request.getfixturevalue(f"c_{which}_kernel")
     s = _scores(kind, 4, 1024, seed=5)
     s[:, 701:704] = 1e30
@@ -327,6 +339,9 @@ def test_gpu_prefill_default_exact(kb, kind):
     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", ts.PREFILL_SEARCH_AT)  # (and the schedule / emit_regs switches)
     assert cfg.search_at == (ts.search_schedule(at, 16) if cfg.search > 1 else ())
     assert cfg.emit_regs == (os.environ.get("DEEPINFER_TOPK_EMIT_REGS", str(int(ts.PREFILL_EMIT_REGS))) == "1")
+    assert cfg.peel == (os.environ.get("DEEPINFER_TOPK_PEEL", str(int(ts.PREFILL_PEEL))) == "1")
+    assert cfg.warp_first == (cfg.peel and os.environ.get("DEEPINFER_TOPK_WARP_FIRST",
+                                                          str(int(ts.PREFILL_WARP_FIRST))) == "1")  # fmt: skip
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -408,9 +423,11 @@ def test_hist_default_configs(monkeypatch):
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
+    peel, wf = ts.PREFILL_PEEL, ts.PREFILL_PEEL and ts.PREFILL_WARP_FIRST  # (session 12's)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
-                                                           emit_regs=regs, **s8)  # fmt: skip
+                                                           emit_regs=regs, peel=peel, warp_first=wf,
+                                                           **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
@@ -430,6 +447,14 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_EMIT_REGS", "0")
     assert not ts.default_config(4096, 65536).emit_regs
     monkeypatch.delenv("DEEPINFER_TOPK_EMIT_REGS")
+    monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "1")  # (the first chunk peeled, + its bound by one warp: 64k+ rows)
+    monkeypatch.setenv("DEEPINFER_TOPK_WARP_FIRST", "1")
+    assert ts.default_config(4096, 65536).peel and ts.default_config(4096, 65536).warp_first
+    assert not ts.default_config(4096, 16384).peel and not ts.default_config(4096, 16384).warp_first
+    monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "0")  # (warp_first: with peel only)
+    assert not ts.default_config(4096, 65536).peel and not ts.default_config(4096, 65536).warp_first
+    monkeypatch.delenv("DEEPINFER_TOPK_PEEL")
+    monkeypatch.delenv("DEEPINFER_TOPK_WARP_FIRST")
     assert ts.search_schedule("g2", 16) == (2, 4, 8, 15) and ts.search_schedule("g1", 4) == (2, 3)
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
