@@ -317,8 +317,8 @@ class BatchedDecodeGraphs:
     # -- warm-up -----------------------------------------------------------------------------------------
     def warm_up(self) -> str:
         """Every bucket's first use now (cuda_graphs.warm_up_buckets), on padding rows only: the same eager step,
-        host-read check, capture and replay check as at first use, over slots that all hold the padding step
-        (token 0 at position 0 over initial caches). The slots are scratch -- the engine's ``fill`` rewrites a
+        host-read check, capture and replay check as at first use, over slots that all hold a first step (position
+        0 over initial caches; tokens 1..b, see _warm_one). The slots are scratch -- the engine's ``fill`` rewrites a
         sequence's slot before every step -- so no live sequence's cache is touched; afterwards every slot holds
         its initial value again (the state of a bucket never used), so the first real step computes what it
         would have computed without the warm-up. Returns the one-line summary the engine logs."""
@@ -332,9 +332,17 @@ class BatchedDecodeGraphs:
             self._reset_slots()
 
     def _warm_one(self, b: int) -> None:
-        padding = lambda: self._pad(0, b, again=True)  # noqa: E731
-        padding()
-        self._capture(b, b, padding)
+        """Bucket b's first use over slots 0..b-1, each a first step (position 0 over initial caches) of a distinct
+        token, 1..b: the kernels' first-call checks (verify) then compare b distinct rows -- b copies of one row
+        (token 0 everywhere) would hide a kernel that mixes rows up -- and the MoE routes more than one top-k."""
+        tokens = torch.arange(1, b + 1, device=self.device)
+
+        def rows() -> None:
+            self._pad(0, b, again=True)
+            self.tok[:b].copy_(tokens)
+
+        rows()
+        self._capture(b, b, rows)
 
     def _reset_slots(self) -> None:
         """Every slot to its initial value: what allocate gave, token 0 at position 0 (padding)."""

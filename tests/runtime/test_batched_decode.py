@@ -355,7 +355,13 @@ def test_warm_up_between_steps_writes_no_live_sequence(tiny_v41, monkeypatch):
     kv = {**{("pool", k): v.clone() for k, v in llm.kv.pools.items()},
           **{("slot", k): v.clone() for k, v in llm.kv.slots.items()}}  # fmt: skip
     dg = llm.executor.runner.graphs
+    seen, step = [], dg.dec.step
+    dg.dec.step = lambda tokens, positions, caches: seen.append((tokens.clone(), positions.clone())) or step(
+        tokens, positions, caches)  # fmt: skip
     line = llm.executor.runner.warm_up(log=lambda _: None)
+    del dg.dec.step
+    # every warm-up step: first steps (position 0) of distinct tokens, so a kernel's first-call check sees distinct rows
+    assert seen and all(t.tolist() == [1, 2] and p.tolist() == [0, 0] for t, p in seen), seen
     assert list(dg.warm_s) == [2] and "host" in dg.failed[2] and "buckets none captured" in line, line
     assert "eager: 2 (the step reads device values on the host" in line, line
     assert _equal({("pool", k): v for k, v in llm.kv.pools.items()} | {("slot", k): v for k, v in llm.kv.slots.items()},
