@@ -254,8 +254,10 @@ def e2e_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> list[d
     log(f"{preset}: compiled for sm90 ({len(plan.graph.nodes)} nodes)")
     s_prompts, s_tokens = stable_prompts(stable_max_len(plan.graph))
     variants = [("random", params, PROMPTS, n_tokens), ("stable", routing_stable_params(params), s_prompts, s_tokens)]
+    # graph_warmup=False: a warm-up at construction would build the decode kernels serially, before the shared
+    # cache and the pre-build below; the buckets are captured at first use, as before
     llms = [LLM(plan=plan, target="sm90", params=p, tokenizer=None, max_model_len=128, max_num_seqs=4,
-                overlap=False) for _, p, _, _ in variants]  # fmt: skip
+                overlap=False, graph_warmup=False) for _, p, _, _ in variants]  # fmt: skip
     kernels = llms[0].executor.runner.exec.kernels
     for llm in llms[1:]:
         llm.executor.runner.exec.kernels = kernels  # one kernel cache: same shapes, built once
@@ -594,8 +596,10 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     max_len = max(map(len, prompts)) + n_tokens + 8
     log(f"{name}: compiled for sm90 ({len(plan.graph.nodes)} nodes); {len(prompts)} prompts, {n_tokens} tokens each; "
         f"{cache_storage_line(plan.graph)}")  # fmt: skip
+    # graph_warmup=False: a warm-up at construction would build (and capture) the decode kernels before the builders
+    # below are set (PairedKernels, the emulations) and before the pre-build; the buckets are captured at first use
     mk = dict(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=max_len,
-              max_num_seqs=len(prompts), max_num_batched_tokens=512, overlap=False)  # fmt: skip
+              max_num_seqs=len(prompts), max_num_batched_tokens=512, overlap=False, graph_warmup=False)  # fmt: skip
     llm_k, llm_f = LLM(**mk), LLM(**mk)
     run_k, run_f = llm_k.executor.runner, llm_f.executor.runner
     paired = PairedKernels()

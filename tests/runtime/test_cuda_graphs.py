@@ -498,9 +498,13 @@ def gpu_kernels():
 
 
 def _gpu_llm(plan, params, kernels, **kw):
+    """An sm90 engine on the shared kernel cache, warmed up as at the engine's start (graph_warmup=None on a GPU)
+    but after use_kernels -- at construction it would build every decode kernel in its own cache first."""
     llm = LLM(plan=plan, target="sm90", params=params, tokenizer=None, max_model_len=64, max_num_seqs=8,
-              overlap=False, **kw)  # fmt: skip
+              overlap=False, graph_warmup=False, **kw)  # fmt: skip
     llm.executor.runner.use_kernels(kernels)
+    if kw.get("kv_cache_device") != "cpu":  # host pools: every item through forward, the decode graphs unused
+        llm.executor.runner.warm_up()  # None (nothing) where graphs are off
     return llm
 
 
