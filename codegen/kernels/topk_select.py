@@ -179,10 +179,12 @@ class HistConfig:
     # (probe; the output stays exact) xbar more CTA barriers after each fused chunk's, back to back like the three
     # TileLang's sync planner adds to a fused chunk: their cost is what peeling the first chunk could save
     xbar: int = 0
-    # (fused=2 lean fast chunks, compact, one segment) the first chunk's count / bound / push before the chunk loop,
+    # (fused=2 lean fast chunks, compact, one segment) 1: the first chunk's count / bound / push before the chunk loop,
     # the loop over the fused chunks only: TileLang's sync planner had hoisted the first chunk's and the rare overflow
-    # cut's barriers into every fused chunk (5 a chunk, 1 needed)
-    peel: bool = False
+    # cut's barriers into every fused chunk (5 a chunk, 1 needed; peeled: 2, its loop-top one for the cut's writes
+    # against the chunks' pointer accesses); 2: and the fused chunks' shared accesses through pointer handles bound
+    # before the loop (no access the planner sees: one barrier a chunk; sm90: 2 spilled words, floor and fl)
+    peel: int = 0
     # (peel) the first chunk's bound by one warp's bin search (the fused chunks' `warp_threshold`), not the CTA-wide
     # threshold (find_bin's shuffle scan: ~8 barriers)
     warp_first: bool = False
@@ -203,7 +205,7 @@ class HistConfig:
                 + (f"q{self.search}" if self.search > 1 and not self.search_at else "")
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
-                + (f"-xb{self.xbar}" if self.xbar else "") + ("-peel" if self.peel else "")
+                + (f"-xb{self.xbar}" if self.xbar else "") + (f"-peel{self.peel}" if self.peel else "")
                 + ("-wf" if self.warp_first else ""))  # fmt: skip
 
 
@@ -255,6 +257,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
                                      and 1 <= cfg.search_at[0] and cfg.search_at[-1] < nch), (
             f"search_at {cfg.search_at}: ascending fused chunk indices in [1, {nch})")  # fmt: skip
         assert not cfg.eager or (n_segments(C, cfg) == 1 and C >= cfg.chunk), "eager: whole first chunks, one segment"
+        assert cfg.peel in (0, 1, 2), f"peel {cfg.peel}: 0, 1 or 2"
         assert not cfg.peel or (cfg.fused == 2 and cfg.fast and cfg.lean and cfg.compact and n_segments(C, cfg) == 1
                                 and not cfg.diag and not cfg.l2_ahead), "peel: fused=2 lean fast compact, one segment"
         assert not cfg.warp_first or cfg.peel, "warp_first: the peeled first chunk's bound"
@@ -272,7 +275,7 @@ SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())
                     "g2": lambda n: [1 << m for m in range(1, n.bit_length())]}  # fmt: skip
 PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
-PREFILL_PEEL = False  # those rows' `peel` (the first chunk out of the chunk loop)
+PREFILL_PEEL = 0  # those rows' `peel` (1: the first chunk out of the chunk loop, 2: + one barrier a fused chunk)
 PREFILL_WARP_FIRST = False  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
 
 
@@ -311,8 +314,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
-    PREFILL_EMIT_REGS; DEEPINFER_TOPK_PEEL=1 / 0 and DEEPINFER_TOPK_WARP_FIRST=1 / 0 (with peel only): their `peel` and
-    `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST (session 12's candidates).
+    PREFILL_EMIT_REGS; DEEPINFER_TOPK_PEEL=2 / 1 / 0 and DEEPINFER_TOPK_WARP_FIRST=1 / 0 (with peel only): their
+    `peel` and `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST (session 12's candidates).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -332,10 +335,10 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                 if cfg.search > 1:  # (the same rows: 256 threads, 64k+ columns)
                     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", PREFILL_SEARCH_AT)
                     regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
-                    peel = os.environ.get("DEEPINFER_TOPK_PEEL", "1" if PREFILL_PEEL else "0") == "1"
-                    wf = peel and os.environ.get("DEEPINFER_TOPK_WARP_FIRST", "1" if PREFILL_WARP_FIRST else "0") == "1"
+                    peel = int(os.environ.get("DEEPINFER_TOPK_PEEL", PREFILL_PEEL))
+                    wf = os.environ.get("DEEPINFER_TOPK_WARP_FIRST", "1" if PREFILL_WARP_FIRST else "0") == "1"
                     cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, peel=peel,
-                                  warp_first=wf)  # fmt: skip
+                                  warp_first=wf and peel > 0)  # fmt: skip
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -803,13 +806,19 @@ def _make_volatile(ops: _Ops):
     or phases whose barriers are all explicit (the register selection)."""
     import tilelang.language as T
 
-    def ld(buf, j):
-        return buf[j] if ops.cpu else T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
+    def ld(buf, j, hnd=None):  # hnd: a pointer handle to buf (no access TileLang's sync planner sees)
+        if ops.cpu:
+            return buf[j]
+        if hnd is not None:
+            return T.call_extern("int32", "tl_topk_ldi", hnd, j)
+        return T.call_extern("int32", "tl_topk_ld", T.address_of(buf[j]))
 
     @T.macro
-    def st(buf, j, v):
+    def st(buf, j, v, hnd=None):
         if ops.cpu:
             buf[j] = v
+        elif hnd is not None:
+            T.evaluate(T.call_extern("handle", "tl_topk_sti", hnd, j, v))
         else:
             T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(buf[j]), v))
 
@@ -1466,11 +1475,15 @@ def _make_count_key(ops: _Ops):
     import tilelang.language as T
 
     @T.macro
-    def count_key(hist_f, hist_c, kq):
+    def count_key(hist_f, hist_c, kq, hp=None):
+        """hp: the loop's pointer handles (`_make_fused`), by buffer name."""
         f = T.shift_right(kq, HSHIFT) + HB // 2
         if ops.cpu:
             hist_f[f] = hist_f[f] + 1
             hist_c[f // HSUB] = hist_c[f // HSUB] + 1
+        elif hp is not None:
+            T.evaluate(T.call_extern("int32", "tl_topk_atomic_addi", hp["hist_f"], f, 1))
+            T.evaluate(T.call_extern("int32", "tl_topk_atomic_addi", hp["hist_c"], f // HSUB, 1))
         else:
             T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_f[f]), 1))
             T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist_c[f // HSUB]), 1))
@@ -1567,8 +1580,8 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
 
     put = _make_put(ops)
 
-    def rd(buf, j, hnd):  # buf[j], or through a pointer handle to buf (warp_threshold's hh)
-        return buf[j] if hnd is None else T.call_extern("int32", "tl_topk_ldv", hnd, j)
+    def rd(buf, j, hp, name):  # buf[j], or through the pointer handle hp[name] to buf (warp_threshold's hp)
+        return buf[j] if hp is None else T.call_extern("int32", "tl_topk_ldv", hp[name], j)
 
     def warp_any(pred):  # (GPU) whether any lane of the warp has pred; the `c` target takes every thread's path
         return T.call_extern("int32", "__any_sync", full, pred) != 0
@@ -1580,8 +1593,9 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
         where that holds for no lane skips the count, the reservation and the push. fm (lean, no hitx): a
         per-thread int32 fragment for the taken keys as a bit mask -- the count is its popcount (not a chain of
         selects and adds), the push tests its bits and converts each key once; a warp without a key to push
-        skips the reservation and the push. hp (GPU): pointer handles (bufk, bufi, ctl[0]) bound before the chunk
-        loop, so that the pushes and the reservation touch no buffer TileLang's sync planner sees in the loop."""
+        skips the reservation and the push. hp (GPU): pointer handles by buffer name (bufk, bufi, ctl, fz, hist_f,
+        hist_c) bound before the chunk loop, so that the pushes, counts, flags and the reservation are no access
+        TileLang's sync planner sees in the loop."""
         hitf = None if hitx is None or ops.cpu else hitx
         skip = hitf is not None or (fm is not None and not ops.cpu)  # (warp-uniform) idle warps skip the reservation
         assert fm is None or (hitx is None and E < 32), "the lean mask: one bit a key"
@@ -1613,15 +1627,18 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                 tmp[0] = ctl[0]
                 ctl[0] = ctl[0] + n
             elif not skip:
-                warp_reserve(ctl, 0, n, i % 32, tmp, None if hp is None else hp[2])
+                warp_reserve(ctl, 0, n, i % 32, tmp, None if hp is None else hp["ctl"])
             elif warp_any(n > 0):  # (warp-uniform: the shuffles need every lane) no atomic for an idle warp
-                warp_reserve(ctl, 0, n, i % 32, tmp, None if hp is None else hp[2])
+                warp_reserve(ctl, 0, n, i % 32, tmp, None if hp is None else hp["ctl"])
             p = T.alloc_var("int32", init=tmp[0])
             fl[i] = T.if_then_else(T.And(n > 0, p + n > BUF), 1, 0)
             if fl[i] == 1:
                 if ops.cpu:
                     fz[FZ_FLAG + par] = 1
                     fz[FZ_MINF + par] = T.min(fz[FZ_MINF + par], p)
+                elif hp is not None:
+                    T.evaluate(T.call_extern("handle", "tl_topk_sti", hp["fz"], FZ_FLAG + par, 1))
+                    T.evaluate(T.call_extern("int32", "tl_topk_atomic_mini", hp["fz"], FZ_MINF + par, p))
                 else:
                     T.evaluate(T.call_extern("handle", "tl_topk_st", T.address_of(fz[FZ_FLAG + par]), 1))
                     T.evaluate(T.call_extern("int32", "atomicMin", T.address_of(fz[FZ_MINF + par]), p))
@@ -1634,31 +1651,30 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                     for q in ops.unroll(E):
                         if T.bitwise_and(T.shift_right(mb, q), 1) == 1:
                             kq = T.alloc_var("int32", init=keyf(i, q))
-                            put(bufk, p, kq, None if hp is None else hp[0])
-                            put(bufi, p, idf(i, q), None if hp is None else hp[1])
+                            put(bufk, p, kq, None if hp is None else hp["bufk"])
+                            put(bufi, p, idf(i, q), None if hp is None else hp["bufi"])
                             p = p + 1
                             if hist_f is not None:
-                                count_key(hist_f, hist_c, kq)
+                                count_key(hist_f, hist_c, kq, hp)
                 else:
                     for q in ops.unroll(E):
                         if takef(i, q):
-                            put(bufk, p, keyf(i, q), None if hp is None else hp[0])
-                            put(bufi, p, idf(i, q), None if hp is None else hp[1])
+                            put(bufk, p, keyf(i, q), None if hp is None else hp["bufk"])
+                            put(bufi, p, idf(i, q), None if hp is None else hp["bufi"])
                             p = p + 1
                             if hist_f is not None:  # counted here, not in a loop of its own (fewer registers)
                                 count_key(hist_f, hist_c, keyf(i, q))
 
     @T.macro
-    def warp_threshold(hist_f, hist_c, fz, r, w, hf_=None, hc_=None):
+    def warp_threshold(hist_f, hist_c, fz, r, w, hp=None):
         """(GPU) warp w: FZ_BETA = max(FZ_BETA, the lowest key of the fine bin holding rank r), when r are counted.
-        hf_, hc_: pointer handles to hist_f, hist_c bound before the chunk loop, read through (their data-dependent
-        indices are then no access TileLang's sync planner sees in the loop)."""
+        hp: the loop's pointer handles by buffer name (reserve_push), read and written through."""
         for i in T.Parallel(NT):
             if i // 32 == w:
                 lane = i % 32
                 own = T.alloc_var("int32", init=0)
                 for u in T.unroll(CPL):
-                    own = own + rd(hist_c, lane * CPL + u, hc_)
+                    own = own + rd(hist_c, lane * CPL + u, hp, "hist_c")
                 sfx = T.alloc_var("int32", init=own)  # this lane's bins and the higher lanes'
                 for d in (1, 2, 4, 8, 16):
                     dn = T.call_extern("int32", "__shfl_down_sync", full, sfx, d)
@@ -1668,8 +1684,8 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                     hl = 31 - T.call_extern("int32", "__clz", hits)
                     above = T.call_extern("int32", "__shfl_sync", full, sfx - own, hl)  # < r
                     # that lane's CPL bins, one a lane (read again: at least as many as summed above)
-                    h = T.alloc_var("int32", init=T.if_then_else(lane < CPL, rd(hist_c, hl * CPL + lane % CPL, hc_),
-                                                                  0))  # fmt: skip
+                    h = T.alloc_var("int32", init=T.if_then_else(
+                        lane < CPL, rd(hist_c, hl * CPL + lane % CPL, hp, "hist_c"), 0))
                     s = T.alloc_var("int32", init=h)
                     for d in (1, 2, 4):
                         dn = T.call_extern("int32", "__shfl_down_sync", full, s, d)
@@ -1682,7 +1698,7 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                         cb = hl * CPL + cl
                         cabove = T.call_extern("int32", "__shfl_sync", full, s - h, cl)
                         f = T.alloc_var("int32", init=T.if_then_else(
-                            lane < HSUB, rd(hist_f, cb * HSUB + lane % HSUB, hf_), 0))
+                            lane < HSUB, rd(hist_f, cb * HSUB + lane % HSUB, hp, "hist_f"), 0))
                         for d in (1, 2, 4, 8):
                             dn = T.call_extern("int32", "__shfl_down_sync", full, f, d)
                             f = f + T.if_then_else(lane + d < HSUB, dn, 0)
@@ -1691,8 +1707,12 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                         # no fine bin reaches r (its counts read lower than the coarse one's): the coarse bin's
                         # lowest key, which the coarse counts read (cabove + its own) already bound
                         fb = cb * HSUB + T.if_then_else(h3 != 0, 31 - T.call_extern("int32", "__clz", h3), 0)
-                        if lane == 0:
-                            T.evaluate(T.call_extern("int32", "atomicMax", T.address_of(fz[FZ_BETA]),
+                        if hp is None:
+                            if lane == 0:
+                                T.evaluate(T.call_extern("int32", "atomicMax", T.address_of(fz[FZ_BETA]),
+                                                         T.shift_left(fb - HB // 2, HSHIFT)))  # fmt: skip
+                        elif lane == 0:
+                            T.evaluate(T.call_extern("int32", "tl_topk_atomic_maxi", hp["fz"], FZ_BETA,
                                                      T.shift_left(fb - HB // 2, HSHIFT)))  # fmt: skip
 
     return SimpleNamespace(ld=ld, st=st, reserve_push=reserve_push, warp_threshold=warp_threshold)
@@ -1711,6 +1731,11 @@ __device__ __forceinline__ void tl_topk_put(int* p, int j, int v) { p[j] = v; }
 __device__ __forceinline__ void tl_topk_putv(void* p, int j, int v) { ((int*)p)[j] = v; }
 __device__ __forceinline__ int tl_topk_atomic_addv(void* p, int v) { return atomicAdd((int*)p, v); }
 __device__ __forceinline__ int tl_topk_ldv(void* p, int j) { return ((int*)p)[j]; }
+__device__ __forceinline__ int tl_topk_ldi(void* p, int j) { return ((volatile int*)p)[j]; }
+__device__ __forceinline__ void tl_topk_sti(void* p, int j, int v) { ((volatile int*)p)[j] = v; }
+__device__ __forceinline__ int tl_topk_atomic_addi(void* p, int j, int v) { return atomicAdd((int*)p + j, v); }
+__device__ __forceinline__ int tl_topk_atomic_mini(void* p, int j, int v) { return atomicMin((int*)p + j, v); }
+__device__ __forceinline__ int tl_topk_atomic_maxi(void* p, int j, int v) { return atomicMax((int*)p + j, v); }
 __device__ __forceinline__ int tl_topk_opaque(int x) {
   int y;
   asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
@@ -1860,16 +1885,15 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     kc[i, j] = T.reinterpret(xr[i, j], "int32")
 
     @T.macro
-    def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it, hh=None):
-        """(fused) FZ_BETA raised to the bound of the counts so far: one warp (it % NWARP) on the GPU (hh: see
+    def bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it, hp=None):
+        """(fused) FZ_BETA raised to the bound of the counts so far: one warp (it % NWARP) on the GPU (hp: see
         warp_threshold)."""
         if ops.cpu:
             threshold(hist_f, hist_c, cum, bc, k, ra, rb)
             if bc[2] >= 0:
                 fz[FZ_BETA] = T.max(fz[FZ_BETA], T.shift_left(bc[2] - HB // 2, HSHIFT))
         else:
-            fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP, None if hh is None else hh[0],
-                                 None if hh is None else hh[1])  # fmt: skip
+            fused.warp_threshold(hist_f, hist_c, fz, k, it % NWARP, hp)
 
     def pushed(kc, fl, mode, beta, floor):
         """The chunk keys a push after the chunk's bound (and a cut) takes: mode 1 (the barrier-per-phase path) those
@@ -2134,15 +2158,17 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, 0)), pushed(kc, fl, 1, beta, floor), E,
                          rc, tmp, lead=not cfg.warp_first)  # fmt: skip
                 tick(clk, 2)
-                hp = hh = None
-                if not ops.cpu:  # (the fused pushes through these: the loop's visible accesses stay the cut's own)
+                hp = None  # (peel 2, GPU) the fused chunks' shared accesses through pointer handles: TileLang's sync
+                # planner then sees no access of theirs, and the rare cut's writes are no loop-carried conflict (its
+                # planner treats every shared buffer as one and a pointer access as touching all of it)
+                if cfg.peel == 2 and not ops.cpu:
                     hk = T.address_of(bufk[0])  # (each bound to a variable here, not inlined into the loop)
                     hi = T.address_of(bufi[0])
                     hc = T.address_of(ctl[0])
-                    hp = (hk, hi, hc)
+                    hz = T.address_of(fz[0])
                     hf = T.address_of(hist_f[0])
                     hcs = T.address_of(hist_c[0])
-                    hh = (hf, hcs)
+                    hp = {"bufk": hk, "bufi": hi, "ctl": hc, "fz": hz, "hist_f": hf, "hist_c": hcs}
                 for it in T.serial(1, NCH):
                     if c0_of(sg, it) < lim:
                         c0 = c0_of(sg, it)
@@ -2150,24 +2176,25 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
                             fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
                         if searching(it, 2):  # (fused=2) the previous chunk's bin search during this one's pushes
-                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1, hh)
-                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
+                            bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1, hp)
+                        hz_ = None if hp is None else hp["fz"]
+                        beta = T.max(beta, fused.ld(fz, FZ_BETA, hz_))
                         for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
-                            fused.st(fz, FZ_FLAG + (it + 1) % 3, 0)
-                            fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX)
+                            fused.st(fz, FZ_FLAG + (it + 1) % 3, 0, hz_)
+                            fused.st(fz, FZ_MINF + (it + 1) % 3, INT_MAX, hz_)
                         fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
                                            raw_at_least(kc, c0, lim, T.max(beta, floor)), fl, tmp, hist_f, hist_c,
                                            None, fm, hp)  # fmt: skip
-                        ops.barrier()
+                        ops.sync()  # (the chunk's one barrier: planner-visible, so the cut's writes need no other)
                         if cfg.xbar:  # (probe) what a barrier more costs
                             for _x in T.serial(cfg.xbar):
                                 ops.barrier()
-                        if fused.ld(fz, FZ_FLAG + it % 3) != 0:  # (rare: ties; CTA-uniform) no room for some keys:
+                        if fused.ld(fz, FZ_FLAG + it % 3, hz_) != 0:  # (rare: ties; CTA-uniform) no room for some keys:
                             # the buffer's complete part (below the lowest failed start) cut to its top-k, then the
                             # keys without room pushed against its k-th key (`pushed` mode 2). The complete part's
                             # size is read from FZ_MINF (no ctl[0] store: one the planner sees here got a barrier
                             # before the branch); keep sets ctl[0]
-                            members(bufk, fused.ld(fz, FZ_MINF + it % 3), beta, EB)
+                            members(bufk, fused.ld(fz, FZ_MINF + it % 3, hz_), beta, EB)
                             select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
                             keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, EB)
                             if stb[3] == k:  # later columns tied with the k-th key lose to it

@@ -248,7 +248,7 @@ def c_peel_kernel(tilelang_required):
     the `c` target the CTA threshold's serial scan): tied rows overflow the 288-entry buffer in the fused chunks."""
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
-    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search=2, peel=True,
+    cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search=2, peel=2,
                         warp_first=True)  # fmt: skip
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
@@ -339,9 +339,9 @@ def test_gpu_prefill_default_exact(kb, kind):
     at = os.environ.get("DEEPINFER_TOPK_SEARCH_AT", ts.PREFILL_SEARCH_AT)  # (and the schedule / emit_regs switches)
     assert cfg.search_at == (ts.search_schedule(at, 16) if cfg.search > 1 else ())
     assert cfg.emit_regs == (os.environ.get("DEEPINFER_TOPK_EMIT_REGS", str(int(ts.PREFILL_EMIT_REGS))) == "1")
-    assert cfg.peel == (os.environ.get("DEEPINFER_TOPK_PEEL", str(int(ts.PREFILL_PEEL))) == "1")
-    assert cfg.warp_first == (cfg.peel and os.environ.get("DEEPINFER_TOPK_WARP_FIRST",
-                                                          str(int(ts.PREFILL_WARP_FIRST))) == "1")  # fmt: skip
+    assert cfg.peel == int(os.environ.get("DEEPINFER_TOPK_PEEL", ts.PREFILL_PEEL))
+    assert cfg.warp_first == (cfg.peel > 0 and os.environ.get("DEEPINFER_TOPK_WARP_FIRST",
+                                                              str(int(ts.PREFILL_WARP_FIRST))) == "1")  # fmt: skip
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -423,7 +423,7 @@ def test_hist_default_configs(monkeypatch):
     fast64 = ts.HistConfig(256, 16, 65536, l2_ahead=2, fused=2, min_blocks=3, ffs=True, fast=True)
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
-    peel, wf = ts.PREFILL_PEEL, ts.PREFILL_PEEL and ts.PREFILL_WARP_FIRST  # (session 12's)
+    peel, wf = ts.PREFILL_PEEL, ts.PREFILL_PEEL > 0 and ts.PREFILL_WARP_FIRST  # (session 12's)
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
                                                            emit_regs=regs, peel=peel, warp_first=wf,
@@ -447,9 +447,9 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_EMIT_REGS", "0")
     assert not ts.default_config(4096, 65536).emit_regs
     monkeypatch.delenv("DEEPINFER_TOPK_EMIT_REGS")
-    monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "1")  # (the first chunk peeled, + its bound by one warp: 64k+ rows)
+    monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "2")  # (the first chunk peeled, + its bound by one warp: 64k+ rows)
     monkeypatch.setenv("DEEPINFER_TOPK_WARP_FIRST", "1")
-    assert ts.default_config(4096, 65536).peel and ts.default_config(4096, 65536).warp_first
+    assert ts.default_config(4096, 65536).peel == 2 and ts.default_config(4096, 65536).warp_first
     assert not ts.default_config(4096, 16384).peel and not ts.default_config(4096, 16384).warp_first
     monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "0")  # (warp_first: with peel only)
     assert not ts.default_config(4096, 65536).peel and not ts.default_config(4096, 65536).warp_first
@@ -564,6 +564,35 @@ def test_sm90_staging_loop_has_no_barrier(tilelang_required):
     put = src.index("tl_topk_put((&(((int*)hist_f)[0]))")  # the stage (hist_f) written by the staging loop
     loop = src.rindex("for (", 0, put)
     assert "__syncthreads" not in src[loop:put], "a barrier inside the staging loop"
+
+
+def _block_at(src: str, start: int) -> tuple[int, int]:
+    """(the index of the `{` that opens the block of the statement at `start`, the index past its matching `}`)."""
+    a = depth = src.index("{", start)
+    for b in range(a, len(src)):
+        depth = depth + (src[b] == "{") - (src[b] == "}") if b > a else 1
+        if depth == 0:
+            return a, b + 1
+    raise AssertionError("unbalanced braces")
+
+
+def test_sm90_peel_one_barrier_a_fused_chunk(tilelang_required):
+    """HistConfig.peel 2 (+ warp_first): the loop over the fused chunks runs ONE __syncthreads a chunk outside the rare
+    overflow cut's branch -- after the chunk's pushes, before the overflow flag is read. Unpeeled, TileLang's sync
+    planner had put 5 into every fused chunk: the first chunk's and the cut's barriers hoisted out of their branches,
+    and loop-carried ones for the cut's writes against the loop's pointer accesses (its planner treats every shared
+    buffer as one and a pointer access as touching all of it: the fused chunks' accesses go through pointer handles)."""
+    from deepinfer.codegen import tilelang_backend as tb
+
+    cfg = ts.HistConfig(64, 8, 2048, fused=2, fast=True, lean=True, compact=128, rsel=True, wscan=True, ffs=True,
+                        search=2, peel=2, warp_first=True)  # fmt: skip
+    src = tb.lower(ts.program(4, 2048, k=16, ratio=2, cfg=cfg, target="sm90"), tb.get_target("sm90"))
+    a, b = _block_at(src, src.index("for (int it = 1; it < 4; ++it)"))
+    flag = src.index("if (tl_topk_ldi(", a, b)  # the overflow cut's branch: its own barriers (rare)
+    c, d = _block_at(src, flag)
+    outside = src[a:c] + src[d:b]
+    assert outside.count("__syncthreads()") == 1, outside.count("__syncthreads()")
+    assert src.rindex("tl_topk_putv(", a, flag) < src.index("__syncthreads()", a) < flag, "pushes -> barrier -> flag"
 
 
 def test_sm90_lowers_clock_probe(tilelang_required):
