@@ -53,12 +53,17 @@ def row_width(D: int, group: int, block_m: int, quant: bool) -> int:
 
 
 def config_space(M: int, D: int, group: int = 32, quant: bool = True) -> list[Config]:
-    # registers: a thread holds at most 160 fp32 elements of each row fragment
+    """The configs whose row fragments fit (a thread holds at most 160 fp32 elements of each) -- only the unpadded
+    ones (row_width == D) when there are any: on the H200 at 4096 x 5120 (session 12 call 2) the quantising
+    program's padded multi-row configs took 114-178 us, its one-row ones 37.9-49.5 us."""
+
     def fits(bm: int, t: int) -> bool:
         w = row_width(D, group, bm, quant)
         return bm * w // t <= 160 and bm * w % t == 0
 
-    return [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if fits(bm, t)]
+    space = [Config(bm, t) for bm in (1, 2, 4) for t in (128, 256, 512) if fits(bm, t)]
+    unpadded = [c for c in space if row_width(D, group, c.block_m, quant) == D]
+    return unpadded or space
 
 
 def program(M: int, D: int, *, group: int, quant: bool, eps: float, target: str, cfg: Config = Config(),
