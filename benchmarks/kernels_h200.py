@@ -3915,16 +3915,20 @@ def _topk_s12_r1_rows():
     lowered CUDA: the planner's loop-top one and the chunk's), 2 also puts the fused chunks' shared accesses behind
     pointer handles (1 a chunk; nvcc spills 2 words: floor and the overflow flag, ~2 local accesses a chunk);
     `warp_first` finds the peeled first chunk's bound by one warp's bin search (the fused chunks') instead of the CTA
-    threshold's ~8 barriers. The default, peel 1, peel 2, peel 2 + warp_first (its kernel:
-    test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1), every row exact (heavy
-    ties, real scores twice); then the clock probes (`case_topk_clock`, not a top-k) of the default and of peel 2 +
-    warp_first."""
+    threshold's ~8 barriers; `emit_wc` writes the output from bitmap words owned warp-contiguously (conflict-free reads
+    kept in registers, a warp scan a round; session 11's clock: the output 4.5k cycles a row of 75.4k). The default,
+    peel 1, peel 2, peel 2 + warp_first, the default + emit_wc, peel 2 + warp_first + emit_wc (its kernel:
+    test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1 DEEPINFER_TOPK_EMIT_WC=1),
+    every row exact (heavy ties, real scores twice); then the clock probes (`case_topk_clock`, not a top-k) of the
+    default and of the last."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    best = rep(d64, peel=2, warp_first=True)
-    rows = (d64, rep(d64, peel=1), rep(d64, peel=2), best, rep(d64, clock=True), rep(best, clock=True))
+    pw = rep(d64, peel=2, warp_first=True)
+    best = rep(pw, emit_wc=True)
+    rows = (d64, rep(d64, peel=1), rep(d64, peel=2), pw, rep(d64, emit_wc=True), best, rep(d64, clock=True),
+            rep(best, clock=True))  # fmt: skip
     return [(4096, 65536, c) for c in rows]
 
 

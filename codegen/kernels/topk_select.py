@@ -188,6 +188,10 @@ class HistConfig:
     # (peel) the first chunk's bound by one warp's bin search (the fused chunks' `warp_threshold`), not the CTA-wide
     # threshold (find_bin's shuffle scan: ~8 barriers)
     warp_first: bool = False
+    # (GPU, ffs, wscan) the output's bitmap words owned warp-contiguously (`_make_emit_wc`: conflict-free reads kept in
+    # registers, a warp scan a round), not 8 contiguous words a thread (8-way bank conflicts, read twice); the `c`
+    # target keeps `_make_emit`
+    emit_wc: bool = False
 
     @property
     def chunk(self) -> int:
@@ -206,7 +210,7 @@ class HistConfig:
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
                 + (f"-xb{self.xbar}" if self.xbar else "") + (f"-peel{self.peel}" if self.peel else "")
-                + ("-wf" if self.warp_first else ""))  # fmt: skip
+                + ("-wf" if self.warp_first else "") + ("-wc" if self.emit_wc else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
@@ -261,6 +265,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert not cfg.peel or (cfg.fused == 2 and cfg.fast and cfg.lean and cfg.compact and n_segments(C, cfg) == 1
                                 and not cfg.diag and not cfg.l2_ahead), "peel: fused=2 lean fast compact, one segment"
         assert not cfg.warp_first or cfg.peel, "warp_first: the peeled first chunk's bound"
+        assert not cfg.emit_wc or (cfg.ffs and cfg.wscan and not cfg.emit_regs), "emit_wc: ffs + wscan, no emit_regs"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
     assert cfg.seg % cfg.chunk == 0, "a segment is a whole number of chunks"
@@ -277,6 +282,7 @@ PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
 PREFILL_PEEL = 0  # those rows' `peel` (1: the first chunk out of the chunk loop, 2: + one barrier a fused chunk)
 PREFILL_WARP_FIRST = False  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
+PREFILL_EMIT_WC = False  # those rows' `emit_wc` (the output's words owned warp-contiguously)
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -315,7 +321,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
     PREFILL_EMIT_REGS; DEEPINFER_TOPK_PEEL=2 / 1 / 0 and DEEPINFER_TOPK_WARP_FIRST=1 / 0 (with peel only): their
-    `peel` and `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST (session 12's candidates).
+    `peel` and `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST; DEEPINFER_TOPK_EMIT_WC=1 / 0: `emit_wc` (not
+    with emit_regs), default PREFILL_EMIT_WC (session 12's candidates).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -337,8 +344,9 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                     regs = os.environ.get("DEEPINFER_TOPK_EMIT_REGS", "1" if PREFILL_EMIT_REGS else "0") == "1"
                     peel = int(os.environ.get("DEEPINFER_TOPK_PEEL", PREFILL_PEEL))
                     wf = os.environ.get("DEEPINFER_TOPK_WARP_FIRST", "1" if PREFILL_WARP_FIRST else "0") == "1"
+                    wc = os.environ.get("DEEPINFER_TOPK_EMIT_WC", "1" if PREFILL_EMIT_WC else "0") == "1"
                     cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, peel=peel,
-                                  warp_first=wf and peel > 0)  # fmt: skip
+                                  warp_first=wf and peel > 0, emit_wc=wc and not regs)  # fmt: skip
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -1098,6 +1106,57 @@ def _make_emit(ops: _Ops, NT: int, C: int, K: int, ffs: bool = False, warp_scan:
     return emit
 
 
+def _make_emit_wc(NT: int, C: int, K: int):
+    """(GPU; HistConfig.emit_wc) Macro emit(bitmap, wcnt, Idx, t, kk, wv, wo): `_make_emit`'s output (__ffs, offsets by
+    warp scans) with the bitmap words owned warp-contiguously: warp w owns words [w * WPW, (w + 1) * WPW), its lane l
+    word w * WPW + 32 u + l in round u -- a warp load reads 32 consecutive words (thread-contiguous words put lanes 4
+    apart on one bank: 8-way conflicts, read twice), the words stay in registers (wv), each round's offsets come from
+    a warp scan (wo), and a round's output lands in one stretch of the row. wv, wo: int32 fragments [NT, R]."""
+    import tilelang.language as T
+
+    NW = -(-C // 32)
+    NWARP = max(NT // 32, 1)
+    WPW = _round_up(-(-NW // NWARP), 32)  # words a warp
+    R = WPW // 32  # rounds
+    full = T.uint32(0xFFFFFFFF)
+
+    @T.macro
+    def emit(bitmap, wcnt, Idx, t, kk, wv, wo):
+        for i in T.Parallel(NT):
+            run = T.alloc_var("int32", init=0)  # the warp's set bits in the rounds before
+            for u in T.unroll(R):
+                w = (i // 32) * WPW + u * 32 + i % 32
+                wv[i, u] = T.if_then_else(w < NW, bitmap[T.min(w, NW - 1)], 0)
+                c = T.alloc_var("int32", init=T.call_extern("int32", "__popc", wv[i, u]))
+                incl = T.alloc_var("int32", init=c)
+                for d in (1, 2, 4, 8, 16):
+                    up = T.call_extern("int32", "__shfl_up_sync", full, incl, d)
+                    incl = incl + T.if_then_else(i % 32 >= d, up, 0)
+                wo[i, u] = run + incl - c
+                run = run + T.call_extern("int32", "__shfl_sync", full, incl, 31)
+            if i % 32 == 31:
+                wcnt[i // 32] = run
+        T.sync_threads()  # (planner-visible: the warp totals are plain shared accesses)
+        for i in T.Parallel(NT):
+            base = T.alloc_var("int32", init=0)
+            for v in T.unroll(NWARP):
+                if v < i // 32:
+                    base = base + wcnt[v]
+            for u in T.unroll(R):
+                rest = T.alloc_var("int32", init=wv[i, u])
+                nset = T.alloc_var("int32", init=T.call_extern("int32", "__popc", rest))
+                p = T.alloc_var("int32", init=base + wo[i, u])
+                for _b in T.serial(nset):
+                    Idx[t, p] = ((i // 32) * WPW + u * 32 + i % 32) * 32 + T.call_extern("int32", "__ffs", rest) - 1
+                    p = p + 1
+                    rest = T.bitwise_and(rest, rest - 1)  # (the lowest set bit cleared)
+        for p in T.Parallel(K):
+            if p >= kk:
+                Idx[t, p] = -1
+
+    return emit
+
+
 def _make_row_io(ops: _Ops, NT: int, E: int, NW: int, EB: int):
     """The streamed programs' shared pieces: chunk loads (thread i's j-th score of a chunk: float4 j // 4, strided
     by the threads) and keys, warp-aggregated pushes into a shared buffer, the buffer back into registers (EB a
@@ -1815,6 +1874,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     EMIT_REGS = cfg.emit_regs and cfg.ffs and not ops.cpu
     CLOCK = cfg.clock and not ops.cpu  # (the `c` target has no SM clock: there the program is the real one)
     PEEL = cfg.peel  # (check_config: fused=2 lean fast compact, one segment)
+    EMIT_WC = cfg.emit_wc and not ops.cpu
+    emit_wc = _make_emit_wc(NT, C, k) if EMIT_WC else None
     NCLK = len(hist_clock_points(cfg))
 
     def c0_of(sg, it):  # first column of chunk `it` of segment `sg`
@@ -2092,6 +2153,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
             wv = ops.fr((NT, -(-NW // NT)), "int32") if EMIT_REGS else None  # (emit_regs) a thread's output words
+            if EMIT_WC:  # (emit_wc) a thread's output words and their offsets in the warp's stretch
+                wv = ops.fr((NT, _round_up(-(-NW // max(NT // 32, 1)), 32) // 32), "int32")
+                wo = ops.fr((NT, _round_up(-(-NW // max(NT // 32, 1)), 32) // 32), "int32")
             clk = T.alloc_local((NCLK,), "int32") if CLOCK else None  # (clock) the checkpoints' clocks
             tick(clk, 0)
             if RSEL:  # (rsel) the staged members in registers
@@ -2185,7 +2249,13 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         fused.reserve_push(bufk, bufi, ctl, fz, it % 3, raw_key(kc), id_c(c0),
                                            raw_at_least(kc, c0, lim, T.max(beta, floor)), fl, tmp, hist_f, hist_c,
                                            None, fm, hp)  # fmt: skip
-                        ops.sync()  # (the chunk's one barrier: planner-visible, so the cut's writes need no other)
+                        if cfg.peel == 1:
+                            ops.barrier()  # (the chunk's barrier; the planner adds one at the loop top)
+                        else:  # (the chunk's one barrier: TileLang's planner drops a T.sync_threads it sees no need
+                            # for, and puts its own right here -- the rare cut's writes are a loop-carried conflict
+                            # for it and nothing before in the loop body is an access it sees;
+                            # test_sm90_peel_one_barrier_a_fused_chunk pins it)
+                            ops.sync()
                         if cfg.xbar:  # (probe) what a barrier more costs
                             for _x in T.serial(cfg.xbar):
                                 ops.barrier()
@@ -2366,7 +2436,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     nqm = T.alloc_var("int32", init=T.min((ctl[0] + NT - 1) // NT, EB))  # (the last cut's buffer)
                     mark(bitmap, id_s(bufi), take_s(bufk, bufi, stb, stb2), nqm if cfg.trim else EB, unroll=False)
                 tick(clk, NCLK - 2)
-                emit(bitmap, wcnt, wbase, Idx, t, stb[3], wv)
+                if EMIT_WC:
+                    emit_wc(bitmap, wcnt, Idx, t, stb[3], wv, wo)
+                else:
+                    emit(bitmap, wcnt, wbase, Idx, t, stb[3], wv)
                 if CLOCK:  # (after every thread's output stores: thread 0's clocks replace the first entries)
                     tick(clk, NCLK - 1)
                     ops.barrier()

@@ -342,6 +342,8 @@ def test_gpu_prefill_default_exact(kb, kind):
     assert cfg.peel == int(os.environ.get("DEEPINFER_TOPK_PEEL", ts.PREFILL_PEEL))
     assert cfg.warp_first == (cfg.peel > 0 and os.environ.get("DEEPINFER_TOPK_WARP_FIRST",
                                                               str(int(ts.PREFILL_WARP_FIRST))) == "1")  # fmt: skip
+    assert cfg.emit_wc == (os.environ.get("DEEPINFER_TOPK_EMIT_WC", str(int(ts.PREFILL_EMIT_WC))) == "1"
+                           and not cfg.emit_regs)  # fmt: skip
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -424,9 +426,10 @@ def test_hist_default_configs(monkeypatch):
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
     peel, wf = ts.PREFILL_PEEL, ts.PREFILL_PEEL > 0 and ts.PREFILL_WARP_FIRST  # (session 12's)
+    wc = ts.PREFILL_EMIT_WC and not regs
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
-                                                           emit_regs=regs, peel=peel, warp_first=wf,
+                                                           emit_regs=regs, peel=peel, warp_first=wf, emit_wc=wc,
                                                            **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
@@ -455,6 +458,12 @@ def test_hist_default_configs(monkeypatch):
     assert not ts.default_config(4096, 65536).peel and not ts.default_config(4096, 65536).warp_first
     monkeypatch.delenv("DEEPINFER_TOPK_PEEL")
     monkeypatch.delenv("DEEPINFER_TOPK_WARP_FIRST")
+    monkeypatch.setenv("DEEPINFER_TOPK_EMIT_WC", "1")  # (the warp-contiguous output: the same rows, not with emit_regs)
+    assert ts.default_config(4096, 65536).emit_wc and not ts.default_config(4096, 16384).emit_wc
+    monkeypatch.setenv("DEEPINFER_TOPK_EMIT_REGS", "1")
+    assert not ts.default_config(4096, 65536).emit_wc
+    monkeypatch.delenv("DEEPINFER_TOPK_EMIT_REGS")
+    monkeypatch.delenv("DEEPINFER_TOPK_EMIT_WC")
     assert ts.search_schedule("g2", 16) == (2, 4, 8, 15) and ts.search_schedule("g1", 4) == (2, 3)
     assert ts.default_config(4096, 16384) == ts.HistConfig(128, 16, 16384, fused=2, ffs=True, fast=True, eager=True,
                                                            **s8)  # fmt: skip
