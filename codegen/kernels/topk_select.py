@@ -263,7 +263,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert not cfg.eager or (n_segments(C, cfg) == 1 and C >= cfg.chunk), "eager: whole first chunks, one segment"
         assert cfg.peel in (0, 1, 2), f"peel {cfg.peel}: 0, 1 or 2"
         assert not cfg.peel or (cfg.fused == 2 and cfg.fast and cfg.lean and cfg.compact and n_segments(C, cfg) == 1
-                                and not cfg.diag and not cfg.l2_ahead), "peel: fused=2 lean fast compact, one segment"
+                                and not cfg.diag), "peel: fused=2 lean fast compact, one segment"
         assert not cfg.warp_first or cfg.peel, "warp_first: the peeled first chunk's bound"
         assert not cfg.emit_wc or (cfg.ffs and cfg.wscan and not cfg.emit_regs), "emit_wc: ffs + wscan, no emit_regs"
         return
@@ -2204,26 +2204,8 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 # (peel, static) the first chunk before the loop, the loop over the fused chunks only: TileLang's
                 # sync planner hoisted the first chunk's and the overflow cut's barriers into every fused chunk
                 # (5 a chunk, 1 needed). The first chunk never cuts: at most a chunk's keys into an empty buffer
-                if c0_of(sg, 0) < lim:
-                    chunk_keys(c0_of(sg, 0), lim, xr, kc)
-                    if NCH > 1:
-                        if c0_of(sg, 1) < lim:
-                            fetch_next(S, t, c0_of(sg, 1), lim, xr)
-                    count(hist_f, hist_c, key_c(kc), E, beta)
-                    ops.barrier()
-                    if cfg.warp_first:  # one warp's bin search (FZ_BETA), not the CTA's threshold (~8 barriers)
-                        bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, 0)
-                        ops.barrier()
-                        beta = T.max(beta, fused.ld(fz, FZ_BETA))
-                    else:
-                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
-                        if bc[2] >= 0:  # the bin's lowest key
-                            beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
-                    push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, 0)), pushed(kc, fl, 1, beta, floor), E,
-                         rc, tmp, lead=not cfg.warp_first)  # fmt: skip
-                tick(clk, 2)
-                hp = None  # (peel 2, GPU) the fused chunks' shared accesses through pointer handles: TileLang's sync
-                # planner then sees no access of theirs, and the rare cut's writes are no loop-carried conflict (its
+                hp = None  # (peel 2, GPU) the chunks' shared accesses through pointer handles: TileLang's sync planner
+                # then sees no access of theirs, and the rare cut's writes are no loop-carried conflict (its
                 # planner treats every shared buffer as one and a pointer access as touching all of it)
                 if cfg.peel == 2 and not ops.cpu:
                     hk = T.address_of(bufk[0])  # (each bound to a variable here, not inlined into the loop)
@@ -2233,15 +2215,42 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     hf = T.address_of(hist_f[0])
                     hcs = T.address_of(hist_c[0])
                     hp = {"bufk": hk, "bufi": hi, "ctl": hc, "fz": hz, "hist_f": hf, "hist_c": hcs}
+                hz_ = None if hp is None else hp["fz"]
+                if c0_of(sg, 0) < lim:
+                    chunk_keys(c0_of(sg, 0), lim, xr, kc)
+                    if NCH > 1 + cfg.l2_ahead:  # (l2_ahead: chunks 1 .. l2_ahead were prefetched before)
+                        prefetch_l2(S, t, sg, 1 + cfg.l2_ahead, lim)
+                    if NCH > 1:
+                        if c0_of(sg, 1) < lim:
+                            fetch_next(S, t, c0_of(sg, 1), lim, xr)
+                    count(hist_f, hist_c, key_c(kc), E, beta)
+                    ops.barrier()
+                    if cfg.warp_first:  # one warp's bin search (FZ_BETA), not the CTA's threshold (~8 barriers)
+                        bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, 0, hp)
+                        ops.barrier()
+                        beta = T.max(beta, fused.ld(fz, FZ_BETA, hz_))
+                    else:
+                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                        if bc[2] >= 0:  # the bin's lowest key
+                            beta = T.max(beta, T.shift_left(bc[2] - HB // 2, HSHIFT))
+                    if cfg.peel == 2:  # as a fused chunk pushes: no barrier inside, none the planner adds
+                        fused.reserve_push(bufk, bufi, ctl, fz, 0, key_c(kc), id_c(c0_of(sg, 0)),
+                                           at_least(kc, T.max(beta, floor)), fl, tmp, None, None, None, fm, hp)
+                        ops.barrier()  # (before chunk 1's reservations: no chunk-0 range may land past the buffer)
+                    else:
+                        push(bufk, bufi, 0, ctl, 0, key_c(kc), id_c(c0_of(sg, 0)), pushed(kc, fl, 1, beta, floor),
+                             E, rc, tmp, lead=not cfg.warp_first)  # fmt: skip
+                tick(clk, 2)
                 for it in T.serial(1, NCH):
                     if c0_of(sg, it) < lim:
                         c0 = c0_of(sg, it)
                         raw_bits(xr, kc, c0, lim)
+                        if NCH > 1 + cfg.l2_ahead:
+                            prefetch_l2(S, t, sg, it + 1 + cfg.l2_ahead, lim)
                         if T.And(it + 1 < NCH, c0_of(sg, it + 1) < lim):
                             fetch_next(S, t, c0_of(sg, it + 1), lim, xr)
                         if searching(it, 2):  # (fused=2) the previous chunk's bin search during this one's pushes
                             bin_search(hist_f, hist_c, cum, bc, ra, rb, fz, it - 1, hp)
-                        hz_ = None if hp is None else hp["fz"]
                         beta = T.max(beta, fused.ld(fz, FZ_BETA, hz_))
                         for _z in ops.par(1):  # chunk it + 1's flags (all read them 2 barriers ago)
                             fused.st(fz, FZ_FLAG + (it + 1) % 3, 0, hz_)
