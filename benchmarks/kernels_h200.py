@@ -622,8 +622,8 @@ def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool, spread
 
 
 # `--only "masked_rows s12 B"` (session 12, helper B): moe_grouped_gemm.masked_rows at the decode buckets T 64 / 128 /
-# 256 (top-6: P = 384 / 768 / 1536 pairs, 32 / 64 / 128 rank chunks). cceee7d made walks of more than 32 chunks a
-# runtime loop (the 128-chunk unroll took ~170 s to compile); T 64 is timed unrolled (the default) and as the loop.
+# 256 (top-6: P = 384 / 768 / 1536 pairs, 32 / 64 / 128 rank chunks), every walk a runtime loop (call 2, T 64: the
+# 32-chunk unroll 73.5 us vs the loop 40.7 us, so the unroll is gone).
 # Each row: the kernel's device time (one call replayed as a CUDA graph, as the decode graph runs it) vs its torch
 # formulation (masked_rows_reference, same replay) as the eager column, checked bit for bit; the check column also
 # holds the first launch's seconds with an empty Triton cache (compile + load: the stall an engine's first step at
@@ -652,7 +652,7 @@ def _first_launch_s(fn) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def case_masked_rows_s12b(row: Row, tokens: int, loop: bool, quick: bool, dry: bool):
+def case_masked_rows_s12b(row: Row, tokens: int, quick: bool, dry: bool):
     mg = moe_grouped_gemm
     row.bytes_ = float(tokens * TOPK * 8 * 3 + 4 * (2 * EXPERTS + 1))
     if dry:  # (nothing to prebuild: the row times the cold compile itself)
@@ -661,25 +661,19 @@ def case_masked_rows_s12b(row: Row, tokens: int, loop: bool, quick: bool, dry: b
     e_kept = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).reshape(-1).cuda()
     e_kept[1::7] = EXPERTS  # merged duplicates (the spare expert E), as the adapter passes them
     max_rows = -(-tokens // 16) * 16
-    saved = mg.UNROLL_MAX_CHUNKS
-    mg.UNROLL_MAX_CHUNKS = 0 if loop else saved  # 0: every walk a runtime loop
-    try:
-        cold, disk = _first_launch_s(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False))
-        got, want = mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), mg.masked_rows_reference(e_kept, EXPERTS,
-                                                                                                      max_rows)
-        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-            raise AssertionError("masked_rows differs from its torch formulation")
-        row.check = f"exact; 1st launch {cold:.2f} s cold, {disk:.2f} s disk-cached"
-        row.ms = bench_device(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), quick)
-    finally:
-        mg.UNROLL_MAX_CHUNKS = saved
+    cold, disk = _first_launch_s(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False))
+    got, want = mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), mg.masked_rows_reference(e_kept, EXPERTS,
+                                                                                                  max_rows)
+    if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+        raise AssertionError("masked_rows differs from its torch formulation")
+    row.check = f"exact; 1st launch {cold:.2f} s cold, {disk:.2f} s disk-cached"
+    row.ms = bench_device(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), quick)
     row.eager_ms = bench_device(lambda: mg.masked_rows_reference(e_kept, EXPERTS, max_rows), quick)
 
 
 def masked_rows_s12b_cases():
-    return [(f"masked_rows s12 B T{t} {'loop' if loop else 'default'}", f"T{t} k{TOPK} E{EXPERTS}",
-             lambda r, q, d, t=t, loop=loop: case_masked_rows_s12b(r, t, loop, q, d))
-            for t, loop in ((64, False), (64, True), (128, False), (256, False))]  # fmt: skip
+    return [(f"masked_rows s12 B T{t}", f"T{t} k{TOPK} E{EXPERTS}",
+             lambda r, q, d, t=t: case_masked_rows_s12b(r, t, q, d)) for t in (64, 128, 256)]  # fmt: skip
 
 
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool, cfg=None):
@@ -3911,24 +3905,41 @@ def _topk_s11_r1_rows():
 def _topk_s12_r1_rows():
     """(T, C, cfg) rows "topk_select s12 r1" (helper A, session 12, issue 6: >= 60% of HBM, <= ~415 us at T4096
     C65536; session 11: 423.2 / 423.8 us = 58.9 / 58.5%). TileLang's sync planner ran 5 barriers a fused chunk, 1
-    needed (probe xbar 3: +5.7 us). `peel` 1 takes the first chunk out of the chunk loop (2 a fused chunk in the
-    lowered CUDA: the planner's loop-top one and the chunk's), 2 also puts the fused chunks' shared accesses behind
-    pointer handles (1 a chunk; nvcc spills 2 words: floor and the overflow flag, ~2 local accesses a chunk);
-    `warp_first` finds the peeled first chunk's bound by one warp's bin search (the fused chunks') instead of the CTA
-    threshold's ~8 barriers; `emit_wc` writes the output from bitmap words owned warp-contiguously (conflict-free reads
-    kept in registers, a warp scan a round; session 11's clock: the output 4.5k cycles a row of 75.4k). The default,
-    peel 1, peel 2, peel 2 + warp_first, the default + emit_wc, peel 2 + warp_first + emit_wc (its kernel:
-    test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1 DEEPINFER_TOPK_EMIT_WC=1),
-    every row exact (heavy ties, real scores twice); then the clock probes (`case_topk_clock`, not a top-k) of the
-    default and of the last."""
+    needed (probe xbar 3: +5.7 us): `peel` takes the first chunk out of the chunk loop (2 a fused chunk in the lowered
+    CUDA); `warp_first` finds the peeled first chunk's bound by one warp's bin search instead of the CTA threshold's
+    ~8 barriers. Every row exact (heavy ties, real scores twice); then the clock probes (`case_topk_clock`, not a
+    top-k) of the default and of peel + warp_first.
+    H200 call 2 (the lead, at 89efc51 -- peel's first form, now `peel` 1 with minor changes; HBM copy 4.27 TB/s, every
+    row exact): default 423.7 us = 58.8% | peel 421.0 | peel + warp_first 419.6 = 59.4%; clock (cycles a row) default
+    c0 8061 ... stage 2941 select 5700 mark 823 emit 4563, total 75354; peel + warp_first c0 5960, the fused chunks
+    ~0.4-0.5k more each in the probe (77948 in all; the probe kernel 444.4 us vs 431.4: the probe distorts)."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    pw = rep(d64, peel=2, warp_first=True)
-    best = rep(pw, emit_wc=True)
-    rows = (d64, rep(d64, peel=1), rep(d64, peel=2), pw, rep(d64, emit_wc=True), best, rep(d64, clock=True),
-            rep(best, clock=True))  # fmt: skip
+    pw = rep(d64, peel=1, warp_first=True)
+    return [(4096, 65536, c) for c in (d64, rep(d64, peel=1), pw, rep(d64, clock=True), rep(pw, clock=True))]
+
+
+def _topk_s12_r2_rows():
+    """(T, C, cfg) rows "topk_select s12 r2" (helper A, session 12; call 2: peel + warp_first 419.6 us = 59.4%, ~4.5 us
+    short of 60%). `peel` 2: the fused chunks' (and the first chunk's push's) shared accesses through pointer handles
+    bound before the loop -- ONE barrier a fused chunk in the lowered CUDA (peel 1: 2; sm90: 2 words spilled, ~1
+    local load + 1 store a chunk); `emit_wc`: the output from bitmap words owned warp-contiguously (conflict-free reads
+    kept in registers, a warp scan a round; the output was 4.5k cycles a row); `l2_ahead` 1 / 2 on top (the lead's
+    idea: while a CTA runs its ~14k-cycle tail the SM's other two stream alone, latency-bound -- bytes in flight beyond
+    the register chunk). The default, call 2's best (peel 1 + warp_first), peel 2 + warp_first, + emit_wc, + l2_ahead
+    1, + l2_ahead 2, + emit_wc + l2_ahead 1; every row exact (heavy ties, real scores twice); last the clock probe of
+    peel 2 + warp_first + emit_wc. test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1
+    DEEPINFER_TOPK_EMIT_WC=1 runs the 4th row's kernel."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    rep = dataclasses.replace
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    p2 = rep(d64, peel=2, warp_first=True)
+    wc = rep(p2, emit_wc=True)
+    rows = (d64, rep(d64, peel=1, warp_first=True), p2, wc, rep(p2, l2_ahead=1), rep(p2, l2_ahead=2),
+            rep(wc, l2_ahead=1), rep(wc, clock=True))  # fmt: skip
     return [(4096, 65536, c) for c in rows]
 
 
@@ -4161,10 +4172,11 @@ def _indexer_cases(quick: bool):
             case = case_topk_clock if cfg.clock else case_topk_s10
             out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
-        for T_, C, cfg in _topk_s12_r1_rows():
-            case = case_topk_clock if cfg.clock else case_topk_s10
-            out.append(("topk_select s12 r1", f"T{T_} C{C} k{IDX_TOPK}",
-                        lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
+        for group, rows in (("r1", _topk_s12_r1_rows()), ("r2", _topk_s12_r2_rows())):
+            for T_, C, cfg in rows:
+                case = case_topk_clock if cfg.clock else case_topk_s10
+                out.append((f"topk_select s12 {group}", f"T{T_} C{C} k{IDX_TOPK}",
+                            lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
         for T_, C, which in topk_s10_test_configs():
             out.append(("topk_select s10build", f"T{T_} C{C} {which}",
                         lambda r, q, d, T_=T_, C=C, w=which: case_topk_s10_testbuild(r, T_, C, w, q, d)))  # fmt: skip
