@@ -962,7 +962,6 @@ def slot_expert_meta(counts: torch.Tensor) -> torch.Tensor:
 # expert, in flat pair order) and slot_expert_meta of the counts. In torch the ranks were a cumsum of a [T*K, E+1]
 # one-hot along dim 0 (one serial scan per column: 75 us a layer on the H200 at T=64) and the map a radix sort
 # (20 us); here the ranks are [CHUNK, P] equality tiles, the counts a histogram, the map a cumsum of E flags.
-UNROLL_MAX_CHUNKS = 32  # masked_rows_kernel unrolls walks of up to this many chunks (see there)
 
 
 @functools.lru_cache(maxsize=2)
@@ -973,7 +972,7 @@ def _masked_rows_kernel(interpret: bool):
 
     @triton.jit
     def masked_rows_kernel(e_ptr, dest_ptr, meta_ptr, P, E, max_rows, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                           CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                           CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr):  # fmt: skip
         """Program p ranks pairs [p * N_CHUNKS * CHUNK, +N_CHUNKS * CHUNK); program 0 also writes the meta. One
         program walking every chunk (N_CHUNKS = BLOCK_P / CHUNK) or one program a chunk (N_CHUNKS = 1, spread)."""
         pid = tl.program_id(0)
@@ -989,15 +988,10 @@ def _masked_rows_kernel(interpret: bool):
             tl.store(meta_ptr + ex, counts, mask=ex < E)
             tl.store(meta_ptr + E + pos, ex, mask=ex < E)
             tl.store(meta_ptr + 2 * E, n_act)
-        # The chunks are independent. UNROLL (walks of up to UNROLL_MAX_CHUNKS: the decode buckets up to T=64 at
-        # top-6, timed on the H200): unrolled; longer walks are a runtime loop, because Triton's compile of a
-        # 128-chunk unroll (T=256) took ~170 s of CPU (session 11), a stall at the bucket's first launch.
-        for k in tl.static_range(N_CHUNKS if UNROLL else 0):
-            i = (pid * N_CHUNKS + k) * CHUNK + tl.arange(0, CHUNK)
-            ei = tl.load(e_ptr + i, mask=i < P, other=E)
-            rank = tl.sum(((ei[:, None] == ej[None, :]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
-            tl.store(dest_ptr + i, ei * max_rows + rank, mask=i < P)
-        for k in tl.range(0 if UNROLL else N_CHUNKS):
+        # The chunks are independent: a runtime loop, never an unroll. H200 (session 12 call 2, T=64, 32 chunks):
+        # unrolled 73.5 us vs 40.7 us as the loop, first launch 4.0 vs 0.46 s; the unroll's sm_90a compile on a
+        # 2-core CPU: 15.6 s vs 0.6 s at T=64, 43 s at T=128, ~170 s at T=256.
+        for k in tl.range(N_CHUNKS):
             i = (pid * N_CHUNKS + k) * CHUNK + tl.arange(0, CHUNK)
             ei = tl.load(e_ptr + i, mask=i < P, other=E)
             rank = tl.sum(((ei[:, None] == ej[None, :]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
@@ -1029,7 +1023,7 @@ def masked_rows(e_kept: torch.Tensor, n_experts: int, max_rows: int, spread: boo
     n_chunks = 1 if spread else block_p // chunk
     _masked_rows_kernel(os.environ.get("TRITON_INTERPRET") == "1")[(triton.cdiv(p, chunk * n_chunks),)](
         e_kept, dest, meta, p, n_experts, max_rows, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(n_experts + 1),
-        CHUNK=chunk, N_CHUNKS=n_chunks, UNROLL=n_chunks <= UNROLL_MAX_CHUNKS, num_warps=4 if spread else 8)  # fmt: skip
+        CHUNK=chunk, N_CHUNKS=n_chunks, num_warps=4 if spread else 8)  # fmt: skip
     return dest, meta
 
 

@@ -358,8 +358,7 @@ def test_masked_rows_builds_for_sm90(block_p, spread):
     sig = {"e_ptr": "*i64", "dest_ptr": "*i64", "meta_ptr": "*i32", "P": "i32", "E": "i32", "max_rows": "i32"}
     ptx, report = compile_sm90("deepinfer.codegen.kernels.moe_grouped_gemm", "_masked_rows_kernel", sig,
                                {"BLOCK_P": block_p, "BLOCK_E": 512, "CHUNK": 16,
-                                "N_CHUNKS": 1 if spread else block_p // 16,
-                                "UNROLL": spread or block_p // 16 <= mg.UNROLL_MAX_CHUNKS},
+                                "N_CHUNKS": 1 if spread else block_p // 16},
                                num_warps=4 if spread else 8)  # fmt: skip
     assert "st.global" in ptx
     assert spill_free(report), report  # T=256 (2048): a runtime loop over the chunks, not a 128-chunk unroll
