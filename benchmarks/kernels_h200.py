@@ -623,7 +623,8 @@ def case_moe_decode_layout(row: Row, tokens: int, quick: bool, dry: bool, spread
 
 # `--only "masked_rows s12 B"` (session 12, helper B): moe_grouped_gemm.masked_rows at the decode buckets T 64 / 128 /
 # 256 (top-6: P = 384 / 768 / 1536 pairs, 32 / 64 / 128 rank chunks), every walk a runtime loop (call 2, T 64: the
-# 32-chunk unroll 73.5 us vs the loop 40.7 us, so the unroll is gone).
+# 32-chunk unroll 73.5 us vs the loop 40.7 us, so the unroll is gone). Two forms: "loop" (one program walks every
+# chunk: BLOCK_P^2 compares on one SM -- call 2: 40.7 / 126.3 / 370.8 us, int64 ids) and "spread" (a program a chunk).
 # Each row: the kernel's device time (one call replayed as a CUDA graph, as the decode graph runs it) vs its torch
 # formulation (masked_rows_reference, same replay) as the eager column, checked bit for bit; the check column also
 # holds the first launch's seconds with an empty Triton cache (compile + load: the stall an engine's first step at
@@ -652,7 +653,7 @@ def _first_launch_s(fn) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def case_masked_rows_s12b(row: Row, tokens: int, quick: bool, dry: bool):
+def case_masked_rows_s12b(row: Row, tokens: int, spread: bool, quick: bool, dry: bool):
     mg = moe_grouped_gemm
     row.bytes_ = float(tokens * TOPK * 8 * 3 + 4 * (2 * EXPERTS + 1))
     if dry:  # (nothing to prebuild: the row times the cold compile itself)
@@ -661,19 +662,20 @@ def case_masked_rows_s12b(row: Row, tokens: int, quick: bool, dry: bool):
     e_kept = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).reshape(-1).cuda()
     e_kept[1::7] = EXPERTS  # merged duplicates (the spare expert E), as the adapter passes them
     max_rows = -(-tokens // 16) * 16
-    cold, disk = _first_launch_s(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False))
-    got, want = mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), mg.masked_rows_reference(e_kept, EXPERTS,
-                                                                                                  max_rows)
+    cold, disk = _first_launch_s(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=spread))
+    got, want = mg.masked_rows(e_kept, EXPERTS, max_rows, spread=spread), mg.masked_rows_reference(e_kept, EXPERTS,
+                                                                                                   max_rows)
     if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
         raise AssertionError("masked_rows differs from its torch formulation")
     row.check = f"exact; 1st launch {cold:.2f} s cold, {disk:.2f} s disk-cached"
-    row.ms = bench_device(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=False), quick)
+    row.ms = bench_device(lambda: mg.masked_rows(e_kept, EXPERTS, max_rows, spread=spread), quick)
     row.eager_ms = bench_device(lambda: mg.masked_rows_reference(e_kept, EXPERTS, max_rows), quick)
 
 
 def masked_rows_s12b_cases():
-    return [(f"masked_rows s12 B T{t}", f"T{t} k{TOPK} E{EXPERTS}",
-             lambda r, q, d, t=t: case_masked_rows_s12b(r, t, q, d)) for t in (64, 128, 256)]  # fmt: skip
+    return [(f"masked_rows s12 B T{t} {'spread' if sp else 'loop'}", f"T{t} k{TOPK} E{EXPERTS}",
+             lambda r, q, d, t=t, sp=sp: case_masked_rows_s12b(r, t, sp, q, d))
+            for t in (64, 128, 256) for sp in (False, True)]  # fmt: skip
 
 
 def case_rmsnorm(row: Row, M: int, D: int, quant: bool, quick: bool, dry: bool, cfg=None):
