@@ -3930,18 +3930,21 @@ def _topk_s12_r2_rows():
     local load + 1 store a chunk); `emit_wc`: the output from bitmap words owned warp-contiguously (conflict-free reads
     kept in registers, a warp scan a round; the output was 4.5k cycles a row); `l2_ahead` 1 / 2 on top (the lead's
     idea: while a CTA runs its ~14k-cycle tail the SM's other two stream alone, latency-bound -- bytes in flight beyond
-    the register chunk). The default, call 2's best (peel 1 + warp_first), peel 2 + warp_first, + emit_wc, + l2_ahead
-    1, + l2_ahead 2, + emit_wc + l2_ahead 1; every row exact (heavy ties, real scores twice); last the clock probe of
-    peel 2 + warp_first + emit_wc. test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1
-    DEEPINFER_TOPK_EMIT_WC=1 runs the 4th row's kernel."""
+    the register chunk); `bin_sel`: the final selection from the rank-k fine bin of the final counts (rows without an
+    overflow cut: the staged members from that bin up, the register selection starting in its 2^20-key range, no
+    count / min / max reduction; the selection was 5.7k cycles a row). The default, call 2's best (peel 1 +
+    warp_first), peel 2 + warp_first, + emit_wc, + bin_sel, + l2_ahead 1, + l2_ahead 2, + emit_wc + bin_sel; every row
+    exact (heavy ties, real scores twice); last the clock probe of peel 2 + warp_first + emit_wc + bin_sel.
+    test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1 DEEPINFER_TOPK_EMIT_WC=1
+    DEEPINFER_TOPK_BIN_SEL=1 runs the 8th row's kernel."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
     p2 = rep(d64, peel=2, warp_first=True)
-    wc = rep(p2, emit_wc=True)
-    rows = (d64, rep(d64, peel=1, warp_first=True), p2, wc, rep(p2, l2_ahead=1), rep(p2, l2_ahead=2),
-            rep(wc, l2_ahead=1), rep(wc, clock=True))  # fmt: skip
+    wc, bs = rep(p2, emit_wc=True), rep(p2, emit_wc=True, bin_sel=True)
+    rows = (d64, rep(d64, peel=1, warp_first=True), p2, wc, rep(p2, bin_sel=True), rep(p2, l2_ahead=1),
+            rep(p2, l2_ahead=2), bs, rep(bs, clock=True))  # fmt: skip
     return [(4096, 65536, c) for c in rows]
 
 

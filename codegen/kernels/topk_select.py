@@ -192,6 +192,12 @@ class HistConfig:
     # registers, a warp scan a round), not 8 contiguous words a thread (8-way bank conflicts, read twice); the `c`
     # target keeps `_make_emit`
     emit_wc: bool = False
+    # (peel, rsel) the final selection from the fine bin holding rank k of the final counts (one warp's search after the
+    # chunk loop): without an overflow cut every key at or above that bin was counted and pushed, so the members above
+    # it are all taken and the k-th key is the (k - count above)-th of the bin's own -- the staged set is the members
+    # from that bin up, and the register selection starts in its 2^20-key range without the count / min / max
+    # reduction (a cut: as before)
+    bin_sel: bool = False
 
     @property
     def chunk(self) -> int:
@@ -210,7 +216,8 @@ class HistConfig:
                 + ("g" + "_".join(map(str, self.search_at)) if self.search_at else "") + ("o" if self.emit_regs else "")
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
                 + (f"-xb{self.xbar}" if self.xbar else "") + (f"-peel{self.peel}" if self.peel else "")
-                + ("-wf" if self.warp_first else "") + ("-wc" if self.emit_wc else ""))  # fmt: skip
+                + ("-wf" if self.warp_first else "") + ("-wc" if self.emit_wc else "")
+                + ("-bs" if self.bin_sel else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
@@ -265,6 +272,7 @@ def check_config(C: int, k: int, cfg: Config | HistConfig) -> None:
         assert not cfg.peel or (cfg.fused == 2 and cfg.fast and cfg.lean and cfg.compact and n_segments(C, cfg) == 1
                                 and not cfg.diag), "peel: fused=2 lean fast compact, one segment"
         assert not cfg.warp_first or cfg.peel, "warp_first: the peeled first chunk's bound"
+        assert not cfg.bin_sel or (cfg.peel and cfg.rsel), "bin_sel: peel + rsel"
         assert not cfg.emit_wc or (cfg.ffs and cfg.wscan and not cfg.emit_regs), "emit_wc: ffs + wscan, no emit_regs"
         return
     assert nt in (32, 64, 128, 256, 512, 1024) and e % 4 == 0 and C % 4 == 0, (cfg, C)
@@ -283,6 +291,7 @@ PREFILL_EMIT_REGS = False  # those rows' emit_regs
 PREFILL_PEEL = 0  # those rows' `peel` (1: the first chunk out of the chunk loop, 2: + one barrier a fused chunk)
 PREFILL_WARP_FIRST = False  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
 PREFILL_EMIT_WC = False  # those rows' `emit_wc` (the output's words owned warp-contiguously)
+PREFILL_BIN_SEL = False  # those rows' `bin_sel` (the final selection from the rank-k fine bin; with peel only)
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -322,7 +331,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
     PREFILL_EMIT_REGS; DEEPINFER_TOPK_PEEL=2 / 1 / 0 and DEEPINFER_TOPK_WARP_FIRST=1 / 0 (with peel only): their
     `peel` and `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST; DEEPINFER_TOPK_EMIT_WC=1 / 0: `emit_wc` (not
-    with emit_regs), default PREFILL_EMIT_WC (session 12's candidates).
+    with emit_regs), default PREFILL_EMIT_WC; DEEPINFER_TOPK_BIN_SEL=1 / 0: `bin_sel` (with peel only), default
+    PREFILL_BIN_SEL (session 12's candidates).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -345,8 +355,10 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                     peel = int(os.environ.get("DEEPINFER_TOPK_PEEL", PREFILL_PEEL))
                     wf = os.environ.get("DEEPINFER_TOPK_WARP_FIRST", "1" if PREFILL_WARP_FIRST else "0") == "1"
                     wc = os.environ.get("DEEPINFER_TOPK_EMIT_WC", "1" if PREFILL_EMIT_WC else "0") == "1"
+                    bs = os.environ.get("DEEPINFER_TOPK_BIN_SEL", "1" if PREFILL_BIN_SEL else "0") == "1"
                     cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, peel=peel,
-                                  warp_first=wf and peel > 0, emit_wc=wc and not regs)  # fmt: skip
+                                  warp_first=wf and peel > 0, emit_wc=wc and not regs,
+                                  bin_sel=bs and peel > 0)  # fmt: skip
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)
@@ -939,7 +951,9 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
         ops.barrier()
 
     @T.macro
-    def radix(keyf, kk_req, stw, h2, red, bc, own, sfx, rc, res):
+    def radix(keyf, kk_req, stw, h2, red, bc, own, sfx, rc, res, ini=None):
+        """ini (cond, lo, hi, r): where cond holds, the kk_req-th key is known to be the r-th largest of the members in
+        [lo, hi] (every member above hi taken, at least kk_req members): no count / min / max reduction."""
         lo = T.alloc_var("int32")
         hi = T.alloc_var("int32")
         r = T.alloc_var("int32")
@@ -959,12 +973,27 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
                     rc[i] = rc[i] + 1
                     own[i] = T.min(own[i], kq)
                     sfx[i] = T.max(sfx[i], kq)
-        reduce3(rc, own, sfx, red, res)  # (its barrier also orders the zeroing before the first counts)
-        kk = T.min(kk_req, res[0])
-        done = T.if_then_else(kk == res[0], 1, 0)  # every member taken: lo = the smallest
-        lo = T.if_then_else(kk == 0, INT_MAX, res[1])
-        hi = res[2]
-        r = kk
+        if ini is None:
+            reduce3(rc, own, sfx, red, res)  # (its barrier also orders the zeroing before the first counts)
+            kk = T.min(kk_req, res[0])
+            done = T.if_then_else(kk == res[0], 1, 0)  # every member taken: lo = the smallest
+            lo = T.if_then_else(kk == 0, INT_MAX, res[1])
+            hi = res[2]
+            r = kk
+        elif ini[0]:
+            ops.barrier()  # (the zeroing before the first counts)
+            kk = kk_req
+            done = 0
+            lo = ini[1]
+            hi = ini[2]
+            r = ini[3]
+        else:
+            reduce3(rc, own, sfx, red, res)
+            kk = T.min(kk_req, res[0])
+            done = T.if_then_else(kk == res[0], 1, 0)
+            lo = T.if_then_else(kk == 0, INT_MAX, res[1])
+            hi = res[2]
+            r = kk
         for rd in T.serial(4):  # (8 bits a round: 4 rounds cover 32)
             if T.And(done == 0, lo < hi):
                 shift = T.alloc_var("int32", init=T.max(ops.bitlen64(T.cast(hi, "int64") - T.cast(lo, "int64")) - 8,
@@ -1003,7 +1032,8 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
         stw[3] = kk
 
     @T.macro
-    def reg_select(keyf, idf, kk_req, st, st2, h2, red, bc, own, sfx, rc):
+    def reg_select(keyf, idf, kk_req, st, st2, h2, red, bc, own, sfx, rc, ini=None):
+        """ini (cond, lo, hi, r): the first pass's known range (radix)."""
         stw = T.alloc_local((4,), "int32")
         res = T.alloc_local((3,), "int32")
         st2[0] = NONE
@@ -1012,7 +1042,7 @@ def _make_reg_select(ops: _Ops, NT: int, QR: int):
             if T.Or(ps == 0, st[1] == 0):
                 ops.barrier()  # (the previous pass's reads of h2, red, bc are done)
                 radix(_pass_key(keyf, idf, st, ps), T.if_then_else(ps == 0, kk_req, st[2]), stw, h2, red, bc, own,
-                      sfx, rc, res)  # fmt: skip
+                      sfx, rc, res, None if ini is None else (T.And(ps == 0, ini[0]), ini[1], ini[2], ini[3]))
                 store_pass(ps, stw, st, st2)
 
     return reg_select
@@ -1725,12 +1755,16 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                                 count_key(hist_f, hist_c, keyf(i, q))
 
     @T.macro
-    def warp_threshold(hist_f, hist_c, fz, r, w, hp=None):
+    def warp_threshold(hist_f, hist_c, fz, r, w, hp=None, out=None):
         """(GPU) warp w: FZ_BETA = max(FZ_BETA, the lowest key of the fine bin holding rank r), when r are counted.
-        hp: the loop's pointer handles by buffer name (reserve_push), read and written through."""
+        hp: the loop's pointer handles by buffer name (reserve_push), read and written through. out: instead, out[2] =
+        that fine bin (-1: fewer than r counted), out[3] = the count at and above it (as the CTA's `threshold`)."""
         for i in T.Parallel(NT):
             if i // 32 == w:
                 lane = i % 32
+                if out is not None:
+                    if lane == 0:
+                        st(out, 2, -1)
                 own = T.alloc_var("int32", init=0)
                 for u in T.unroll(CPL):
                     own = own + rd(hist_c, lane * CPL + u, hp, "hist_c")
@@ -1766,7 +1800,14 @@ def _make_fused(ops: _Ops, NT: int, E: int, BUF: int, warp_reserve):
                         # no fine bin reaches r (its counts read lower than the coarse one's): the coarse bin's
                         # lowest key, which the coarse counts read (cabove + its own) already bound
                         fb = cb * HSUB + T.if_then_else(h3 != 0, 31 - T.call_extern("int32", "__clz", h3), 0)
-                        if hp is None:
+                        if out is not None:  # (counts final: a fine bin always reaches r here)
+                            at = T.alloc_var("int32", init=T.call_extern(
+                                "int32", "__shfl_sync", full, f, T.if_then_else(h3 != 0, 31 - T.call_extern(
+                                    "int32", "__clz", h3), 0)))  # fmt: skip
+                            if T.And(lane == 0, h3 != 0):
+                                st(out, 2, fb)
+                                st(out, 3, cabove + at)
+                        elif hp is None:
                             if lane == 0:
                                 T.evaluate(T.call_extern("int32", "atomicMax", T.address_of(fz[FZ_BETA]),
                                                          T.shift_left(fb - HB // 2, HSHIFT)))  # fmt: skip
@@ -1875,6 +1916,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
     CLOCK = cfg.clock and not ops.cpu  # (the `c` target has no SM clock: there the program is the real one)
     PEEL = cfg.peel  # (check_config: fused=2 lean fast compact, one segment)
     EMIT_WC = cfg.emit_wc and not ops.cpu
+    BIN_SEL = cfg.bin_sel and RSEL  # (check_config: with peel)
     emit_wc = _make_emit_wc(NT, C, k) if EMIT_WC else None
     NCLK = len(hist_clock_points(cfg))
 
@@ -2146,6 +2188,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             beta = T.alloc_var("int32", init=NONE)  # the histogram's bound: keys below it are not in the top-k
             floor = T.alloc_var("int32", init=NONE)  # the last cut's k-th key + 1: later columns need at least it
             cut = T.alloc_var("int32", init=0)
+            cuts = T.alloc_var("int32", init=0)  # (peel) 1: an overflow cut ran (the counts are then no member count)
             mode = T.alloc_var("int32", init=1)  # this chunk's push: 1 (of the old path) or 2 (fused: the overflow)
             staged = T.alloc_var("int32", init=0)  # (compact) 1: the final selection's members are in hist_f
             nsel = T.alloc_var("int32", init=EB)  # (compact) the q's the final selection visits
@@ -2273,6 +2316,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                             # keys without room pushed against its k-th key (`pushed` mode 2). The complete part's
                             # size is read from FZ_MINF (no ctl[0] store: one the planner sees here got a barrier
                             # before the branch); keep sets ctl[0]
+                            cuts = 1
                             members(bufk, fused.ld(fz, FZ_MINF + it % 3, hz_), beta, EB)
                             select_b(key_s(bufk), id_s(bufi), k, stb, stb2, hist, cum, bc, ra, rb, rc, r1)
                             keep(bufk, bufi, stb, stb2, tk, ti, ctl, rc, tmp, EB)
@@ -2393,6 +2437,19 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                  raw_pushed(kc, c0_of(sg, it), lim, fl, beta, floor), E, rc, tmp)  # fmt: skip
                     tick(clk, 2 + it)
             if COMPACT and DIAG in ("", HIST_DIAG_SELECT):  # the final selection, after the chunk loop
+                ini = None
+                if BIN_SEL:  # the fine bin holding rank k of the final counts: bc[2] (-1: fewer), bc[3] at and above it
+                    if ops.cpu:
+                        threshold(hist_f, hist_c, cum, bc, k, ra, rb)
+                    else:
+                        fused.warp_threshold(hist_f, hist_c, fz, k, 0, None, bc)
+                        ops.barrier()
+                    fbin = T.alloc_var("int32", init=fused.ld(bc, 2))
+                    bsel = T.alloc_var("int32", init=T.if_then_else(T.And(fbin >= 0, cuts == 0), 1, 0))
+                    lo0 = T.alloc_var("int32", init=T.shift_left(T.max(fbin, 0) - HB // 2, HSHIFT))
+                    r0 = T.alloc_var("int32", init=k - fused.ld(bc, 3) + hist_f[T.max(fbin, 0)])  # (before the stage)
+                    beta = T.if_then_else(bsel == 1, lo0, beta)
+                    ini = (bsel == 1, lo0, lo0 + ((1 << HSHIFT) - 1), r0)
                 stage_members(bufk, bufi, ctl, beta, hist_f, tmp)
                 tick(clk, NCLK - 4)
                 if ctl[2] <= STAGE:
@@ -2404,7 +2461,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                                 rk[i, q] = T.if_then_else(q * NT + i < ctl[2], hist_f[q * NT + i], NONE)
                                 ri[i, q] = hist_f[STAGE + q * NT + i]
                         ops.barrier()
-                        reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc)
+                        reg_select(key_r(rk), id_r(ri), k, stb, stb2, hist_f, cum, bc, ra, rb, rc, ini)
                 else:  # (heavy ties) in the buffer as before
                     nsel = T.min((ctl[0] + NT - 1) // NT, EB) if cfg.trim else EB
                     members(bufk, ctl[0], beta, nsel)

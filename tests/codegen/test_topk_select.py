@@ -244,12 +244,13 @@ def c_search_at_kernel(tilelang_required):
 @pytest.fixture(scope="module")
 def c_peel_kernel(tilelang_required):
     """The search program with the first chunk peeled out of the chunk loop (`peel`: the loop runs the fused chunks
-    only, the rare overflow cut inside its branch) and its bound by the fused chunks' bin search (`warp_first`; on
-    the `c` target the CTA threshold's serial scan): tied rows overflow the 288-entry buffer in the fused chunks."""
+    only, the rare overflow cut inside its branch), its bound by the fused chunks' bin search (`warp_first`; on the
+    `c` target the CTA threshold's serial scan) and the final selection from the rank-k fine bin (`bin_sel`: rows
+    without a cut; tied rows overflow the 288-entry buffer in the fused chunks and select as before)."""
     from deepinfer.codegen.tilelang_backend import compile_cpu
 
     cfg = ts.HistConfig(32, 8, 1024, fused=2, fast=True, lean=True, compact=2048, rsel=True, search=2, peel=2,
-                        warp_first=True)  # fmt: skip
+                        warp_first=True, bin_sel=True)  # fmt: skip
     return compile_cpu(ts.program(4, 1024, k=16, ratio=2, cfg=cfg, target="cpu")), cfg
 
 
@@ -344,6 +345,8 @@ def test_gpu_prefill_default_exact(kb, kind):
                                                               str(int(ts.PREFILL_WARP_FIRST))) == "1")  # fmt: skip
     assert cfg.emit_wc == (os.environ.get("DEEPINFER_TOPK_EMIT_WC", str(int(ts.PREFILL_EMIT_WC))) == "1"
                            and not cfg.emit_regs)  # fmt: skip
+    assert cfg.bin_sel == (os.environ.get("DEEPINFER_TOPK_BIN_SEL", str(int(ts.PREFILL_BIN_SEL))) == "1"
+                           and cfg.peel > 0)  # fmt: skip
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -426,11 +429,11 @@ def test_hist_default_configs(monkeypatch):
     fast16 = ts.HistConfig(128, 16, 16384, l2_ahead=2, fused=2, ffs=True, fast=True)
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
     peel, wf = ts.PREFILL_PEEL, ts.PREFILL_PEEL > 0 and ts.PREFILL_WARP_FIRST  # (session 12's)
-    wc = ts.PREFILL_EMIT_WC and not regs
+    wc, bs = ts.PREFILL_EMIT_WC and not regs, ts.PREFILL_BIN_SEL and peel > 0
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
                                                            emit_regs=regs, peel=peel, warp_first=wf, emit_wc=wc,
-                                                           **s8)  # fmt: skip
+                                                           bin_sel=bs, **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
@@ -452,10 +455,14 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.delenv("DEEPINFER_TOPK_EMIT_REGS")
     monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "2")  # (the first chunk peeled, + its bound by one warp: 64k+ rows)
     monkeypatch.setenv("DEEPINFER_TOPK_WARP_FIRST", "1")
+    monkeypatch.setenv("DEEPINFER_TOPK_BIN_SEL", "1")
     assert ts.default_config(4096, 65536).peel == 2 and ts.default_config(4096, 65536).warp_first
+    assert ts.default_config(4096, 65536).bin_sel
     assert not ts.default_config(4096, 16384).peel and not ts.default_config(4096, 16384).warp_first
     monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "0")  # (warp_first: with peel only)
     assert not ts.default_config(4096, 65536).peel and not ts.default_config(4096, 65536).warp_first
+    assert not ts.default_config(4096, 65536).bin_sel
+    monkeypatch.delenv("DEEPINFER_TOPK_BIN_SEL")
     monkeypatch.delenv("DEEPINFER_TOPK_PEEL")
     monkeypatch.delenv("DEEPINFER_TOPK_WARP_FIRST")
     monkeypatch.setenv("DEEPINFER_TOPK_EMIT_WC", "1")  # (the warp-contiguous output: the same rows, not with emit_regs)
@@ -597,11 +604,12 @@ def test_sm90_peel_one_barrier_a_fused_chunk(tilelang_required):
                         search=2, peel=2, warp_first=True)  # fmt: skip
     src = tb.lower(ts.program(4, 2048, k=16, ratio=2, cfg=cfg, target="sm90"), tb.get_target("sm90"))
     a, b = _block_at(src, src.index("for (int it = 1; it < 4; ++it)"))
-    flag = src.index("if (tl_topk_ldi(", a, b)  # the overflow cut's branch: its own barriers (rare)
+    pushes = src.rindex("tl_topk_putv(", a, b)  # the chunk's last push
+    flag = src.index("tl_topk_ldi(", pushes, b)  # the overflow flag: the cut's branch (its own barriers: rare) next
     c, d = _block_at(src, flag)
     outside = src[a:c] + src[d:b]
     assert outside.count("__syncthreads()") == 1, outside.count("__syncthreads()")
-    assert src.rindex("tl_topk_putv(", a, flag) < src.index("__syncthreads()", a) < flag, "pushes -> barrier -> flag"
+    assert pushes < src.index("__syncthreads()", pushes) < flag, "pushes -> barrier -> flag"
 
 
 def test_sm90_lowers_clock_probe(tilelang_required):
