@@ -292,6 +292,7 @@ PREFILL_PEEL = 0  # those rows' `peel` (1: the first chunk out of the chunk loop
 PREFILL_WARP_FIRST = False  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
 PREFILL_EMIT_WC = False  # those rows' `emit_wc` (the output's words owned warp-contiguously)
 PREFILL_BIN_SEL = False  # those rows' `bin_sel` (the final selection from the rank-k fine bin; with peel only)
+PREFILL_L2_AHEAD = 0  # those rows' `l2_ahead` (chunks prefetched into L2 beyond the one in flight; with peel only)
 
 
 def search_schedule(spec: str, nch: int) -> tuple[int, ...]:
@@ -332,7 +333,8 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     PREFILL_EMIT_REGS; DEEPINFER_TOPK_PEEL=2 / 1 / 0 and DEEPINFER_TOPK_WARP_FIRST=1 / 0 (with peel only): their
     `peel` and `warp_first`, default PREFILL_PEEL / PREFILL_WARP_FIRST; DEEPINFER_TOPK_EMIT_WC=1 / 0: `emit_wc` (not
     with emit_regs), default PREFILL_EMIT_WC; DEEPINFER_TOPK_BIN_SEL=1 / 0: `bin_sel` (with peel only), default
-    PREFILL_BIN_SEL (session 12's candidates).
+    PREFILL_BIN_SEL; DEEPINFER_TOPK_L2_AHEAD=n: `l2_ahead` (with peel only), default PREFILL_L2_AHEAD (session 12's
+    candidates).
     DEEPINFER_TOPK_FUSED=0: the barrier-per-phase loop; DEEPINFER_TOPK_FAST=0: fused without fast;
     DEEPINFER_TOPK_LEAN=0: session 7's defaults (2 chunks prefetched into L2, neither lean nor compact; decode
     barrier-per-phase).
@@ -356,9 +358,10 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
                     wf = os.environ.get("DEEPINFER_TOPK_WARP_FIRST", "1" if PREFILL_WARP_FIRST else "0") == "1"
                     wc = os.environ.get("DEEPINFER_TOPK_EMIT_WC", "1" if PREFILL_EMIT_WC else "0") == "1"
                     bs = os.environ.get("DEEPINFER_TOPK_BIN_SEL", "1" if PREFILL_BIN_SEL else "0") == "1"
+                    l2 = int(os.environ.get("DEEPINFER_TOPK_L2_AHEAD", PREFILL_L2_AHEAD)) if peel > 0 else 0
                     cfg = replace(cfg, search_at=search_schedule(at, cfg.seg // cfg.chunk), emit_regs=regs, peel=peel,
-                                  warp_first=wf and peel > 0, emit_wc=wc and not regs,
-                                  bin_sel=bs and peel > 0)  # fmt: skip
+                                  warp_first=wf and peel > 0, emit_wc=wc and not regs, bin_sel=bs and peel > 0,
+                                  l2_ahead=l2)  # fmt: skip
             return cfg
         return HistConfig(nt, 16, _round_up(C, nt * 16), l2_ahead=2)
     seg = _round_up(C, 2048)

@@ -347,6 +347,7 @@ def test_gpu_prefill_default_exact(kb, kind):
                            and not cfg.emit_regs)  # fmt: skip
     assert cfg.bin_sel == (os.environ.get("DEEPINFER_TOPK_BIN_SEL", str(int(ts.PREFILL_BIN_SEL))) == "1"
                            and cfg.peel > 0)  # fmt: skip
+    assert cfg.l2_ahead == (int(os.environ.get("DEEPINFER_TOPK_L2_AHEAD", ts.PREFILL_L2_AHEAD)) if cfg.peel else 0)
     _gpu_exact(kb, 4096, 65536, cfg, kind, 7)
 
 
@@ -430,10 +431,11 @@ def test_hist_default_configs(monkeypatch):
     at, regs = ts.search_schedule(ts.PREFILL_SEARCH_AT, 16), ts.PREFILL_EMIT_REGS  # (session 11's switches)
     peel, wf = ts.PREFILL_PEEL, ts.PREFILL_PEEL > 0 and ts.PREFILL_WARP_FIRST  # (session 12's)
     wc, bs = ts.PREFILL_EMIT_WC and not regs, ts.PREFILL_BIN_SEL and peel > 0
+    l2 = ts.PREFILL_L2_AHEAD if peel > 0 else 0
     assert ts.default_config(4096, 65536) == ts.HistConfig(256, 16, 65536, fused=2, min_blocks=3, ffs=True, fast=True,
                                                            rsel=True, eager=True, search=4, search_at=at,
                                                            emit_regs=regs, peel=peel, warp_first=wf, emit_wc=wc,
-                                                           bin_sel=bs, **s8)  # fmt: skip
+                                                           bin_sel=bs, l2_ahead=l2, **s8)  # fmt: skip
     # (session 10: the bound searched on every 4th chunk at 64k+ columns -- every n-th with the switch; every chunk at
     # 16k / 32k whatever the switch)
     assert ts.default_config(4096, 32768).search == 1 and ts.default_config(4096, 131072).search == 4
@@ -458,11 +460,14 @@ def test_hist_default_configs(monkeypatch):
     monkeypatch.setenv("DEEPINFER_TOPK_BIN_SEL", "1")
     assert ts.default_config(4096, 65536).peel == 2 and ts.default_config(4096, 65536).warp_first
     assert ts.default_config(4096, 65536).bin_sel
+    monkeypatch.setenv("DEEPINFER_TOPK_L2_AHEAD", "1")
+    assert ts.default_config(4096, 65536).l2_ahead == 1 and ts.default_config(4096, 16384).l2_ahead == 0
     assert not ts.default_config(4096, 16384).peel and not ts.default_config(4096, 16384).warp_first
     monkeypatch.setenv("DEEPINFER_TOPK_PEEL", "0")  # (warp_first: with peel only)
     assert not ts.default_config(4096, 65536).peel and not ts.default_config(4096, 65536).warp_first
-    assert not ts.default_config(4096, 65536).bin_sel
+    assert not ts.default_config(4096, 65536).bin_sel and ts.default_config(4096, 65536).l2_ahead == 0
     monkeypatch.delenv("DEEPINFER_TOPK_BIN_SEL")
+    monkeypatch.delenv("DEEPINFER_TOPK_L2_AHEAD")
     monkeypatch.delenv("DEEPINFER_TOPK_PEEL")
     monkeypatch.delenv("DEEPINFER_TOPK_WARP_FIRST")
     monkeypatch.setenv("DEEPINFER_TOPK_EMIT_WC", "1")  # (the warp-contiguous output: the same rows, not with emit_regs)
