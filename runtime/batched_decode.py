@@ -47,6 +47,7 @@ from deepinfer.ir.graph import Graph
 from deepinfer.passes.batch_decode import batch_decode
 from deepinfer.passes.read_rings_after_write import read_rings_after_write
 from deepinfer.passes.select_logit_rows import ROWS_INPUT, has_logit_rows
+from deepinfer.runtime import cuda_graphs as cg
 from deepinfer.runtime.cuda_executor import GraphExecutor, KernelCache, Step
 from deepinfer.runtime.kernel_adapters import MAX_POSITIONS
 from deepinfer.runtime.session import allocate_caches
@@ -195,8 +196,6 @@ class BatchedDecodeGraphs:
 
     def __init__(self, ex: GraphExecutor, graph: Graph, params: Mapping[str, torch.Tensor], max_len: int, device,
                  *, enabled: bool = True, buckets=None, backend=None):  # fmt: skip
-        from deepinfer.runtime import cuda_graphs as cg
-
         self.dec = BatchedDecoder(graph, params, device, max_model_len=max_len, kernels=ex.kernels, verify=ex.verify)
         self.dec.exec.prep_cache = ex.prep_cache  # one copy of every re-laid-out weight
         self.device, self.max_len = torch.device(device), max_len
@@ -222,6 +221,9 @@ class BatchedDecodeGraphs:
         self.capture_s: dict[int, float] = {}
         self.warm_s: dict[int, float] = {}  # buckets captured (or tried) by warm_up: its seconds
         self.warm_errors: dict[int, str] = {}
+        self.unchecked: set[int] = set()  # warmed up without the kernels' checks: the first real step runs eagerly
+        self.dropped: list[str] = []  # graphs dropped: a kernel disabled after their capture
+        self._disabled = cg.DisabledSince(self.dec.exec)
         self.eager_steps = self.batches = 0
 
     def bucket(self, n: int) -> int:
@@ -236,9 +238,15 @@ class BatchedDecodeGraphs:
         b = self.bucket(n)
         self._write(tokens, positions, fill)
         self._pad(n, b)
-        if self.backend is not None and b in self.graphs:
+        cg.drop_stale_graphs(self, self._disabled)  # a kernel disabled since (by a prefill's check, say)
+        if self.backend is not None and b in self.graphs and b not in self.unchecked:
             self.backend.replay(*self.graphs[b])
             self.replays[b] += 1
+        elif b in self.unchecked:  # a warmed bucket's first real step: eagerly, with the kernels' first-call checks
+            self.eager_steps += 1
+            self.unchecked.discard(b)
+            self._step(b)
+            cg.drop_stale_graphs(self, self._disabled)  # one they disabled: captured again at the next use
         else:
             self.eager_steps += 1
             if self.backend is not None and b not in self.failed:
@@ -281,9 +289,8 @@ class BatchedDecodeGraphs:
         import copy
         import time
 
-        from deepinfer.runtime import cuda_graphs as cg
-
         self._step(b)  # the warm-up (kernels built and checked, weights re-laid out)
+        cg.drop_stale_graphs(self, self._disabled)  # a kernel its checks disabled: the other buckets' graphs
         eager = self.logits[:n].clone()
         stats = copy.deepcopy(self.dec.exec.stats)  # the check's and the capture's node runs are not executions
         try:
@@ -321,15 +328,19 @@ class BatchedDecodeGraphs:
         0 over initial caches; tokens 1..b, see _warm_one). The slots are scratch -- the engine's ``fill`` rewrites a
         sequence's slot before every step -- so no live sequence's cache is touched; afterwards every slot holds
         its initial value again (the state of a bucket never used), so the first real step computes what it
-        would have computed without the warm-up. Returns the one-line summary the engine logs."""
-        from deepinfer.runtime import cuda_graphs as cg
-
+        would have computed without the warm-up. The kernels' first-call checks are off meanwhile (padding is no
+        real data): each warmed bucket's first real step runs eagerly with them (cuda_graphs' module doc: a kernel
+        they disable drops the graphs). Returns the one-line summary the engine logs."""
         if self.backend is None:
             return f"decode graphs: nothing to warm up ({self.off_reason})"
         try:
-            return cg.warm_up_buckets(self, self._warm_one)
+            with cg.checks_off(self.dec.exec) as verify:
+                line = cg.warm_up_buckets(self, self._warm_one)
         finally:
             self._reset_slots()
+        if verify:  # the checks run on real data: each warmed bucket's first real step, eagerly
+            self.unchecked |= {b for b in self.warm_s if b in self.graphs}
+        return line
 
     def _warm_one(self, b: int) -> None:
         """Bucket b's first use over slots 0..b-1, each a first step (position 0 over initial caches) of a distinct
@@ -354,16 +365,12 @@ class BatchedDecodeGraphs:
         self.padded = [True] * self.max_bucket
 
     def _guarded_step(self, b: int) -> list[dict]:
-        from deepinfer.runtime import cuda_graphs as cg
-
         with cg.HostSyncGuard(memo=self.memo):
             return self._step(b)
 
     def _host_reads(self, b: int) -> str | None:
         """One step recording every host read (and making the memoised host -> device copies); the reason the
         step cannot be captured, or None."""
-        from deepinfer.runtime import cuda_graphs as cg
-
         guard = cg.HostSyncGuard(record=True, memo=self.memo)
         try:
             with guard:
@@ -377,8 +384,6 @@ class BatchedDecodeGraphs:
 
     # -- report ------------------------------------------------------------------------------------------
     def report(self) -> str:
-        from deepinfer.runtime import cuda_graphs as cg
-
         lines = [f"decode graphs: {self.off_reason or 'on'}; buckets {', '.join(map(str, self.buckets))}; static "
                  f"caches for max_model_len {self.max_len}; one batched step per bucket"]  # fmt: skip
         for b in self.buckets:
@@ -389,6 +394,7 @@ class BatchedDecodeGraphs:
                 lines.append(f"  bucket {b:>2}: eager -- {self.failed[b]}")
             elif b in self.warm_errors:
                 lines.append(f"  bucket {b:>2}: warm-up raised ({self.warm_errors[b]}); left to its first use")
+        lines += [f"  graphs dropped: {why}" for why in self.dropped]
         lines.append(f"  decode batches: {self.batches}, {sum(self.replays.values())} replayed, "
                      f"{self.eager_steps} eager")  # fmt: skip
         return "\n".join(lines)

@@ -23,7 +23,15 @@ Warm-up (``warm_up()``; the engine calls it at start unless GRAPH_WARMUP_ENV=0 o
 first use for every bucket at once, on padding slots only, so no request waits mid-serving for a bucket's kernels
 (TileLang loads, Triton JIT compiles) and its capture. The slots are scratch (the engine's ``fill`` rewrites a
 sequence's slot before every step), so warming up between steps touches no live sequence's cache; afterwards
-every slot holds its initial value again, as before any use.
+every slot holds its initial value again, as before any use. The kernels' first-call checks (the executor's
+``verify``: a kernel that disagrees with its reference is disabled) stay for real data: the warm-up runs without
+them, and a warmed bucket's first real step runs eagerly with them (kernels built: milliseconds), its outputs the
+step's; later steps replay the warmed graph.
+
+Stale graphs: a graph keeps the kernels it captured. When a kernel is disabled after a capture (a first-call check
+on real data, a kernel that raised, in this bucket's step or any other call on the same kernel cache -- kernel sets
+are shared across buckets: row-symbolic programs, one check per Triton family and op), every captured graph is
+dropped, the report saying why, and each bucket is captured again at its next use, with the fallback.
 
 Sync-free references (``sync_free_references``, entered by GraphExecutor for T=1 steps): a reference that
 reads device values on the host cannot be captured. The ops' own references were made sync-free where this
@@ -417,6 +425,49 @@ def graph_warmup_from_env() -> bool:
     return value != "0"
 
 
+class DisabledSince:
+    """Kernels disabled in an executor's KernelCache since the last ``new()`` (KernelCache.failed only grows; a new
+    cache, from use_kernels, starts a new count)."""
+
+    def __init__(self, ex):
+        self.ex = ex
+        self.failed, self.seen = ex.kernels.failed, len(ex.kernels.failed)
+
+    def new(self) -> list:
+        failed = self.ex.kernels.failed
+        if failed is not self.failed:
+            self.failed, self.seen = failed, len(failed)
+            return []
+        keys = list(failed)[self.seen :]
+        self.seen = len(failed)
+        return keys
+
+
+def drop_stale_graphs(graphs, watch: DisabledSince) -> None:
+    """Every captured graph of ``graphs`` dropped when a kernel was disabled since the last look (see the module doc:
+    the graphs would go on running it); each bucket is captured again at its next use."""
+    keys = watch.new()
+    if not keys or not graphs.graphs:
+        return
+    first = keys[0]
+    what = f"{first.describe()}: {watch.failed[first]}" if hasattr(first, "describe") else str(first)
+    graphs.dropped.append(f"buckets {', '.join(map(str, sorted(graphs.graphs)))} dropped, {len(keys)} kernel set(s) "
+                          f"disabled after capture ({what[:200]})")  # fmt: skip
+    graphs.graphs.clear()
+    graphs.unchecked.clear()
+
+
+@contextlib.contextmanager
+def checks_off(ex):
+    """The executor's first-call checks off inside (the warm-up's padding rows are no real data); restored after.
+    Nothing is recorded as checked meanwhile (stats.verified), so each kernel is checked at its first real call."""
+    saved, ex.verify = ex.verify, False
+    try:
+        yield saved
+    finally:
+        ex.verify = saved
+
+
 def warm_up_buckets(graphs, warm_one: Callable[[int], None]) -> str:
     """``warm_one(b)`` (the bucket's first use, on padding slots) for every bucket of ``graphs`` (DecodeGraphs or
     BatchedDecodeGraphs) not yet captured nor failed, its seconds into graphs.warm_s. A bucket whose capture fails
@@ -502,6 +553,9 @@ class DecodeGraphs:
         self.replay_err: dict[int, float] = {}
         self.warm_s: dict[int, float] = {}  # buckets captured (or tried) by warm_up: its seconds
         self.warm_errors: dict[int, str] = {}
+        self.unchecked: set[int] = set()  # warmed up without the kernels' checks: the first real step runs eagerly
+        self.dropped: list[str] = []  # graphs dropped: a kernel disabled after their capture
+        self._disabled = DisabledSince(ex)
         self.eager_steps = 0
         self.batches = 0
 
@@ -552,16 +606,20 @@ class DecodeGraphs:
         use_graph = self.backend is not None and b not in self.failed and self.blocked is None
         self._ensure(b if use_graph else n)
         self._write(tokens, positions, fill)
-        if use_graph and b in self.graphs:
+        drop_stale_graphs(self, self._disabled)
+        if use_graph and b in self.graphs and b not in self.unchecked:
             self._pad(n, b)
             handle, outs = self.graphs[b]
             self.backend.replay(handle, outs)
             self.replays[b] += 1
             return self.logits[:n].cpu(), outs[:n]
         self.eager_steps += 1
-        caches = self._steps(n)
+        caches = self._steps(n)  # with the kernels' first-call checks where a kernel has not had its own yet
         logits = self.logits[:n].cpu()
-        if use_graph:
+        drop_stale_graphs(self, self._disabled)  # a kernel those checks disabled: no graph may keep running it
+        if use_graph and b in self.unchecked:  # a warmed bucket's first real step: checked, its graph kept
+            self.unchecked.discard(b)
+        elif use_graph:  # first use (or its graph dropped just now): captured with the kernels left
             self._capture(b, n, logits)
         return logits, caches
 
@@ -599,11 +657,16 @@ class DecodeGraphs:
             return self._steps(b)
 
     def warm_up(self) -> str:
-        """Every bucket's first use now, on padding slots (warm_up_buckets); the one-line summary. The steps are
-        functional (the slots' caches are inputs, not written), so the padding slots keep their initial values."""
+        """Every bucket's first use now, on padding slots (warm_up_buckets), without the kernels' first-call checks
+        (each warmed bucket's first real step runs them, eagerly); the one-line summary. The steps are functional
+        (the slots' caches are inputs, not written), so the padding slots keep their initial values."""
         if self.backend is None:
             return f"decode graphs: nothing to warm up ({self.off_reason})"
-        return warm_up_buckets(self, self._warm_one)
+        with checks_off(self.ex) as verify:
+            line = warm_up_buckets(self, self._warm_one)
+        if verify:
+            self.unchecked |= {b for b in self.warm_s if b in self.graphs}
+        return line
 
     def _warm_one(self, b: int) -> None:
         self._ensure(b)
@@ -645,6 +708,7 @@ class DecodeGraphs:
                 lines.append(f"  bucket {b:>2}: eager -- {self.failed[b]}")
             elif b in self.warm_errors:
                 lines.append(f"  bucket {b:>2}: warm-up raised ({self.warm_errors[b]}); left to its first use")
+        lines += [f"  graphs dropped: {why}" for why in self.dropped]
         lines.append(f"  decode batches: {self.batches}, {sum(self.replays.values())} replayed, "
                      f"{self.eager_steps} eager")  # fmt: skip
         return "\n".join(lines)

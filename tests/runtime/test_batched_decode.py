@@ -305,7 +305,8 @@ def _equal(a: dict, b: dict) -> bool:
 def test_warm_up_captures_at_start_and_changes_no_result(tiny_v41, monkeypatch):
     """BatchedDecodeGraphs.warm_up does the bucket's first use on padding rows: captured, named in the line with its
     seconds. Afterwards every static slot holds its initial value (a stale padding row fails here). Then the first
-    real steps are replays, and every sampled logits row -- and the static slots after the steps -- equal, bit for
+    real step runs eagerly (the kernels' checks on real data: the next test), later ones replay, and every sampled
+    logits row -- and the static slots after the steps -- equal, bit for
     bit, what the engine computes without warm-up: the same step run eagerly (graphs off; the first use's capture
     replays the eager step, test_engine_with_batched_decode_graphs_keeps_its_outputs). (An eager bucket: next test.)"""
     from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
@@ -321,11 +322,58 @@ def test_warm_up_captures_at_start_and_changes_no_result(tiny_v41, monkeypatch):
     assert list(dg.graphs) == list(dg.warm_s) == [1] and not dg.failed and not dg.warm_errors
     assert _equal(_state(dg), initial) and all(dg.padded) and not dg.logits.any()
     prompts = prompts_of_lengths([5], seed=11)
+    assert dg.unchecked == {1} and dg.dec.exec.verify  # the checks: off at warm-up, at the first real step
     want_tokens, want = _greedy_rows(eager, prompts, 3)  # two decode steps, eager
-    got_tokens, got = _greedy_rows(warm, prompts, 3)  # two replays
+    got_tokens, got = _greedy_rows(warm, prompts, 3)  # the first real step eager (checked), then a replay
     assert got_tokens == want_tokens and _equal(got, want) and _equal(_state(dg), _state(eager_dg))
-    assert dg.eager_steps == 0 and dg.replays[1] == 2 and eager_dg.eager_steps == 2, dg.report()
+    assert dg.eager_steps == 1 and dg.replays[1] == 1 and not dg.unchecked and eager_dg.eager_steps == 2, dg.report()
     assert "bucket  1: captured" in dg.report() and "warmed up at start" in dg.report(), dg.report()
+
+
+def test_first_call_checks_run_on_the_first_real_step_after_warm_up(tiny_v41, monkeypatch):
+    """The warm-up runs without the kernels' first-call checks. A stand-in kernel for rope, right at position 0 (all
+    the warm-up feeds it) and wrong past it, goes into the warmed graph unchecked; the first real step runs eagerly,
+    its check disables the kernel (its output is the reference's that step) and the graph is dropped, the report
+    saying why; the next step captures the bucket again with the reference, later steps replay it -- every sampled
+    row equal, bit for bit, to an engine without the stand-in."""
+    from deepinfer.ir.registry import get_op
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.batched_decode import BatchedExecutor
+    from deepinfer.runtime.cuda_executor import BATCHED_DECODE_ENV
+
+    from .conftest import prompts_of_lengths
+
+    monkeypatch.delenv(BATCHED_DECODE_ENV, raising=False)
+    prompts = prompts_of_lengths([5], seed=11)
+    want_tokens, want = _greedy_rows(_llm(tiny_v41, cuda_graphs=False), prompts, 5)
+
+    class WrongPastPositionZero:  # a Triton-like adapter (no TileLang keys): checked as one pseudo kernel set
+        def keys(self, call):
+            return []
+
+        def run(self, call, kernels):
+            positions = call.args[1]
+            out = get_op("rope").run(call.args, call.attrs)[0]
+            past = (positions > 0).view(-1, *[1] * (out.dim() - 1))
+            return [torch.where(past, 2 * out, out)]  # sync-free: capturable
+
+    binding, adapter_for = BatchedExecutor.binding, ka.adapter_for
+    monkeypatch.setattr(BatchedExecutor, "binding", lambda self, node, t: {"family": "fake_rope"} if node.op == "rope"
+                        else binding(self, node, t))  # fmt: skip  (the batched step only: the prefill keeps its own)
+    monkeypatch.setattr(ka, "adapter_for", lambda family, op: WrongPastPositionZero() if family == "fake_rope"
+                        else adapter_for(family, op))  # fmt: skip
+    llm = _graphs_llm(tiny_v41)
+    dg = llm.executor.runner.graphs
+    llm.executor.runner.warm_up(log=lambda _: None)
+    assert list(dg.graphs) == [1] and dg.unchecked == {1} and not dg.dec.exec.kernels.failed
+    got_tokens, got = _greedy_rows(llm, prompts, 5)  # four decode steps: checked, captured again, two replays
+    assert got_tokens == want_tokens and _equal(got, want)
+    (why,) = dg.dec.exec.kernels.failed.values()
+    assert why.startswith("mismatch vs reference at first call"), why
+    assert len(dg.dropped) == 1 and "buckets 1 dropped, 1 kernel set(s) disabled after capture (fake_rope." in \
+        dg.dropped[0], dg.dropped  # fmt: skip
+    assert list(dg.graphs) == [1] and dg.replays[1] == 2 and dg.eager_steps == 2, dg.report()
+    assert "graphs dropped: buckets 1 dropped" in dg.report()
 
 
 def test_warm_up_between_steps_writes_no_live_sequence(tiny_v41, monkeypatch):
