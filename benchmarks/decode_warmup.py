@@ -1,7 +1,8 @@
 """Decode graphs warmed up at engine start (runtime/cuda_graphs.warm_up_buckets) on an H200: what the warm-up costs at
-start per bucket, and whether each bucket's first decode step after it is as fast as its later steps (it should be:
-both are replays), against an engine that captures each bucket at its first use (graph_warmup=False), whose first
-step of a bucket carries the eager step, the host-read check, the capture and the replay check.
+start per bucket, and what each bucket's first decode step costs after it -- one eager step (the kernels' first-call
+checks run there, on real data; the kernels are built, nothing compiles or captures), then replays -- against an
+engine that captures each bucket at its first use (graph_warmup=False), whose first step of a bucket carries the
+eager step, the host-read check, the capture and the replay check (and the JIT compiles where they are cold).
 
     python3 benchmarks/decode_warmup.py [--model deepseek-v4.1-flash:tiny] [--jobs 14] [--max-model-len 512]
                                         [--steps-per-size 3] [--first-use-first] [--budget-s 150] [--dry-run]
@@ -14,8 +15,9 @@ first-step stall is what remains on warm caches (eager step, checks, capture) --
 Workload: 16 greedy requests whose lengths are staggered so the decode batch shrinks 16 -> 1, each size held for
 --steps-per-size steps: every bucket (16, 8, 4, 2, 1) is entered once, then replayed.
 Printed: the warm-up line, a table per bucket (warm-up s at start and the capture alone; per engine the first
-decode step's ms, the median of the later ones and their ratio), and the check that both engines give the same
-tokens and sampled logits rows bit for bit (same buckets, same kernels: a replay equals the eager step).
+decode step's ms, the median of the later ones (replays) and their ratio; the first-use engine's first step over
+the warm-up engine's: the stall the warm-up saves), and the check that both engines give the same tokens and sampled
+logits rows bit for bit (same buckets, same kernels: a replay equals the eager step).
 --dry-run (CPU): compile and print the workload's decode batch sizes per bucket; no engine.
 """
 
@@ -136,6 +138,7 @@ def table(runs: list[dict]) -> None:
     head = f"{'bucket':>6} {'warm-up s':>9} {'capture s':>9}"
     for r in runs:
         head += f" | {r['name'] + ' first ms':>18} {'later ms':>9} {'ratio':>6}"
+    head += " | first use / warm-up first"
     print("\n" + head)
     for b in sorted(cg.BUCKETS, reverse=True):
         ws = f"{warm['warm_s'][b]:9.2f}" if warm and b in warm["warm_s"] else f"{'-':>9}"
@@ -149,6 +152,9 @@ def table(runs: list[dict]) -> None:
             ratio = f"{first / later:6.2f}" if later else f"{'-':>6}"
             later_ms = f"{later * 1e3:9.2f}" if later else f"{'-':>9}"
             line += f" | {first * 1e3:18.2f} {later_ms} {ratio}"
+        firsts = {r["name"]: stats[r["name"]].get(b, (None,))[0] for r in runs}
+        if firsts.get("warm-up") and firsts.get("first use"):
+            line += f" | {firsts['first use'] / firsts['warm-up']:6.1f}x"
         print(line)
     for r in runs:
         print(f"{r['name']}: engine start {r['start_s']:.1f} s, workload {r['generate_s']:.2f} s, "
