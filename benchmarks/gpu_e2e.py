@@ -260,7 +260,7 @@ def e2e_preset(preset: str, n_tokens: int, jobs: int, deadline: float) -> list[d
                 overlap=False, graph_warmup=False) for _, p, _, _ in variants]  # fmt: skip
     kernels = llms[0].executor.runner.exec.kernels
     for llm in llms[1:]:
-        llm.executor.runner.exec.kernels = kernels  # one kernel cache: same shapes, built once
+        llm.executor.runner.use_kernels(kernels)  # one kernel cache (the batched decode step's too): built once
     kernels.budget_s = max(10.0, left(deadline) - 30)
     runner0 = llms[0].executor.runner
     lengths = {1} | {len(p) for _, _, ps, _ in variants for p in ps}
@@ -604,8 +604,12 @@ def e2e_formats(model: str, preset: str, n_tokens: int, jobs: int, deadline: flo
     run_k, run_f = llm_k.executor.runner, llm_f.executor.runner
     paired = PairedKernels()
     run_k.exec.kernels.builder = paired
-    run_f.exec.kernels = KernelCache(builder=ka.emulated_kernel)
+    # the formats path's kernels are the emulations, unchecked, in the batched decode step too (use_kernels reaches
+    # its executor; assigning run_f.exec.kernels alone left the decode step on the compiled kernels)
+    run_f.use_kernels(KernelCache(builder=ka.emulated_kernel))
     run_f.exec.verify = False
+    if getattr(run_f.graphs, "dec", None) is not None:
+        run_f.graphs.dec.exec.verify = False
     bs = llm_k.kv.block_size if llm_k.kv.enable_prefix_caching else 0
     keys, why = compiler_keys(plan, prompts, n_tokens, max_len, bs)
     data_t = sorted({int(w.split(" at T=")[1]) for w in why if " at T=" in w})
