@@ -453,6 +453,8 @@ def drop_stale_graphs(graphs, watch: DisabledSince) -> None:
     what = f"{first.describe()}: {watch.failed[first]}" if hasattr(first, "describe") else str(first)
     graphs.dropped.append(f"buckets {', '.join(map(str, sorted(graphs.graphs)))} dropped, {len(keys)} kernel set(s) "
                           f"disabled after capture ({what[:200]})")  # fmt: skip
+    for b in graphs.graphs:  # the report's "warmed up at start" no longer holds for them
+        graphs.warm_s.pop(b, None)
     graphs.graphs.clear()
     graphs.unchecked.clear()
 

@@ -373,7 +373,8 @@ def test_first_call_checks_run_on_the_first_real_step_after_warm_up(tiny_v41, mo
     assert len(dg.dropped) == 1 and "buckets 1 dropped, 1 kernel set(s) disabled after capture (fake_rope." in \
         dg.dropped[0], dg.dropped  # fmt: skip
     assert list(dg.graphs) == [1] and dg.replays[1] == 2 and dg.eager_steps == 2, dg.report()
-    assert "graphs dropped: buckets 1 dropped" in dg.report()
+    assert "graphs dropped: buckets 1 dropped" in dg.report() and "bucket  1: captured in" in dg.report()
+    assert "(at first use)" in dg.report() and not dg.warm_s, dg.report()  # captured again: no longer the warm-up's
 
 
 def test_warm_up_between_steps_writes_no_live_sequence(tiny_v41, monkeypatch):
