@@ -427,7 +427,7 @@ def graph_warmup_from_env() -> bool:
 
 class DisabledSince:
     """Kernels disabled in an executor's KernelCache since the last ``new()`` (KernelCache.failed only grows; a new
-    cache, from use_kernels, starts a new count)."""
+    cache, from use_kernels, starts a new count). A kernel that failed to build is not one: no graph ran it."""
 
     def __init__(self, ex):
         self.ex = ex
@@ -438,7 +438,7 @@ class DisabledSince:
         if failed is not self.failed:
             self.failed, self.seen = failed, len(failed)
             return []
-        keys = list(failed)[self.seen :]
+        keys = [k for k in list(failed)[self.seen :] if not str(failed[k]).startswith("build failed")]
         self.seen = len(failed)
         return keys
 

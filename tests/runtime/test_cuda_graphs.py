@@ -468,6 +468,29 @@ def test_run_no_graph_warmup_reaches_the_engine(monkeypatch, capsys):
         assert seen[-1]["graph_warmup"] is want
 
 
+def test_disabled_since_counts_disabled_kernels_not_build_failures():
+    """cuda_graphs.DisabledSince (what makes captured decode graphs stale): kernels disabled since the last look --
+    not a kernel that failed to build (no graph ran it) -- and a swapped cache starts a new count."""
+    from types import SimpleNamespace
+
+    from deepinfer.runtime import kernel_adapters as ka
+    from deepinfer.runtime.cuda_executor import KernelCache
+
+    def no_build(key):
+        raise RuntimeError("nvcc: error")
+
+    ex = SimpleNamespace(kernels=KernelCache(builder=no_build))
+    watch = cg.DisabledSince(ex)
+    with pytest.raises(ka.Decline, match="build failed"):
+        ex.kernels.get("k1")
+    assert watch.new() == []
+    ex.kernels.disable(["k2", "k3"], "mismatch vs reference at first call")
+    assert watch.new() == ["k2", "k3"] and watch.new() == []
+    ex.kernels = KernelCache()  # use_kernels
+    ex.kernels.disable(["k4"], "raised RuntimeError")
+    assert watch.new() == [] and watch.failed is ex.kernels.failed
+
+
 def test_decode_warmup_script_workload_enters_every_bucket(capsys):
     """benchmarks/decode_warmup.py (the H200 check of the warm-up): its workload's decode batch shrinks 16 -> 1, each
     size for --steps-per-size steps, so every bucket is entered once and then replayed; --dry-run compiles the tiny
