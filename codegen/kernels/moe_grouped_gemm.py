@@ -1001,21 +1001,24 @@ def _masked_rows_kernel(interpret: bool):
     return masked_rows_kernel
 
 
-MASKED_ROWS_SPREAD_ENV = "DEEPINFER_MOE_LAYOUT_SPREAD"  # "1": masked_rows on P/16 programs (opt-in, not yet timed)
+MASKED_ROWS_SPREAD_ENV = "DEEPINFER_MOE_LAYOUT_SPREAD"  # "0": masked_rows as one program walking the chunks
 
 
 def masked_rows(e_kept: torch.Tensor, n_experts: int, max_rows: int, spread: bool | None = None):
     """(row [P] int64 = e*max_rows + rank, slot_expert_meta [2E+1]) of the pairs' experts e_kept [P] (values 0..E, E: a
     merged duplicate, whose row is replaced by its first occurrence's): one Triton launch (CUDA, or the CPU
     interpreter with TRITON_INTERPRET=1); `masked_rows_reference` is the torch formulation it replaces.
-    One program walks the P/16 rank chunks (H200, T=64: 0.051 ms in the decode graph -- serial chunks); spread
-    (default: DEEPINFER_MOE_LAYOUT_SPREAD=1) gives every chunk its own program (opt-in until the H200 times it)."""
+    spread (the default; DEEPINFER_MOE_LAYOUT_SPREAD=0 turns it off) gives each of the P/16 rank chunks its own
+    program; without it one program walks them all -- BLOCK_P^2 compares on one SM, each chunk a global-load latency
+    and 3 barriers after the last: H200 session 12 call 2 (int64 ids) 40.7 / 126.3 / 370.8 us at T 64 / 128 / 256,
+    call 3 (int32 ids, exact): the walk 37.9 / 91.4 / 290.1 us, spread 7.7 / 8.5 / 10.2 us (the torch formulation
+    122 / 198 / 348 us)."""
     import os
 
     import triton
 
     if spread is None:
-        spread = os.environ.get(MASKED_ROWS_SPREAD_ENV) == "1"
+        spread = os.environ.get(MASKED_ROWS_SPREAD_ENV) != "0"
     p = e_kept.numel()
     e_kept = e_kept.reshape(-1).long().contiguous()
     dest = torch.empty(p, dtype=torch.int64, device=e_kept.device)

@@ -54,7 +54,7 @@ for seed, (p, e, mr) in enumerate(cases):
     g = torch.Generator().manual_seed(seed)
     ek = torch.randint(0, e + 1, (p,), generator=g)  # e: merged duplicates (the spare expert)
     want = mg.masked_rows_reference(ek, e, mr)
-    for spread in (False, True):
+    for spread in (False, True, None):  # (None: the default, spread)
         got = mg.masked_rows(ek, e, mr, spread=spread)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (p, e, spread)
 # the adapter's layout, duplicates included: the interpreter's launch against the torch path
@@ -85,7 +85,7 @@ def test_masked_rows_triton_is_the_torch_formulation_bit_for_bit():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("spread", [False, True, None])  # None: the default (spread)
 def test_masked_rows_on_the_h200(spread):
     for seed, (p, e, mr) in enumerate([(6, 384, 16), (96, 384, 16), (384, 384, 64), (1536, 384, 256)]):
         g = torch.Generator().manual_seed(seed)
@@ -351,7 +351,7 @@ def test_persistent_equals_one_cta_per_item_on_the_h200(glu):
     assert all(torch.equal(x, y) for x, y in zip(*got))
 
 
-@pytest.mark.parametrize("block_p,spread", [(512, False), (2048, False), (512, True)])  # T = 64 and 256 at top-6
+@pytest.mark.parametrize("block_p,spread", [(512, False), (2048, False), (512, True), (2048, True)])  # T 64, 256
 def test_masked_rows_builds_for_sm90(block_p, spread):
     from tests.codegen._triton_aot import compile_sm90, spill_free
 
