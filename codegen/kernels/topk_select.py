@@ -80,6 +80,13 @@ the first chunk's coarse counts warp-aggregated with __match_any_sync (434.9: it
 chunk (hoisted out of the first chunk's and the overflow cut's branches) cost ~5.7 us: peeling the first chunk out of
 the loop is the next lever, with the tail (selection + output ~14k cycles a row) and the first chunk.
 
+Session 12 (H200 call 3, T4096 C65536, same run, exact): TileLang's sync planner had hoisted the first chunk's and the
+rare overflow cut's barriers into every fused chunk (5 a chunk); `HistConfig.peel` 1 runs the first chunk before the
+chunk loop (2 a fused chunk) and `warp_first` finds its bound by one warp's bin search: 398.1 us = 62.3% vs 423.0 (the
+default since). Measured and not taken: peel 2 (the chunks' shared accesses through pointer handles: 1 barrier a
+chunk, but the handles kept 2.9 KB more shared a CTA and the chunks ran ~0.45k cycles slower: 423.1), `emit_wc`
+(426.2), `bin_sel` (418.0 on peel 2), l2_ahead 1 / 2 (417.8 / 419.1 on peel 2).
+
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
 """
@@ -288,8 +295,8 @@ SEARCH_SCHEDULES = {"g1": lambda n: [(1 << m) + 1 for m in range(n.bit_length())
                     "g2": lambda n: [1 << m for m in range(1, n.bit_length())]}  # fmt: skip
 PREFILL_SEARCH_AT = ""  # the 256-thread 64k+ prefill rows' schedule: "" every `search`-th chunk, a name, or a list
 PREFILL_EMIT_REGS = False  # those rows' emit_regs
-PREFILL_PEEL = 0  # those rows' `peel` (1: the first chunk out of the chunk loop, 2: + one barrier a fused chunk)
-PREFILL_WARP_FIRST = False  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
+PREFILL_PEEL = 1  # those rows' `peel` (1: the first chunk out of the chunk loop, 2: + one barrier a fused chunk)
+PREFILL_WARP_FIRST = True  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
 PREFILL_EMIT_WC = False  # those rows' `emit_wc` (the output's words owned warp-contiguously)
 PREFILL_BIN_SEL = False  # those rows' `bin_sel` (the final selection from the rank-k fine bin; with peel only)
 PREFILL_L2_AHEAD = 0  # those rows' `l2_ahead` (chunks prefetched into L2 beyond the one in flight; with peel only)
@@ -327,6 +334,11 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     4 CTAs x 256 (620.2) or 2 x 512 (952.1), 128-thread CTAs at 4 (672.5) or 5 with rsel (662.3).
     Session 11 (H200 calls 4-5, same runs, exact: 423.2 / 423.8 us): search schedules dense early 430.4-432.6,
     emit_regs 422.8 (noise) -- not taken (module docstring: the clock probe's stage costs).
+    Session 12 (H200 call 3, same run, HBM copy 4.30 TB/s, exact): the 64k+ rows `peel` 1 + `warp_first` (the first
+    chunk before the chunk loop, its bound by one warp): 398.1 us = 62.3% vs 423.0 (call 2, at 89efc51 -- the same
+    barriers and SASS but for the shared layout: pointer handles kept 2.9 KB more shared a CTA -- 419.6 vs 423.7).
+    Not taken (call 3): peel 2 (one barrier a fused chunk, through pointer handles: 423.1), + emit_wc 426.2, + bin_sel
+    418.0, + l2_ahead 1 417.8 / 2 419.1.
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
