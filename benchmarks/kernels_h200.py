@@ -3949,14 +3949,19 @@ def _topk_s12_r2_rows():
 
 
 def _topk_s12_r3_rows():
-    """(T, C, cfg) rows "topk_select s12 r3" (helper A, session 12, the last call): the default at T4096 C65536 (after
-    the session's flips, if any) next to session 11's default (peel, warp_first, emit_wc, bin_sel and l2_ahead off),
-    both exact (heavy ties, real scores twice), then the default's clock probe."""
+    """(T, C, cfg) rows "topk_select s12 r3" (helper A, session 12): the T4096 C65536 default after the flip (peel 1 +
+    warp_first: call 3 398.1 us vs 423.0) next to session 11's (peel and warp_first off) -- the flip's before / after,
+    both exact (heavy ties, real scores twice) --, then on the new default: bin_sel, l2_ahead 1, both (each ~-5 us on
+    peel 2 in call 3), one more barrier a fused chunk (`xbar` 1: a control -- an extra barrier should cost ~2 us, not
+    undo the gain), and the new default's clock probe."""
     from deepinfer.codegen.kernels import topk_select as ts
 
+    rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    old = dataclasses.replace(d64, peel=0, warp_first=False, emit_wc=False, bin_sel=False, l2_ahead=0)
-    return [(4096, 65536, c) for c in (d64, old, dataclasses.replace(d64, clock=True))]
+    old = rep(d64, peel=0, warp_first=False, emit_wc=False, bin_sel=False, l2_ahead=0)
+    rows = (d64, old, rep(d64, bin_sel=True), rep(d64, l2_ahead=1), rep(d64, bin_sel=True, l2_ahead=1),
+            rep(d64, xbar=1), rep(d64, clock=True))  # fmt: skip
+    return [(4096, 65536, c) for c in rows]
 
 
 def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
