@@ -205,6 +205,9 @@ class HistConfig:
     # from that bin up, and the register selection starts in its 2^20-key range without the count / min / max
     # reduction (a cut: as before)
     bin_sel: bool = False
+    # (probe; the output stays exact) smem_pad more int32 of shared memory a CTA, live through the whole kernel: does
+    # the shared size alone cost (session 12: builds whose pointer handles kept 2.9 KB more shared ran ~20 us slower)?
+    smem_pad: int = 0
 
     @property
     def chunk(self) -> int:
@@ -224,7 +227,7 @@ class HistConfig:
                 + (f"-{self.diag}" if self.diag else "") + ("-clock" if self.clock else "")
                 + (f"-xb{self.xbar}" if self.xbar else "") + (f"-peel{self.peel}" if self.peel else "")
                 + ("-wf" if self.warp_first else "") + ("-wc" if self.emit_wc else "")
-                + ("-bs" if self.bin_sel else ""))  # fmt: skip
+                + ("-bs" if self.bin_sel else "") + (f"-pad{self.smem_pad}" if self.smem_pad else ""))  # fmt: skip
 
 
 # `HistConfig.diag`: what a chunk still does (H200 stage costs; the output is NOT the top-k): "read" streams the
@@ -2208,6 +2211,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
             staged = T.alloc_var("int32", init=0)  # (compact) 1: the final selection's members are in hist_f
             nsel = T.alloc_var("int32", init=EB)  # (compact) the q's the final selection visits
             fz = ops.sh((FZ_SIZE,), "int32")  # (fused) the chunk overflow flags / failed starts, the warp's bound
+            padb = ops.sh((max(cfg.smem_pad, 1),), "int32") if cfg.smem_pad else None  # (probe smem_pad)
             fl = ops.fr((NT,), "int32")  # (fused) 1: this thread's keys of the chunk found no room
             fm = ops.fr((NT,), "int32")  # (lean) the chunk's keys at the bound, a bit each
             wv = ops.fr((NT, -(-NW // NT)), "int32") if EMIT_REGS else None  # (emit_regs) a thread's output words
@@ -2240,6 +2244,9 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                 hist_f[b] = 0
             for b in ops.par(NB):
                 hist_c[b] = 0
+            if cfg.smem_pad:  # (probe) written here, read at the end: live throughout
+                for b in ops.par(cfg.smem_pad):
+                    padb[b] = 0
             for _z in ops.par(1):
                 ctl[0] = 0
                 for u in T.serial(3):
@@ -2521,6 +2528,10 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                     emit_wc(bitmap, wcnt, Idx, t, stb[3], wv, wo)
                 else:
                     emit(bitmap, wcnt, wbase, Idx, t, stb[3], wv)
+                if cfg.smem_pad:  # (probe: never true -- the pad is zero)
+                    for i in ops.par(NT):
+                        if T.And(i == 0, padb[cfg.smem_pad - 1] != 0):
+                            Idx[t, 0] = -7
                 if CLOCK:  # (after every thread's output stores: thread 0's clocks replace the first entries)
                     tick(clk, NCLK - 1)
                     ops.barrier()
