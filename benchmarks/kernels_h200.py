@@ -3953,14 +3953,15 @@ def _topk_s12_r3_rows():
     warp_first: call 3 398.1 us vs 423.0) next to session 11's (peel and warp_first off) -- the flip's before / after,
     both exact (heavy ties, real scores twice) --, then on the new default: bin_sel, l2_ahead 1, both (each ~-5 us on
     peel 2 in call 3), one more barrier a fused chunk (`xbar` 1: a control -- an extra barrier should cost ~2 us, not
-    undo the gain), and the new default's clock probe."""
+    undo the gain), 3 KB more shared a CTA (`smem_pad` 768: the size the pointer-handle builds had -- 64.7 KB vs 61.6
+    -- on the same code: is the size what cost them ~20 us?), and the new default's clock probe."""
     from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
     old = rep(d64, peel=0, warp_first=False, emit_wc=False, bin_sel=False, l2_ahead=0)
     rows = (d64, old, rep(d64, bin_sel=True), rep(d64, l2_ahead=1), rep(d64, bin_sel=True, l2_ahead=1),
-            rep(d64, xbar=1), rep(d64, clock=True))  # fmt: skip
+            rep(d64, xbar=1), rep(d64, smem_pad=768), rep(d64, clock=True))  # fmt: skip
     return [(4096, 65536, c) for c in rows]
 
 
