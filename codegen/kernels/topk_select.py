@@ -83,9 +83,11 @@ the loop is the next lever, with the tail (selection + output ~14k cycles a row)
 Session 12 (H200 call 3, T4096 C65536, same run, exact): TileLang's sync planner had hoisted the first chunk's and the
 rare overflow cut's barriers into every fused chunk (5 a chunk); `HistConfig.peel` 1 runs the first chunk before the
 chunk loop (2 a fused chunk) and `warp_first` finds its bound by one warp's bin search: 398.1 us = 62.3% vs 423.0 (the
-default since). Measured and not taken: peel 2 (the chunks' shared accesses through pointer handles: 1 barrier a
-chunk, but the handles kept 2.9 KB more shared a CTA and the chunks ran ~0.45k cycles slower: 423.1), `emit_wc`
-(426.2), `bin_sel` (418.0 on peel 2), l2_ahead 1 / 2 (417.8 / 419.1 on peel 2).
+default since), with `bin_sel` (the final selection from the fine bin holding rank k of the final counts, its range
+and rank known: no count / min / max reduction) 394.4 us = 62.9% in call 4. Measured and not taken: peel 2 (the
+chunks' shared accesses through pointer handles: 1 barrier a chunk, but the handles kept 2.9 KB more shared a CTA and
+the chunks ran ~0.45k cycles slower: 423.1), `emit_wc` (426.2), l2_ahead 1 / 2 (417.8 / 419.1 on peel 2; 407.6 on
+peel 1).
 
 A Triton variant (`triton_topk`, the same candidate-filter idea with bisection and prefix sums; runs in the
 Triton interpreter) is kept for comparison.
@@ -301,7 +303,7 @@ PREFILL_EMIT_REGS = False  # those rows' emit_regs
 PREFILL_PEEL = 1  # those rows' `peel` (1: the first chunk out of the chunk loop, 2: + one barrier a fused chunk)
 PREFILL_WARP_FIRST = True  # those rows' `warp_first` (the peeled first chunk's bound by one warp; with peel only)
 PREFILL_EMIT_WC = False  # those rows' `emit_wc` (the output's words owned warp-contiguously)
-PREFILL_BIN_SEL = False  # those rows' `bin_sel` (the final selection from the rank-k fine bin; with peel only)
+PREFILL_BIN_SEL = True  # those rows' `bin_sel` (the final selection from the rank-k fine bin; with peel only)
 PREFILL_L2_AHEAD = 0  # those rows' `l2_ahead` (chunks prefetched into L2 beyond the one in flight; with peel only)
 
 
@@ -341,7 +343,9 @@ def hist_default_config(T_: int, C: int, k: int = 512, sms: int = 132) -> HistCo
     chunk before the chunk loop, its bound by one warp): 398.1 us = 62.3% vs 423.0 (call 2, at 89efc51 -- the same
     barriers and SASS but for the shared layout: pointer handles kept 2.9 KB more shared a CTA -- 419.6 vs 423.7).
     Not taken (call 3): peel 2 (one barrier a fused chunk, through pointer handles: 423.1), + emit_wc 426.2, + bin_sel
-    418.0, + l2_ahead 1 417.8 / 2 419.1.
+    418.0, + l2_ahead 1 417.8 / 2 419.1. Call 4 (same run, HBM 4.30 TB/s, exact; GPU tie tests passed): peel 1 +
+    warp_first 399.0 us, + `bin_sel` 394.4 = 62.9% (the default since), + l2_ahead 1 407.6 (with bin_sel 405.3: not
+    taken), one more barrier a fused chunk (xbar 1) 400.8; session 11's default 423.6.
     DEEPINFER_TOPK_SEARCH=n: those rows' bound searched every n-th chunk (1: every chunk);
     DEEPINFER_TOPK_SEARCH_AT=g1 or 2,3,5,9,15: at the chunks of that schedule (`search_schedule`; with n > 1 only;
     "": every n-th), default PREFILL_SEARCH_AT; DEEPINFER_TOPK_EMIT_REGS=1 / 0: those rows' `emit_regs`, default
