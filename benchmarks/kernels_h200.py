@@ -3965,6 +3965,18 @@ def _topk_s12_r3_rows():
     return [(4096, 65536, c) for c in rows]
 
 
+def _topk_s12_r4_rows():
+    """(T, C, cfg) rows "topk_select s12 r4" (helper A, session 12, the final call): the T4096 C65536 default after both
+    flips (peel 1 + warp_first + bin_sel: call 4 394.4 us) next to session 11's default (423.6), both exact, then the
+    smem_pad 768 probe on the new default (the pointer-handle builds' 64.7 KB of shared on the same code: was the size
+    what cost them ~20 us?)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    old = dataclasses.replace(d64, peel=0, warp_first=False, emit_wc=False, bin_sel=False, l2_ahead=0)
+    return [(4096, 65536, c) for c in (d64, old, dataclasses.replace(d64, smem_pad=768))]
+
+
 def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
     """A "topk_select s11" clock row (HistConfig.clock: the real program, then each row's checkpoint clocks in its
     first output entries -- not a top-k): the kernel timed as `case_topk_s10` times a probe, then one run on the same
@@ -4194,7 +4206,9 @@ def _indexer_cases(quick: bool):
             case = case_topk_clock if cfg.clock else case_topk_s10
             out.append(("topk_select s11 r1", f"T{T_} C{C} k{IDX_TOPK}",
                         lambda r, q, d, T_=T_, C=C, c=cfg, f=case: f(r, T_, C, c, q, d)))  # fmt: skip
-        for group, rows in (("r1", _topk_s12_r1_rows()), ("r2", _topk_s12_r2_rows()), ("r3", _topk_s12_r3_rows())):
+        groups = (("r1", _topk_s12_r1_rows()), ("r2", _topk_s12_r2_rows()), ("r3", _topk_s12_r3_rows()),
+                  ("r4", _topk_s12_r4_rows()))  # fmt: skip
+        for group, rows in groups:
             for T_, C, cfg in rows:
                 case = case_topk_clock if cfg.clock else case_topk_s10
                 out.append((f"topk_select s12 {group}", f"T{T_} C{C} k{IDX_TOPK}",
