@@ -2332,7 +2332,7 @@ def hist_program(T_: int, C: int, *, k: int, ratio: int = 1, cfg: HistConfig, ta
                         else:  # (the chunk's one barrier: TileLang's planner drops a T.sync_threads it sees no need
                             # for, and puts its own right here -- the rare cut's writes are a loop-carried conflict
                             # for it and nothing before in the loop body is an access it sees;
-                            # test_sm90_peel_one_barrier_a_fused_chunk pins it)
+                            # seen in the lowered sm90 CUDA, session 12: peel 2 was not taken, no test pins it)
                             ops.sync()
                         if cfg.xbar:  # (probe) what a barrier more costs
                             for _x in T.serial(cfg.xbar):
