@@ -138,9 +138,12 @@ def test_run_input_jsonl_to_output_jsonl_with_progress_and_summary(tmp_path, cap
     assert "4 requests:" in cap.out and "tok/s" in cap.out
 
 
-def test_run_no_batched_decode_reaches_the_engine(monkeypatch, capsys):
-    """`run PLAN --no-batched-decode` builds the engine with batched_decode=False (the one-sequence decode steps);
-    without the flag the engine's default (None: batched unless DEEPINFER_BATCHED_DECODE=0)."""
+@pytest.mark.parametrize("flag, key", [("--no-batched-decode", "batched_decode"),
+                                       ("--no-graph-warmup", "graph_warmup")])
+def test_run_engine_switches_reach_the_engine(monkeypatch, capsys, flag, key):
+    """`run PLAN --no-batched-decode` builds the engine with batched_decode=False (the one-sequence decode steps),
+    `--no-graph-warmup` with graph_warmup=False (decode buckets captured at first use); without the flag the
+    engine's default, None (on unless DEEPINFER_BATCHED_DECODE=0 / DEEPINFER_GRAPH_WARMUP=0)."""
     from types import SimpleNamespace
 
     from deepinfer.errors import DeepInferError
@@ -155,10 +158,10 @@ def test_run_no_batched_decode_reaches_the_engine(monkeypatch, capsys):
 
     monkeypatch.setattr(plan_mod, "load_plan", lambda path: SimpleNamespace(target="sm90"))
     monkeypatch.setattr(engine, "LLM", engine_spy)
-    for flags, want in (([], None), (["--no-batched-decode"], False)):
+    for flags, want in (([], None), ([flag], False)):
         assert main(["run", "a-plan", "--prompt", "Hi", *flags]) == 2
         assert "stopped after the engine's arguments" in _one_line_error(capsys)
-        assert seen[-1]["batched_decode"] is want and seen[-1]["cuda_graphs"] is True
+        assert seen[-1][key] is want and seen[-1]["cuda_graphs"] is True
 
 
 def test_sm90_plan_compiles_here_and_refuses_to_run_without_a_gpu(tmp_path, capsys):

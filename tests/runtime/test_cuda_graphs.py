@@ -444,30 +444,6 @@ def test_engine_warms_up_at_start_where_its_graphs_are_cuda_graphs(tiny_v41, mon
                       buckets=(1,)).warm_up() is None  # fmt: skip
 
 
-def test_run_no_graph_warmup_reaches_the_engine(monkeypatch, capsys):
-    """`run PLAN --no-graph-warmup` builds the engine with graph_warmup=False; without it None (the default: on
-    unless DEEPINFER_GRAPH_WARMUP=0)."""
-    from types import SimpleNamespace
-
-    from deepinfer.cli import main
-    from deepinfer.errors import DeepInferError
-    from deepinfer.runtime import engine
-    from deepinfer.runtime import plan as plan_mod
-
-    seen: list[dict] = []
-
-    def engine_spy(**kw):
-        seen.append(kw)
-        raise DeepInferError("stopped after the engine's arguments")
-
-    monkeypatch.setattr(plan_mod, "load_plan", lambda path: SimpleNamespace(target="sm90"))
-    monkeypatch.setattr(engine, "LLM", engine_spy)
-    for flags, want in (([], None), (["--no-graph-warmup"], False)):
-        assert main(["run", "a-plan", "--prompt", "Hi", *flags]) == 2
-        assert "stopped after the engine's arguments" in capsys.readouterr().err
-        assert seen[-1]["graph_warmup"] is want
-
-
 def test_disabled_since_counts_disabled_kernels_not_build_failures():
     """cuda_graphs.DisabledSince (what makes captured decode graphs stale): kernels disabled since the last look --
     not a kernel that failed to build (no graph ran it) -- and a swapped cache starts a new count."""
