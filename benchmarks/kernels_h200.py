@@ -3904,6 +3904,16 @@ def _topk_s11_r1_rows():
     return [(4096, 65536, c) for c in (d64, *sched, rep(d64, emit_regs=True), rep(sched[1], emit_regs=True), *clock)]
 
 
+def _topk_s11_default():
+    """Session 11's T4096 C65536 top-k default (what the session-12 rounds were measured against): today's default
+    with the session-12 options off (`peel`, `warp_first`, `bin_sel`; emit_wc and l2_ahead were never on), so that
+    the rounds' rows keep the base they were measured on after the flips (ac1743e, b29880d)."""
+    from deepinfer.codegen.kernels import topk_select as ts
+
+    return dataclasses.replace(ts.default_config(4096, 65536, IDX_TOPK), peel=0, warp_first=False, emit_wc=False,
+                               bin_sel=False, l2_ahead=0)  # fmt: skip
+
+
 def _topk_s12_r1_rows():
     """(T, C, cfg) rows "topk_select s12 r1" (helper A, session 12, issue 6: >= 60% of HBM, <= ~415 us at T4096
     C65536; session 11: 423.2 / 423.8 us = 58.9 / 58.5%). TileLang's sync planner ran 5 barriers a fused chunk, 1
@@ -3915,10 +3925,9 @@ def _topk_s12_r1_rows():
     row exact): default 423.7 us = 58.8% | peel 421.0 | peel + warp_first 419.6 = 59.4%; clock (cycles a row) default
     c0 8061 ... stage 2941 select 5700 mark 823 emit 4563, total 75354; peel + warp_first c0 5960, the fused chunks
     ~0.4-0.5k more each in the probe (77948 in all; the probe kernel 444.4 us vs 431.4: the probe distorts)."""
-    from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
-    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    d64 = _topk_s11_default()  # (the default when call 2 ran)
     pw = rep(d64, peel=1, warp_first=True)
     return [(4096, 65536, c) for c in (d64, rep(d64, peel=1), pw, rep(d64, clock=True), rep(pw, clock=True))]
 
@@ -3937,10 +3946,9 @@ def _topk_s12_r2_rows():
     exact (heavy ties, real scores twice); last the clock probe of peel 2 + warp_first + emit_wc + bin_sel.
     test_gpu_prefill_default_exact with DEEPINFER_TOPK_PEEL=2 DEEPINFER_TOPK_WARP_FIRST=1 DEEPINFER_TOPK_EMIT_WC=1
     DEEPINFER_TOPK_BIN_SEL=1 runs the 8th row's kernel."""
-    from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
-    d64 = ts.default_config(4096, 65536, IDX_TOPK)
+    d64 = _topk_s11_default()  # (the default when call 3 ran)
     p2 = rep(d64, peel=2, warp_first=True)
     wc, bs = rep(p2, emit_wc=True), rep(p2, emit_wc=True, bin_sel=True)
     rows = (d64, rep(d64, peel=1, warp_first=True), p2, wc, rep(p2, bin_sel=True), rep(p2, l2_ahead=1),
@@ -3955,11 +3963,10 @@ def _topk_s12_r3_rows():
     peel 2 in call 3), one more barrier a fused chunk (`xbar` 1: a control -- an extra barrier should cost ~2 us, not
     undo the gain), 3 KB more shared a CTA (`smem_pad` 768: the size the pointer-handle builds had -- 64.7 KB vs 61.6
     -- on the same code: is the size what cost them ~20 us?), and the new default's clock probe."""
-    from deepinfer.codegen.kernels import topk_select as ts
 
     rep = dataclasses.replace
-    d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    old = rep(d64, peel=0, warp_first=False, emit_wc=False, bin_sel=False, l2_ahead=0)
+    old = _topk_s11_default()
+    d64 = rep(old, peel=1, warp_first=True)  # (the default when call 4 ran: the first flip, before bin_sel)
     rows = (d64, old, rep(d64, bin_sel=True), rep(d64, l2_ahead=1), rep(d64, bin_sel=True, l2_ahead=1),
             rep(d64, xbar=1), rep(d64, smem_pad=768), rep(d64, clock=True))  # fmt: skip
     return [(4096, 65536, c) for c in rows]
@@ -3973,8 +3980,7 @@ def _topk_s12_r4_rows():
     from deepinfer.codegen.kernels import topk_select as ts
 
     d64 = ts.default_config(4096, 65536, IDX_TOPK)
-    old = dataclasses.replace(d64, peel=0, warp_first=False, emit_wc=False, bin_sel=False, l2_ahead=0)
-    return [(4096, 65536, c) for c in (d64, old, dataclasses.replace(d64, smem_pad=768))]
+    return [(4096, 65536, c) for c in (d64, _topk_s11_default(), dataclasses.replace(d64, smem_pad=768))]
 
 
 def case_topk_clock(row: Row, T_: int, C: int, cfg, quick: bool, dry: bool):
